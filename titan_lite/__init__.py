@@ -1,0 +1,1 @@
+"""titan_lite: a PyTorch-native distributed trainer for Llama models."""
