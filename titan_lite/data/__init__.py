@@ -1,0 +1,1 @@
+"""Tokenizers, data sources, packing and the stateful loader."""
