@@ -1,0 +1,110 @@
+"""FLOP accounting: model FLOPs per token and the peak FLOP/s of a device, the two halves of MFU."""
+
+import logging
+import time
+
+import torch
+
+logger = logging.getLogger("titan_lite.metrics")
+
+A100_BF16_PEAK = 312e12
+
+# Dense (no 2:4 sparsity) bf16 tensor-core peaks in FLOP/s from the vendors' datasheets, matched as
+# substrings of torch.cuda.get_device_name(). Order matters: the first match wins, so more specific
+# names (H100 PCIe, L40S) come before the names they contain (H100, L40, L4).
+_GPU_BF16_PEAKS: tuple[tuple[str, float], ...] = (
+    ("GB200", 2.5e15),
+    ("B200", 2.25e15),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM5; the name is e.g. "NVIDIA H100 80GB HBM3"
+    ("H800", 989e12),
+    ("H200", 989e12),  # also matches GH200
+    ("H20", 148e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("A10G", 125e12),
+    ("A10", 125e12),
+    ("A40", 149.7e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("RTX 4090", 165.2e12),  # bf16 with fp32 accumulate
+    ("RTX 3090", 71e12),
+    ("MI355X", 2.5e15),
+    ("MI325X", 1307.4e12),
+    ("MI300X", 1307.4e12),
+    ("MI300A", 980.6e12),
+    ("MI250X", 191.5e12),  # per GCD: each GCD is its own torch device
+)
+
+_measured_peaks: dict[tuple[str, int], float] = {}
+
+
+def num_flops_per_token(num_params: int, num_embedding_params: int, n_layers: int, n_heads: int,
+                        head_dim: int, seq_len: int) -> int:
+    """Training FLOPs (forward + backward) per token of a decoder-only transformer.
+
+    Convention (Chinchilla / PaLM appendix B, as torchtitan reports):
+      6 * (num_params - num_embedding_params) + 12 * n_layers * n_heads * head_dim * seq_len
+    - 6N: every parameter used in a matmul costs 2 FLOPs per token forward (multiply + add) and 4 backward.
+      The token-embedding lookup is a gather, not a matmul, so its parameters are subtracted.
+    - 12*L*H*hd*T: per layer, Q@K^T and scores@V cost 2*T*hd each per head per token forward, times 3 for
+      forward + backward. Attention is counted as full (not causal), the usual convention.
+
+    Tied embeddings (Llama 3.2 1B/3B): the shared matrix is also the output projection, a real matmul, so
+    it must stay in the 6N term; with num_params counting that shared tensor once, pass
+    num_embedding_params=0. Untied: pass tok_embeddings.weight.numel().
+    """
+    dense = 6 * (num_params - num_embedding_params)
+    attention = 12 * n_layers * n_heads * head_dim * seq_len
+    return dense + attention
+
+
+def gpu_peak_flops_by_name(device_name: str) -> float:
+    """Dense bf16 peak FLOP/s of a GPU from its name; unknown names warn and fall back to A100's 312 TFLOP/s."""
+    for pattern, flops in _GPU_BF16_PEAKS:
+        if pattern.lower() in device_name.lower():
+            return flops
+    logger.warning("Peak FLOP/s of GPU '%s' is unknown; MFU uses A100's %.0f TFLOP/s", device_name, A100_BF16_PEAK / 1e12)
+    return A100_BF16_PEAK
+
+
+def _measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, reps: int = 5) -> float:
+    """Best-of-`reps` rate of a size x size matmul on `device`, with the current thread count."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    flops_per_mm = 2 * size**3
+    _sync(device)
+    torch.mm(a, b)  # warm-up: first call pays for allocation and kernel selection
+    _sync(device)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return flops_per_mm / max(best, 1e-9)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu" and hasattr(torch, "accelerator"):
+        torch.accelerator.synchronize(device)
+
+
+def peak_flops(device: torch.device) -> float:
+    """The FLOP/s that MFU is measured against on `device`.
+
+    CUDA (NVIDIA or ROCm): the datasheet dense bf16 peak looked up by device name. CPU: the measured fp32
+    rate of a 1024x1024 matmul using torch's current thread count (no published peak to look up), cached
+    per process and thread count. Other accelerators: a measured bf16 matmul rate, also cached.
+    """
+    if device.type == "cuda":
+        return gpu_peak_flops_by_name(torch.cuda.get_device_name(device))
+    key = (device.type, torch.get_num_threads())
+    if key not in _measured_peaks:
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        _measured_peaks[key] = _measure_matmul_flops(device, dtype)
+        logger.info("Measured %s %s matmul peak: %.1f GFLOP/s with %d threads",
+                    device.type, str(dtype).removeprefix("torch."), _measured_peaks[key] / 1e9, key[1])
+    return _measured_peaks[key]

@@ -1,0 +1,176 @@
+"""Training metrics: the `titan_lite` console logger and the per-window throughput/MFU/memory report (console + TensorBoard)."""
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from titan_lite.config import JobConfig
+from titan_lite.metrics.flops import peak_flops
+from titan_lite.metrics.memory import device_capacity_gib, peak_memory_gib, reset_peak
+
+LOGGER_NAME = "titan_lite"
+LOG_FORMAT = "[titan_lite] %(asctime)s %(levelname)s %(message)s"
+
+logger = logging.getLogger(LOGGER_NAME)
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """A handler that writes to whatever sys.stdout is at emit time, so redirections and pytest capture see it."""
+
+    _titan_lite = True
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def init_logger() -> logging.Logger:
+    """Make the `titan_lite` logger print INFO and above as '[titan_lite] <time> <level> message' to stdout (idempotent)."""
+    if not any(getattr(h, "_titan_lite", False) for h in logger.handlers):
+        handler = _StdoutHandler()
+        handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%Y-%m-%d %H:%M:%S"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # a root handler configured by someone else would print every line twice
+    return logger
+
+
+@dataclass(frozen=True)
+class Colors:
+    red: str = "\033[31m"
+    green: str = "\033[32m"
+    yellow: str = "\033[33m"
+    blue: str = "\033[34m"
+    magenta: str = "\033[35m"
+    cyan: str = "\033[36m"
+    reset: str = "\033[39m"
+
+
+NO_COLORS = Colors(*([""] * 7))
+
+
+def tensorboard_dir(cfg: JobConfig, rank: int) -> str | None:
+    """Where `rank` writes TensorBoard events, or None when it writes none."""
+    if not cfg.metrics.enable_tensorboard:
+        return None
+    base = os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder)
+    if cfg.metrics.save_for_all_ranks:
+        return os.path.join(base, f"rank_{rank}")
+    return base if rank == 0 else None
+
+
+def _make_writer(cfg: JobConfig, rank: int):
+    folder = tensorboard_dir(cfg, rank)
+    if folder is None:
+        return None
+    from torch.utils.tensorboard import SummaryWriter  # imported lazily: it pulls in tensorboard
+
+    return SummaryWriter(log_dir=folder)
+
+
+class MetricsProcessor:
+    """Accumulates tokens between logs and reports loss, throughput, MFU and memory every `log_freq` steps."""
+
+    def __init__(self, cfg: JobConfig, rank: int, device: torch.device, num_flops_per_token: float,
+                 tokens_divisor: int = 1):
+        # tokens_divisor: the non-data-parallel degree (tp * pp * cp). Those ranks consume the same tokens,
+        # so dividing by it makes tokens/s a per-device number, as torchtitan reports it.
+        init_logger()
+        self.log_freq = cfg.metrics.log_freq
+        self.colors = NO_COLORS if cfg.metrics.disable_color_printing else Colors()
+        self.device = device
+        self.num_flops_per_token = num_flops_per_token
+        self.tokens_divisor = tokens_divisor
+        self.peak_flops = peak_flops(device)  # before the clock starts: on CPU it is measured
+        self.capacity_gib = device_capacity_gib(device)
+        self.writer = _make_writer(cfg, rank)
+        self.ntokens_since_last_log = 0
+        self.last_log_step = 0
+        reset_peak(device)
+        self.time_last_log = time.perf_counter()
+
+    def should_log(self, step: int) -> bool:
+        """Step 1 and every `log_freq`-th step are logged."""
+        return step == 1 or step % self.log_freq == 0
+
+    def add_tokens(self, ntokens: int) -> None:
+        """Count the tokens this rank consumed this step."""
+        self.ntokens_since_last_log += ntokens
+
+    def _throughput(self, step: int) -> dict[str, float]:
+        elapsed = time.perf_counter() - self.time_last_log
+        steps = max(step - self.last_log_step, 1)
+        tps = self.ntokens_since_last_log / (elapsed * self.tokens_divisor) if elapsed > 0 else 0.0
+        achieved_flops = self.num_flops_per_token * tps
+        return {
+            "throughput/tps": tps,
+            "throughput/tflops": achieved_flops / 1e12,
+            "throughput/mfu_pct": 100 * achieved_flops / self.peak_flops,
+            "time/step_s": elapsed / steps,
+        }
+
+    def _memory(self) -> dict[str, float]:
+        active_gib, reserved_gib = peak_memory_gib(self.device)
+        memory = {"memory/max_active_gib": active_gib, "memory/max_reserved_gib": reserved_gib}
+        if self.capacity_gib:
+            memory["memory/max_active_pct"] = 100 * active_gib / self.capacity_gib
+            memory["memory/max_reserved_pct"] = 100 * reserved_gib / self.capacity_gib
+        return memory
+
+    def _format_line(self, step: int, m: dict[str, float], extra: dict[str, float]) -> str:
+        c = self.colors
+        memory = f"{m['memory/max_active_gib']:.2f}GiB"
+        if "memory/max_active_pct" in m:
+            memory += f"({m['memory/max_active_pct']:.2f}%)"
+        line = (f"{c.red}step: {step:2}  {c.green}loss: {m['loss/global_avg']:7.4f}  "
+                f"grad_norm: {m['grad_norm']:7.4f}  lr: {m['lr']:.1e}  "
+                f"{c.blue}tps: {m['throughput/tps']:,.0f}  {c.cyan}tflops: {m['throughput/tflops']:,.2f}  "
+                f"{c.magenta}mfu: {m['throughput/mfu_pct']:.2f}%  {c.yellow}memory: {memory}")
+        line += "".join(f"  {name}: {value:.4g}" for name, value in extra.items())
+        return line + c.reset
+
+    def _write_scalars(self, step: int, scalars: dict[str, float]) -> None:
+        if self.writer is None:
+            return
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, step)
+        self.writer.flush()
+
+    def _start_window(self, step: int) -> None:
+        self.ntokens_since_last_log = 0
+        self.last_log_step = step
+        reset_peak(self.device)
+        self.time_last_log = time.perf_counter()
+
+    def log(self, step: int, loss: float, grad_norm: float, lr: float,
+            extra: dict[str, float] | None = None) -> dict[str, float]:
+        """Report the window since the previous log: print one line, write TensorBoard, return the scalars."""
+        extra = dict(extra or {})
+        metrics = {"loss/global_avg": float(loss), "grad_norm": float(grad_norm), "lr": float(lr)}
+        metrics |= self._throughput(step)
+        metrics |= self._memory()
+        metrics |= {name: float(value) for name, value in extra.items()}
+        logger.info(self._format_line(step, metrics, extra))
+        self._write_scalars(step, metrics)
+        self._start_window(step)
+        return metrics
+
+    def log_validation(self, step: int, loss: float) -> None:
+        """Print and record the validation loss."""
+        c = self.colors
+        logger.info(f"{c.yellow}validate step: {step:2}  {c.green}loss: {float(loss):7.4f}{c.reset}")
+        self._write_scalars(step, {"validation/loss": float(loss)})
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard writer."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
