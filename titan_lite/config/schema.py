@@ -114,7 +114,8 @@ class Training:
     steps: int = opt(10000, "Optimizer steps to train.")
     enable_cpu_offload: bool = opt(False, "FSDP2 CPU offload of parameters, gradients and optimizer state.")
     dtype: str = opt("float32", "Parameter dtype outside FSDP mixed precision.", choices=("float32", "bfloat16"))
-    mixed_precision_param: str = opt("bfloat16", "FSDP2 compute dtype of parameters (autocast dtype without FSDP).", choices=("float32", "bfloat16", "float16"))
+    mixed_precision_param: str = opt("auto", "Compute dtype: FSDP2 parameter dtype, or the autocast dtype without FSDP; auto = bfloat16 on accelerators, float32 on CPU (bf16 matmuls are very slow on most CPUs).",
+                                    choices=("auto", "float32", "bfloat16", "float16"))
     mixed_precision_reduce: str = opt("float32", "FSDP2 gradient reduction dtype.", choices=("float32", "bfloat16"))
     gc_freq: int = opt(50, "Run Python's garbage collector every this many steps (automatic gc is disabled).")
     gc_debug: bool = opt(False, "Collect garbage every step to find reference cycles.")

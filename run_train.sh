@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# titan_lite launcher. Environment variables:
+#   CONFIG_FILE   TOML config (default: train_configs/debug_model.toml)
+#   NGPU          processes per node (default: visible GPUs, else 1)
+#   LOG_RANK      comma list of local ranks whose output is shown (default: 0)
+#   COMM_BACKEND  nccl (default on CUDA) or gloo (default on CPU)
+#   DRY_RUN=1     validate and plan the job in one CPU process for NGPU x NNODES ranks; train nothing
+#   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT or RDZV_ENDPOINT   multi-node torchrun
+# Every other argument is a config override: --section.key value or --section.key=value.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PYTHON="$("$root/scripts/setup_env.sh")"
+
+CONFIG_FILE="${CONFIG_FILE:-$root/train_configs/debug_model.toml}"
+if [ -z "${NGPU:-}" ]; then
+  NGPU="$("$PYTHON" -c 'import torch; print(max(1, torch.cuda.device_count()))' 2>/dev/null || echo 1)"
+fi
+LOG_RANK="${LOG_RANK:-0}"
+NNODES="${NNODES:-1}"
+export NGPU NNODES
+[ -n "${COMM_BACKEND:-}" ] && export COMM_BACKEND
+
+if [ "${DRY_RUN:-0}" = "1" ]; then
+  DRY_RUN=1 exec "$PYTHON" -m titan_lite.train --job.config_file "$CONFIG_FILE" "$@"
+fi
+
+# On CPU, share the cores among this node's processes instead of oversubscribing them.
+if [ -z "${OMP_NUM_THREADS:-}" ]; then
+  cores="$(nproc 2>/dev/null || echo 1)"
+  export OMP_NUM_THREADS=$(( cores / NGPU > 0 ? cores / NGPU : 1 ))
+fi
+
+if [ "$NNODES" -gt 1 ]; then
+  if [ -n "${RDZV_ENDPOINT:-}" ]; then
+    rdzv=(--rdzv_backend c10d --rdzv_endpoint "$RDZV_ENDPOINT" --rdzv_id "${RDZV_ID:-titan_lite}")
+  else
+    rdzv=(--node_rank "${NODE_RANK:?NODE_RANK is required with NNODES > 1}"
+          --master_addr "${MASTER_ADDR:?MASTER_ADDR is required with NNODES > 1}" --master_port "${MASTER_PORT:-29500}")
+  fi
+  launch=(--nnodes "$NNODES" "${rdzv[@]}")
+else
+  launch=(--standalone)
+fi
+
+exec "$PYTHON" -m torch.distributed.run --nproc_per_node "$NGPU" "${launch[@]}" \
+  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+  -m titan_lite.train --job.config_file "$CONFIG_FILE" "$@"

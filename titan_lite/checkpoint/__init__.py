@@ -1,0 +1,1 @@
+"""Distributed checkpoints (DCP), Hugging Face safetensors import and export."""

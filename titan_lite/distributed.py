@@ -1,0 +1,82 @@
+"""Process-group and device set-up: device choice, backend choice (COMM_BACKEND), seeds, timeouts, teardown."""
+
+import os
+import random
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from titan_lite.config.manager import ConfigError
+
+
+def local_device() -> torch.device:
+    """This process's device: the accelerator at LOCAL_RANK when one is visible, else the CPU."""
+    if torch.accelerator.is_available():
+        accelerator = torch.accelerator.current_accelerator()
+        index = int(os.environ.get("LOCAL_RANK", 0)) % torch.accelerator.device_count()
+        torch.accelerator.set_device_index(index)
+        return torch.device(accelerator.type, index)
+    return torch.device("cpu")
+
+
+def default_backend(device: torch.device) -> str:
+    return {"cuda": "nccl", "xpu": "xccl"}.get(device.type, "gloo")
+
+
+def choose_backend(device: torch.device) -> str:
+    """COMM_BACKEND if set (checked), else nccl on CUDA and gloo on CPU."""
+    backend = os.environ.get("COMM_BACKEND") or default_backend(device)
+    if backend != "fake" and not dist.is_backend_available(backend):
+        raise ConfigError(f"COMM_BACKEND={backend} is not available in this torch build on device '{device.type}'; "
+                          f"use {default_backend(device)}")
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError(f"COMM_BACKEND=nccl needs CUDA devices, but this process runs on '{device.type}'; use gloo")
+    return backend
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def init_process_group(device: torch.device, timeout_s: int) -> None:
+    """Join the job's process group (a group of one when not launched by torchrun)."""
+    if dist.is_initialized():
+        return
+    backend = choose_backend(device)
+    if "MASTER_ADDR" not in os.environ:  # plain `python -m titan_lite.train`: a single-process group
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    kwargs = {"device_id": device} if device.type != "cpu" else {}
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_seed(seed: int, deterministic: bool, warn_only: bool) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def shutdown() -> None:
+    """Barrier, then destroy: gloo sometimes aborts at exit when a rank leaves early."""
+    if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def shutdown_quietly() -> None:
+    """Destroy the group without a barrier: used when this rank stops on an error others may not share."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

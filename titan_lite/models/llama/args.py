@@ -1,0 +1,73 @@
+"""Llama model arguments and the named flavors (sizes) with their published shapes."""
+
+from dataclasses import dataclass, replace
+
+
+@dataclass
+class LlamaArgs:
+    dim: int = 256
+    n_layers: int = 6
+    n_heads: int = 16
+    n_kv_heads: int | None = None  # None = n_heads (no GQA)
+    vocab_size: int = 2048
+    ffn_dim: int = 768  # SwiGLU hidden size (HF `intermediate_size`)
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # Llama 3.1 RoPE frequency scaling; factor None disables it.
+    rope_scaling_factor: float | None = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    max_seq_len: int = 2048
+    tie_word_embeddings: bool = False
+    # Per-layer widths after structured pruning (None = uniform). Lengths equal n_layers.
+    layer_n_heads: list[int] | None = None
+    layer_n_kv_heads: list[int] | None = None
+    layer_ffn_dims: list[int] | None = None
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def heads_of(self, layer: int) -> tuple[int, int]:
+        """(query heads, kv heads) of one layer."""
+        q = self.layer_n_heads[layer] if self.layer_n_heads else self.n_heads
+        kv = self.layer_n_kv_heads[layer] if self.layer_n_kv_heads else self.kv_heads
+        return q, kv
+
+    def ffn_dim_of(self, layer: int) -> int:
+        return self.layer_ffn_dims[layer] if self.layer_ffn_dims else self.ffn_dim
+
+
+_LLAMA31_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=8.0, rope_original_max_seq_len=8192)
+_LLAMA32_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=32.0, rope_original_max_seq_len=8192)
+
+FLAVORS: dict[str, LlamaArgs] = {
+    # torchtitan's debug model: ~6M parameters, the bundled 2048-token tokenizer.
+    "debugmodel": LlamaArgs(dim=256, n_layers=6, n_heads=16, vocab_size=2048, ffn_dim=768, rope_theta=500000.0),
+    # Shaped like HuggingFaceTB/SmolLM2-135M.
+    "smollm2_135M": LlamaArgs(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, vocab_size=49152, ffn_dim=1536,
+                              rope_theta=100000.0, tie_word_embeddings=True),
+    # Llama 3.2
+    "1B": LlamaArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=8192,
+                    tie_word_embeddings=True, **_LLAMA32_ROPE),
+    "3B": LlamaArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256, ffn_dim=8192,
+                    tie_word_embeddings=True, **_LLAMA32_ROPE),
+    # Llama 3.1
+    "8B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336, **_LLAMA31_ROPE),
+    "70B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, ffn_dim=28672, **_LLAMA31_ROPE),
+    "405B": LlamaArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256, ffn_dim=53248, **_LLAMA31_ROPE),
+    # Llama 2
+    "llama2_7B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, ffn_dim=11008, rope_theta=10000.0),
+}
+
+
+def flavor_args(flavor: str) -> LlamaArgs:
+    """A fresh copy of a flavor's args; unknown names raise KeyError listing the known ones."""
+    if flavor not in FLAVORS:
+        raise KeyError(f"unknown model flavor '{flavor}'; known: {', '.join(FLAVORS)}")
+    return replace(FLAVORS[flavor])

@@ -1,0 +1,209 @@
+"""The Llama model, top to bottom: RoPE, attention with GQA, SwiGLU, blocks, the model, its initialisation.
+
+Conventions (shared with Meta's reference checkpoints and torchtitan): module names tok_embeddings, layers.{i}
+(attention.wq/wk/wv/wo, feed_forward.w1/w2/w3, attention_norm, ffn_norm), norm, output; RoPE rotates
+interleaved pairs (x0, x1), (x2, x3), ... Hugging Face checkpoints use the half-split layout and are permuted
+on import and export (see hf.py).
+"""
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_lite.models.llama.args import LlamaArgs
+
+# ------------------------------------------------------------------------------------------ RoPE
+
+
+def rope_frequencies(args: LlamaArgs) -> torch.Tensor:
+    """Per-pair rotation frequencies, with Llama 3.1's long-context scaling when configured."""
+    head_dim = args.head_dim
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if args.rope_scaling_factor is None:
+        return freqs
+    factor, low, high = args.rope_scaling_factor, args.rope_low_freq_factor, args.rope_high_freq_factor
+    old_len = args.rope_original_max_seq_len
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, freqs / factor, freqs)  # long wavelengths: fully scaled
+    blended = (1 - smooth) * freqs / factor + smooth * freqs
+    in_between = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(in_between, blended, scaled)
+
+
+def rope_cache(args: LlamaArgs, device: torch.device | None = None) -> torch.Tensor:
+    """cos and sin of every (position, pair): shape [max_seq_len, head_dim // 2, 2], float32."""
+    freqs = rope_frequencies(args)
+    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).to(device=device, dtype=torch.float32)
+
+
+def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of x [batch, seq, heads, head_dim] by the cache rows of its positions."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    cos, sin = cache[None, :, None, :, 0], cache[None, :, None, :, 1]
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+# ------------------------------------------------------------------------------------- attention
+
+
+class CausalAttention(nn.Module):
+    """softmax(QK^T / sqrt(d)) V with a causal mask; a module so context parallel can swap it."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs, layer_id: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = args.heads_of(layer_id)
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        self.inner_attention = CausalAttention()
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rope(q, rope[:seq]), apply_rope(k, rope[:seq])
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        repeats = q.shape[1] // k.shape[1]
+        if repeats > 1:
+            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        out = self.inner_attention(q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+# ------------------------------------------------------------------------------------------- MLP
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+# ----------------------------------------------------------------------------------------- block
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: LlamaArgs, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args, layer_id)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim_of(layer_id))
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+# ----------------------------------------------------------------------------------------- model
+
+
+class Llama(nn.Module):
+    """A decoder-only Llama. Pipeline stages set tok_embeddings, norm or output to None and drop layers."""
+
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A dict keyed by the global layer id, so names stay stable when pipeline stages drop layers.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope_cache", rope_cache(args), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids [batch, seq] (or hidden states on a later pipeline stage) -> logits or hidden states."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cache)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, buffer_device: torch.device | None = None) -> None:
+        """Initialise every parameter from a generator seeded by (seed, parameter name).
+
+        Each parameter's full tensor is drawn and this rank keeps its own shard, so the initial model is the
+        same whatever the parallel layout: a sharded run starts exactly where a single-process run does.
+        """
+        device = buffer_device or self.rope_cache.device
+        self.rope_cache = rope_cache(self.args, device)
+        for name, param in self.named_parameters():
+            full = torch.empty(param.shape, dtype=param.dtype, device=device)
+            generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(canonical_name(name).encode()))
+            init_parameter(canonical_name(name), full, self.args, generator)
+            copy_into_shard(param, full)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Parameter count (tied weights counted once); optionally without the input embedding."""
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embedding and self.tok_embeddings is not None:
+            total -= self.tok_embeddings.weight.numel()
+        return total
+
+
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter name without compile/checkpoint wrapper prefixes."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def init_parameter(name: str, tensor: torch.Tensor, args: LlamaArgs, generator: torch.Generator) -> None:
+    """torchtitan-style init: unit-normal embeddings, std 0.02 projections scaled down with depth on the
+    residual outputs, dim^-0.5 output head, ones for norms."""
+    if name.endswith("norm.weight"):
+        tensor.fill_(1.0)
+        return
+    if name == "tok_embeddings.weight":
+        std = args.dim ** -0.5 if args.tie_word_embeddings else 1.0
+        nn.init.normal_(tensor, 0.0, std, generator=generator)
+        return
+    if name == "output.weight":
+        std = args.dim ** -0.5
+        nn.init.trunc_normal_(tensor, 0.0, std, -3 * std, 3 * std, generator=generator)
+        return
+    std = 0.02
+    if name.startswith("layers.") and name.endswith(("wo.weight", "w2.weight", "w3.weight")):
+        layer_id = int(name.split(".")[1])
+        std = 0.02 / math.sqrt(2 * (layer_id + 1))
+    nn.init.trunc_normal_(tensor, 0.0, std, -2 * std, 2 * std, generator=generator)
+
+
+def copy_into_shard(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full tensor into a parameter, keeping only this rank's shard when it is a DTensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank already holds the same full tensor, so slice locally, no communication.
+        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(full)
