@@ -49,6 +49,8 @@ _LLAMA32_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=32.0, rope_origina
 FLAVORS: dict[str, LlamaArgs] = {
     # torchtitan's debug model: ~6M parameters, the bundled 2048-token tokenizer.
     "debugmodel": LlamaArgs(dim=256, n_layers=6, n_heads=16, vocab_size=2048, ffn_dim=768, rope_theta=500000.0),
+    # For tests: small enough for multi-process parity runs on a CPU; GQA, 4 layers for pipeline splits.
+    "tiny": LlamaArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=2048, ffn_dim=192, rope_theta=10000.0),
     # Shaped like HuggingFaceTB/SmolLM2-135M.
     "smollm2_135M": LlamaArgs(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, vocab_size=49152, ffn_dim=1536,
                               rope_theta=100000.0, tie_word_embeddings=True),

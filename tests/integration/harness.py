@@ -1,0 +1,49 @@
+"""Runs ./run_train.sh the way a user does (base TOML + CLI overrides) and reads back the logged losses."""
+
+import os
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+REPO = Path(__file__).resolve().parents[2]
+BASE_TOML = REPO / "tests" / "integration" / "base.toml"
+STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)")
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    dump_folder: Path
+    printed_losses: dict[int, float] = field(default_factory=dict)
+
+    def tb_losses(self, rank_folder: str = "") -> dict[int, float]:
+        """Per-step global loss as written to TensorBoard (float32, exact enough for 1e-6 comparisons)."""
+        folder = self.dump_folder / "tb" / rank_folder
+        acc = EventAccumulator(str(folder))
+        acc.Reload()
+        return {e.step: e.value for e in acc.Scalars("loss/global_avg")}
+
+
+def run_train(overrides: list[str], dump_folder: Path, ngpu: int = 1, config: Path = BASE_TOML,
+              env: dict | None = None, timeout: int = 600) -> Run:
+    """CONFIG_FILE=config NGPU=ngpu ./run_train.sh --job.dump_folder dump_folder <overrides>."""
+    full_env = {**os.environ, "CONFIG_FILE": str(config), "NGPU": str(ngpu), "OMP_NUM_THREADS": "1",
+                "LOG_RANK": ",".join(str(r) for r in range(ngpu)), **(env or {})}
+    full_env.pop("DRY_RUN", None) if not (env and "DRY_RUN" in env) else None
+    cmd = [str(REPO / "run_train.sh"), "--job.dump_folder", str(dump_folder), *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    output = proc.stdout + proc.stderr
+    losses = {int(s): float(v) for s, v in STEP_LINE.findall(output)}
+    return Run(proc.returncode, output, Path(dump_folder), losses)
+
+
+def assert_losses_close(run: Run, reference: dict[int, float], atol: float, rank_folder: str = "") -> None:
+    got = run.tb_losses(rank_folder)
+    assert run.returncode == 0, run.output[-3000:]
+    assert sorted(got) == sorted(reference), (got, reference)
+    for step, value in reference.items():
+        assert abs(got[step] - value) <= atol, f"step {step}: {got[step]} vs reference {value}\n{run.output[-2000:]}"
