@@ -123,7 +123,8 @@ def test_tiktoken_specials_follow_the_file_size(tmp_path: Path):
 
 def test_python_regex_splits_like_the_regex_engine():
     regex = pytest.importorskip("regex")
-    text = (TEXT + "x\x1cy\u00a0z\u3000w ١٢٣٤ e\u0301te ǅemal ΣΊΣΥΦΟΣ ℕ² ⅫⅢ 'S 'Ll\r\n\r\n  \n x")
+    # \x1d is not White_Space for the regex engines though Python's str.isspace() says it is
+    text = (TEXT + "x\x1d  y\u00a0z\u3000w ١٢٣٤ e\u0301te ǅemal ΣΊΣΥΦΟΣ ℕ² ⅫⅢ 'S 'Ll\r\n\r\n  \n x")
     assert compile_pattern(LLAMA3_REGEX).findall(text) == regex.findall(LLAMA3_REGEX, text)
 
 
@@ -170,9 +171,9 @@ def naive_bpe(counts: Counter, vocab_size: int) -> list[bytes]:
 
 def test_trainer_matches_naive_bpe(tmp_path: Path):
     trainer = load_trainer()
-    (tmp_path / "a.txt").write_text("".join(corpus_lines()[:60]), encoding="utf-8")
+    (tmp_path / "a.txt").write_text(CORPUS * 10, encoding="utf-8")
     counts = trainer.count_pretokens([tmp_path / "a.txt"])
-    assert counts[b" sea"] == 40 and counts[b"'s"] == 20  # Llama 3 pieces: leading space, contractions
+    assert counts[b" sea"] == 30 and counts[b"'s"] == 10 and counts[b"'VE"] == 10  # Llama 3 pieces
     assert trainer.train_bpe(counts, 400) == naive_bpe(counts, 400)
 
 
@@ -183,8 +184,13 @@ def test_trainer_writes_a_loadable_tiktoken_file(tmp_path: Path):
     trainer.main(["--input", str(tmp_path / "a.txt"), "--vocab-size", "300", "--output", str(out)])
     tok = build_tokenizer(str(out.parent))
     assert (tok.vocab_size, tok.bos_id) == (556, 300)
-    first_merge = base64.b64decode(out.read_text().splitlines()[256].split()[0])
-    assert first_merge in {b"e ", b" s", b"s ", b"he", b"th", b" t", b"se", b"ea", b"el"}
+    rows = [line.split() for line in out.read_text().splitlines()]
+    assert [int(rank) for _, rank in rows] == list(range(300))
+    tokens = [base64.b64decode(b64) for b64, _ in rows]
+    assert tokens[:256] == [bytes([b]) for b in range(256)]
+    for rank in range(256, 300):  # each merge joins two earlier tokens
+        assert any(tokens[rank][:k] in tokens[:rank] and tokens[rank][k:] in tokens[:rank]
+                   for k in range(1, len(tokens[rank])))
     assert tok.decode(tok.encode(TEXT, bos=False)) == TEXT
 
 

@@ -336,6 +336,8 @@ class HFByteLevelBPETokenizer(Tokenizer):
             if model.get(key):
                 raise ConfigError(f"tokenizer file '{path}': BPE option '{key}' is not supported")
         vocab: dict[str, int] = model.get("vocab") or {}
+        if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
+            raise ConfigError(f"tokenizer file '{path}': model.vocab must map token strings to integer ids")
         self._token_ids: dict[str, int] = dict(vocab)
         self._vocab = {raw: i for tok, i in vocab.items() if (raw := _byte_level_to_bytes(tok)) is not None}
         self._id_to_bytes = {i: raw for raw, i in self._vocab.items()}
