@@ -260,16 +260,25 @@ def digits_byte_level_pre_tokenizer():
                                     pre_tokenizers.ByteLevel(add_prefix_space=False)])
 
 
+def removed_spaces_pre_tokenizer():
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(" ", behavior="removed"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
 PRE_TOKENIZERS = {"llama3_split": llama3_split_pre_tokenizer, "byte_level": default_byte_level_pre_tokenizer,
-                  "digits": digits_byte_level_pre_tokenizer}
+                  "digits": digits_byte_level_pre_tokenizer, "removed_nfkc": removed_spaces_pre_tokenizer}
 
 
 def train_hf_tokenizer(folder: Path, pre_tokenizer_name: str, bos_template: bool) -> Path:
     """Train a small byte-level BPE with `tokenizers`, save tokenizer.json and a tokenizer_config.json."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(ignore_merges=pre_tokenizer_name == "llama3_split"))
     tok.pre_tokenizer = PRE_TOKENIZERS[pre_tokenizer_name]()
+    if pre_tokenizer_name == "removed_nfkc":
+        tok.normalizer = normalizers.NFKC()
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
@@ -300,7 +309,8 @@ def test_tokenizer_json_ids_match_tokenizers(tmp_path: Path, pre_tokenizer_name:
     oracle.encode_special_tokens = True
     assert tok.encode(TEXT) == oracle.encode(TEXT).ids
     assert tok.encode(TEXT, bos=False, eos=True) == oracle.encode(TEXT, add_special_tokens=False).ids + [1]
-    ids = tok.encode(TEXT, bos=False)
+    ids = tok.encode(TEXT + " ½ ﬁ", bos=False)  # NFKC changes these two
+    assert ids == oracle.encode(TEXT + " ½ ﬁ", add_special_tokens=False).ids
     assert tok.decode(ids) == oracle.decode(ids, skip_special_tokens=False)
     assert 500 in ids and 1 not in ids  # <sep> (non-special) is always matched; specials stay text
 

@@ -554,7 +554,7 @@ def _pre_tokenizer_step(path: Path, spec: dict[str, Any]) -> PreTokenizeStep:
         if kind == "Digits":
             regex = re.compile("[0-9]" if spec.get("individual_digits") else "[0-9]+")
             return lambda piece: [p for p, _ in _split_on(regex, piece)]
-    except (ValueError, re.error) as err:  # re.error is a ValueError too; named for clarity
+    except (ValueError, re.error) as err:
         raise ConfigError(f"tokenizer file '{path}': cannot use the {kind} pre-tokenizer pattern ({err})") from None
     raise ConfigError(f"tokenizer file '{path}': pre-tokenizer {kind!r} is not supported (ByteLevel, Split, Digits)")
 
