@@ -63,6 +63,7 @@ def check_ranges(cfg: JobConfig) -> None:
         _require(v.steps == -1 or v.steps >= 1, f"'validation.steps' must be -1 or positive, got {v.steps}")
     check_activation_checkpoint(cfg)
     check_checkpoint(cfg)
+    check_context_parallel_seq_len(cfg)
 
 
 def check_lr_scheduler(cfg: JobConfig) -> None:
@@ -88,6 +89,28 @@ def check_activation_checkpoint(cfg: JobConfig) -> None:
     if ac.mode == "selective" and ac.selective_ac_option != "op":
         _require(ac.selective_ac_option.isdigit() and int(ac.selective_ac_option) >= 1,
                  f"'activation_checkpoint.selective_ac_option' must be 'op' or a positive integer, got {ac.selective_ac_option!r}")
+
+
+def check_context_parallel_seq_len(cfg: JobConfig) -> None:
+    """Context parallel cuts each sequence into equal chunks (2 x CP with head-tail balancing), which sequence
+    parallel then splits over TP again."""
+    p = cfg.parallelism
+    if p.context_parallel_degree == 1:
+        return
+    _require(p.context_parallel_rotate_method == "allgather",
+             f"'parallelism.context_parallel_rotate_method' = {p.context_parallel_rotate_method!r} is not supported: "
+             "titan_lite's context parallel all-gathers K/V; use allgather")
+    headtail = p.context_parallel_load_balancer not in (None, "none")
+    factor = (2 if headtail else 1) * p.context_parallel_degree * p.tensor_parallel_degree
+    parts = (["2"] if headtail else []) + [f"context_parallel_degree {p.context_parallel_degree}"]
+    if p.tensor_parallel_degree > 1:
+        parts.append(f"tensor_parallel_degree {p.tensor_parallel_degree}")
+    lengths = [("training.seq_len", cfg.training.seq_len)]
+    if cfg.validation.enable:
+        lengths.append(("validation.seq_len", cfg.validation.seq_len))
+    for key, seq_len in lengths:
+        _require(seq_len % factor == 0,
+                 f"'{key}' = {seq_len} must be divisible by {factor} ({' x '.join(parts)}) for context parallelism")
 
 
 def check_checkpoint(cfg: JobConfig) -> None:

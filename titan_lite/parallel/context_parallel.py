@@ -1,0 +1,160 @@
+"""Context parallelism: sequence sharding (head-tail load balancing), all-gather K/V attention, RoPE at global positions.
+
+Each CP rank holds a slice of every sequence. Attention all-gathers K and V over the CP group (the Llama 3 paper's
+approach, which runs on any backend including gloo) and attends its local queries to the whole sequence under the
+causal mask of their global positions. With the head-tail load balancer the sequence is cut into 2 x CP chunks and
+rank i holds chunks i and 2 x CP - 1 - i, so every rank does the same amount of causal work.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from titan_lite.config.manager import ConfigError
+
+HEADTAIL = "headtail"
+
+# torch >= 2.10 renamed the single-tensor collectives; both run on gloo and NCCL.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ------------------------------------------------------------------------------------ positions
+
+
+def normalise_load_balancer(name: str | None) -> str | None:
+    """'headtail' or None (the config also accepts the string 'none')."""
+    return None if name in (None, "none") else name
+
+
+def chunks_per_sequence(cp_size: int, load_balancer: str | None) -> int:
+    """How many equal chunks a sequence is cut into: 2 x CP with head-tail balancing, else CP."""
+    return 2 * cp_size if normalise_load_balancer(load_balancer) == HEADTAIL else cp_size
+
+
+def shard_positions(seq_len: int, cp_rank: int, cp_size: int, load_balancer: str | None,
+                    device: torch.device | None = None) -> torch.Tensor:
+    """The global positions (in local order) of the tokens that CP rank cp_rank holds; seq_len // cp_size of them."""
+    n_chunks = chunks_per_sequence(cp_size, load_balancer)
+    if seq_len % n_chunks:
+        raise ConfigError(f"sequence length {seq_len} is not divisible by the {n_chunks} context-parallel chunks "
+                          f"(context_parallel_degree {cp_size}, load balancer {load_balancer})")
+    chunk = seq_len // n_chunks
+    chunk_ids = [cp_rank, n_chunks - 1 - cp_rank] if n_chunks == 2 * cp_size else [cp_rank]
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in chunk_ids])
+
+
+def all_shard_positions(seq_len: int, cp_size: int, load_balancer: str | None,
+                        device: torch.device | None = None) -> torch.Tensor:
+    """[cp_size, seq_len // cp_size]: row r holds rank r's global positions, the order an all-gather stacks them."""
+    return torch.stack([shard_positions(seq_len, r, cp_size, load_balancer, device) for r in range(cp_size)])
+
+
+def shard_sequence(t: torch.Tensor, positions: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """The entries of t at the given sequence positions along dim."""
+    return t.index_select(dim, positions.to(t.device))
+
+
+# --------------------------------------------------------------------------- differentiable all-gather
+
+
+class _GatherShards(torch.autograd.Function):
+    """All-gather into a new leading dimension; backward reduce-scatters, so each rank's shard gets the sum of
+    the gradients every rank computed for it."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        size = dist.get_world_size(group)
+        # The single-tensor collectives concatenate along dim 0 (gloo insists on that shape).
+        out = shard.new_empty((size * shard.shape[0], *shard.shape[1:]))
+        _all_gather_single(out, shard.contiguous(), group=group)
+        return out.unflatten(0, (size, shard.shape[0]))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shard_grad = grad.new_empty(grad.shape[1:])
+        _reduce_scatter_single(shard_grad, grad.flatten(0, 1).contiguous(), group=ctx.group)
+        return shard_grad, None
+
+
+def gather_shards(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[group size, *shard.shape]: every rank's shard, in group-rank order; gradients flow back to their owners."""
+    return _GatherShards.apply(shard, group)
+
+
+# ------------------------------------------------------------------------------------ attention
+
+
+class ContextParallelAttention(nn.Module):
+    """Causal attention of this rank's query chunks against K/V all-gathered over the CP group.
+
+    q, k, v: [batch, heads, local_seq, head_dim] in this rank's local order; k/v may have fewer heads (GQA).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, load_balancer: str | None):
+        super().__init__()
+        self.group = group
+        self.load_balancer = normalise_load_balancer(load_balancer)
+        self.cp_size = dist.get_world_size(group)
+        self.cp_rank = dist.get_rank(group)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        seq_len = q.shape[2] * self.cp_size
+        positions = all_shard_positions(seq_len, self.cp_size, self.load_balancer, q.device)
+        to_global_order = positions.flatten().argsort()
+        k, v = (self.gather_in_global_order(t, to_global_order) for t in (k, v))
+        mask = positions[self.cp_rank][:, None] >= torch.arange(seq_len, device=q.device)[None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+
+    def gather_in_global_order(self, t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        gathered = gather_shards(t, self.group)  # [cp, b, h, local, d]
+        b, h, d = t.shape[0], t.shape[1], t.shape[3]
+        stacked = gathered.permute(1, 2, 0, 3, 4).reshape(b, h, -1, d)
+        return stacked.index_select(2, order)
+
+    def extra_repr(self) -> str:
+        return f"cp_size={self.cp_size}, load_balancer={self.load_balancer}"
+
+
+# ------------------------------------------------------------------------------------------ RoPE
+
+
+class GlobalRopePositions:
+    """A forward pre-hook for a transformer block: hands it the RoPE rows of its tokens' global positions.
+
+    The model slices rope[:local_seq]; this hook swaps the full cache for the rows of this rank's positions, so the
+    model needs no change and the full cache (recomputed by init_weights) stays untouched for any sequence length.
+    """
+
+    def __init__(self, cp_rank: int, cp_size: int, load_balancer: str | None):
+        self.cp_rank, self.cp_size, self.load_balancer = cp_rank, cp_size, normalise_load_balancer(load_balancer)
+
+    def __call__(self, block: nn.Module, args: tuple) -> tuple:
+        x, rope, *rest = args
+        positions = shard_positions(x.shape[1] * self.cp_size, self.cp_rank, self.cp_size, self.load_balancer,
+                                    rope.device)
+        return (x, rope.index_select(0, positions), *rest)
+
+
+# ------------------------------------------------------------------------------------------ apply
+
+
+def apply_cp(model: nn.Module, parallel_dims, cfg) -> nn.Module:
+    """Swap every block's inner attention for ContextParallelAttention and make RoPE use global positions."""
+    group = parallel_dims.submesh("cp").get_group()
+    load_balancer = cfg.parallelism.context_parallel_load_balancer
+    rope_hook = GlobalRopePositions(dist.get_rank(group), dist.get_world_size(group), load_balancer)
+    for block in model.layers.values():
+        block.attention.inner_attention = ContextParallelAttention(group, load_balancer)
+        block.register_forward_pre_hook(rope_hook)
+    return model
+
+
+def shard_batch(tensors: tuple[torch.Tensor, ...], parallel_dims, load_balancer: str | None) -> tuple[torch.Tensor, ...]:
+    """This CP rank's chunks of each [batch, seq] tensor (token ids, labels), in the order the model expects."""
+    cp_mesh = parallel_dims.submesh("cp")
+    seq_len = tensors[0].shape[1]
+    positions = shard_positions(seq_len, cp_mesh.get_local_rank(), cp_mesh.size(), load_balancer, tensors[0].device)
+    return tuple(shard_sequence(t, positions) for t in tensors)
