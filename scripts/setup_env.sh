@@ -11,10 +11,13 @@ check_runtime='import torch, torchdata, tomli, tensorboard, sentencepiece, tikto
 check_test='import pytest, transformers, tokenizers'
 
 ready() {
-  local py="$1"
+  local py="$1" marker="$venv/.titan_lite_ready${extra:+_$extra}"
   [ -x "$py" ] || return 1
+  # Fast path: the imports below cost seconds; skip them while the env is newer than pyproject.toml.
+  [ "$marker" -nt "$root/pyproject.toml" ] && return 0
   (cd /tmp && "$py" -c "$check_runtime" >/dev/null 2>&1) || return 1
   if [ "$extra" = "test" ]; then (cd /tmp && "$py" -c "$check_test" >/dev/null 2>&1) || return 1; fi
+  touch "$marker"
   return 0
 }
 

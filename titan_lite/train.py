@@ -24,10 +24,12 @@ from titan_lite.metrics.flops import num_flops_per_token
 from titan_lite.metrics.logger import MetricsProcessor, init_logger
 from titan_lite.metrics.profiler import maybe_enable_memory_snapshot, maybe_enable_profiling
 from titan_lite.models.llama import Llama, LlamaArgs, flavor_args
+from titan_lite.models.llama.hf import check_args_against_hf_config
 from titan_lite.optim.lr_scheduler import LRSchedule
 from titan_lite.optim.optimizer import build_optimizer
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.parallelize import parallelize_llama
+from titan_lite.parallel.tensor_parallel import check_tp_divisibility
 from titan_lite.transforms import build_transforms
 from titan_lite.transforms.base import run_after_step
 
@@ -73,6 +75,9 @@ def build_model_args(cfg: JobConfig, vocab_size: int) -> LlamaArgs:
     if vocab_size > args.vocab_size:
         raise ConfigError(f"the tokenizer at '{tokenizer_path(cfg)}' has {vocab_size} tokens but flavor "
                           f"'{cfg.model.flavor}' has vocab_size {args.vocab_size}")
+    hf_config = Path(cfg.model.hf_assets_path or "") / "config.json"
+    if cfg.model.hf_assets_path and hf_config.is_file():
+        check_args_against_hf_config(args, str(hf_config))
     return args
 
 
@@ -137,8 +142,13 @@ class Trainer:
             logger.info(f"model after transforms:\n{model}")
         model_parts = self.split_pipeline(model)
         model_parts = [parallelize_llama(m, self.parallel_dims, self.cfg) for m in model_parts]
+        if self.pp_schedule is not None:
+            from titan_lite.parallel.pipeline import rebind_stage_modules
+
+            rebind_stage_modules(self.pp_schedule, model_parts)
         for part in model_parts:
-            part.to_empty(device=self.device)
+            # FSDP CPU offload keeps the sharded parameters on the CPU; buffers (RoPE) still go to the device.
+            part.to_empty(device="cpu" if self.cfg.training.enable_cpu_offload else self.device)
             part.init_weights(seed=seed, buffer_device=self.device)
             part.train()
         logger.info(f"model {self.cfg.model.name} {self.cfg.model.flavor}: {model.num_params():,} parameters "
@@ -151,9 +161,12 @@ class Trainer:
         self.pp_schedule = None
         if not self.parallel_dims.pp_enabled:
             return [model]
-        from titan_lite.parallel.pipeline import pipeline_llama
+        from titan_lite.parallel.pipeline import pipeline_llama, schedule_stages
 
         self.pp_schedule, parts = pipeline_llama(model, self.parallel_dims, self.cfg, self.device, self.pp_loss_fn)
+        # With V-style schedules one rank holds both the first and the last stage.
+        self.pp_has_first_stage = any(stage.is_first for stage in schedule_stages(self.pp_schedule))
+        self.pp_has_last_stage = any(stage.is_last for stage in schedule_stages(self.pp_schedule))
         return parts
 
     def build_loss_fn(self):
@@ -188,12 +201,21 @@ class Trainer:
 
     # -------------------------------------------------------------------------------- one step
 
-    def train_context(self):
-        """Autocast when mixed precision is asked for but FSDP (which applies it itself) is off."""
+    def train_context(self) -> contextlib.ExitStack:
+        """Loss parallel under TP (the loss runs on vocab-sharded logits); autocast when mixed precision is asked
+        for but FSDP (which applies it itself) is off."""
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        from titan_lite.parallel.parallelize import loss_parallel_enabled
+
+        stack = contextlib.ExitStack()
+        if loss_parallel_enabled(self.parallel_dims, self.cfg):
+            stack.enter_context(loss_parallel())
         dtype = mixed_precision_dtype(self.cfg, self.device)
-        if dtype == torch.float32 or self.parallel_dims.fsdp_enabled:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=dtype)
+        data_parallel = self.parallel_dims.fsdp_enabled or self.parallel_dims.dp_replicate_enabled
+        if dtype != torch.float32 and not data_parallel:
+            stack.enter_context(torch.autocast(self.device.type, dtype=dtype))
+        return stack
 
     def next_microbatches(self, data_iter) -> list[tuple[torch.Tensor, torch.Tensor]]:
         batches = []
@@ -209,8 +231,18 @@ class Trainer:
             dist.all_reduce(local, group=self.parallel_dims.submesh("batch").get_group())
         return local
 
+    def context_parallel_shard(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This CP rank's sequence chunks of a [batch, seq] microbatch; its token losses then sum over the "loss"
+        mesh (dp x cp) while the global token count stays the count of the whole batch."""
+        if not self.parallel_dims.cp_enabled:
+            return inputs, labels
+        from titan_lite.parallel.context_parallel import shard_batch
+
+        return shard_batch((inputs, labels), self.parallel_dims, self.cfg.parallelism.context_parallel_load_balancer)
+
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """One microbatch: returns the detached sum of its token losses."""
+        inputs, labels = self.context_parallel_shard(inputs, labels)
         if self.pp_schedule is not None:
             return self.pipeline_forward_backward(inputs, labels, scale)
         with self.train_context():
@@ -227,15 +259,22 @@ class Trainer:
         return loss_sum * self._loss_scale
 
     def pipeline_forward_backward(self, inputs, labels, scale) -> torch.Tensor:
+        return self.run_pipeline(self.pp_schedule.step, inputs, labels, scale)
+
+    def run_pipeline(self, run, inputs, labels, scale) -> torch.Tensor:
+        """One local batch through a schedule's step or eval; the sum of its token losses (zero off the last stage)."""
         self._loss_scale, self._pp_loss_sums = scale, []
         is_first, is_last = self.pp_stage_role()
-        kwargs = {"target": labels} if is_last else {}
+        args = (inputs,) if is_first else ()
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": labels, "losses": losses} if is_last else {}
         with self.train_context():
-            if is_first:
-                self.pp_schedule.step(inputs, **kwargs)
-            else:
-                self.pp_schedule.step(**kwargs)
-        return torch.stack(self._pp_loss_sums).sum() if self._pp_loss_sums else torch.zeros((), device=self.device)
+            run(*args, return_outputs=False, **kwargs)
+        if not is_last:
+            return torch.zeros((), device=self.device)
+        # A schedule's first run also calls the loss once on placeholder activations to infer shapes (its value is
+        # garbage); the real microbatches are the last len(losses) calls.
+        return torch.stack(self._pp_loss_sums[-len(losses):]).sum()
 
     def pp_stage_role(self) -> tuple[bool, bool]:
         pp_mesh = self.parallel_dims.submesh("pp")
@@ -287,14 +326,14 @@ class Trainer:
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         batches = iter(loader)
         for _ in range(self.validation_batch_count(len_hint=v.steps)):
-            inputs, labels = (t.to(self.device) for t in next(batches))
+            inputs, labels = self.context_parallel_shard(*(t.to(self.device) for t in next(batches)))
             with self.train_context():
                 totals[0] += to_local(cross_entropy_sum(self.model_parts[0](inputs), labels)).double()
             totals[1] += (labels != IGNORE_INDEX).sum()
         for m in self.model_parts:
             m.train()
-        if self.parallel_dims.dp_degree > 1:
-            dist.all_reduce(totals, group=self.parallel_dims.submesh("batch").get_group())
+        if self.parallel_dims.dp_degree * self.parallel_dims.cp > 1:  # CP ranks each counted their own chunks
+            dist.all_reduce(totals, group=self.parallel_dims.submesh("loss").get_group())
         return (totals[0] / totals[1]).item()
 
     def validation_batch_count(self, len_hint: int) -> int:
@@ -311,6 +350,10 @@ class Trainer:
 
     def train(self) -> None:
         cfg = self.cfg
+        if cfg.checkpoint.create_seed_checkpoint:
+            self.checkpointer.save_seed()
+            self.metrics.close()
+            return
         self.checkpointer.load()
         data_iter = iter(self.dataloader)
         gc.disable()
@@ -375,8 +418,17 @@ def check_config(cfg: JobConfig) -> None:
     if cfg.validation.enable:
         check_dataset(cfg.validation.dataset, cfg.validation.dataset_path, "validation")
     tokenizer = build_tokenizer(tokenizer_path(cfg))
-    build_model_args(cfg, tokenizer.vocab_size)
+    args = build_model_args(cfg, tokenizer.vocab_size)
+    check_tp_divisibility(args, cfg.parallelism.tensor_parallel_degree)
     build_transforms(cfg.model.converters, cfg)
+
+
+def check_launch(cfg: JobConfig) -> int:
+    """run_train.sh calls this before torchrun, so user errors print one line instead of torchrun's traceback."""
+    world = int(os.environ.get("NGPU", 1)) * int(os.environ.get("NNODES", 1))
+    dims = ParallelDims.from_config(cfg.parallelism, world)
+    gradient_accumulation_steps(cfg, dims.dp_degree)
+    return 0
 
 
 def save_config(cfg: JobConfig) -> None:
@@ -397,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         check_config(cfg)
+        if os.environ.get("TITAN_LITE_CHECK_ONLY") == "1":
+            return check_launch(cfg)
         if cfg.comm.mode != "default" or os.environ.get("DRY_RUN") == "1":
             from titan_lite.parallel.dry_run import dry_run
 

@@ -117,9 +117,12 @@ def check_checkpoint(cfg: JobConfig) -> None:
     c = cfg.checkpoint
     _require(c.interval >= 1, f"'checkpoint.interval' must be at least 1, got {c.interval}")
     _require(c.keep_latest_k >= 0, f"'checkpoint.keep_latest_k' must be at least 0, got {c.keep_latest_k}")
-    allowed = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
+    allowed = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"}
     for key in c.exclude_from_loading:
         _require(key in allowed, f"'checkpoint.exclude_from_loading' has '{key}'; expected some of: {', '.join(sorted(allowed))}")
+    if c.create_seed_checkpoint:
+        _require(c.enable, "'checkpoint.create_seed_checkpoint' = true needs 'checkpoint.enable' = true")
+        _require(not c.load_only, "'checkpoint.create_seed_checkpoint' = true contradicts 'checkpoint.load_only' = true")
 
 
 def check_paths(cfg: JobConfig) -> None:

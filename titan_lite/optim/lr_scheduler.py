@@ -41,7 +41,10 @@ class GreedyState:
 
     def update(self, loss: float) -> None:
         c = self.cfg
-        self.smoothed = loss if self.smoothed is None else c.greedy_smoothing * self.smoothed + (1 - c.greedy_smoothing) * loss
+        if self.smoothed is None:  # the first loss only sets the baseline
+            self.smoothed = self.best = loss
+            return
+        self.smoothed = c.greedy_smoothing * self.smoothed + (1 - c.greedy_smoothing) * loss
         if self.smoothed < self.best:
             self.best, self.good, self.bad = self.smoothed, self.good + 1, 0
         else:

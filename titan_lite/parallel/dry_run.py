@@ -1,45 +1,316 @@
-"""DRY_RUN=1: validate a full-size job in one CPU process and print its plan; nothing is trained."""
+"""DRY_RUN=1: plan a full-size job in one CPU process (fake process group, meta model) and estimate each rank's memory."""
 
+import contextlib
+import copy
 import logging
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
+from titan_lite.config.manager import ConfigError
 from titan_lite.config.schema import JobConfig
 from titan_lite.data.tokenizer import build_tokenizer
-from titan_lite.models.llama import Llama
+from titan_lite.models.llama import Llama, LlamaArgs
+from titan_lite.parallel import memory_estimate as me
 from titan_lite.parallel.parallel_dims import ParallelDims
 
 logger = logging.getLogger("titan_lite")
+
+DEFAULT_DEVICE_MEMORY_GIB = 80.0
+# Mesh dimensions whose shards FSDP gathers; a parameter's other shard dimensions (TP) stay split when gathered.
+DATA_PARALLEL_MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "fsdp")
 
 
 def planned_world_size() -> int:
     return int(os.environ.get("NGPU", 1)) * int(os.environ.get("NNODES", 1))
 
 
+# ------------------------------------------------------------------------------------ building one rank
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """Pretend to be `rank` of `world_size`: collectives are no-ops, so the trainer's code plans as it would run."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def planning_config(cfg: JobConfig) -> JobConfig:
+    """The job's config with compile off: torch.compile is lazy, so wrapping would plan nothing more."""
+    plan = copy.deepcopy(cfg)
+    plan.compile.enable = False
+    return plan
+
+
+def build_rank_parts(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims) -> list[nn.Module]:
+    """The trainer's order on the meta device: model -> transforms -> pipeline split -> parallelize_llama."""
+    from titan_lite.parallel.parallelize import parallelize_llama
+    from titan_lite.train import cross_entropy_sum
+    from titan_lite.transforms import build_transforms
+
+    with torch.device("meta"):
+        model = Llama(args)
+    for transform in build_transforms(cfg.model.converters, cfg):
+        transform.convert(model)
+    parts: list[nn.Module] = [model]
+    if dims.pp_enabled:
+        from titan_lite.parallel.pipeline import pipeline_llama
+
+        _, parts = pipeline_llama(model, dims, cfg, torch.device("cpu"), cross_entropy_sum)
+    return [parallelize_llama(part, dims, cfg) for part in parts]
+
+
+# ------------------------------------------------------------------------------------ reading a built part
+
+
+def local_numel(param: torch.Tensor) -> int:
+    return param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+
+
+def gathered_numel(param: torch.Tensor) -> int:
+    """Elements after FSDP's all-gather: the global size divided by the non-data-parallel (TP) shard factors."""
+    if not isinstance(param, DTensor):
+        return param.numel()
+    names = param.device_mesh.mesh_dim_names or ()
+    factor = 1
+    for i, placement in enumerate(param.placements):
+        if placement.is_shard() and (i >= len(names) or names[i] not in DATA_PARALLEL_MESH_DIMS):
+            factor *= param.device_mesh.size(i)
+    return param.numel() // factor
+
+
+def layer_policies(part: nn.Module, ac_mode: str, ac_option: str) -> dict[int, str]:
+    """Global layer id -> AC policy, read from which blocks parallelize_llama wrapped in a checkpoint."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    wrapped_policy = me.OP_AC if (ac_mode == "selective" and ac_option == "op") else me.FULL_AC
+    return {int(name): wrapped_policy if isinstance(block, CheckpointWrapper) else me.NO_AC
+            for name, block in part.layers.items()}
+
+
+def fsdp_units(part: nn.Module, reshard: bool, head_reshards: bool) -> list[me.FsdpUnit]:
+    """Every fully_shard group of a part with the parameters it gathers (those not owned by a nested group)."""
+    groups = [(name, m) for name, m in part.named_modules() if isinstance(m, FSDPModule)]
+    units = []
+    for name, module in groups:
+        nested = {id(p) for other_name, other in groups if other is not module and _is_inside(other_name, name)
+                  for p in other.parameters()}
+        numel = sum(gathered_numel(p) for p in module.parameters() if id(p) not in nested)
+        if module is part:  # FSDP2 never reshards the root after forward: backward needs it straight away
+            resh = False
+        elif name in ("norm", "output"):
+            resh = head_reshards
+        else:
+            resh = reshard
+        units.append(me.FsdpUnit(name or "root", numel, resh))
+    return units
+
+
+def _is_inside(inner: str, outer: str) -> bool:
+    return outer == "" or inner.startswith(outer + ".")
+
+
+# ------------------------------------------------------------------------------------ one rank's role
+
+
+@dataclass
+class RolePlan:
+    """What one representative rank holds and needs."""
+
+    rank: int
+    pp_rank: int
+    layers: list[list[int]]  # per part (pipeline stage) on this rank
+    has_embeddings: bool
+    has_head: bool
+    local_params: int
+    estimate: me.MemoryEstimate
+
+
+def compute_bytes(cfg: JobConfig) -> tuple[int, str]:
+    """Compute dtype for an accelerator target: auto and bfloat16 mean bf16."""
+    name = cfg.training.mixed_precision_param
+    name = "bfloat16" if name == "auto" else name
+    return (me.FP32 if name == "float32" else 2), name
+
+
+def activation_shape(cfg: JobConfig, dims: ParallelDims, microbatch: int, loss_parallel: bool) -> me.ActivationShape:
+    c, _ = compute_bytes(cfg)
+    return me.ActivationShape(tokens=microbatch * cfg.training.seq_len // dims.cp, compute_bytes=c, tp=dims.tp,
+                              cp=dims.cp, loss_parallel=loss_parallel, fused_rms_norm=True)
+
+
+def microbatching(cfg: JobConfig, dims: ParallelDims) -> tuple[int, int]:
+    """(sequences per microbatch, microbatches per local batch): a pipeline splits the local batch."""
+    if not dims.pp_enabled:
+        return cfg.training.local_batch_size, 1
+    mb = cfg.parallelism.pipeline_parallel_microbatch_size
+    return mb, cfg.training.local_batch_size // mb
+
+
+def estimate_rank(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, parts: list[nn.Module],
+                  pp_rank: int) -> tuple[me.MemoryEstimate, int]:
+    """(memory estimate, local parameter count) of the built parts of one rank."""
+    from titan_lite.parallel.fsdp import reshard_after_forward
+    from titan_lite.parallel.parallelize import loss_parallel_enabled
+
+    local = sum(local_numel(p) for part in parts for p in part.parameters())
+    param_bytes = me.FP32 if cfg.training.dtype == "float32" else 2
+    c, c_name = compute_bytes(cfg)
+    data_parallel = dims.fsdp_enabled or dims.dp_replicate_enabled
+    offloaded = cfg.training.enable_cpu_offload and data_parallel
+    params, grads, optim = me.state_bytes(local, param_bytes, offloaded)
+
+    microbatch, n_micro = microbatching(cfg, dims)
+    shape = activation_shape(cfg, dims, microbatch, loss_parallel_enabled(dims, cfg))
+    schedule = cfg.parallelism.pipeline_parallel_schedule if dims.pp_enabled else None
+    in_flight = me.in_flight_microbatches(schedule, dims.pp, pp_rank, n_micro, len(parts))
+    ac = cfg.activation_checkpoint
+    saved, all_layers = 0, []
+    for part in parts:
+        policies = layer_policies(part, ac.mode, ac.selective_ac_option)
+        all_layers += list(policies)
+        saved += me.saved_activation_bytes(args, policies, part.output is not None, shape)
+    working = me.backward_working_bytes(args, all_layers, shape)
+    if any(part.output is not None for part in parts):
+        vocab = args.vocab_size // dims.tp if shape.loss_parallel else args.vocab_size
+        working = max(working, 2 * shape.tokens * vocab * me.FP32)  # fp32 gradients of log-softmax and logits
+    activations = int(saved * in_flight) + working
+
+    reduce_bytes = me.FP32 if cfg.training.mixed_precision_reduce == "float32" else 2
+    if data_parallel:
+        policy = cfg.parallelism.fsdp_reshard_after_forward
+        units = [u for part in parts for u in fsdp_units(part, reshard_after_forward(policy, dims.pp_enabled),
+                                                           head_reshards=policy == "always")]
+        buffers = me.fsdp_buffer_bytes(units, c, reduce_bytes)
+        held = sum(u.unsharded_numel for u in units if not u.reshards_after_forward)
+        buffer_note = (f"FSDP: {held:,} params kept gathered + 2 x all-gather of the largest group in {c_name}"
+                       f" + 2 x reduce-scatter in {cfg.training.mixed_precision_reduce}")
+    else:
+        buffers = local * c if c < param_bytes else 0  # autocast's cached low-precision weight copies
+        buffer_note = f"autocast {c_name} weight copies" if buffers else "none (no data parallelism)"
+    seq_note = f"seq {cfg.training.seq_len}" + (f" / cp {dims.cp}" if dims.cp > 1 else "")
+    ac_note = ac.mode if ac.mode != "selective" else f"selective {ac.selective_ac_option}"
+    notes = {
+        "parameters": f"{local:,} local x {cfg.training.dtype}" + (" (offloaded to CPU)" if offloaded else ""),
+        "gradients": f"sharded like the parameters, {cfg.training.dtype}",
+        "optimizer": f"{cfg.optimizer.name}: 2 x fp32 per local parameter",
+        "activations": (f"AC {ac_note}; microbatch {microbatch} x {seq_note}, {in_flight:g} in flight, {c_name}"
+                        + (f", TP {dims.tp} (sequence parallel)" if dims.tp > 1 else "")),
+        "buffers": buffer_note,
+    }
+    return me.MemoryEstimate(params, grads, optim, activations, buffers, notes), local
+
+
+def plan_rank(cfg: JobConfig, args: LlamaArgs, rank: int, world: int) -> RolePlan:
+    """Build rank `rank`'s parts exactly as the trainer would, then read and estimate them."""
+    with fake_process_group(rank, world):
+        dims = ParallelDims.from_config(cfg.parallelism, world)
+        dims.build_mesh("cpu")  # a "cuda" mesh cannot be built on a CPU-only install; placement is identical
+        pp_rank = dims.submesh("pp").get_local_rank()
+        parts = build_rank_parts(cfg, args, dims)
+        estimate, local = estimate_rank(cfg, args, dims, parts, pp_rank)
+    return RolePlan(rank=rank, pp_rank=pp_rank, layers=[[int(k) for k in p.layers.keys()] for p in parts],
+                    has_embeddings=any(p.tok_embeddings is not None for p in parts),
+                    has_head=any(p.output is not None for p in parts), local_params=local, estimate=estimate)
+
+
+def representative_ranks(dims: ParallelDims) -> list[int]:
+    """One rank per pipeline rank (the first of its block): ranks of one pp rank differ only by padding."""
+    return [pp_rank * (dims.world_size // dims.pp) for pp_rank in range(dims.pp)]
+
+
+# ------------------------------------------------------------------------------------ printing
+
+
+def describe_layers(layers: list[list[int]]) -> str:
+    stages = [f"{ids[0]}-{ids[-1]}" if ids else "none" for ids in layers]
+    return f"layers {', '.join(stages)} ({sum(len(ids) for ids in layers)})"
+
+
+def role_lines(role: RolePlan, dims: ParallelDims, capacity_gib: float) -> tuple[bool, list[str]]:
+    ends = [name for name, held in (("embeddings", role.has_embeddings), ("output head", role.has_head)) if held]
+    share = dims.world_size // dims.pp
+    who = f"rank {role.rank}" + (f" (pp stage rank {role.pp_rank}, like its {share} ranks)" if dims.pp_enabled
+                                 else f" (like all {dims.world_size} ranks)")
+    fits, line = me.verdict(role.estimate, capacity_gib)
+    lines = [f"{who}: {describe_layers(role.layers)}" + (f" + {' + '.join(ends)}" if ends else ""),
+             f"  local parameters: {role.local_params:,}", *role.estimate.lines(), f"  verdict: {line}"]
+    return fits, lines
+
+
+def device_memory_gib(cfg: JobConfig) -> float:
+    """--dry_run.device_memory_gib, else the visible accelerator's memory, else 80 GiB."""
+    if cfg.dry_run.device_memory_gib is not None:
+        if cfg.dry_run.device_memory_gib <= 0:
+            raise ConfigError(f"'dry_run.device_memory_gib' must be positive, got {cfg.dry_run.device_memory_gib}")
+        return float(cfg.dry_run.device_memory_gib)
+    from titan_lite.metrics.memory import device_capacity_gib
+
+    if torch.accelerator.is_available():
+        capacity = device_capacity_gib(torch.accelerator.current_accelerator())
+        if capacity:
+            return capacity
+    return DEFAULT_DEVICE_MEMORY_GIB
+
+
+def summary_lines(cfg: JobConfig, dims: ParallelDims, model: Llama, vocab: int, grad_accum: int) -> list[str]:
+    from titan_lite.train import tokenizer_path
+
+    t = cfg.training
+    global_batch = t.local_batch_size * dims.dp_degree * grad_accum
+    return [
+        f"DRY RUN of '{cfg.job.config_file}': nothing will be trained",
+        f"mesh: {dims.describe()}",
+        f"model: {cfg.model.name} {cfg.model.flavor}, {model.num_params():,} parameters, {model.args.n_layers} layers",
+        f"tokenizer: '{tokenizer_path(cfg)}', {vocab:,} tokens",
+        f"data: {t.dataset}" + (f" from '{t.dataset_path}'" if t.dataset_path else ""),
+        f"batch: local {t.local_batch_size} x data-parallel {dims.dp_degree} x accumulation {grad_accum} "
+        f"= global {global_batch} sequences x {t.seq_len} tokens = {global_batch * t.seq_len:,} tokens per step",
+        f"steps: {t.steps} -> {t.steps * global_batch * t.seq_len:,} tokens",
+    ]
+
+
 def dry_run(cfg: JobConfig) -> int:
-    """Check degrees, tokenizer, data and model on the meta device; print mesh, parameters and batch arithmetic."""
+    """Check degrees, shapes and data; build every distinct rank's plan with the trainer's code; estimate its
+    memory against the device. Raises ConfigError (exit 2) when the plan cannot run or does not fit."""
     from titan_lite.train import build_model_args, gradient_accumulation_steps, tokenizer_path
 
     world = planned_world_size()
     dims = ParallelDims.from_config(cfg.parallelism, world)
     tokenizer = build_tokenizer(tokenizer_path(cfg))
     args = build_model_args(cfg, tokenizer.vocab_size)
-    with torch.device("meta"):
-        model = Llama(args)
     grad_accum = gradient_accumulation_steps(cfg, dims.dp_degree)
-    t = cfg.training
-    global_batch = t.local_batch_size * dims.dp_degree * grad_accum
-    lines = [
-        f"DRY RUN of '{cfg.job.config_file}': nothing will be trained",
-        f"mesh: {dims.describe()}",
-        f"model: {cfg.model.name} {cfg.model.flavor}, {model.num_params():,} parameters",
-        f"tokenizer: '{tokenizer_path(cfg)}', {tokenizer.vocab_size:,} tokens",
-        f"data: {t.dataset}" + (f" from '{t.dataset_path}'" if t.dataset_path else ""),
-        f"batch: local {t.local_batch_size} x data-parallel {dims.dp_degree} x accumulation {grad_accum} "
-        f"= global {global_batch} sequences x {t.seq_len} tokens = {global_batch * t.seq_len:,} tokens per step",
-        f"steps: {t.steps} -> {t.steps * global_batch * t.seq_len:,} tokens",
-    ]
-    for line in lines:
+    capacity = device_memory_gib(cfg)
+    with torch.device("meta"):
+        full_model = Llama(args)
+    for line in summary_lines(cfg, dims, full_model, tokenizer.vocab_size, grad_accum):
         print(line, flush=True)
+    plan_cfg = planning_config(cfg)
+    print(f"memory per device, estimated against {capacity:.2f} GiB:", flush=True)
+    worst: tuple[float, RolePlan] | None = None
+    for rank in representative_ranks(dims):
+        role = plan_rank(plan_cfg, args, rank, world)
+        _, lines = role_lines(role, dims, capacity)
+        print("\n".join(lines), flush=True)
+        if worst is None or role.estimate.total > worst[0]:
+            worst = (role.estimate.total, role)
+    assert worst is not None
+    peak = worst[0] / me.GIB
+    if peak > capacity:
+        raise ConfigError(f"the plan does not fit: rank {worst[1].rank} needs an estimated {peak:.2f} GiB but a device "
+                          f"has {capacity:.2f} GiB ('dry_run.device_memory_gib'); shard more, lower the batch or "
+                          f"sequence, or use activation checkpointing")
+    print(f"dry run OK: {world} ranks; largest peak {peak:.2f} GiB on rank {worst[1].rank}, "
+          f"head-room {capacity - peak:.2f} GiB of {capacity:.2f} GiB", flush=True)
     return 0

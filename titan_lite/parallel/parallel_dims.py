@@ -19,6 +19,7 @@ class ParallelDims:
     pp: int
     world_size: int
     _mesh: DeviceMesh | None = field(default=None, repr=False)
+    _flat: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self._resolve_and_check()
@@ -51,9 +52,10 @@ class ParallelDims:
         """The world mesh over MESH_DIMS plus flattened views: batch (data loading), loss, fsdp."""
         shape = tuple(getattr(self, name) for name in MESH_DIMS)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-        mesh["dp_replicate", "dp_shard"]._flatten("batch")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("loss")
-        mesh["dp_shard", "cp"]._flatten("fsdp")
+        # Keep the flattened meshes: slicing them back out of the root mesh is deprecated.
+        self._flat = {"batch": mesh["dp_replicate", "dp_shard"]._flatten("batch"),
+                      "loss": mesh["dp_replicate", "dp_shard", "cp"]._flatten("loss"),
+                      "fsdp": mesh["dp_shard", "cp"]._flatten("fsdp")}
         self._mesh = mesh
         return mesh
 
@@ -64,7 +66,7 @@ class ParallelDims:
 
     def submesh(self, name: str) -> DeviceMesh:
         """A named sub-mesh: pp, dp_replicate, dp_shard, cp, tp, batch, loss or fsdp."""
-        return self.mesh[name]
+        return self._flat[name] if name in self._flat else self.mesh[name]
 
     # ---------------------------------------------------------------- derived degrees
 

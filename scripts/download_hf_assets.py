@@ -1,0 +1,134 @@
+"""Download a Hugging Face repo's config and tokenizer (optionally its safetensors weights) into assets/hf/<name>.
+
+    python scripts/download_hf_assets.py meta-llama/Llama-3.2-1B                    # config + tokenizer
+    python scripts/download_hf_assets.py meta-llama/Llama-3.2-1B --include weights  # ... + safetensors
+    python scripts/download_hf_assets.py HuggingFaceTB/SmolLM2-135M --all --exclude 'onnx/*'
+
+Needs `pip install huggingface_hub`. Gated repos (Meta's Llama) need an account with access: run
+`huggingface-cli login` or set HF_TOKEN.
+"""
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+# Named groups accepted by --include besides glob patterns.
+FILE_GROUPS = {
+    "config": ["config.json", "generation_config.json"],
+    "tokenizer": ["tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json"],
+    "weights": ["*.safetensors", "model.safetensors.index.json"],
+}
+DEFAULT_GROUPS = ("config", "tokenizer")
+LOGIN_HINT = "run `huggingface-cli login` or set HF_TOKEN"
+
+
+class DownloadError(Exception):
+    """A failure explained in one line for the user."""
+
+
+@dataclass
+class Plan:
+    repo_id: str
+    local_dir: Path
+    allow_patterns: list[str] | None  # None: every file
+    ignore_patterns: list[str] | None
+    revision: str | None
+    token: str | None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("repo_id", help="e.g. meta-llama/Llama-3.2-1B")
+    parser.add_argument("--local-dir", help="destination (default: assets/hf/<repo name>)")
+    parser.add_argument("--all", action="store_true", help="every file of the repo")
+    parser.add_argument("--include", action="append", default=[], metavar="PATTERN",
+                        help=f"also fetch files matching a glob or a group ({', '.join(FILE_GROUPS)}); repeatable")
+    parser.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
+                        help="skip files matching a glob; repeatable")
+    parser.add_argument("--revision", help="branch, tag or commit")
+    parser.add_argument("--token", help="a Hugging Face token (default: HF_TOKEN or the cached login)")
+    return parser.parse_args(argv)
+
+
+def expand_patterns(names: list[str]) -> list[str]:
+    """Group names replaced by their globs, duplicates dropped, order kept."""
+    patterns = []
+    for name in names:
+        for pattern in FILE_GROUPS.get(name, [name]):
+            if pattern not in patterns:
+                patterns.append(pattern)
+    return patterns
+
+
+def build_plan(opts: argparse.Namespace) -> Plan:
+    repo_id = opts.repo_id.strip().strip("/")
+    if not repo_id or repo_id.count("/") > 1 or " " in repo_id:
+        raise DownloadError(f"'{opts.repo_id}' is not a repo id; expected 'owner/name' such as meta-llama/Llama-3.2-1B")
+    local_dir = Path(opts.local_dir) if opts.local_dir else Path("assets/hf") / repo_id.split("/")[-1]
+    allow = None if opts.all else expand_patterns([*DEFAULT_GROUPS, *opts.include])
+    ignore = expand_patterns(opts.exclude) or None
+    return Plan(repo_id, local_dir, allow, ignore, opts.revision, opts.token)
+
+
+def import_hub():
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise DownloadError("huggingface_hub is not installed: pip install huggingface_hub") from None
+    return huggingface_hub
+
+
+def _hub_error(name: str) -> type:
+    """An exception class of huggingface_hub by name, wherever this version keeps it (a never-raised stand-in if absent)."""
+    for module in ("huggingface_hub.errors", "huggingface_hub.utils"):
+        try:
+            return getattr(__import__(module, fromlist=[name]), name)
+        except (ImportError, AttributeError):
+            continue
+    return type(name, (Exception,), {})
+
+
+def explain(exc: Exception, repo_id: str) -> str:
+    """One line saying what went wrong and what to do."""
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    if isinstance(exc, _hub_error("GatedRepoError")):
+        return f"{repo_id} is gated: request access on its Hugging Face page, then {LOGIN_HINT}"
+    if isinstance(exc, _hub_error("RepositoryNotFoundError")):
+        return f"{repo_id} was not found or is private: check the id; if it is private, {LOGIN_HINT}"
+    if isinstance(exc, _hub_error("RevisionNotFoundError")):
+        return f"{repo_id} has no such revision"
+    if isinstance(exc, (_hub_error("OfflineModeIsEnabled"), _hub_error("LocalEntryNotFoundError"))):
+        return (f"cannot reach the Hugging Face Hub (offline: HF_HUB_OFFLINE set or no network) and {repo_id} "
+                "is not in the local cache")
+    if status in (401, 403):
+        return f"not authorised to download {repo_id} (HTTP {status}): {LOGIN_HINT}"
+    if isinstance(exc, (OSError, _hub_error("HfHubHTTPError"))) or "connect" in type(exc).__name__.lower():
+        return f"download of {repo_id} failed (network?): {' '.join(str(exc).split())[:200]}"
+    raise exc
+
+
+def download(plan: Plan) -> Path:
+    hub = import_hub()
+    try:
+        path = hub.snapshot_download(plan.repo_id, local_dir=str(plan.local_dir), allow_patterns=plan.allow_patterns,
+                                     ignore_patterns=plan.ignore_patterns, revision=plan.revision, token=plan.token)
+    except Exception as exc:  # noqa: BLE001 - turned into one line by explain() or re-raised
+        raise DownloadError(explain(exc, plan.repo_id)) from None
+    return Path(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        plan = build_plan(parse_args(argv))
+        path = download(plan)
+    except DownloadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    files = sorted(p.name for p in path.iterdir() if p.is_file())
+    print(f"downloaded {plan.repo_id} to {path}: {', '.join(files)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

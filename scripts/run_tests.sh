@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test suite: sets up .venv with the test extras on first use, then runs pytest. Extra args go to pytest.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="$("$root/scripts/setup_env.sh" test)"
+cd "$root"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+exec "$PYTHON" -m pytest -q tests "$@"

@@ -1,0 +1,177 @@
+"""Config loading: precedence, CLI forms, torchtitan TOMLs, and one-line errors for bad input."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_lite.config import ConfigError, parse_args, to_toml, validate
+from titan_lite.config.manager import help_text, iter_options
+
+REPO = Path(__file__).resolve().parents[1]
+
+APPENDIX = """
+[job]
+dump_folder = "./outputs"
+description = "Llama 3.1 8B training"
+[profiling]
+enable_profiling = true
+save_traces_folder = "profile_trace"
+profile_freq = 100
+[metrics]
+log_freq = 10
+enable_tensorboard = true
+save_tb_folder = "tb"
+[model]
+name = "llama3"
+flavor = "8B"
+hf_assets_path = "./assets/hf/Llama-3.1-8B"
+[optimizer]
+name = "AdamW"
+lr = 3e-4
+eps = 1e-8
+[lr_scheduler]
+warmup_steps = 50
+[training]
+local_batch_size = 2
+seq_len = 512
+max_norm = 1.0
+steps = 200
+dataset = "c4"
+mixed_precision_param = "float32"
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+tensor_parallel_degree = 1
+pipeline_parallel_degree = 1
+context_parallel_degree = 1
+[checkpoint]
+enable = true
+folder = "checkpoint"
+interval = 100
+last_save_model_only = true
+export_dtype = "float32"
+async_mode = "disabled"
+[activation_checkpoint]
+mode = "selective"
+selective_ac_option = "op"
+[compile]
+enable = true
+components = ["model", "loss"]
+"""
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_appendix_torchtitan_config_loads(tmp_path):
+    cfg = parse_args(["--job.config_file", write(tmp_path, APPENDIX)])
+    validate(cfg)
+    assert (cfg.model.flavor, cfg.training.steps, cfg.optimizer.lr) == ("8B", 200, 3e-4)
+    assert cfg.compile.components == ["model", "loss"] and cfg.activation_checkpoint.selective_ac_option == "op"
+    assert cfg.parallelism.data_parallel_shard_degree == -1 and cfg.checkpoint.interval == 100
+
+
+def test_precedence_cli_over_toml_over_default(tmp_path):
+    path = write(tmp_path, "[training]\nsteps = 7\nseq_len = 64\n")
+    cfg = parse_args(["--job.config_file", path, "--training.steps", "9"])
+    assert cfg.training.steps == 9  # CLI beats TOML
+    assert cfg.training.seq_len == 64  # TOML beats default
+    assert cfg.training.local_batch_size == 8  # default
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--compile.enable"], True),
+    (["--compile.enable=false"], False),
+    (["--compile.enable", "true"], True),
+    (["--no-compile.enable"], False),
+])
+def test_boolean_forms(argv, expected):
+    assert parse_args(argv).compile.enable is expected
+
+
+def test_value_forms_and_lists():
+    cfg = parse_args(["--training.steps=12", "--model.converters", "lora,prune", "--checkpoint.initial_load_path", "none",
+                      "--optimizer.lr", "1e-3", "--training.global_batch_size", "-1"])
+    assert cfg.training.steps == 12 and cfg.model.converters == ["lora", "prune"]
+    assert cfg.checkpoint.initial_load_path is None and cfg.optimizer.lr == 1e-3 and cfg.training.global_batch_size == -1
+
+
+def test_toml_ints_accepted_for_floats(tmp_path):
+    cfg = parse_args(["--job.config_file", write(tmp_path, "[optimizer]\nlr = 1\n")])
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
+
+
+@pytest.mark.parametrize("toml, message", [
+    ("[training]\nstepz = 3\n", "unknown key 'training.stepz' (did you mean 'training.steps'?)"),
+    ("[trainin]\nsteps = 3\n", "unknown key 'trainin'"),
+    ("[training]\nsteps = \"ten\"\n", "'training.steps' expects an integer, got 'ten'"),
+    ("[compile]\nenable = 1\n", "'compile.enable' expects true or false, got 1"),
+])
+def test_toml_errors_name_the_key(tmp_path, toml, message):
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--job.config_file", write(tmp_path, toml)])
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--training.stpes", "3"], "unknown option '--training.stpes' (did you mean 'training.steps'?)"),
+    (["--training.steps", "abc"], "--training.steps: expected an integer, got 'abc'"),
+    (["--training.steps"], "--training.steps: expects an integer after it"),
+    (["training.steps"], "unexpected argument 'training.steps'"),
+])
+def test_cli_errors_name_the_key(argv, message):
+    with pytest.raises(ConfigError) as exc:
+        parse_args(argv)
+    assert message in str(exc.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--training.steps", "-5"], "'training.steps' must be at least 1, got -5"),
+    (["--optimizer.lr", "0"], "'optimizer.lr' must be positive, got 0.0"),
+    (["--parallelism.tensor_parallel_degree", "0"], "'parallelism.tensor_parallel_degree' must be at least 1, got 0"),
+    (["--lr_scheduler.decay_type", "cubic"], "'lr_scheduler.decay_type' = 'cubic' is not one of: linear, sqrt, cosine"),
+    (["--metrics.enable_wandb"], "'metrics.enable_wandb' = True is not supported: wandb logging is not part of titan_lite"),
+    (["--parallelism.enable_async_tensor_parallel"], "not supported: async tensor parallel"),
+    (["--fault_tolerance.enable"], "not supported: fault tolerance"),
+    (["--activation_checkpoint.selective_ac_option", "x"], "must be 'op' or a positive integer"),
+    (["--training.dataset_path", "/no/such/shards"], "'training.dataset_path' = '/no/such/shards' does not exist"),
+])
+def test_impossible_values_rejected(argv, message):
+    with pytest.raises(ConfigError) as exc:
+        validate(parse_args(argv))
+    assert message in str(exc.value)
+
+
+def test_inert_torchtitan_keys_load_while_off(tmp_path):
+    toml = ("[metrics]\nenable_wandb = false\n[fault_tolerance]\nenable = false\n"
+            "[quantize.linear.float8]\nenable_fsdp_float8_all_gather = true\nrecipe_name = \"rowwise\"\n"
+            "[parallelism]\nenable_async_tensor_parallel = false\nexpert_parallel_degree = 1\n")
+    cfg = parse_args(["--job.config_file", write(tmp_path, toml)])
+    validate(cfg)
+    assert cfg.quantize.linear.float8.recipe_name == "rowwise"
+
+
+def test_every_option_is_documented_in_help():
+    text = help_text()
+    for key, f, _ in iter_options():
+        assert f.metadata["help"], key
+        assert f"--{key} (" in text
+
+
+def test_to_toml_round_trips(tmp_path):
+    cfg = parse_args(["--training.steps", "3", "--model.converters", "a,b", "--compile.enable"])
+    again = parse_args(["--job.config_file", write(tmp_path, to_toml(cfg))])
+    again.job.config_file = cfg.job.config_file
+    assert again == cfg
+
+
+def test_help_command_lists_options():
+    out = subprocess.run([sys.executable, "-m", "titan_lite.train", "--help"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0
+    assert "--training.steps (an integer, default 10000): Optimizer steps to train." in out.stdout
+    assert "--parallelism.data_parallel_shard_degree" in out.stdout

@@ -1,0 +1,78 @@
+"""The Llama model: published parameter counts, RoPE scaling, init independent of layout, causal behaviour."""
+
+import pytest
+import torch
+
+from titan_lite.models.llama import FLAVORS, Llama, flavor_args
+from titan_lite.models.llama.model import apply_rope, rope_cache, rope_frequencies
+
+PUBLISHED = {
+    "8B": 8_030_261_248,  # Llama 3.1 8B
+    "1B": 1_235_814_400,  # Llama 3.2 1B
+    "3B": 3_212_749_824,  # Llama 3.2 3B
+    "70B": 70_553_706_496,  # Llama 3.1 70B
+    "405B": 405_853_388_800,  # Llama 3.1 405B
+    "llama2_7B": 6_738_415_616,  # Llama 2 7B
+    "smollm2_135M": 134_515_008,  # SmolLM2-135M
+}
+
+
+@pytest.mark.parametrize("flavor, count", PUBLISHED.items())
+def test_parameter_counts_match_published(flavor, count):
+    with torch.device("meta"):
+        assert Llama(flavor_args(flavor)).num_params() == count
+
+
+def test_llama31_rope_scaling_bands():
+    args = flavor_args("8B")
+    base = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+    scaled = rope_frequencies(args)
+    wavelen = 2 * torch.pi / base
+    high = wavelen < 8192 / 4  # short wavelengths untouched
+    low = wavelen > 8192 / 1  # long wavelengths divided by the factor
+    assert torch.equal(scaled[high], base[high])
+    assert torch.allclose(scaled[low], base[low] / 8)
+    mid = ~(high | low)
+    assert mid.any() and bool(((scaled[mid] < base[mid]) & (scaled[mid] > base[mid] / 8)).all())
+
+
+def test_rope_rotates_pairs_and_preserves_norm():
+    args = flavor_args("tiny")
+    cache = rope_cache(args)
+    x = torch.randn(1, 5, 2, args.head_dim)
+    y = apply_rope(x, cache[:5])
+    assert torch.allclose(y[:, 0], x[:, 0])  # position 0 is the identity
+    assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1), atol=1e-5)
+    angle = cache[3, 0]
+    x0, x1 = x[0, 3, 0, 0], x[0, 3, 0, 1]
+    assert torch.allclose(y[0, 3, 0, :2], torch.stack([x0 * angle[0] - x1 * angle[1], x0 * angle[1] + x1 * angle[0]]))
+
+
+def test_init_depends_only_on_seed_and_name():
+    a, b = Llama(flavor_args("tiny")), Llama(flavor_args("tiny"))
+    torch.manual_seed(123)
+    a.init_weights(seed=7)
+    torch.manual_seed(456)
+    b.init_weights(seed=7)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+    c = Llama(flavor_args("tiny"))
+    c.init_weights(seed=8)
+    assert not torch.equal(c.output.weight, a.output.weight)
+
+
+def test_causal_logits_do_not_see_the_future():
+    model = Llama(flavor_args("tiny"))
+    model.init_weights(seed=0)
+    tokens = torch.randint(0, 2048, (1, 16))
+    changed = tokens.clone()
+    changed[0, 10:] = (changed[0, 10:] + 1) % 2048
+    assert torch.allclose(model(tokens)[0, :10], model(changed)[0, :10], atol=1e-6)
+    assert not torch.allclose(model(tokens)[0, 10:], model(changed)[0, 10:])
+
+
+def test_tied_embeddings_share_one_tensor():
+    with torch.device("meta"):
+        model = Llama(flavor_args("1B"))
+    assert model.output.weight is model.tok_embeddings.weight
+    assert all(f in FLAVORS for f in ("debugmodel", "1B", "3B", "8B", "70B", "405B", "smollm2_135M", "llama2_7B"))

@@ -1,0 +1,282 @@
+"""Hugging Face safetensors folders: reading them into (possibly sharded) model parts, writing them from the model."""
+
+import json
+import logging
+import os
+import re
+import shutil
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from titan_lite.config.manager import ConfigError
+from titan_lite.models.llama.args import LlamaArgs
+from titan_lite.models.llama.hf import (args_to_hf_config, hf_source_names, tensor_from_hf, to_hf_state_dict)
+from titan_lite.models.llama.model import Llama, canonical_name, copy_into_shard
+
+logger = logging.getLogger("titan_lite")
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "generation_config.json")
+# Token ids carried over from the assets' config.json into an exported one.
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
+
+
+def weight_files(folder: str | Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it, from the index or the single model.safetensors."""
+    folder = Path(folder)
+    index_path = folder / INDEX_FILE
+    if index_path.exists():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{index_path}: not a valid safetensors index ({_one_line(exc)})") from None
+        for shard in sorted(set(weight_map.values())):
+            if not (folder / shard).exists():
+                raise ConfigError(f"{index_path} lists shard '{shard}' but {folder / shard} does not exist")
+        return {name: folder / shard for name, shard in weight_map.items()}
+    single = folder / SINGLE_FILE
+    if not single.exists():
+        raise ConfigError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}; expected a Hugging Face safetensors folder")
+    with open_safetensors(single) as reader:
+        return {name: single for name in reader.keys()}
+
+
+class SafetensorsReader:
+    """Open safetensors files on demand, turning corrupt or truncated files into one-line ConfigErrors."""
+
+    def __init__(self):
+        self._stack = ExitStack()
+        self._open: dict[Path, object] = {}
+
+    def __enter__(self) -> "SafetensorsReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _handle(self, path: Path):
+        if path not in self._open:
+            self._open[path] = self._stack.enter_context(open_safetensors(path))
+        return self._open[path]
+
+    def shape(self, path: Path, name: str) -> list[int]:
+        try:
+            return list(self._handle(path).get_slice(name).get_shape())
+        except SafetensorError as exc:
+            raise ConfigError(f"{path}: corrupt or truncated safetensors file ({_one_line(exc)})") from None
+
+    def tensor(self, path: Path, name: str) -> Tensor:
+        try:
+            return self._handle(path).get_tensor(name)
+        except SafetensorError as exc:
+            raise ConfigError(f"{path}: corrupt or truncated safetensors file ({_one_line(exc)})") from None
+
+
+def open_safetensors(path: Path):
+    """safe_open that names the file when it is not a valid safetensors file."""
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise ConfigError(f"{path}: corrupt or truncated safetensors file ({_one_line(exc)})") from None
+
+
+def _locate(name: str, args: LlamaArgs, files: dict[str, Path], folder: str | Path) -> tuple[str, Path]:
+    """(HF name, file) of a titan_lite parameter, or ConfigError when the checkpoint lacks it."""
+    for source in hf_source_names(name, args):
+        if source in files:
+            return source, files[source]
+    raise ConfigError(f"{folder}: tensor '{hf_source_names(name, args)[0]}' (titan_lite '{name}') is missing "
+                      "from the checkpoint")
+
+
+def read_titan_tensor(name: str, args: LlamaArgs, files: dict[str, Path], reader: SafetensorsReader,
+                      folder: str | Path, expected_shape: torch.Size | list[int]) -> Tensor:
+    """One parameter in titan_lite layout, read from the HF folder and checked for presence and shape."""
+    source, path = _locate(name, args, files, folder)
+    shape = reader.shape(path, source)
+    if list(shape) != list(expected_shape):
+        raise ConfigError(f"{path}: tensor '{source}' has shape {list(shape)}, expected {list(expected_shape)} "
+                          f"(titan_lite '{name}')")
+    return tensor_from_hf(name, reader.tensor(path, source), args)
+
+
+@torch.no_grad()
+def load_hf_weights(model_parts: list[nn.Module], folder: str, model_args: LlamaArgs) -> None:
+    """Load every parameter the parts hold from an HF folder; DTensor parameters keep only their own shard."""
+    files = weight_files(folder)
+    with SafetensorsReader() as reader:
+        for part in model_parts:
+            for name, param in part.named_parameters():
+                name = canonical_name(name)
+                full = read_titan_tensor(name, model_args, files, reader, folder, param.shape)
+                copy_into_shard(param, full.to(device=param.device, dtype=param.dtype))
+    logger.info(f"loaded Hugging Face weights from {folder}")
+
+
+def read_hf_folder(folder: str, args: LlamaArgs) -> dict[str, Tensor]:
+    """The full titan_lite state dict (names and layout) of an HF folder, checked against the args' shapes."""
+    files = weight_files(folder)
+    with SafetensorsReader() as reader:
+        return {name: read_titan_tensor(name, args, files, reader, folder, shape).clone()
+                for name, shape in expected_shapes(args).items()}
+
+
+# ------------------------------------------------------------------------------------------ writing
+
+
+def expected_shapes(args: LlamaArgs) -> dict[str, torch.Size]:
+    """titan_lite parameter name -> shape for the whole model (the tied head listed once, as the embedding)."""
+    with torch.device("meta"):
+        model = Llama(args)
+    return {name: param.shape for name, param in model.named_parameters()}
+
+
+def check_state_dict(sd: dict[str, Tensor], args: LlamaArgs, source: str) -> None:
+    """ConfigError when a tensor the model needs is missing or has the wrong shape."""
+    for name, shape in expected_shapes(args).items():
+        if name not in sd:
+            raise ConfigError(f"{source}: tensor '{name}' is missing")
+        if list(sd[name].shape) != list(shape):
+            raise ConfigError(f"{source}: tensor '{name}' has shape {list(sd[name].shape)}, expected {list(shape)}")
+
+
+def _sort_key(name: str) -> tuple:
+    """Embeddings first, then layers in numeric order, then the final norm and head."""
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    if match:
+        return (1, int(match.group(1)), name)
+    return (0 if "embed_tokens" in name else 2, 0, name)
+
+
+def plan_shards(sd: dict[str, Tensor], max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names grouped into files of at most max_shard_bytes (a larger tensor gets a file of its own)."""
+    shards, current, size = [], [], 0
+    for name in sorted(sd, key=_sort_key):
+        nbytes = sd[name].numel() * sd[name].element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def write_safetensors(sd: dict[str, Tensor], folder: Path, max_shard_bytes: int) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors plus model.safetensors.index.json."""
+    shards = plan_shards(sd, max_shard_bytes)
+    if len(shards) == 1:
+        save_file({n: sd[n].contiguous() for n in shards[0]}, str(folder / SINGLE_FILE), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, names in enumerate(shards, start=1):
+        filename = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: sd[n].contiguous() for n in names}, str(folder / filename), metadata={"format": "pt"})
+        weight_map.update({n: filename for n in names})
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _hf_config(args: LlamaArgs, dtype: torch.dtype, assets_dir: str | None) -> dict:
+    config = args_to_hf_config(args, dtype)
+    assets_config = Path(assets_dir) / "config.json" if assets_dir else None
+    if assets_config is not None and assets_config.exists():
+        source = json.loads(assets_config.read_text())
+        config.update({k: source[k] for k in _TOKEN_ID_KEYS if k in source})
+    return config
+
+
+def _copy_tokenizer_files(assets_dir: str | None, folder: Path) -> None:
+    if not assets_dir:
+        return
+    for filename in TOKENIZER_FILES:
+        if (Path(assets_dir) / filename).exists():
+            shutil.copy2(Path(assets_dir) / filename, folder / filename)
+
+
+def _replace_folder(tmp: Path, out: Path) -> None:
+    """Move a finished folder into place; an older export at `out` is removed only after the rename succeeds."""
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def write_hf_folder(sd: dict[str, Tensor], args: LlamaArgs, out_dir: str, dtype: torch.dtype,
+                    assets_dir: str | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write a full titan_lite state dict as an HF folder (config, weights, tokenizer files), atomically."""
+    check_state_dict(sd, args, "export")
+    hf_sd = to_hf_state_dict({n: t.detach().to(device="cpu", dtype=dtype) for n, t in sd.items()}, args)
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write_safetensors(hf_sd, tmp, max_shard_bytes)
+        (tmp / "config.json").write_text(json.dumps(_hf_config(args, dtype, assets_dir), indent=2) + "\n")
+        _copy_tokenizer_files(assets_dir, tmp)
+        _replace_folder(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _full_tensors(model_parts: list[nn.Module], dtype: torch.dtype) -> dict[str, Tensor]:
+    """Every parameter this rank's parts hold, unsharded (a collective for DTensors), on the CPU in `dtype`."""
+    out = {}
+    for part in model_parts:
+        for name, param in part.named_parameters():
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param
+            out[canonical_name(name)] = full.detach().to(dtype=dtype).cpu()
+    return out
+
+
+def _gather_pipeline_stages(sd: dict[str, Tensor], parallel_dims) -> dict[str, Tensor] | None:
+    """Merge the stages' tensors onto global rank 0; other ranks get None. Only rank 0's pp group communicates."""
+    group = parallel_dims.submesh("pp").get_group()
+    ranks = dist.get_process_group_ranks(group)
+    if 0 not in ranks:
+        return None
+    gathered = [None] * len(ranks) if dist.get_rank() == 0 else None
+    dist.gather_object(sd, gathered, dst=0, group=group)
+    if dist.get_rank() != 0:
+        return None
+    merged = {}
+    for stage_sd in gathered:
+        merged.update(stage_sd)
+    return merged
+
+
+def export_hf(model_parts: list[nn.Module], model_args: LlamaArgs, out_dir: str, dtype: torch.dtype,
+              assets_dir: str | None, parallel_dims=None, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write the model as an HF folder. Collective when distributed: every rank must call it; rank 0 writes."""
+    distributed = dist.is_available() and dist.is_initialized()
+    sd = _full_tensors(model_parts, dtype)
+    if distributed and parallel_dims is not None and parallel_dims.pp_enabled:
+        sd = _gather_pipeline_stages(sd, parallel_dims)
+    rank = dist.get_rank() if distributed else 0
+    if rank == 0:
+        if model_args.tie_word_embeddings:
+            sd.pop("output.weight", None)  # a pipeline's last stage holds its own copy of the tied head
+        write_hf_folder(sd, model_args, out_dir, dtype, assets_dir, max_shard_bytes)
+        logger.info(f"exported Hugging Face checkpoint ({str(dtype).removeprefix('torch.')}) to {out_dir}")
+    if distributed:
+        dist.barrier()

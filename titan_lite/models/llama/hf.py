@@ -1,0 +1,260 @@
+"""Hugging Face LlamaForCausalLM interop: parameter names, the rotary row permutation, config.json <-> LlamaArgs."""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from titan_lite.config.manager import ConfigError
+from titan_lite.models.llama.args import LlamaArgs
+
+# titan_lite name (with {i} for the layer) -> HF name.
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_HF_LAYER_NAMES = {hf: titan for titan, hf in _LAYER_NAMES.items()}
+_HF_TOP_NAMES = {hf: titan for titan, hf in _TOP_NAMES.items()}
+_TITAN_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_ROTARY = ("attention.wq.weight", "attention.wk.weight")
+
+# ------------------------------------------------------------------------------------------ names
+
+
+def hf_name(name: str) -> str:
+    """The HF name of a titan_lite parameter name."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    match = _TITAN_LAYER.fullmatch(name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    raise KeyError(f"'{name}' is not a Llama parameter name")
+
+
+def titan_name(name: str) -> str:
+    """The titan_lite name of an HF LlamaForCausalLM parameter name."""
+    if name in _HF_TOP_NAMES:
+        return _HF_TOP_NAMES[name]
+    match = _HF_LAYER.fullmatch(name)
+    if match and match.group(2) in _HF_LAYER_NAMES:
+        return f"layers.{match.group(1)}.{_HF_LAYER_NAMES[match.group(2)]}"
+    raise KeyError(f"'{name}' is not a LlamaForCausalLM parameter name")
+
+
+def hf_source_names(name: str, args: LlamaArgs) -> list[str]:
+    """HF names a titan_lite parameter may be read from, preferred first (a tied head falls back to the embedding)."""
+    names = [hf_name(name)]
+    if name == "output.weight" and args.tie_word_embeddings:
+        names.append(_TOP_NAMES["tok_embeddings.weight"])
+    return names
+
+
+# ------------------------------------------------------------------------------- rotary permutation
+
+
+def interleaved_to_half_split(weight: Tensor, head_dim: int) -> Tensor:
+    """Reorder the output rows of a q/k projection from interleaved rotary pairs to HF's half-split layout."""
+    rows, cols = weight.shape
+    return weight.reshape(rows // head_dim, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def half_split_to_interleaved(weight: Tensor, head_dim: int) -> Tensor:
+    """The inverse of interleaved_to_half_split."""
+    rows, cols = weight.shape
+    return weight.reshape(rows // head_dim, 2, head_dim // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _is_rotary(name: str) -> bool:
+    return name.startswith("layers.") and name.endswith(_ROTARY)
+
+
+def tensor_to_hf(name: str, tensor: Tensor, args: LlamaArgs) -> Tensor:
+    """A titan_lite tensor in HF layout (q/k rows permuted; others unchanged)."""
+    return interleaved_to_half_split(tensor, args.head_dim) if _is_rotary(name) else tensor
+
+
+def tensor_from_hf(name: str, tensor: Tensor, args: LlamaArgs) -> Tensor:
+    """An HF tensor in titan_lite layout; `name` is the titan_lite name."""
+    return half_split_to_interleaved(tensor, args.head_dim) if _is_rotary(name) else tensor
+
+
+# ----------------------------------------------------------------------------------- state dicts
+
+
+def to_hf_state_dict(sd: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tensor]:
+    """titan_lite names and layout -> HF; lm_head.weight is omitted when the embeddings are tied."""
+    out = {}
+    for name, tensor in sd.items():
+        if name == "output.weight" and args.tie_word_embeddings:
+            continue
+        out[hf_name(name)] = tensor_to_hf(name, tensor, args)
+    return out
+
+
+def from_hf_state_dict(sd: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tensor]:
+    """HF names and layout -> titan_lite; a tied model gets output.weight from the embedding when it is absent."""
+    out = {}
+    for name, tensor in sd.items():
+        if name.endswith("rotary_emb.inv_freq"):  # a buffer some older checkpoints saved
+            continue
+        titan = titan_name(name)
+        out[titan] = tensor_from_hf(titan, tensor, args)
+    if args.tie_word_embeddings and "output.weight" not in out and "tok_embeddings.weight" in out:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ config
+
+
+def _rope_scaling_of(args: LlamaArgs) -> dict | None:
+    if args.rope_scaling_factor is None:
+        return None
+    return {"rope_type": "llama3", "factor": float(args.rope_scaling_factor),
+            "low_freq_factor": float(args.rope_low_freq_factor), "high_freq_factor": float(args.rope_high_freq_factor),
+            "original_max_position_embeddings": int(args.rope_original_max_seq_len)}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bfloat16' for torch.bfloat16, as config.json spells it."""
+    return str(dtype).removeprefix("torch.")
+
+
+def args_to_hf_config(args: LlamaArgs, dtype: torch.dtype) -> dict:
+    """A LlamaForCausalLM config.json for these args; rope in the Llama 3.1 `rope_scaling` form HF Hub configs use."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": float(args.rope_theta),
+        "rope_scaling": _rope_scaling_of(args),
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "torch_dtype": dtype_name(dtype),
+    }
+    # Structurally pruned widths: not understood by transformers, kept so titan_lite can read its own export.
+    for key in ("layer_n_heads", "layer_n_kv_heads", "layer_ffn_dims"):
+        if getattr(args, key) is not None:
+            config[key] = list(getattr(args, key))
+    return config
+
+
+def _require(cfg: dict, key: str, source: str):
+    if key not in cfg:
+        raise ConfigError(f"{source}: missing '{key}'")
+    return cfg[key]
+
+
+def _expect(cfg: dict, key: str, allowed: tuple, source: str) -> None:
+    if key in cfg and cfg[key] not in allowed:
+        raise ConfigError(f"{source}: '{key}' is {cfg[key]!r}; titan_lite's Llama supports only {allowed[0]!r}")
+
+
+def _rope_settings(cfg: dict, source: str) -> tuple[float, dict | None]:
+    """(rope_theta, llama3 scaling or None) from either transformers 4 (rope_theta + rope_scaling) or 5 (rope_parameters)."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or params
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ConfigError(f"{source}: rope type '{rope_type}' is not supported; expected 'default' or 'llama3'")
+    return float(theta), scaling
+
+
+def args_from_hf_config(cfg: dict, source: str = "config.json") -> LlamaArgs:
+    """LlamaArgs of a LlamaForCausalLM config.json; anything titan_lite's Llama cannot represent raises ConfigError."""
+    model_type = cfg.get("model_type", "llama")
+    if model_type != "llama":
+        raise ConfigError(f"{source}: model_type is '{model_type}'; expected 'llama'")
+    _expect(cfg, "hidden_act", ("silu",), source)
+    _expect(cfg, "attention_bias", (False,), source)
+    _expect(cfg, "mlp_bias", (False,), source)
+    dim, n_heads = int(_require(cfg, "hidden_size", source)), int(_require(cfg, "num_attention_heads", source))
+    head_dim = cfg.get("head_dim") or dim // n_heads
+    if head_dim * n_heads != dim:
+        raise ConfigError(f"{source}: head_dim {head_dim} x num_attention_heads {n_heads} != hidden_size {dim}; "
+                          "titan_lite needs head_dim = hidden_size / num_attention_heads")
+    theta, scaling = _rope_settings(cfg, source)
+    args = LlamaArgs(
+        dim=dim, n_layers=int(_require(cfg, "num_hidden_layers", source)), n_heads=n_heads,
+        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads), vocab_size=int(_require(cfg, "vocab_size", source)),
+        ffn_dim=int(_require(cfg, "intermediate_size", source)), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta, max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        layer_n_heads=cfg.get("layer_n_heads"), layer_n_kv_heads=cfg.get("layer_n_kv_heads"),
+        layer_ffn_dims=cfg.get("layer_ffn_dims"))
+    if scaling is not None:
+        args.rope_scaling_factor = float(_require(scaling, "factor", f"{source} rope_scaling"))
+        args.rope_low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+        args.rope_high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+        args.rope_original_max_seq_len = int(scaling.get("original_max_position_embeddings", 8192))
+    return args
+
+
+def read_hf_config(config_path: str | Path) -> dict:
+    """The parsed config.json; a missing or malformed file raises ConfigError naming it."""
+    path = Path(config_path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file; expected a Hugging Face config.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+
+
+# Fields compared by check_args_against_hf_config; max_seq_len is left out (training picks its own length).
+_CHECKED_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_dim", "norm_eps", "rope_theta",
+                   "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len",
+                   "tie_word_embeddings", "layer_n_heads", "layer_n_kv_heads", "layer_ffn_dims")
+_SCALING_FIELDS = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and math.isclose(a, b, rel_tol=1e-9)
+    return a == b
+
+
+def check_args_against_hf_config(args: LlamaArgs, config_path: str) -> None:
+    """Raise ConfigError naming the first field where the model args and the HF config.json disagree."""
+    expected = args_from_hf_config(read_hf_config(config_path), source=str(config_path))
+    for field in _CHECKED_FIELDS:
+        if field in _SCALING_FIELDS and args.rope_scaling_factor is None and expected.rope_scaling_factor is None:
+            continue  # the scaling details mean nothing without scaling
+        ours, theirs = getattr(args, field), getattr(expected, field)
+        if not _same(ours, theirs):
+            label = "n_kv_heads" if field == "kv_heads" else field
+            raise ConfigError(f"model args disagree with {config_path}: {label} is {ours!r} in the model "
+                              f"but {theirs!r} in config.json")

@@ -1,0 +1,67 @@
+"""Activation checkpointing of transformer blocks: full, every N-th block, or per-op selective (save mm/SDPA outputs)."""
+
+from collections import defaultdict
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from titan_lite.config.schema import ActivationCheckpoint
+
+aten = torch.ops.aten
+
+# Attention kernels are costly to recompute and their outputs are small relative to their cost: always saved.
+_SDPA_OPS = [
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+]
+SAVED_OPS = {getattr(aten, name).default for name in _SDPA_OPS if hasattr(aten, name)}
+# Recomputing a tensor-parallel reduce-scatter would repeat the communication.
+SAVED_OPS.add(torch.ops._c10d_functional.reduce_scatter_tensor.default)
+MM_OPS = {aten.mm.default}
+
+
+def apply_ac(model: nn.Module, ac: ActivationCheckpoint) -> None:
+    """Replace blocks in model.layers by checkpointed wrappers according to [activation_checkpoint]."""
+    if ac.mode == "none":
+        return
+    every = 1
+    if ac.mode == "selective" and ac.selective_ac_option != "op":
+        every = int(ac.selective_ac_option)
+    per_op = ac.mode == "selective" and ac.selective_ac_option == "op"
+    for position, (name, block) in enumerate(list(model.layers.named_children()), start=1):
+        if position % every == 0:
+            model.layers.register_module(name, wrap_block(block, ac, per_op))
+
+
+def wrap_block(block: nn.Module, ac: ActivationCheckpoint, per_op: bool) -> nn.Module:
+    """A non-reentrant checkpoint wrapper; per_op adds the selective save/recompute policy."""
+    kwargs = dict(preserve_rng_state=ac.preserve_rng_state, determinism_check=ac.determinism_check,
+                  debug=ac.debug, early_stop=ac.early_stop)
+    if per_op:
+        kwargs["context_fn"] = selective_context_fn
+    return checkpoint_wrapper(block, **kwargs)
+
+
+def selective_context_fn():
+    """Fresh contexts per checkpointed call: the mm counter restarts for forward and for its recompute."""
+    counts: dict[bool, int] = defaultdict(int)
+    return create_selective_checkpoint_contexts(partial(save_policy, counts))
+
+
+def save_policy(counts: dict[bool, int], ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Save SDPA outputs and every other mm output; recompute the rest.
+
+    Forward and recompute each count mm calls separately (keyed by ctx.is_recompute) so both make the same choice.
+    """
+    if op in SAVED_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    if op in MM_OPS:
+        counts[ctx.is_recompute] += 1
+        recompute = counts[ctx.is_recompute] % 2 == 0
+        return CheckpointPolicy.PREFER_RECOMPUTE if recompute else CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE

@@ -1,0 +1,163 @@
+"""Per-rank peak device memory estimate of a planned job: parameters, gradients, optimizer, activations, FSDP buffers."""
+
+from dataclasses import dataclass, field
+
+from titan_lite.models.llama.args import LlamaArgs
+
+GIB = 1024**3
+FP32 = 4
+# Activation-checkpoint policy of one transformer block.
+NO_AC, FULL_AC, OP_AC = "none", "full", "op"
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """What sizes one microbatch's activations on this rank."""
+
+    tokens: int  # microbatch size x sequence length / context-parallel degree
+    compute_bytes: int  # bytes per element of the compute dtype (2 for bf16)
+    tp: int = 1  # tensor (and sequence) parallel degree
+    cp: int = 1  # context parallel degree: K/V are all-gathered over it
+    loss_parallel: bool = False  # logits stay vocab-sharded over TP
+    # Accelerators run RMSNorm as one fused kernel saving (input, rstd); the CPU composite also saves x * rstd.
+    fused_rms_norm: bool = True
+
+
+def _rms_norm_bytes(args: LlamaArgs, tokens: int, s: ActivationShape) -> int:
+    saved = tokens * args.dim * s.compute_bytes + tokens * FP32  # input, rstd
+    if not s.fused_rms_norm:
+        saved += tokens * args.dim * FP32
+    return saved
+
+
+def _attention_core_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape) -> int:
+    """SDPA saves q, the GQA-expanded k and v, its output and the fp32 log-sum-exp, heads split over TP."""
+    q_heads, _ = args.heads_of(layer_id)
+    width = q_heads * args.head_dim // s.tp
+    kv_tokens = s.tokens * s.cp
+    return (s.tokens * width * 2 + kv_tokens * width * 2) * s.compute_bytes + s.tokens * (q_heads // s.tp) * FP32
+
+
+def layer_activation_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape, policy: str) -> int:
+    """Bytes one transformer block keeps for backward for one microbatch, under an AC policy.
+
+    Sequence parallel splits the tokens of block inputs and norms over TP; the gathered norm outputs that the
+    projections consume are full-length.
+    """
+    c, dim, tokens = s.compute_bytes, args.dim, s.tokens
+    seq_shard = tokens // s.tp
+    ffn = args.ffn_dim_of(layer_id) // s.tp
+    block_input = seq_shard * dim * c
+    if policy == FULL_AC:
+        return block_input
+    q_heads, kv_heads = args.heads_of(layer_id)
+    if policy == OP_AC:
+        # Every other mm output is saved (wq, wv, w1, w2 of wq wk wv wo w1 w3 w2), plus SDPA outputs and, under
+        # TP, the reduce-scatter outputs of wo and w2.
+        saved = block_input + tokens * (q_heads + kv_heads) * args.head_dim // s.tp * c
+        saved += tokens * q_heads * args.head_dim // s.tp * c + tokens * (q_heads // s.tp) * FP32
+        saved += tokens * ffn * c + tokens * dim * c
+        if s.tp > 1:
+            saved += 2 * seq_shard * dim * c
+        return saved
+    gathered_norm_out = tokens * dim * c
+    attention = _rms_norm_bytes(args, seq_shard, s) + gathered_norm_out + _attention_core_bytes(args, layer_id, s)
+    mlp = _rms_norm_bytes(args, seq_shard, s) + gathered_norm_out + 4 * tokens * ffn * c  # w1, silu, w3, product
+    return attention + mlp
+
+
+def head_activation_bytes(args: LlamaArgs, s: ActivationShape) -> int:
+    """Final norm, the output projection's input and the fp32 log-softmax of the loss."""
+    vocab = args.vocab_size // s.tp if s.loss_parallel else args.vocab_size
+    return _rms_norm_bytes(args, s.tokens // s.tp, s) + s.tokens * args.dim * s.compute_bytes + s.tokens * vocab * FP32
+
+
+def saved_activation_bytes(args: LlamaArgs, layer_policies: dict[int, str], has_head: bool,
+                           s: ActivationShape) -> int:
+    """Everything one microbatch keeps for backward on one stage (layer id -> AC policy)."""
+    total = sum(layer_activation_bytes(args, i, s, p) for i, p in layer_policies.items())
+    return total + (head_activation_bytes(args, s) if has_head else 0)
+
+
+def backward_working_bytes(args: LlamaArgs, layer_ids: list[int], s: ActivationShape) -> int:
+    """One block's un-checkpointed activations: its recompute, or its activation gradients, during backward."""
+    return max((layer_activation_bytes(args, i, s, NO_AC) for i in layer_ids), default=0)
+
+
+def in_flight_microbatches(schedule: str | None, pp: int, pp_rank: int, n_microbatches: int,
+                           stages_per_rank: int = 1) -> float:
+    """Microbatches whose activations one stage of this rank holds at the peak of a pipeline step.
+
+    GPipe and LoopedBFS run every forward first; 1F1B holds pp - rank; interleaved schedules hold about
+    (stages_per_rank - 1) x pp + 2 x (pp - 1 - rank) + 1 chunk-forwards, shared among this rank's stages.
+    """
+    if schedule is None or pp == 1:
+        return 1.0
+    if schedule in ("GPipe", "LoopedBFS"):
+        return float(n_microbatches)
+    if stages_per_rank == 1:
+        return float(min(n_microbatches, pp - pp_rank))
+    chunks = min(n_microbatches * stages_per_rank, (stages_per_rank - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
+    return chunks / stages_per_rank
+
+
+@dataclass(frozen=True)
+class FsdpUnit:
+    """One fully_shard group: its parameter count after the all-gather (still TP-sharded) and whether it
+    frees the gathered parameters after forward."""
+
+    name: str
+    unsharded_numel: int
+    reshards_after_forward: bool
+
+
+def fsdp_buffer_bytes(units: list[FsdpUnit], compute_bytes: int, reduce_bytes: int) -> int:
+    """Gathered parameters of groups that stay unsharded, the current and prefetched all-gathers, and the
+    reduce-scatter inputs of the group just finished and the one in flight."""
+    if not units:
+        return 0
+    held = sum(u.unsharded_numel for u in units if not u.reshards_after_forward) * compute_bytes
+    resharded = [u.unsharded_numel for u in units if u.reshards_after_forward]
+    gathers = 2 * max(resharded, default=0) * compute_bytes
+    reduce_scatters = 2 * max(u.unsharded_numel for u in units) * reduce_bytes
+    return held + gathers + reduce_scatters
+
+
+@dataclass
+class MemoryEstimate:
+    """Peak bytes on one device, by category, with a note on how each was counted."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    buffers: int
+    notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
+
+    def lines(self) -> list[str]:
+        rows = [("parameters", self.parameters), ("gradients", self.gradients), ("optimizer", self.optimizer),
+                ("activations", self.activations), ("buffers", self.buffers)]
+        out = [f"  {name:<12}{b / GIB:9.2f} GiB  {self.notes.get(name, '')}".rstrip() for name, b in rows]
+        out.append(f"  {'peak':<12}{self.total / GIB:9.2f} GiB")
+        return out
+
+
+def state_bytes(local_params: int, param_bytes: int, offloaded: bool) -> tuple[int, int, int]:
+    """(parameters, gradients, AdamW state) on the device: sharded params and grads in the parameter dtype,
+    two fp32 moments per parameter; nothing when FSDP offloads them to the CPU."""
+    if offloaded:
+        return 0, 0, 0
+    return local_params * param_bytes, local_params * param_bytes, 2 * FP32 * local_params
+
+
+def verdict(estimate: MemoryEstimate, capacity_gib: float) -> tuple[bool, str]:
+    """(fits, one line) comparing the peak to the device capacity."""
+    peak = estimate.total / GIB
+    headroom = capacity_gib - peak
+    if headroom >= 0:
+        return True, f"fits: peak {peak:.2f} GiB of {capacity_gib:.2f} GiB, head-room {headroom:.2f} GiB"
+    return False, f"does NOT fit: peak {peak:.2f} GiB exceeds {capacity_gib:.2f} GiB by {-headroom:.2f} GiB"

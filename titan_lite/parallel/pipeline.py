@@ -1,0 +1,236 @@
+"""Pipeline parallelism: splits a meta Llama into stages, places them on the pp ranks and builds the schedule."""
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineSchedule, get_schedule_class
+
+from titan_lite.config.manager import ConfigError
+from titan_lite.config.schema import JobConfig
+from titan_lite.models.llama import Llama
+from titan_lite.parallel.parallel_dims import ParallelDims
+
+# Schedules that run several (virtual) stages per rank; by default they get two stages per rank.
+MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
+# Stages placed in a V: rank r holds stages r and (2 x pp - 1 - r), so the first and last stage share rank 0.
+V_STYLE_SCHEDULES = ("ZBVZeroBubble",)
+# Schedules whose torch implementation needs at least as many microbatches as there are stages.
+NEED_MICROBATCHES_PER_STAGE = ("1F1B", "ZBVZeroBubble")
+
+
+# ------------------------------------------------------------------------------ the layer split
+
+
+def virtual_stage_count(pp: int, schedule: str, n_layers: int, first_less: int, last_less: int,
+                        layers_per_stage: int | None = None) -> int:
+    """Stages over the whole pipeline: fixed by layers_per_stage when set, else pp x (2 if multi-stage else 1)."""
+    stages_per_rank = 2 if schedule in MULTI_STAGE_SCHEDULES else 1
+    if layers_per_stage is None:
+        return pp * stages_per_rank
+    if layers_per_stage < 1:
+        raise ConfigError(f"'parallelism.pipeline_parallel_layers_per_stage' must be at least 1, got {layers_per_stage}")
+    units = n_layers + first_less + last_less
+    if units % layers_per_stage:
+        raise ConfigError(
+            f"'parallelism.pipeline_parallel_layers_per_stage' = {layers_per_stage} does not divide the layers: "
+            f"{n_layers} layers + first_stage_less_layers {first_less} + last_stage_less_layers {last_less} = {units}, "
+            f"and {units} % {layers_per_stage} = {units % layers_per_stage}")
+    num_stages = units // layers_per_stage
+    check_stage_count_fits(num_stages, pp, schedule, f"{units} / layers_per_stage {layers_per_stage}")
+    return num_stages
+
+
+def check_stage_count_fits(num_stages: int, pp: int, schedule: str, arithmetic: str) -> None:
+    """The number of stages must spread evenly over the ranks and suit the schedule."""
+    if num_stages % pp:
+        raise ConfigError(f"pipeline stages {arithmetic} = {num_stages} do not divide evenly over "
+                          f"'parallelism.pipeline_parallel_degree' {pp}")
+    per_rank = num_stages // pp
+    if schedule not in MULTI_STAGE_SCHEDULES and per_rank != 1:
+        raise ConfigError(f"'parallelism.pipeline_parallel_schedule' = '{schedule}' runs one stage per rank, but "
+                          f"{arithmetic} = {num_stages} stages over pp {pp} is {per_rank} per rank; use a multi-stage "
+                          f"schedule ({', '.join(MULTI_STAGE_SCHEDULES)}) or change pipeline_parallel_layers_per_stage")
+    if schedule in V_STYLE_SCHEDULES and per_rank != 2:
+        raise ConfigError(f"'parallelism.pipeline_parallel_schedule' = '{schedule}' needs exactly 2 stages per rank, "
+                          f"but {arithmetic} = {num_stages} stages over pp {pp} is {per_rank} per rank")
+
+
+def stage_unit_counts(units: int, num_stages: int, layers_per_stage: int | None) -> list[int]:
+    """How many units (transformer layers, embedding, output) each stage carries.
+
+    An uneven remainder goes one unit each to the inner stages (1, 2, ...) and then to the last stage, since
+    the first and last stages already carry the embedding and output head.
+    """
+    if layers_per_stage is not None:
+        return [layers_per_stage] * num_stages
+    base, extra = divmod(units, num_stages)
+    order = list(range(1, num_stages - 1)) + [num_stages - 1]
+    counts = [base] * num_stages
+    for stage in order[:extra]:
+        counts[stage] += 1
+    return counts
+
+
+def split_layers(n_layers: int, num_stages: int, first_less: int = 1, last_less: int = 1,
+                 layers_per_stage: int | None = None) -> list[list[int]]:
+    """The global transformer-layer ids held by each stage, in order.
+
+    The embedding counts as first_less layers on the first stage and the output head as last_less layers on
+    the last stage; every stage must hold something and no stage can hold fewer than zero layers.
+    """
+    if first_less < 0 or last_less < 0:
+        raise ConfigError(f"'parallelism.pipeline_parallel_first_stage_less_layers' ({first_less}) and "
+                          f"'last_stage_less_layers' ({last_less}) must be at least 0")
+    units = n_layers + first_less + last_less
+    if units < num_stages:
+        raise ConfigError(f"{n_layers} layers + first_stage_less_layers {first_less} + last_stage_less_layers "
+                          f"{last_less} = {units} cannot fill {num_stages} pipeline stages (one layer each at least)")
+    counts = stage_unit_counts(units, num_stages, layers_per_stage)
+    layer_counts = list(counts)
+    layer_counts[0] -= first_less
+    layer_counts[-1] -= last_less
+    for stage, count in ((0, layer_counts[0]), (num_stages - 1, layer_counts[-1])):
+        if count < 0:
+            raise ConfigError(
+                f"pipeline stage {stage} would hold {count} transformer layers: {units} units "
+                f"({n_layers} layers + first_stage_less_layers {first_less} + last_stage_less_layers {last_less}) "
+                f"over {num_stages} stages is {counts[stage]} for that stage, less than its "
+                f"{'first' if stage == 0 else 'last'}_stage_less_layers; lower it or use fewer stages")
+    bounds = [0]
+    for count in layer_counts:
+        bounds.append(bounds[-1] + count)
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(num_stages)]
+
+
+# ------------------------------------------------------------------------------ stages on ranks
+
+
+def stage_to_rank(num_stages: int, pp: int, v_style: bool) -> list[int]:
+    """The pp rank of every stage: a loop (stage s on rank s % pp) or a V (down the ranks, then back up)."""
+    if not v_style:
+        return [s % pp for s in range(num_stages)]
+    ranks = []
+    for s in range(num_stages):
+        lap, pos = divmod(s, pp)
+        ranks.append(pos if lap % 2 == 0 else pp - 1 - pos)
+    return ranks
+
+
+def stages_of_rank(rank: int, num_stages: int, pp: int, v_style: bool) -> list[int]:
+    return [s for s, r in enumerate(stage_to_rank(num_stages, pp, v_style)) if r == rank]
+
+
+def prune_to_stage(model: Llama, layer_ids: list[int], is_first: bool, is_last: bool) -> Llama:
+    """A deep copy of the (meta) model holding only this stage's layers and, where it owns them, the ends."""
+    stage = copy.deepcopy(model)
+    keep = {str(i) for i in layer_ids}
+    for name in list(stage.layers.keys()):
+        if name not in keep:
+            del stage.layers[name]
+    if not is_first:
+        stage.tok_embeddings = None
+    if not is_last:
+        stage.norm = None
+        stage.output = None
+    return stage
+
+
+# ------------------------------------------------------------------------------ microbatches
+
+
+def microbatch_count(local_batch_size: int, microbatch_size: int, schedule: str, num_stages: int, pp: int,
+                     batch_key: str = "training.local_batch_size") -> int:
+    """local_batch_size / pipeline_parallel_microbatch_size, checked against what the schedule can run."""
+    if local_batch_size % microbatch_size:
+        raise ConfigError(f"'{batch_key}' {local_batch_size} is not a multiple of "
+                          f"'parallelism.pipeline_parallel_microbatch_size' {microbatch_size}")
+    n = local_batch_size // microbatch_size
+    if schedule in NEED_MICROBATCHES_PER_STAGE and n < num_stages:
+        raise ConfigError(f"'parallelism.pipeline_parallel_schedule' = '{schedule}' needs at least as many microbatches "
+                          f"as stages ({num_stages}), but '{batch_key}' {local_batch_size} / microbatch_size "
+                          f"{microbatch_size} = {n}; raise the batch size or lower the microbatch size")
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, n // pp)
+        if n % rounds:
+            raise ConfigError(f"'parallelism.pipeline_parallel_schedule' = '{schedule}' runs microbatches in rounds of "
+                              f"pp {pp}: {n} microbatches ('{batch_key}' {local_batch_size} / microbatch_size "
+                              f"{microbatch_size}) must be at most {pp} or a multiple of {n // pp} rounds")
+    return n
+
+
+# ------------------------------------------------------------------------------ the schedule
+
+
+def build_schedule(schedule: str, stages: list[PipelineStage], n_microbatches: int,
+                   loss_fn: Callable | None) -> _PipelineSchedule:
+    """The torch schedule over this rank's stages.
+
+    scale_grads=False: the loss function already carries the 1 / global-token factor, so the per-microbatch
+    gradients sum to exactly the single-process gradient; torch's default would divide again by n_microbatches.
+    """
+    cls = get_schedule_class(schedule)
+    if issubclass(cls, PipelineScheduleSingle):
+        assert len(stages) == 1, f"{schedule} runs one stage per rank, got {len(stages)}"
+        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def schedule_stages(schedule: _PipelineSchedule) -> list[PipelineStage]:
+    """The stages a schedule runs on this rank."""
+    return list(schedule._stages) if hasattr(schedule, "_stages") else [schedule._stage]
+
+
+def rebind_stage_modules(schedule: _PipelineSchedule, parts: list[nn.Module]) -> None:
+    """Point each stage at its part after parallelisation, in case a wrapper replaced the module object."""
+    for stage, part in zip(schedule_stages(schedule), parts, strict=True):
+        stage.submod = part
+
+
+def schedule_like(schedule: _PipelineSchedule, n_microbatches: int, loss_fn: Callable | None,
+                  schedule_name: str) -> _PipelineSchedule:
+    """A fresh schedule over the same stage modules, e.g. for validation batches of another shape.
+
+    New PipelineStage objects infer their activation shapes anew from the first batch they see.
+    """
+    stages = [PipelineStage(s.submod, s.stage_index, s.num_stages, s.device, group=s.group)
+              for s in schedule_stages(schedule)]
+    return build_schedule(schedule_name, stages, n_microbatches, loss_fn)
+
+
+def check_pipeline_config(cfg: JobConfig, n_layers: int, tied_embeddings: bool) -> tuple[int, list[list[int]], int]:
+    """(stage count, layers of every stage, microbatches per local batch), or a ConfigError."""
+    p = cfg.parallelism
+    if tied_embeddings:
+        raise ConfigError(f"flavor '{cfg.model.flavor}' ties its input embedding to the output head, which cannot be "
+                          f"split across pipeline stages; use 'parallelism.pipeline_parallel_degree' 1 or an untied flavor")
+    first_less, last_less = p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers
+    num_stages = virtual_stage_count(p.pipeline_parallel_degree, p.pipeline_parallel_schedule, n_layers,
+                                     first_less, last_less, p.pipeline_parallel_layers_per_stage)
+    layers = split_layers(n_layers, num_stages, first_less, last_less, p.pipeline_parallel_layers_per_stage)
+    n_micro = microbatch_count(cfg.training.local_batch_size, p.pipeline_parallel_microbatch_size,
+                               p.pipeline_parallel_schedule, num_stages, p.pipeline_parallel_degree)
+    return num_stages, layers, n_micro
+
+
+def pipeline_llama(model: Llama, parallel_dims: ParallelDims, cfg: JobConfig, device: torch.device,
+                   loss_fn: Callable) -> tuple[_PipelineSchedule, list[nn.Module]]:
+    """Split the meta model into this rank's stages and build the schedule over them.
+
+    The stages wrap the still-meta parts: PipelineStage only keeps a reference to its module and infers
+    activation shapes on the first step, so parallelising, materialising and initialising the parts in place
+    afterwards (the trainer's order) is safe.
+    """
+    schedule_name = cfg.parallelism.pipeline_parallel_schedule
+    num_stages, layers, n_micro = check_pipeline_config(cfg, model.args.n_layers, model.args.tie_word_embeddings)
+    pp_mesh = parallel_dims.submesh("pp")
+    pp_rank, pp = pp_mesh.get_local_rank(), pp_mesh.size()
+    stage_ids = stages_of_rank(pp_rank, num_stages, pp, v_style=schedule_name in V_STYLE_SCHEDULES)
+    parts, stages = [], []
+    for stage_id in stage_ids:
+        part = prune_to_stage(model, layers[stage_id], is_first=stage_id == 0, is_last=stage_id == num_stages - 1)
+        parts.append(part)
+        stages.append(PipelineStage(part, stage_id, num_stages, device, group=pp_mesh.get_group()))
+    return build_schedule(schedule_name, stages, n_micro, loss_fn), parts

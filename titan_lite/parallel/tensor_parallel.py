@@ -1,0 +1,87 @@
+"""Tensor parallelism for Llama: the sequence-parallel plan per module, loss parallel, and the TP divisibility check."""
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from titan_lite.config.manager import ConfigError
+from titan_lite.models.llama.args import LlamaArgs
+
+
+def check_tp_divisibility(args: LlamaArgs, tp: int) -> None:
+    """Every sharded width must split evenly over the TP ranks; raise one ConfigError line naming the numbers."""
+    if tp <= 1:
+        return
+    widths = {"dim": [args.dim]}
+    widths["n_heads"] = args.layer_n_heads or [args.n_heads]
+    widths["n_kv_heads"] = args.layer_n_kv_heads or [args.kv_heads]
+    widths["ffn_dim"] = args.layer_ffn_dims or [args.ffn_dim]
+    for name, values in widths.items():
+        bad = sorted({v for v in values if v % tp})
+        if bad:
+            raise ConfigError(f"'parallelism.tensor_parallel_degree' = {tp} must divide the model's {name} "
+                              f"({', '.join(map(str, bad))})")
+
+
+def top_level_plan(loss_parallel: bool) -> dict:
+    """Embeddings produce sequence-sharded activations; the head consumes them and shards (or gathers) logits."""
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            # loss parallel needs the DTensor so cross-entropy can run on vocab shards
+            use_local_output=not loss_parallel,
+        ),
+    }
+
+
+def block_plan() -> dict:
+    """Norms on sequence shards; attention and MLP gather the sequence, split heads/hidden, and scatter it back."""
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    """Shard the model over tp_mesh in place (sequence parallel everywhere; pipeline stages may lack some parts)."""
+    tied = _is_tied(model)
+    plan = {name: style for name, style in top_level_plan(loss_parallel).items() if getattr(model, name, None) is not None}
+    parallelize_module(model, tp_mesh, plan)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan())
+    if tied:
+        retie_embeddings(model)
+
+
+def _is_tied(model: nn.Module) -> bool:
+    emb, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    return emb is not None and out is not None and emb.weight is out.weight
+
+
+def retie_embeddings(model: nn.Module) -> None:
+    """Distributing a module replaces its parameter, which unties tied weights: share the embedding's again.
+
+    Rowwise embedding and colwise head both shard the [vocab, dim] weight as Shard(0), so one DTensor serves both.
+    """
+    emb, out = model.tok_embeddings.weight, model.output.weight
+    assert emb.placements == out.placements, (emb.placements, out.placements)
+    model.output.weight = emb
