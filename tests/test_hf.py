@@ -342,7 +342,9 @@ def test_download_explains_gated_and_unauthorised():
     download = load_script("download_hf_assets")
     from huggingface_hub.errors import GatedRepoError
 
-    assert "huggingface-cli login" in download.explain(GatedRepoError("gated"), "meta-llama/Llama-3.2-1B")
+    gated = GatedRepoError.__new__(GatedRepoError)  # its constructor wants a live HTTP response
+    Exception.__init__(gated, "403 gated")
+    assert "huggingface-cli login" in download.explain(gated, "meta-llama/Llama-3.2-1B")
 
     class Response:
         status_code = 401
