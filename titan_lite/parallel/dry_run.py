@@ -194,8 +194,8 @@ def estimate_rank(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, parts: li
                                                            head_reshards=policy == "always")]
         buffers = me.fsdp_buffer_bytes(units, c, reduce_bytes)
         held = sum(u.unsharded_numel for u in units if not u.reshards_after_forward)
-        buffer_note = (f"FSDP: {held:,} params kept gathered + 2 x all-gather of the largest group in {c_name}"
-                       f" + 2 x reduce-scatter in {cfg.training.mixed_precision_reduce}")
+        buffer_note = (f"FSDP: {held:,} params kept gathered + 2 all-gathers in {c_name}"
+                       f" + 2 reduce-scatters in {cfg.training.mixed_precision_reduce} (largest groups)")
     else:
         buffers = local * c if c < param_bytes else 0  # autocast's cached low-precision weight copies
         buffer_note = f"autocast {c_name} weight copies" if buffers else "none (no data parallelism)"
@@ -241,8 +241,8 @@ def describe_layers(layers: list[list[int]]) -> str:
 def role_lines(role: RolePlan, dims: ParallelDims, capacity_gib: float) -> tuple[bool, list[str]]:
     ends = [name for name, held in (("embeddings", role.has_embeddings), ("output head", role.has_head)) if held]
     share = dims.world_size // dims.pp
-    who = f"rank {role.rank}" + (f" (pp stage rank {role.pp_rank}, like its {share} ranks)" if dims.pp_enabled
-                                 else f" (like all {dims.world_size} ranks)")
+    who = f"rank {role.rank}" + (f" (pp rank {role.pp_rank}; {share} ranks alike)" if dims.pp_enabled
+                                 else f" ({dims.world_size} ranks alike)")
     fits, line = me.verdict(role.estimate, capacity_gib)
     lines = [f"{who}: {describe_layers(role.layers)}" + (f" + {' + '.join(ends)}" if ends else ""),
              f"  local parameters: {role.local_params:,}", *role.estimate.lines(), f"  verdict: {line}"]

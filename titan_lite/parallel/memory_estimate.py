@@ -112,14 +112,14 @@ class FsdpUnit:
 
 
 def fsdp_buffer_bytes(units: list[FsdpUnit], compute_bytes: int, reduce_bytes: int) -> int:
-    """Gathered parameters of groups that stay unsharded, the current and prefetched all-gathers, and the
-    reduce-scatter inputs of the group just finished and the one in flight."""
+    """Gathered parameters of groups that stay unsharded, plus two all-gathers (the current group and the
+    prefetched next one) and two reduce-scatter inputs in flight, sized by the two largest groups."""
     if not units:
         return 0
     held = sum(u.unsharded_numel for u in units if not u.reshards_after_forward) * compute_bytes
-    resharded = [u.unsharded_numel for u in units if u.reshards_after_forward]
-    gathers = 2 * max(resharded, default=0) * compute_bytes
-    reduce_scatters = 2 * max(u.unsharded_numel for u in units) * reduce_bytes
+    resharded = sorted((u.unsharded_numel for u in units if u.reshards_after_forward), reverse=True)
+    gathers = sum(resharded[:2]) * compute_bytes
+    reduce_scatters = sum(sorted((u.unsharded_numel for u in units), reverse=True)[:2]) * reduce_bytes
     return held + gathers + reduce_scatters
 
 

@@ -1,0 +1,138 @@
+"""The memory estimate: its arithmetic, and its activation bytes against what a real CPU forward keeps for backward."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from titan_lite.config.schema import JobConfig
+from titan_lite.models.llama import Llama, LlamaArgs, flavor_args
+from titan_lite.parallel import memory_estimate as me
+from titan_lite.parallel.dry_run import layer_policies
+from titan_lite.parallel.parallel_dims import ParallelDims
+from titan_lite.parallel.parallelize import parallelize_llama
+
+# ------------------------------------------------------------------------- measuring saved activations
+
+
+class LiveStorages(TorchDispatchMode):
+    """Remembers every storage an op produced; the ones still alive are what autograd and AC caches keep."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = WeakIdKeyDictionary()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.sizes[t.untyped_storage()] = t.untyped_storage().nbytes()
+        return out
+
+
+def measured_saved_bytes(model: torch.nn.Module, batch: int, seq: int, vocab: int) -> int:
+    """Bytes of tensors alive between the end of forward (loss computed, logits dropped) and backward."""
+    tokens = torch.randint(0, vocab, (batch, seq))
+    targets = torch.randint(0, vocab, (batch * seq,))
+    owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    tracker = LiveStorages()
+    with tracker:
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets, reduction="sum")
+        del logits
+        live = sum(n for storage, n in tracker.sizes.items() if storage.data_ptr() not in owned)
+    loss.backward()  # the graph must still be usable: nothing was freed early
+    return live - loss.untyped_storage().nbytes()
+
+
+def checkpointed_model(args: LlamaArgs, mode: str, option: str) -> Llama:
+    """The trainer's own AC code (parallelize_llama on a single-rank layout) on a real fp32 CPU model."""
+    torch.manual_seed(0)
+    cfg = JobConfig()
+    cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option = mode, option
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)
+    return parallelize_llama(Llama(args), dims, cfg)
+
+
+SMALL_GQA = LlamaArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim=192, max_seq_len=128,
+                      rope_theta=10000.0)
+
+
+def _debugmodel(seq: int) -> LlamaArgs:
+    args = flavor_args("debugmodel")
+    args.max_seq_len = seq
+    return args
+
+
+@pytest.mark.parametrize("mode,option", [("none", "op"), ("full", "op"), ("selective", "op"), ("selective", "2")])
+@pytest.mark.parametrize("args,batch,seq", [(SMALL_GQA, 2, 128), (_debugmodel(64), 2, 64)], ids=["gqa", "debugmodel"])
+def test_activation_estimate_matches_cpu_forward(args, batch, seq, mode, option):
+    model = checkpointed_model(args, mode, option)
+    measured = measured_saved_bytes(model, batch, seq, args.vocab_size)
+    shape = me.ActivationShape(tokens=batch * seq, compute_bytes=4, fused_rms_norm=False)  # CPU: composite RMSNorm
+    estimate = me.saved_activation_bytes(args, layer_policies(model, mode, option), True, shape)
+    assert abs(estimate - measured) <= 0.2 * measured, (estimate, measured)
+    # Checkpointing must actually save memory in the measured run, in the estimated order none > op > full.
+    if mode != "none":
+        assert measured < measured_saved_bytes(checkpointed_model(args, "none", "op"), batch, seq, args.vocab_size)
+
+
+def test_selective_every_second_layer_wraps_layers_2_and_4():
+    model = checkpointed_model(SMALL_GQA, "selective", "2")
+    assert layer_policies(model, "selective", "2") == {0: "none", 1: "full", 2: "none", 3: "full"}
+
+
+# ------------------------------------------------------------------------- arithmetic
+
+
+def test_full_ac_keeps_only_the_sequence_sharded_block_input():
+    args = flavor_args("70B")
+    shape = me.ActivationShape(tokens=8192, compute_bytes=2, tp=8)
+    assert me.layer_activation_bytes(args, 0, shape, me.FULL_AC) == 8192 // 8 * 8192 * 2
+
+
+def test_op_ac_layer_of_8b_saves_input_wq_wv_sdpa_w1_w2():
+    args = flavor_args("8B")  # dim 4096, 32 heads of 128, 8 kv heads, ffn 14336
+    t, c = 8192, 2
+    expected = t * c * (4096 + 4096 + 1024 + 4096 + 14336 + 4096) + t * 32 * 4
+    assert me.layer_activation_bytes(args, 0, me.ActivationShape(tokens=t, compute_bytes=c), me.OP_AC) == expected
+
+
+def test_no_ac_layer_bytes_by_hand():
+    args = LlamaArgs(dim=8, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=16, ffn_dim=12)
+    shape = me.ActivationShape(tokens=10, compute_bytes=2, fused_rms_norm=True)
+    norms = 2 * (10 * 8 * 2 + 10 * 4)  # input + fp32 rstd, twice
+    gathered = 2 * 10 * 8 * 2  # norm outputs fed to the projections
+    attention = 4 * 10 * 8 * 2 + 10 * 2 * 4  # q, expanded k and v, output; fp32 log-sum-exp per head
+    mlp = 4 * 10 * 12 * 2
+    assert me.layer_activation_bytes(args, 0, shape, me.NO_AC) == norms + gathered + attention + mlp
+
+
+@pytest.mark.parametrize("schedule,expected", [("1F1B", [4, 3, 2, 1]), ("GPipe", [8, 8, 8, 8])])
+def test_in_flight_microbatches_per_pipeline_rank(schedule, expected):
+    assert [me.in_flight_microbatches(schedule, 4, r, 8) for r in range(4)] == expected
+
+
+def test_in_flight_without_pipeline_is_one():
+    assert me.in_flight_microbatches(None, 1, 0, 1) == 1.0
+
+
+def test_fsdp_buffers_count_held_groups_two_gathers_and_two_reduce_scatters():
+    units = [me.FsdpUnit("layers.0", 100, True), me.FsdpUnit("layers.1", 100, True),
+             me.FsdpUnit("output", 300, False), me.FsdpUnit("tok_embeddings", 250, True)]
+    # held: output 300 x 2 bytes; gathers: 250 + 100 in bf16; reduce-scatters: 300 + 250 in fp32
+    assert me.fsdp_buffer_bytes(units, 2, 4) == 600 + 700 + 2200
+
+
+def test_state_bytes_adamw_and_offload():
+    assert me.state_bytes(1000, 4, offloaded=False) == (4000, 4000, 8000)
+    assert me.state_bytes(1000, 4, offloaded=True) == (0, 0, 0)
+
+
+def test_verdict_reports_head_room_and_overflow():
+    est = me.MemoryEstimate(parameters=10 * me.GIB, gradients=0, optimizer=0, activations=6 * me.GIB, buffers=0)
+    assert me.verdict(est, 24.0) == (True, "fits: peak 16.00 GiB of 24.00 GiB, head-room 8.00 GiB")
+    fits, line = me.verdict(est, 12.0)
+    assert not fits and line == "does NOT fit: peak 16.00 GiB exceeds 12.00 GiB by 4.00 GiB"
