@@ -1,7 +1,6 @@
 """Hugging Face safetensors folders: reading them into (possibly sharded) model parts, writing them from the model."""
 
 import json
-import logging
 import os
 import re
 import shutil
@@ -18,8 +17,6 @@ from titan_lite.config.manager import ConfigError
 from titan_lite.models.llama.args import LlamaArgs
 from titan_lite.models.llama.hf import (args_to_hf_config, hf_source_names, tensor_from_hf, to_hf_state_dict)
 from titan_lite.models.llama.model import Llama, canonical_name, copy_into_shard
-
-logger = logging.getLogger("titan_lite")
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -124,7 +121,6 @@ def load_hf_weights(model_parts: list[nn.Module], folder: str, model_args: Llama
                 name = canonical_name(name)
                 full = read_titan_tensor(name, model_args, files, reader, folder, param.shape)
                 copy_into_shard(param, full.to(device=param.device, dtype=param.dtype))
-    logger.info(f"loaded Hugging Face weights from {folder}")
 
 
 def read_hf_folder(folder: str, args: LlamaArgs) -> dict[str, Tensor]:
@@ -277,6 +273,5 @@ def export_hf(model_parts: list[nn.Module], model_args: LlamaArgs, out_dir: str,
         if model_args.tie_word_embeddings:
             sd.pop("output.weight", None)  # a pipeline's last stage holds its own copy of the tied head
         write_hf_folder(sd, model_args, out_dir, dtype, assets_dir, max_shard_bytes)
-        logger.info(f"exported Hugging Face checkpoint ({str(dtype).removeprefix('torch.')}) to {out_dir}")
     if distributed:
         dist.barrier()
