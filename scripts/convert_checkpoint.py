@@ -41,7 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         source = p.add_mutually_exclusive_group()
         source.add_argument("--flavor", help="model flavor (titan_lite.models.llama.FLAVORS)")
         source.add_argument("--hf-config", help="an HF config.json describing the model")
-        p.add_argument("--max-seq-len", type=int, help="with --flavor: max_position_embeddings written to config.json")
+        p.add_argument("--max-seq-len", type=int,
+                       help="with --flavor: max_position_embeddings for config.json (raised to that of "
+                            "--assets/config.json when it describes the same model)")
         p.add_argument("--dtype", choices=tuple(DTYPES), default="float32" if name == "hf-to-dcp" else "bfloat16",
                        help="dtype of the written tensors")
         p.add_argument("--key-prefix", default=DEFAULT_PREFIX,

@@ -174,6 +174,27 @@ def test_export_in_bfloat16_single_file_replaces_old_export(tmp_path):
     assert not list(tmp_path.glob(".hf.*"))  # no temporary folder left behind
 
 
+def test_export_keeps_the_assets_context_length(tmp_path):
+    args = small_args()
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text(json.dumps({**args_to_hf_config(replace(args, max_seq_len=4096), torch.float32),
+                                                    "eos_token_id": 9}))
+    export_hf([titan_model(args)], args, str(tmp_path / "hf"), torch.float32, str(assets))
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["max_position_embeddings"], config["eos_token_id"]) == (4096, 9)
+
+
+def test_pruned_model_round_trips_through_hf_folder(tmp_path):
+    """Per-layer widths (structured pruning) are not representable in transformers; titan_lite reads its own export."""
+    args = small_args(layer_n_heads=[4, 2], layer_n_kv_heads=[2, 1], layer_ffn_dims=[128, 48])
+    model = titan_model(args, seed=5)
+    export_hf([model], args, str(tmp_path / "hf"), torch.float32, None)
+    loaded = load_titan_from_hf(tmp_path / "hf")
+    assert loaded.args == args
+    torch.testing.assert_close(titan_logits(loaded), titan_logits(model), atol=0, rtol=0)
+
+
 def test_config_round_trip():
     args = small_args(rope_scaling_factor=32.0, rope_original_max_seq_len=8192, tie_word_embeddings=True,
                       norm_eps=1e-6)
@@ -232,6 +253,19 @@ def test_wrong_shape_names_tensor_and_both_shapes(saved):
     with pytest.raises(ConfigError, match=r"tensor 'model.layers.0.mlp.gate_proj.weight' has shape \[128, 64\], "
                                           r"expected \[96, 64\]"):
         load_hf_weights([fresh_model(args)], str(folder), args)
+
+
+def test_extra_layer_in_checkpoint_is_named(saved):
+    folder, args = saved
+    args.n_layers = 1
+    with pytest.raises(ConfigError, match=r"tensor 'model.layers.1.input_layernorm.weight' has no counterpart in "
+                                          r"the model \(1 layers\)"):
+        load_hf_weights([fresh_model(args)], str(folder), args)
+
+
+def test_unknown_tensor_name_is_a_config_error():
+    with pytest.raises(ConfigError, match="tensor 'model.layers.0.self_attn.q_norm.weight' is not a LlamaForCausalLM"):
+        from_hf_state_dict({"model.layers.0.self_attn.q_norm.weight": torch.ones(4)}, small_args())
 
 
 def test_folder_without_weights(tmp_path):

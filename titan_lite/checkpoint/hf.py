@@ -15,7 +15,8 @@ from torch import Tensor, nn
 
 from titan_lite.config.manager import ConfigError
 from titan_lite.models.llama.args import LlamaArgs
-from titan_lite.models.llama.hf import (args_to_hf_config, hf_source_names, tensor_from_hf, to_hf_state_dict)
+from titan_lite.models.llama.hf import (args_to_hf_config, check_args_against_hf_config, hf_name, hf_source_names,
+                                        read_hf_config, tensor_from_hf, to_hf_state_dict)
 from titan_lite.models.llama.model import Llama, canonical_name, copy_into_shard
 
 SINGLE_FILE = "model.safetensors"
@@ -111,10 +112,20 @@ def read_titan_tensor(name: str, args: LlamaArgs, files: dict[str, Path], reader
     return tensor_from_hf(name, reader.tensor(path, source), args)
 
 
+def check_no_unexpected_tensors(files: dict[str, Path], args: LlamaArgs, folder: str | Path) -> None:
+    """ConfigError when the checkpoint holds a tensor the model has no place for (e.g. more layers)."""
+    known = {hf_name(name) for name in expected_shapes(args)} | {hf_name("output.weight")}
+    for name in sorted(files):
+        if name not in known and not name.endswith("rotary_emb.inv_freq"):
+            raise ConfigError(f"{files[name]}: tensor '{name}' has no counterpart in the model "
+                              f"({args.n_layers} layers); is the model config the checkpoint's?")
+
+
 @torch.no_grad()
 def load_hf_weights(model_parts: list[nn.Module], folder: str, model_args: LlamaArgs) -> None:
     """Load every parameter the parts hold from an HF folder; DTensor parameters keep only their own shard."""
     files = weight_files(folder)
+    check_no_unexpected_tensors(files, model_args, folder)
     with SafetensorsReader() as reader:
         for part in model_parts:
             for name, param in part.named_parameters():
@@ -126,6 +137,7 @@ def load_hf_weights(model_parts: list[nn.Module], folder: str, model_args: Llama
 def read_hf_folder(folder: str, args: LlamaArgs) -> dict[str, Tensor]:
     """The full titan_lite state dict (names and layout) of an HF folder, checked against the args' shapes."""
     files = weight_files(folder)
+    check_no_unexpected_tensors(files, args, folder)
     with SafetensorsReader() as reader:
         return {name: read_titan_tensor(name, args, files, reader, folder, shape).clone()
                 for name, shape in expected_shapes(args).items()}
@@ -190,11 +202,19 @@ def write_safetensors(sd: dict[str, Tensor], folder: Path, max_shard_bytes: int)
 
 
 def _hf_config(args: LlamaArgs, dtype: torch.dtype, assets_dir: str | None) -> dict:
+    """config.json of the export; token ids, and the context length when it describes this same model, come from
+    the assets' config.json (training usually runs shorter sequences than the model supports)."""
     config = args_to_hf_config(args, dtype)
     assets_config = Path(assets_dir) / "config.json" if assets_dir else None
-    if assets_config is not None and assets_config.exists():
-        source = json.loads(assets_config.read_text())
-        config.update({k: source[k] for k in _TOKEN_ID_KEYS if k in source})
+    if assets_config is None or not assets_config.exists():
+        return config
+    source = read_hf_config(assets_config)
+    config.update({k: source[k] for k in _TOKEN_ID_KEYS if k in source})
+    try:
+        check_args_against_hf_config(args, str(assets_config))
+    except ConfigError:
+        return config  # a different (e.g. pruned) model: its context length says nothing about this one
+    config["max_position_embeddings"] = max(args.max_seq_len, int(source.get("max_position_embeddings", 0)))
     return config
 
 

@@ -97,13 +97,20 @@ def tensor_from_hf(name: str, tensor: Tensor, args: LlamaArgs) -> Tensor:
 # ----------------------------------------------------------------------------------- state dicts
 
 
+def _converted_name(convert, name: str) -> str:
+    try:
+        return convert(name)
+    except KeyError as exc:
+        raise ConfigError(f"tensor {exc.args[0]}") from None
+
+
 def to_hf_state_dict(sd: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tensor]:
     """titan_lite names and layout -> HF; lm_head.weight is omitted when the embeddings are tied."""
     out = {}
     for name, tensor in sd.items():
         if name == "output.weight" and args.tie_word_embeddings:
             continue
-        out[hf_name(name)] = tensor_to_hf(name, tensor, args)
+        out[_converted_name(hf_name, name)] = tensor_to_hf(name, tensor, args)
     return out
 
 
@@ -113,7 +120,7 @@ def from_hf_state_dict(sd: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tens
     for name, tensor in sd.items():
         if name.endswith("rotary_emb.inv_freq"):  # a buffer some older checkpoints saved
             continue
-        titan = titan_name(name)
+        titan = _converted_name(titan_name, name)
         out[titan] = tensor_from_hf(titan, tensor, args)
     if args.tie_word_embeddings and "output.weight" not in out and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"]
