@@ -230,6 +230,16 @@ def representative_ranks(dims: ParallelDims) -> list[int]:
     return [pp_rank * (dims.world_size // dims.pp) for pp_rank in range(dims.pp)]
 
 
+def ranks_to_plan(dims: ParallelDims) -> list[int]:
+    """DRY_RUN_RANK=r plans that one rank; by default every distinct role is planned."""
+    chosen = os.environ.get("DRY_RUN_RANK", "")
+    if not chosen:
+        return representative_ranks(dims)
+    if not chosen.isdigit() or int(chosen) >= dims.world_size:
+        raise ConfigError(f"DRY_RUN_RANK={chosen!r} is not a rank of the world of {dims.world_size} (NGPU x NNODES)")
+    return [int(chosen)]
+
+
 # ------------------------------------------------------------------------------------ printing
 
 
@@ -282,8 +292,9 @@ def summary_lines(cfg: JobConfig, dims: ParallelDims, model: Llama, vocab: int, 
 
 
 def dry_run(cfg: JobConfig) -> int:
-    """Check degrees, shapes and data; build every distinct rank's plan with the trainer's code; estimate its
-    memory against the device. Raises ConfigError (exit 2) when the plan cannot run or does not fit."""
+    """Check degrees, shapes and data; build every distinct rank's plan (or DRY_RUN_RANK's) with the trainer's
+    code; estimate its memory against the device. Raises ConfigError (exit 2) when the plan cannot run or does
+    not fit."""
     from titan_lite.train import build_model_args, gradient_accumulation_steps, tokenizer_path
 
     world = planned_world_size()
@@ -299,7 +310,7 @@ def dry_run(cfg: JobConfig) -> int:
     plan_cfg = planning_config(cfg)
     print(f"memory per device, estimated against {capacity:.2f} GiB:", flush=True)
     worst: tuple[float, RolePlan] | None = None
-    for rank in representative_ranks(dims):
+    for rank in ranks_to_plan(dims):
         role = plan_rank(plan_cfg, args, rank, world)
         _, lines = role_lines(role, dims, capacity)
         print("\n".join(lines), flush=True)

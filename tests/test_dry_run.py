@@ -1,0 +1,175 @@
+"""DRY_RUN=1 through ./run_train.sh: full-size plans, their printed numbers, verdicts, errors, time and memory."""
+
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = 1024**3
+LLAMA_8B_PARAMS = 8_030_261_248
+LLAMA_70B_PARAMS = 70_553_706_496
+
+# Runs run_train.sh as a child and reports the child's CPU seconds and peak RSS (a fresh parent, so the
+# RUSAGE_CHILDREN numbers belong to this one run).
+_MEASURE = """
+import resource, subprocess, sys, time
+start = time.monotonic()
+proc = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+wall = time.monotonic() - start
+usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+sys.stdout.write(proc.stdout)
+sys.stderr.write(proc.stderr)
+print(f"MEASURED cpu={usage.ru_utime + usage.ru_stime:.2f} wall={wall:.2f} maxrss_kib={usage.ru_maxrss}")
+sys.exit(proc.returncode)
+"""
+
+
+@dataclass
+class DryRun:
+    returncode: int
+    stdout: str
+    stderr: str
+    cpu_seconds: float
+    wall_seconds: float
+    max_rss_bytes: int
+
+    def local_params(self) -> list[int]:
+        return [int(n.replace(",", "")) for n in re.findall(r"local parameters: ([\d,]+)", self.stdout)]
+
+    def layer_ranges(self) -> list[tuple[int, int, int]]:
+        return [tuple(map(int, m)) for m in re.findall(r": layers (\d+)-(\d+) \((\d+)\)", self.stdout)]
+
+    def verdicts(self) -> list[tuple[float, float, float]]:
+        """(peak, capacity, head-room) GiB of every role that fits."""
+        found = re.findall(r"verdict: fits: peak ([\d.]+) GiB of ([\d.]+) GiB, head-room ([\d.]+) GiB", self.stdout)
+        return [tuple(map(float, v)) for v in found]
+
+
+@pytest.fixture(scope="module")
+def c4_shard(tmp_path_factory) -> Path:
+    """A small C4-style shard: gzipped JSON lines with a 'text' field."""
+    path = tmp_path_factory.mktemp("c4") / "c4-train.00000-of-01024.json.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for i in range(20):
+            f.write(json.dumps({"text": f"document {i}: the quick brown fox " * 20, "url": "x"}) + "\n")
+    return path
+
+
+def dry_run(config: str, shard: Path, ngpu: int, nnodes: int = 1, extra: tuple[str, ...] = ()) -> DryRun:
+    env = {**os.environ, "DRY_RUN": "1", "NGPU": str(ngpu), "NNODES": str(nnodes), "OMP_NUM_THREADS": "1",
+           "CONFIG_FILE": str(REPO / "train_configs" / config)}
+    cmd = [sys.executable, "-c", _MEASURE, str(REPO / "run_train.sh"), "--model.hf_assets_path", "./assets/tokenizer",
+           "--training.dataset_path", str(shard), *extra]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    m = re.search(r"MEASURED cpu=([\d.]+) wall=([\d.]+) maxrss_kib=(\d+)", proc.stdout)
+    assert m, proc.stdout + proc.stderr
+    return DryRun(proc.returncode, proc.stdout, proc.stderr, float(m[1]), float(m[2]), int(m[3]) * 1024)
+
+
+def assert_plans_fast_and_small(run: DryRun) -> None:
+    # CPU seconds, not wall time: the test machine's cores are shared, the bound is about the planner's own work.
+    assert run.cpu_seconds < 10, f"planning took {run.cpu_seconds:.1f} CPU seconds"
+    assert run.max_rss_bytes < 1 * GIB, f"planning used {run.max_rss_bytes / GIB:.2f} GiB of host memory"
+
+
+def assert_verdict_consistent(run: DryRun, capacity: float) -> None:
+    for peak, cap, headroom in run.verdicts():
+        assert cap == capacity
+        assert headroom == pytest.approx(capacity - peak, abs=0.011)
+    peak, _, headroom = max(run.verdicts())
+    assert f"dry run OK: " in run.stdout and f"head-room {headroom:.2f} GiB of {capacity:.2f} GiB" in run.stdout
+
+
+def test_llama3_8b_fsdp_on_8_ranks(c4_shard):
+    run = dry_run("llama3_8b.toml", c4_shard, ngpu=8)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "world 8 = dp_replicate 1 x dp_shard 8 x cp 1 x tp 1 x pp 1" in run.stdout
+    assert f"{LLAMA_8B_PARAMS:,} parameters" in run.stdout
+    # 8B's every tensor has a first dimension divisible by 8: an exact eighth, no padding
+    assert run.local_params() == [LLAMA_8B_PARAMS // 8]
+    assert run.layer_ranges() == [(0, 31, 32)]
+    assert "AC selective op; microbatch 1 x seq 8192, 1 in flight, bfloat16" in run.stdout
+    assert len(run.verdicts()) == 1
+    assert_verdict_consistent(run, 80.0)
+    # sharded fp32 parameters and gradients, two fp32 AdamW moments: 4 + 4 + 8 bytes per local parameter
+    params_gib = float(re.search(r"parameters\s+([\d.]+) GiB", run.stdout)[1])
+    optimizer_gib = float(re.search(r"optimizer\s+([\d.]+) GiB", run.stdout)[1])
+    assert params_gib == pytest.approx(LLAMA_8B_PARAMS / 8 * 4 / GIB, abs=0.005)
+    assert optimizer_gib == pytest.approx(LLAMA_8B_PARAMS / 8 * 8 / GIB, abs=0.005)
+    assert_plans_fast_and_small(run)
+
+
+def test_llama3_70b_tp8_pp2_fsdp4_on_64_ranks(c4_shard):
+    run = dry_run("llama3_70b.toml", c4_shard, ngpu=8, nnodes=8)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "world 64 = dp_replicate 1 x dp_shard 4 x cp 1 x tp 8 x pp 2" in run.stdout
+    # 80 layers + 1 (embeddings) + 1 (head) = 82 units, 41 per stage: 40 layers each
+    assert run.layer_ranges() == [(0, 39, 40), (40, 79, 40)]
+    assert "layers 0-39 (40) + embeddings\n" in run.stdout and "layers 40-79 (40) + output head\n" in run.stdout
+    stage0, stage1 = run.local_params()
+    # Projections, embeddings and head split over tp 8 x fsdp 4 = 32 ranks exactly; RMSNorm weights are
+    # replicated over TP (sequence parallel) and split over fsdp 4 only, so 32 ranks hold them 8 times.
+    norm_params = 8192 * (2 * 80 + 1)
+    assert (stage0 + stage1) * 32 == LLAMA_70B_PARAMS + 7 * norm_params
+    assert stage1 - stage0 == 8192 // 4  # the final norm; embeddings and head are the same size
+    assert "AC full; microbatch 1 x seq 8192, 2 in flight" in run.stdout  # 1F1B: pp - pp_rank
+    assert "AC full; microbatch 1 x seq 8192, 1 in flight" in run.stdout
+    assert len(run.verdicts()) == 2
+    assert_verdict_consistent(run, 80.0)
+    assert_plans_fast_and_small(run)
+
+
+def test_llama3_2_1b_workflow_fits_24_gib(c4_shard):
+    run = dry_run("llama3_2_1b_pretrain.toml", c4_shard, ngpu=4, extra=("--dry_run.device_memory_gib", "24"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "batch: local 1 x data-parallel 4 x accumulation 128 = global 512 sequences" in run.stdout
+    assert run.local_params() == [1_235_814_400 // 4]  # tied embedding counted once
+    assert_verdict_consistent(run, 24.0)
+    peak, _, headroom = run.verdicts()[0]
+    assert headroom > 4  # the point of the workflow: ZeRO-3 style sharding leaves room on a 24 GB card
+
+
+def test_plan_that_does_not_fit_exits_2_with_one_line(c4_shard):
+    run = dry_run("llama3_8b.toml", c4_shard, ngpu=8, extra=("--dry_run.device_memory_gib", "24"))
+    assert run.returncode == 2
+    assert "does NOT fit" in run.stdout
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "the plan does not fit: rank 0 needs an estimated" in errors[0]
+    assert "24.00 GiB" in errors[0] and "Traceback" not in run.stderr
+
+
+def test_layout_that_does_not_divide_exits_2_with_the_arithmetic(c4_shard):
+    run = dry_run("llama3_70b.toml", c4_shard, ngpu=8, nnodes=3)
+    assert run.returncode == 2
+    assert ("error: parallel degrees do not divide the world size: world 24 is not divisible by "
+            "dp_replicate 1 x cp 1 x tp 8 x pp 2 = 16") in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_dry_run_rank_plans_only_the_chosen_rank(monkeypatch, capsys):
+    """In-process: DRY_RUN_RANK picks one rank; debugmodel's 6 layers + 2 ends over 2 stages is 3 layers each."""
+    from titan_lite.config import parse_args
+    from titan_lite.parallel.dry_run import dry_run as plan
+
+    monkeypatch.setenv("NGPU", "4")
+    monkeypatch.setenv("NNODES", "1")
+    monkeypatch.setenv("DRY_RUN_RANK", "3")
+    monkeypatch.chdir(REPO)
+    cfg = parse_args(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
+                      "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "4",
+                      "--dry_run.device_memory_gib", "1"])
+    assert plan(cfg) == 0
+    out = capsys.readouterr().out
+    assert "rank 3 (pp rank 1; 2 ranks alike): layers 3-5 (3) + output head\n" in out
+    assert "rank 0 " not in out
+    # 2 fsdp ranks share stage 1: 3 layers, final norm, output head, all split in two
+    dim, ffn, vocab = 256, 768, 2048
+    per_layer = 4 * dim * dim + 3 * dim * ffn + 2 * dim
+    assert re.search(r"local parameters: ([\d,]+)", out)[1] == f"{(3 * per_layer + dim + vocab * dim) // 2:,}"
