@@ -80,7 +80,8 @@ def import_hub():
 
 
 def _hub_error(name: str) -> type:
-    """An exception class of huggingface_hub by name, wherever this version keeps it (a never-raised stand-in if absent)."""
+    """An exception class of huggingface_hub by name, wherever this version keeps it (a stand-in never raised
+    when this version lacks it)."""
     for module in ("huggingface_hub.errors", "huggingface_hub.utils"):
         try:
             return getattr(__import__(module, fromlist=[name]), name)

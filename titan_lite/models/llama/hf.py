@@ -188,7 +188,8 @@ def _expect(cfg: dict, key: str, allowed: tuple, source: str) -> None:
 
 
 def _rope_settings(cfg: dict, source: str) -> tuple[float, dict | None]:
-    """(rope_theta, llama3 scaling or None) from either transformers 4 (rope_theta + rope_scaling) or 5 (rope_parameters)."""
+    """(rope_theta, llama3 scaling or None), from transformers 4 (rope_theta + rope_scaling) or 5 (rope_parameters)
+    config files."""
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or params
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
