@@ -173,3 +173,17 @@ def test_dry_run_rank_plans_only_the_chosen_rank(monkeypatch, capsys):
     dim, ffn, vocab = 256, 768, 2048
     per_layer = 4 * dim * dim + 3 * dim * ffn + 2 * dim
     assert re.search(r"local parameters: ([\d,]+)", out)[1] == f"{(3 * per_layer + dim + vocab * dim) // 2:,}"
+
+
+@pytest.mark.parametrize("config,ngpu,nnodes,extra,message", [
+    # 32 query heads split over 16, but 8 kv heads cannot be
+    ("llama3_8b.toml", 16, 1, ("--parallelism.tensor_parallel_degree", "16"),
+     "error: 'parallelism.tensor_parallel_degree' = 16 must divide the model's n_kv_heads (8)"),
+    # 1F1B over 2 stages needs 2 microbatches; local batch 1 / microbatch 1 is 1
+    ("llama3_70b.toml", 8, 8, ("--training.local_batch_size", "1"),
+     "needs at least as many microbatches as stages (2), but 'training.local_batch_size' 1 / microbatch_size 1 = 1"),
+])
+def test_shapes_that_do_not_divide_exit_2(c4_shard, config, ngpu, nnodes, extra, message):
+    run = dry_run(config, c4_shard, ngpu=ngpu, nnodes=nnodes, extra=extra)
+    assert run.returncode == 2
+    assert message in run.stderr and "Traceback" not in run.stderr

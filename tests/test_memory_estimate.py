@@ -119,11 +119,11 @@ def test_in_flight_without_pipeline_is_one():
     assert me.in_flight_microbatches(None, 1, 0, 1) == 1.0
 
 
-def test_fsdp_buffers_count_held_groups_two_gathers_and_two_reduce_scatters():
-    units = [me.FsdpUnit("layers.0", 100, True), me.FsdpUnit("layers.1", 100, True),
-             me.FsdpUnit("output", 300, False), me.FsdpUnit("tok_embeddings", 250, True)]
-    # held: output 300 x 2 bytes; gathers: 250 + 100 in bf16; reduce-scatters: 300 + 250 in fp32
-    assert me.fsdp_buffer_bytes(units, 2, 4) == 600 + 700 + 2200
+def test_fsdp_buffers_count_held_groups_and_neighbouring_gathers_and_reduce_scatters():
+    units = [me.FsdpUnit("tok_embeddings", 250, True), me.FsdpUnit("layers.0", 100, True),
+             me.FsdpUnit("layers.1", 120, True), me.FsdpUnit("output", 300, False)]
+    # held: output 300 x 2 bytes; all-gathers: embeddings + layer 0 in bf16; reduce-scatters: layer 1 + output in fp32
+    assert me.fsdp_buffer_bytes(units, 2, 4) == 600 + 350 * 2 + 420 * 4
 
 
 def test_state_bytes_adamw_and_offload():

@@ -195,7 +195,7 @@ def estimate_rank(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, parts: li
         buffers = me.fsdp_buffer_bytes(units, c, reduce_bytes)
         held = sum(u.unsharded_numel for u in units if not u.reshards_after_forward)
         buffer_note = (f"FSDP: {held:,} params kept gathered + 2 all-gathers in {c_name}"
-                       f" + 2 reduce-scatters in {cfg.training.mixed_precision_reduce} (largest groups)")
+                       f" + 2 reduce-scatters in {cfg.training.mixed_precision_reduce} (worst neighbouring groups)")
     else:
         buffers = local * c if c < param_bytes else 0  # autocast's cached low-precision weight copies
         buffer_note = f"autocast {c_name} weight copies" if buffers else "none (no data parallelism)"

@@ -112,15 +112,22 @@ class FsdpUnit:
 
 
 def fsdp_buffer_bytes(units: list[FsdpUnit], compute_bytes: int, reduce_bytes: int) -> int:
-    """Gathered parameters of groups that stay unsharded, plus two all-gathers (the current group and the
-    prefetched next one) and two reduce-scatter inputs in flight, sized by the two largest groups."""
+    """Gathered parameters of groups that stay unsharded, plus the worst pair of neighbouring groups in flight
+    together: all-gathers of the current and the prefetched next group (forward), reduce-scatter inputs of the
+    group just finished and the next (backward). `units` are in forward order."""
     if not units:
         return 0
     held = sum(u.unsharded_numel for u in units if not u.reshards_after_forward) * compute_bytes
-    resharded = sorted((u.unsharded_numel for u in units if u.reshards_after_forward), reverse=True)
-    gathers = sum(resharded[:2]) * compute_bytes
-    reduce_scatters = sum(sorted((u.unsharded_numel for u in units), reverse=True)[:2]) * reduce_bytes
+    resharded = [u.unsharded_numel for u in units if u.reshards_after_forward]
+    gathers = _largest_neighbour_pair(resharded) * compute_bytes
+    reduce_scatters = _largest_neighbour_pair([u.unsharded_numel for u in units]) * reduce_bytes
     return held + gathers + reduce_scatters
+
+
+def _largest_neighbour_pair(sizes: list[int]) -> int:
+    if len(sizes) < 2:
+        return sum(sizes)
+    return max(a + b for a, b in zip(sizes, sizes[1:]))
 
 
 @dataclass
