@@ -1,0 +1,270 @@
+"""Unit tests of parallelize_llama: TP divisibility errors, TP/FSDP placements, tied embeddings, SAC recompute counts."""
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from titan_lite.config import JobConfig
+from titan_lite.config.manager import ConfigError
+from titan_lite.models.llama import Llama, flavor_args
+from titan_lite.models.llama.model import TransformerBlock, rope_cache
+from titan_lite.parallel.activation_checkpoint import apply_ac
+from titan_lite.parallel.tensor_parallel import check_tp_divisibility
+
+SEQ, BATCH = 16, 4
+
+
+# ------------------------------------------------------------------------------- TP divisibility
+
+
+@pytest.mark.parametrize("tp, message", [
+    (3, "'parallelism.tensor_parallel_degree' = 3 must divide the model's dim (64)"),
+    (4, "'parallelism.tensor_parallel_degree' = 4 must divide the model's n_kv_heads (2)"),
+    (8, "'parallelism.tensor_parallel_degree' = 8 must divide the model's n_heads (4)"),
+])
+def test_tp_degree_must_divide_model_widths(tp, message):
+    with pytest.raises(ConfigError) as exc:
+        check_tp_divisibility(flavor_args("tiny"), tp)
+    assert str(exc.value) == message
+
+
+def test_tp_degree_that_divides_everything_passes():
+    check_tp_divisibility(flavor_args("tiny"), 2)
+
+
+def test_pruned_layer_widths_are_checked():
+    args = flavor_args("tiny")
+    args.layer_ffn_dims = [192, 191, 192, 192]
+    with pytest.raises(ConfigError, match=r"must divide the model's ffn_dim \(191\)"):
+        check_tp_divisibility(args, 2)
+
+
+def test_entry_point_refuses_bad_tp_degree_before_starting(capsys):
+    from titan_lite.train import main
+
+    code = main(["--job.config_file", "tests/integration/base.toml", "--parallelism.tensor_parallel_degree", "4"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: 'parallelism.tensor_parallel_degree' = 4 must divide the model's n_kv_heads (2)"]
+    assert not dist.is_initialized()
+
+
+# ------------------------------------------------------------------- placements and parity (2 ranks)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tiny_args(tied: bool):
+    args = flavor_args("tiny")
+    args.max_seq_len = SEQ
+    args.tie_word_embeddings = tied
+    return args
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, 2048, (BATCH, SEQ + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="mean")
+
+
+def _config(tp: int, disable_loss_parallel: bool = False) -> JobConfig:
+    cfg = JobConfig()
+    cfg.parallelism.tensor_parallel_degree = tp
+    cfg.parallelism.disable_loss_parallel = disable_loss_parallel
+    cfg.activation_checkpoint.mode = "none"
+    return cfg
+
+
+# Parameters whose placement and local shape are recorded, with the gradient compared against one process.
+WATCHED = ["tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0.attention.wk.weight",
+           "layers.0.attention.wo.weight", "layers.1.feed_forward.w1.weight", "layers.1.feed_forward.w2.weight",
+           "layers.0.attention_norm.weight", "norm.weight", "output.weight"]
+
+
+def _run_scenario(name: str, tp: int, tied: bool, loss_parallel: bool) -> dict:
+    """Parallelize a tiny Llama, run one forward/backward on the fixed batch, report placements, loss and grads."""
+    from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
+
+    from titan_lite.models.llama.model import canonical_name
+    from titan_lite.parallel.parallel_dims import ParallelDims
+    from titan_lite.parallel.parallelize import parallelize_llama
+
+    cfg = _config(tp, disable_loss_parallel=not loss_parallel)
+    dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
+    dims.build_mesh("cpu")
+    with torch.device("meta"):
+        model = Llama(_tiny_args(tied))
+    parallelize_llama(model, dims, cfg)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0, buffer_device=torch.device("cpu"))
+    inputs, labels = _batch()
+    use_ctx = tp > 1 and loss_parallel
+    with loss_parallel_ctx() if use_ctx else torch.enable_grad():
+        loss = _loss(model(inputs), labels)
+        loss.backward()
+    loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    params = {canonical_name(n): p for n, p in model.named_parameters()}
+    report = {"loss": loss.item(), "tied_shared": model.output.weight is model.tok_embeddings.weight, "params": {}}
+    for pname in WATCHED:
+        if pname not in params:
+            continue
+        p = params[pname]
+        report["params"][pname] = {
+            "placements": [repr(pl) for pl in p.placements],
+            "local_shape": list(p.to_local().shape),
+            "grad": p.grad.full_tensor().flatten().tolist(),
+        }
+    return report
+
+
+SCENARIOS = {
+    "tp2": dict(tp=2, tied=False, loss_parallel=True),
+    "tp2_tied": dict(tp=2, tied=True, loss_parallel=True),
+    "tp2_tied_no_loss_parallel": dict(tp=2, tied=True, loss_parallel=False),
+    "fsdp2_tied": dict(tp=1, tied=True, loss_parallel=False),
+}
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        for name, spec in SCENARIOS.items():
+            report = _run_scenario(name, **spec)
+            Path(out_dir, f"{name}.rank{rank}.json").write_text(json.dumps(report))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("parallelize")
+    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    return {(name, rank): json.loads(Path(out, f"{name}.rank{rank}.json").read_text())
+            for name in SCENARIOS for rank in range(2)}
+
+
+def _reference(tied: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    model = Llama(_tiny_args(tied))
+    model.init_weights(seed=0)
+    inputs, labels = _batch()
+    loss = _loss(model(inputs), labels)
+    loss.backward()
+    return loss.item(), {n: p.grad.flatten() for n, p in model.named_parameters()}
+
+
+TP_PLACEMENTS = {  # name: (placement, local shape on each of 2 TP ranks) for the tiny flavor (dim 64, head_dim 16)
+    "tok_embeddings.weight": ("Shard(dim=0)", [1024, 64]),
+    "layers.0.attention.wq.weight": ("Shard(dim=0)", [32, 64]),
+    "layers.0.attention.wk.weight": ("Shard(dim=0)", [16, 64]),
+    "layers.0.attention.wo.weight": ("Shard(dim=1)", [64, 32]),
+    "layers.1.feed_forward.w1.weight": ("Shard(dim=0)", [96, 64]),
+    "layers.1.feed_forward.w2.weight": ("Shard(dim=1)", [64, 96]),
+    "layers.0.attention_norm.weight": ("Replicate()", [64]),
+    "norm.weight": ("Replicate()", [64]),
+    "output.weight": ("Shard(dim=0)", [1024, 64]),
+}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tp_plan_placements_and_local_shapes(reports, rank):
+    got = reports[("tp2", rank)]["params"]
+    for name, (placement, shape) in TP_PLACEMENTS.items():
+        assert got[name]["placements"] == [placement], name
+        assert got[name]["local_shape"] == shape, name
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_loss_and_grads_match_one_process(reports, scenario):
+    ref_loss, ref_grads = _reference(SCENARIOS[scenario]["tied"])
+    for rank in range(2):
+        report = reports[(scenario, rank)]
+        assert abs(report["loss"] - ref_loss) < 1e-5, (scenario, rank, report["loss"], ref_loss)
+        for name, info in report["params"].items():
+            grad = torch.tensor(info["grad"])
+            assert torch.allclose(grad, ref_grads[name], atol=1e-5, rtol=1e-4), (scenario, name)
+
+
+@pytest.mark.parametrize("scenario", ["tp2_tied", "tp2_tied_no_loss_parallel", "fsdp2_tied"])
+def test_tied_embeddings_stay_one_parameter(reports, scenario):
+    for rank in range(2):
+        assert reports[(scenario, rank)]["tied_shared"] is True
+        assert "output.weight" not in reports[(scenario, rank)]["params"]  # named_parameters lists it once
+
+
+def test_fsdp_shards_every_parameter_on_dim0(reports):
+    got = reports[("fsdp2_tied", 0)]["params"]
+    assert got["tok_embeddings.weight"]["local_shape"] == [1024, 64]
+    assert got["layers.1.feed_forward.w1.weight"]["local_shape"] == [96, 64]
+    assert got["norm.weight"]["local_shape"] == [32]
+    assert all(info["placements"] == ["Shard(dim=0)"] for info in got.values())
+
+
+# ------------------------------------------------------------------------- selective AC recompute
+
+
+class CountOps(TorchDispatchMode):
+    """Counts executions of the ops of interest (ops served from the SAC cache never reach this mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {"mm": 0, "sdpa": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default:
+            self.counts["mm"] += 1
+        if "scaled_dot_product" in func.__name__ and "backward" not in func.__name__:
+            self.counts["sdpa"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_op_counts(mode: str, option: str = "op") -> dict[str, int]:
+    args = _tiny_args(tied=False)
+    args.n_layers = 1
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({"0": TransformerBlock(args, 0)})
+    cfg = JobConfig().activation_checkpoint
+    cfg.mode, cfg.selective_ac_option = mode, option
+    apply_ac(model, cfg)
+    x = torch.randn(2, SEQ, args.dim, requires_grad=True)
+    out = model.layers["0"](x, rope_cache(args))
+    with CountOps() as counter:
+        out.sum().backward()
+    return counter.counts
+
+
+def test_selective_op_ac_recomputes_every_second_mm_and_no_attention():
+    # A block has 7 linears: backward runs 14 mm (input and weight grads) plus whatever forward work is recomputed.
+    assert _backward_op_counts("none") == {"mm": 14, "sdpa": 0}
+    assert _backward_op_counts("full") == {"mm": 21, "sdpa": 1}
+    assert _backward_op_counts("selective", "op") == {"mm": 17, "sdpa": 0}
+
+
+def test_checkpointed_names_stay_canonical():
+    from titan_lite.models.llama.model import canonical_name
+
+    with torch.device("meta"):
+        model = Llama(_tiny_args(tied=False))
+    plain = [n for n, _ in model.named_parameters()]
+    cfg = JobConfig().activation_checkpoint
+    cfg.mode, cfg.selective_ac_option = "selective", "2"
+    apply_ac(model, cfg)
+    names = [n for n, _ in model.named_parameters()]
+    assert sum("_checkpoint_wrapped_module" in n for n in names) == 2 * 9  # layers 1 and 3 of 4, 9 params each
+    assert [canonical_name(n) for n in names] == plain
