@@ -2,6 +2,7 @@
 
 import os
 import re
+import signal
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,8 +36,16 @@ def run_train(overrides: list[str], dump_folder: Path, ngpu: int = 1, config: Pa
                 "LOG_RANK": ",".join(str(r) for r in range(ngpu)), **(env or {})}
     full_env.pop("DRY_RUN", None) if not (env and "DRY_RUN" in env) else None
     cmd = [str(REPO / "run_train.sh"), "--job.dump_folder", str(dump_folder), *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
-    output = proc.stdout + proc.stderr
+    # A new session, so a timeout kills torchrun's workers too, not just the launcher.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"run_train.sh {' '.join(overrides)} timed out after {timeout}s:\n{stdout[-2000:]}{stderr[-2000:]}")
+    output = stdout + stderr
     losses = {int(s): float(v) for s, v in STEP_LINE.findall(output)}
     return Run(proc.returncode, output, Path(dump_folder), losses)
 
