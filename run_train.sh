@@ -9,6 +9,8 @@
 # Every other argument is a config override: --section.key value or --section.key=value.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# titan_lite is importable from the checkout even when the python is not the project's .venv.
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 PYTHON="$("$root/scripts/setup_env.sh")"
 
 CONFIG_FILE="${CONFIG_FILE:-$root/train_configs/debug_model.toml}"

@@ -2,6 +2,8 @@
 # The test suite: sets up .venv with the test extras on first use, then runs pytest. Extra args go to pytest.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# titan_lite is importable from the checkout even when the python is not the project's .venv.
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 PYTHON="$("$root/scripts/setup_env.sh" test)"
 cd "$root"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
