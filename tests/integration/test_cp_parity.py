@@ -33,6 +33,15 @@ def reference_losses(single_run) -> dict[int, float]:
     return losses
 
 
+def test_cp2_tp2_matches_single_process(reference_losses, tmp_path):
+    # Sequence parallel splits each CP rank's chunks again over TP; RoPE and the attention mask must still see
+    # the CP-level global positions.
+    run = run_train(["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+                     "--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", str(GLOBAL_BATCH)],
+                    tmp_path, ngpu=4)
+    assert_losses_close(run, reference_losses, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def fsdp2_losses(tmp_path_factory) -> dict[int, float]:
     """FSDP 2 without CP: the data loader splits documents by dp rank, so with two dp ranks no single process

@@ -122,7 +122,7 @@ class ContextParallelAttention(nn.Module):
 
 
 class GlobalRopePositions:
-    """A forward pre-hook for a transformer block: hands it the RoPE rows of its tokens' global positions.
+    """A forward pre-hook for attention: hands it the RoPE rows of its tokens' global positions.
 
     The model slices rope[:local_seq]; this hook swaps the full cache for the rows of this rank's positions, so the
     model needs no change and the full cache (recomputed by init_weights) stays untouched for any sequence length.
@@ -131,7 +131,7 @@ class GlobalRopePositions:
     def __init__(self, cp_rank: int, cp_size: int, load_balancer: str | None):
         self.cp_rank, self.cp_size, self.load_balancer = cp_rank, cp_size, normalise_load_balancer(load_balancer)
 
-    def __call__(self, block: nn.Module, args: tuple) -> tuple:
+    def __call__(self, attention: nn.Module, args: tuple) -> tuple:
         x, rope, *rest = args
         positions = shard_positions(x.shape[1] * self.cp_size, self.cp_rank, self.cp_size, self.load_balancer,
                                     rope.device)
@@ -148,7 +148,9 @@ def apply_cp(model: nn.Module, parallel_dims, cfg) -> nn.Module:
     rope_hook = GlobalRopePositions(dist.get_rank(group), dist.get_world_size(group), load_balancer)
     for block in model.layers.values():
         block.attention.inner_attention = ContextParallelAttention(group, load_balancer)
-        block.register_forward_pre_hook(rope_hook)
+        # On attention, after TP's input hook: there x holds the whole CP-local sequence (a block's input is further
+        # split over TP by sequence parallel).
+        block.attention.register_forward_pre_hook(rope_hook)
     return model
 
 
