@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -17,6 +18,18 @@ from titan_lite.parallel.parallelize import parallelize_llama
 # ------------------------------------------------------------------------- measuring saved activations
 
 
+def plain_tensors(t: torch.Tensor):
+    """The plain tensors holding a tensor's memory: itself, or a DTensor's (or other wrapper's) inner tensors."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):  # some wrappers also list non-tensor attributes
+                yield from plain_tensors(inner)
+    else:
+        yield t
+
+
 class LiveStorages(TorchDispatchMode):
     """Remembers every storage an op produced; the ones still alive are what autograd and AC caches keep."""
 
@@ -28,7 +41,8 @@ class LiveStorages(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self.sizes[t.untyped_storage()] = t.untyped_storage().nbytes()
+                for inner in plain_tensors(t):
+                    self.sizes[inner.untyped_storage()] = inner.untyped_storage().nbytes()
         return out
 
 
@@ -36,7 +50,8 @@ def measured_saved_bytes(model: torch.nn.Module, batch: int, seq: int, vocab: in
     """Bytes of tensors alive between the end of forward (loss computed, logits dropped) and backward."""
     tokens = torch.randint(0, vocab, (batch, seq))
     targets = torch.randint(0, vocab, (batch * seq,))
-    owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    owned = {inner.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]
+             for inner in plain_tensors(t)}
     tracker = LiveStorages()
     with tracker:
         logits = model(tokens)
@@ -44,7 +59,7 @@ def measured_saved_bytes(model: torch.nn.Module, batch: int, seq: int, vocab: in
         del logits
         live = sum(n for storage, n in tracker.sizes.items() if storage.data_ptr() not in owned)
     loss.backward()  # the graph must still be usable: nothing was freed early
-    return live - loss.untyped_storage().nbytes()
+    return live - sum(inner.untyped_storage().nbytes() for inner in plain_tensors(loss))
 
 
 def checkpointed_model(args: LlamaArgs, mode: str, option: str) -> Llama:
@@ -77,6 +92,44 @@ def test_activation_estimate_matches_cpu_forward(args, batch, seq, mode, option)
     # Checkpointing must actually save memory in the measured run, in the estimated order none > op > full.
     if mode != "none":
         assert measured < measured_saved_bytes(checkpointed_model(args, "none", "op"), batch, seq, args.vocab_size)
+
+
+@pytest.fixture
+def fake_tp2():
+    """Rank 0 of a fake 2-rank world with TP 2: collectives do nothing but return real, correctly shaped tensors."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this test process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, world_size=2)
+    dims.build_mesh("cpu")
+    yield dims
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["none", "full", "selective"])
+def test_activation_estimate_matches_cpu_forward_under_tp_and_sequence_parallel(fake_tp2, mode):
+    """The trainer's TP plan (sequence parallel, loss parallel) on a real CPU model in a fake 2-rank world."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    args, batch, seq = SMALL_GQA, 2, 128
+    cfg = JobConfig()
+    cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option = mode, "op"
+    with torch.device("meta"):
+        model = Llama(args)
+    model = parallelize_llama(model, fake_tp2, cfg)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0, buffer_device=torch.device("cpu"))
+    with loss_parallel():
+        measured = measured_saved_bytes(model, batch, seq, args.vocab_size)
+    shape = me.ActivationShape(tokens=batch * seq, compute_bytes=4, tp=2, loss_parallel=True, fused_rms_norm=False)
+    estimate = me.saved_activation_bytes(args, layer_policies(model, mode, "op"), True, shape)
+    assert abs(estimate - measured) <= 0.2 * measured, (estimate, measured)
+    # and TP 2 halves (roughly) what one rank keeps compared with the single-rank estimate
+    single = me.saved_activation_bytes(args, layer_policies(model, mode, "op"), True,
+                                       me.ActivationShape(tokens=batch * seq, compute_bytes=4, fused_rms_norm=False))
+    assert 0.4 < estimate / single < 0.75
 
 
 def test_selective_every_second_layer_wraps_layers_2_and_4():
