@@ -1,5 +1,6 @@
 """The memory estimate: its arithmetic, and its activation bytes against what a real CPU forward keeps for backward."""
 
+import contextlib
 import pytest
 import torch
 import torch.distributed as dist
@@ -35,14 +36,14 @@ class LiveStorages(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.sizes = WeakIdKeyDictionary()
+        self.sizes = WeakIdKeyDictionary()  # storage -> None: a weak set
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 for inner in plain_tensors(t):
-                    self.sizes[inner.untyped_storage()] = inner.untyped_storage().nbytes()
+                    self.sizes[inner.untyped_storage()] = None
         return out
 
 
@@ -50,16 +51,23 @@ def measured_saved_bytes(model: torch.nn.Module, batch: int, seq: int, vocab: in
     """Bytes of tensors alive between the end of forward (loss computed, logits dropped) and backward."""
     tokens = torch.randint(0, vocab, (batch, seq))
     targets = torch.randint(0, vocab, (batch * seq,))
-    owned = {inner.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]
-             for inner in plain_tensors(t)}
+    owned = _parameter_storages(model)
     tracker = LiveStorages()
     with tracker:
         logits = model(tokens)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets, reduction="sum")
         del logits
-        live = sum(n for storage, n in tracker.sizes.items() if storage.data_ptr() not in owned)
+        # Sizes now, not at creation: FSDP frees gathered parameters by resizing their storage to zero. Parameters
+        # are read again because FSDP's root keeps its gathered (non-DTensor) parameters registered until backward.
+        owned |= _parameter_storages(model)
+        live = sum(storage.nbytes() for storage in tracker.sizes if storage.data_ptr() not in owned)
     loss.backward()  # the graph must still be usable: nothing was freed early
     return live - sum(inner.untyped_storage().nbytes() for inner in plain_tensors(loss))
+
+
+def _parameter_storages(model: torch.nn.Module) -> set[int]:
+    return {inner.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]
+            for inner in plain_tensors(t)}
 
 
 def checkpointed_model(args: LlamaArgs, mode: str, option: str) -> Llama:
@@ -95,41 +103,44 @@ def test_activation_estimate_matches_cpu_forward(args, batch, seq, mode, option)
 
 
 @pytest.fixture
-def fake_tp2():
-    """Rank 0 of a fake 2-rank world with TP 2: collectives do nothing but return real, correctly shaped tensors."""
+def fake_world_of_2():
+    """Rank 0 of a fake 2-rank world: collectives do nothing but return real, correctly shaped tensors."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this test process")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, world_size=2)
-    dims.build_mesh("cpu")
-    yield dims
+    yield
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("mode", ["none", "full", "selective"])
-def test_activation_estimate_matches_cpu_forward_under_tp_and_sequence_parallel(fake_tp2, mode):
-    """The trainer's TP plan (sequence parallel, loss parallel) on a real CPU model in a fake 2-rank world."""
+@pytest.mark.parametrize("tp,cp", [(2, 1), (1, 2)], ids=["tp2", "cp2"])
+def test_activation_estimate_matches_cpu_forward_under_tp_or_cp(fake_world_of_2, tp, cp, mode):
+    """The trainer's TP plan (sequence and loss parallel) or CP attention (with FSDP over the cp ranks) on a real
+    CPU model in a fake 2-rank world; CP feeds each rank its half of the sequence."""
     from torch.distributed.tensor.parallel import loss_parallel
 
     args, batch, seq = SMALL_GQA, 2, 128
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=cp, tp=tp, pp=1, world_size=2)
+    dims.build_mesh("cpu")
     cfg = JobConfig()
     cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option = mode, "op"
     with torch.device("meta"):
         model = Llama(args)
-    model = parallelize_llama(model, fake_tp2, cfg)
+    model = parallelize_llama(model, dims, cfg)
     model.to_empty(device="cpu")
     model.init_weights(seed=0, buffer_device=torch.device("cpu"))
-    with loss_parallel():
-        measured = measured_saved_bytes(model, batch, seq, args.vocab_size)
-    shape = me.ActivationShape(tokens=batch * seq, compute_bytes=4, tp=2, loss_parallel=True, fused_rms_norm=False)
-    estimate = me.saved_activation_bytes(args, layer_policies(model, mode, "op"), True, shape)
+    with loss_parallel() if tp > 1 else contextlib.nullcontext():
+        measured = measured_saved_bytes(model, batch, seq // cp, args.vocab_size)
+    shape = me.ActivationShape(tokens=batch * seq // cp, compute_bytes=4, tp=tp, cp=cp, loss_parallel=tp > 1,
+                               seq_len=seq, fused_rms_norm=False)
+    policies = layer_policies(model, mode, "op")
+    estimate = me.saved_activation_bytes(args, policies, True, shape)
     assert abs(estimate - measured) <= 0.2 * measured, (estimate, measured)
-    # and TP 2 halves (roughly) what one rank keeps compared with the single-rank estimate
-    single = me.saved_activation_bytes(args, layer_policies(model, mode, "op"), True,
-                                       me.ActivationShape(tokens=batch * seq, compute_bytes=4, fused_rms_norm=False))
-    assert 0.4 < estimate / single < 0.75
+    # splitting over 2 ranks roughly halves what one rank keeps, compared with the single-rank estimate
+    single = me.ActivationShape(tokens=batch * seq, compute_bytes=4, fused_rms_norm=False)
+    assert 0.4 < estimate / me.saved_activation_bytes(args, policies, True, single) < 0.75
 
 
 def test_selective_every_second_layer_wraps_layers_2_and_4():

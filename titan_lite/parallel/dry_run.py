@@ -147,7 +147,8 @@ def compute_bytes(cfg: JobConfig) -> tuple[int, str]:
 def activation_shape(cfg: JobConfig, dims: ParallelDims, microbatch: int, loss_parallel: bool) -> me.ActivationShape:
     c, _ = compute_bytes(cfg)
     return me.ActivationShape(tokens=microbatch * cfg.training.seq_len // dims.cp, compute_bytes=c, tp=dims.tp,
-                              cp=dims.cp, loss_parallel=loss_parallel, fused_rms_norm=True)
+                              cp=dims.cp, loss_parallel=loss_parallel, seq_len=cfg.training.seq_len,
+                              fused_rms_norm=True)
 
 
 def microbatching(cfg: JobConfig, dims: ParallelDims) -> tuple[int, int]:

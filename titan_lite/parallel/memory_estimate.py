@@ -19,6 +19,7 @@ class ActivationShape:
     tp: int = 1  # tensor (and sequence) parallel degree
     cp: int = 1  # context parallel degree: K/V are all-gathered over it
     loss_parallel: bool = False  # logits stay vocab-sharded over TP
+    seq_len: int = 0  # whole sequence length; sizes the attention mask of context parallel
     # Accelerators run RMSNorm as one fused kernel saving (input, rstd); the CPU composite also saves x * rstd.
     fused_rms_norm: bool = True
 
@@ -35,7 +36,12 @@ def _attention_core_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape) ->
     q_heads, _ = args.heads_of(layer_id)
     width = q_heads * args.head_dim // s.tp
     kv_tokens = s.tokens * s.cp
-    return (s.tokens * width * 2 + kv_tokens * width * 2) * s.compute_bytes + s.tokens * (q_heads // s.tp) * FP32
+    saved = (s.tokens * width * 2 + kv_tokens * width * 2) * s.compute_bytes + s.tokens * (q_heads // s.tp) * FP32
+    if s.cp > 1:
+        # this rank's causal mask rows as an additive bias, RoPE rows of its global positions, the gather order
+        local_seq = s.seq_len // s.cp
+        saved += local_seq * s.seq_len * s.compute_bytes + local_seq * args.head_dim * FP32 + s.seq_len * 8
+    return saved
 
 
 def layer_activation_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape, policy: str) -> int:
