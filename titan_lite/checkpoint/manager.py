@@ -174,7 +174,7 @@ class CheckpointManager:
 
     def _maybe_stall_for_test(self, step: int) -> None:
         if os.environ.get(STALL_STEP_ENV) == str(step):
-            logger.info(f"test hook: stalling the save of step {step} before its rename")
+            logger.info(f"test hook: stalling the save of step {step} before its rename (pid {os.getpid()})")
             time.sleep(float(os.environ.get(STALL_SECONDS_ENV, "60")))
 
     def _purge_old_checkpoints(self) -> None:

@@ -1,0 +1,318 @@
+"""Unit tests of CheckpointManager on a stand-in trainer: retention, load_step, exclusions, errors, resharding."""
+
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.fsdp import fully_shard
+
+from titan_lite.checkpoint import dcp as ckpt
+from titan_lite.checkpoint.manager import CheckpointManager
+from titan_lite.config import JobConfig
+from titan_lite.config.manager import ConfigError
+from titan_lite.models.llama import Llama, flavor_args
+from titan_lite.optim.lr_scheduler import LRSchedule
+from titan_lite.parallel.parallel_dims import ParallelDims
+from titan_lite.train import TrainState
+
+SEQ = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class CountingLoader:
+    """Stands in for the StatefulDataLoader: its whole state is how many batches it yielded."""
+
+    def __init__(self):
+        self.batches = 0
+
+    def state_dict(self) -> dict:
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches = state["batches"]
+
+
+def make_cfg(folder: Path, **checkpoint) -> JobConfig:
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(folder)
+    cfg.training.steps = 100
+    cfg.lr_scheduler.warmup_steps = 2
+    cfg.checkpoint.enable = True
+    cfg.checkpoint.interval = 1
+    cfg.checkpoint.last_save_model_only = False
+    for key, value in checkpoint.items():
+        setattr(cfg.checkpoint, key, value)
+    return cfg
+
+
+def make_trainer(cfg: JobConfig, flavor_changes: dict | None = None, fsdp: bool = False) -> SimpleNamespace:
+    """The attributes CheckpointManager reads, with a real tiny Llama (FSDP-sharded over the world if asked)."""
+    world = dist.get_world_size()
+    pd = ParallelDims.from_config(cfg.parallelism, world)
+    pd.build_mesh("cpu")
+    args = flavor_args("tiny")
+    args.max_seq_len = SEQ
+    for k, v in (flavor_changes or {}).items():
+        setattr(args, k, v)
+    with torch.device("meta"):
+        model = Llama(args)
+    if fsdp:
+        for block in model.layers.values():
+            fully_shard(block, mesh=pd.submesh("fsdp"))
+        fully_shard(model, mesh=pd.submesh("fsdp"))
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0, buffer_device=torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    return SimpleNamespace(model_parts=[model], optimizer=optimizer, model_args=args, parallel_dims=pd,
+                           lr_schedule=LRSchedule([optimizer], cfg.lr_scheduler, cfg.training.steps),
+                           dataloader=CountingLoader(), train_state=TrainState(), device=torch.device("cpu"))
+
+
+def train_one_step(t: SimpleNamespace, seed: int) -> None:
+    """One deterministic step on the same global batch everywhere (the inputs do not depend on the rank)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 2048, (2, SEQ + 1), generator=g)
+    logits = t.model_parts[0](tokens[:, :-1])
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    t.optimizer.step()
+    t.optimizer.zero_grad(set_to_none=True)
+    t.lr_schedule.step()
+    t.train_state.step += 1
+    t.train_state.ntokens_seen += tokens[:, :-1].numel()
+    t.dataloader.batches += 1
+
+
+def full(x: torch.Tensor) -> torch.Tensor:
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
+def snapshot(t: SimpleNamespace) -> dict[str, torch.Tensor]:
+    """Full (unsharded) parameters and AdamW moments, keyed by parameter name."""
+    model = t.model_parts[0]
+    out = {}
+    for name, p in model.named_parameters():
+        out[f"param.{name}"] = full(p.detach()).clone()
+        state = t.optimizer.state.get(p, {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state:
+                out[f"{key}.{name}"] = full(state[key]).clone()
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_process_group():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+    yield
+    dist.destroy_process_group()
+
+
+def steps_on_disk(root: Path) -> list[int]:
+    return sorted(ckpt.complete_steps(root))
+
+
+# ---------------------------------------------------------------- single process
+
+
+def test_keep_latest_k_keeps_the_newest(single_process_group, tmp_path):
+    cfg = make_cfg(tmp_path, keep_latest_k=2)
+    t = make_trainer(cfg)
+    manager = CheckpointManager(cfg, t)
+    for step in range(1, 6):
+        train_one_step(t, step)
+        manager.save(step)
+    manager.finish()
+    assert steps_on_disk(tmp_path / "checkpoint") == [4, 5]
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-4", "step-5"]
+
+
+def test_load_step_resumes_that_step_and_newest_is_default(single_process_group, tmp_path):
+    cfg = make_cfg(tmp_path, keep_latest_k=0)
+    t = make_trainer(cfg)
+    manager = CheckpointManager(cfg, t)
+    saved = {}
+    for step in range(1, 4):
+        train_one_step(t, step)
+        manager.save(step)
+        saved[step] = snapshot(t)
+
+    for load_step, expected in ((2, 2), (-1, 3)):
+        cfg2 = make_cfg(tmp_path, load_step=load_step)
+        t2 = make_trainer(cfg2)
+        CheckpointManager(cfg2, t2).load()
+        assert t2.train_state.step == expected
+        assert t2.train_state.ntokens_seen == expected * 2 * SEQ
+        assert t2.dataloader.batches == expected
+        assert t2.lr_schedule.step_count == expected
+        got = snapshot(t2)
+        assert got.keys() == saved[expected].keys()
+        for k, v in saved[expected].items():
+            assert torch.equal(got[k], v), k
+
+
+def test_load_step_that_does_not_exist_names_the_folder(single_process_group, tmp_path):
+    cfg = make_cfg(tmp_path, load_step=7)
+    with pytest.raises(ConfigError) as err:
+        CheckpointManager(cfg, make_trainer(cfg)).load()
+    assert str(err.value) == (f"'checkpoint.load_step' = 7: checkpoint folder '{tmp_path / 'checkpoint' / 'step-7'}' "
+                              f"does not exist")
+
+
+def test_exclude_from_loading_leaves_those_parts_fresh(single_process_group, tmp_path):
+    cfg = make_cfg(tmp_path)
+    t = make_trainer(cfg)
+    manager = CheckpointManager(cfg, t)
+    train_one_step(t, 1)
+    train_one_step(t, 2)
+    manager.save(2)
+    saved = snapshot(t)
+
+    cfg2 = make_cfg(tmp_path, exclude_from_loading=["optimizer", "train_state", "dataloader"])
+    t2 = make_trainer(cfg2)
+    fresh_params = {k: v for k, v in snapshot(t2).items() if k.startswith("param.")}
+    CheckpointManager(cfg2, t2).load()
+    got = snapshot(t2)
+    params = [k for k in saved if k.startswith("param.")]
+    assert all(torch.equal(got[k], saved[k]) for k in params)
+    assert not all(torch.equal(fresh_params[k], saved[k]) for k in params)
+    assert not t2.optimizer.state  # no optimizer state was loaded
+    assert (t2.train_state.step, t2.dataloader.batches, t2.lr_schedule.step_count) == (0, 0, 2)
+
+
+def test_shape_mismatch_is_one_line_naming_tensor_and_shapes(single_process_group, tmp_path):
+    cfg = make_cfg(tmp_path)
+    t = make_trainer(cfg)
+    train_one_step(t, 1)
+    CheckpointManager(cfg, t).save(1)
+    wider = make_trainer(cfg, {"ffn_dim": 256})
+    with pytest.raises(ConfigError) as err:
+        CheckpointManager(cfg, wider).load()
+    folder = tmp_path / "checkpoint" / "step-1"
+    assert str(err.value) == (f"checkpoint '{folder}': tensor 'model.layers.0.feed_forward.w1.weight' has shape "
+                              f"[192, 64] in the checkpoint but [256, 64] in this model")
+
+
+def test_incomplete_folders_are_skipped_with_a_warning(single_process_group, tmp_path, caplog):
+    cfg = make_cfg(tmp_path)
+    t = make_trainer(cfg)
+    manager = CheckpointManager(cfg, t)
+    for step in (1, 2):
+        train_one_step(t, step)
+        manager.save(step)
+    root = tmp_path / "checkpoint"
+    (root / "step-3.tmp").mkdir()
+    (root / "step-3.tmp" / "__0_0.distcp").write_bytes(b"half")
+    (root / "step-4").mkdir()  # renamed by hand, never finished: no .metadata
+    t2 = make_trainer(cfg)
+    with caplog.at_level(logging.WARNING, logger="titan_lite"):
+        CheckpointManager(cfg, t2).load()
+    assert t2.train_state.step == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [f"skipping incomplete checkpoint '{root / 'step-3.tmp'}': its save never finished",
+                        f"skipping incomplete checkpoint '{root / 'step-4'}': its save never finished"]
+
+
+def test_initial_load_path_that_is_not_a_checkpoint_names_the_folder(single_process_group, tmp_path):
+    not_a_checkpoint = tmp_path / "weights"
+    not_a_checkpoint.mkdir()
+    cfg = make_cfg(tmp_path / "run", initial_load_path=str(not_a_checkpoint))
+    with pytest.raises(ConfigError) as err:
+        CheckpointManager(cfg, make_trainer(cfg)).load()
+    assert str(err.value) == (f"checkpoint folder '{not_a_checkpoint}' is incomplete or not a DCP checkpoint "
+                              f"(no .metadata file)")
+    (not_a_checkpoint / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(ConfigError) as err:
+        CheckpointManager(cfg, make_trainer(cfg)).load()
+    assert str(err.value).startswith(f"checkpoint folder '{not_a_checkpoint}' is corrupt: cannot read its .metadata")
+
+
+def test_last_save_model_only_is_cast_and_loads_model_only(single_process_group, tmp_path):
+    cfg = make_cfg(tmp_path, last_save_model_only=True, export_dtype="bfloat16")
+    t = make_trainer(cfg)
+    train_one_step(t, 1)
+    CheckpointManager(cfg, t).save(1, last=True)
+    metadata = ckpt.read_metadata(tmp_path / "checkpoint" / "step-1")
+    dtypes = {md.properties.dtype for md in metadata.state_dict_metadata.values()}
+    assert dtypes == {torch.bfloat16}
+    assert all(k.startswith("model.") for k in metadata.state_dict_metadata)
+
+    t2 = make_trainer(cfg)
+    CheckpointManager(cfg, t2).load()
+    assert t2.train_state.step == 0 and not t2.optimizer.state
+    for (name, p), p2 in zip(t.model_parts[0].named_parameters(), t2.model_parts[0].parameters()):
+        assert p2.dtype == torch.float32
+        assert torch.equal(p2.detach(), p.detach().to(torch.bfloat16).float()), name
+
+
+# ---------------------------------------------------------------- resharding across processes
+
+
+def load_and_compare(folder: Path) -> dict:
+    """Load the newest checkpoint of `folder` into a fresh stand-in trainer; differences to the saved reference."""
+    cfg = make_cfg(folder)
+    t = make_trainer(cfg, fsdp=dist.get_world_size() > 1)
+    CheckpointManager(cfg, t).load()
+    reference = torch.load(folder / "reference.pt")
+    got = snapshot(t)
+    diffs = {k: (got[k] - v).abs().max().item() if k in got else None for k, v in reference.items()}
+    return {"step": t.train_state.step, "diffs": diffs, "extra": sorted(set(got) - set(reference)),
+            "batches": t.dataloader.batches}
+
+
+def _reshard_worker(rank: int, world: int, port: int, folder: str, phase: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        if phase == "save":
+            cfg = make_cfg(Path(folder), async_mode="async")
+            t = make_trainer(cfg, fsdp=True)
+            manager = CheckpointManager(cfg, t)
+            for step in (1, 2):
+                train_one_step(t, step)
+                manager.save(step)
+            manager.finish()
+            snap = snapshot(t)
+            if rank == 0:
+                torch.save(snap, Path(folder) / "reference.pt")
+        else:
+            result = load_and_compare(Path(folder))
+            (Path(folder) / f"result_{phase}_rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, folder: Path, phase: str) -> None:
+    mp.spawn(_reshard_worker, args=(world, free_port(), str(folder), phase), nprocs=world, join=True)
+
+
+def check_result(result: dict) -> None:
+    assert result["step"] == 2
+    assert result["extra"] == []
+    assert len(result["diffs"]) == 3 * 39  # 39 parameters of the tiny flavor, each with two moments
+    assert all(d == 0.0 for d in result["diffs"].values()), result["diffs"]
+    assert result["batches"] == 0  # the data position is per dp degree: it restarts on 1 or 4 ranks
+
+
+def test_fsdp_checkpoint_of_two_ranks_loads_on_one_and_four(single_process_group, tmp_path):
+    """Saved (asynchronously) by 2 FSDP ranks after 2 AdamW steps; loaded on 1 rank (this process) and on
+    4 ranks, the full parameters and both Adam moments equal the saved ones exactly."""
+    _spawn(2, tmp_path, "save")
+    assert steps_on_disk(tmp_path / "checkpoint") == [1, 2]
+    check_result(load_and_compare(tmp_path))
+    _spawn(4, tmp_path, "load4")
+    for rank in range(4):
+        check_result(json.loads((tmp_path / f"result_load4_rank{rank}.json").read_text()))
