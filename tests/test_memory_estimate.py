@@ -143,6 +143,46 @@ def test_activation_estimate_matches_cpu_forward_under_tp_or_cp(fake_world_of_2,
     assert 0.4 < estimate / me.saved_activation_bytes(args, policies, True, single) < 0.75
 
 
+class PeakLiveActivations(TorchDispatchMode):
+    """The largest total of live op outputs at any op boundary of forward + backward, leaving out parameters
+    and, as soon as they are accumulated, parameter gradients."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.storages = WeakIdKeyDictionary()  # storage -> None: a weak set
+        self.excluded = _parameter_storages(model)
+        self.peak = 0
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: self.excluded.add(p.grad.untyped_storage().data_ptr()))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.storages[t.untyped_storage()] = None
+        live = sum(st.nbytes() for st in self.storages if st.data_ptr() not in self.excluded)
+        self.peak = max(self.peak, live)
+        return out
+
+
+@pytest.mark.parametrize("mode", ["none", "full", "selective"])
+@pytest.mark.parametrize("args,batch,seq", [(SMALL_GQA, 2, 128), (_debugmodel(64), 2, 64)], ids=["gqa", "debugmodel"])
+def test_peak_activation_estimate_matches_cpu_forward_backward(args, batch, seq, mode):
+    """The 'activations' row of the dry run (saved + backward working set) against the measured peak."""
+    model = checkpointed_model(args, mode, "op")
+    tokens = torch.randint(0, args.vocab_size, (batch, seq))
+    targets = torch.randint(0, args.vocab_size, (batch * seq,))
+    tracker = PeakLiveActivations(model)
+    with tracker:
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets, reduction="sum")
+        del logits
+        loss.backward()
+    shape = me.ActivationShape(tokens=batch * seq, compute_bytes=4, fused_rms_norm=False)
+    estimate = me.peak_activation_bytes(args, [(layer_policies(model, mode, "op"), True)], shape)
+    assert abs(estimate - tracker.peak) <= 0.2 * tracker.peak, (estimate, tracker.peak)
+
+
 def test_selective_every_second_layer_wraps_layers_2_and_4():
     model = checkpointed_model(SMALL_GQA, "selective", "2")
     assert layer_policies(model, "selective", "2") == {0: "none", 1: "full", 2: "none", 3: "full"}

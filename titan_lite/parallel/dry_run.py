@@ -177,16 +177,8 @@ def estimate_rank(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, parts: li
     schedule = cfg.parallelism.pipeline_parallel_schedule if dims.pp_enabled else None
     in_flight = me.in_flight_microbatches(schedule, dims.pp, pp_rank, n_micro, len(parts))
     ac = cfg.activation_checkpoint
-    saved, all_layers = 0, []
-    for part in parts:
-        policies = layer_policies(part, ac.mode, ac.selective_ac_option)
-        all_layers += list(policies)
-        saved += me.saved_activation_bytes(args, policies, part.output is not None, shape)
-    working = me.backward_working_bytes(args, all_layers, shape)
-    if any(part.output is not None for part in parts):
-        vocab = args.vocab_size // dims.tp if shape.loss_parallel else args.vocab_size
-        working = max(working, 2 * shape.tokens * vocab * me.FP32)  # fp32 gradients of log-softmax and logits
-    activations = int(saved * in_flight) + working
+    stages = [(layer_policies(part, ac.mode, ac.selective_ac_option), part.output is not None) for part in parts]
+    activations = me.peak_activation_bytes(args, stages, shape, in_flight)
 
     reduce_bytes = me.FP32 if cfg.training.mixed_precision_reduce == "float32" else 2
     if data_parallel:

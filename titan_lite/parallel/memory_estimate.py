@@ -90,6 +90,24 @@ def backward_working_bytes(args: LlamaArgs, layer_ids: list[int], s: ActivationS
     return max((layer_activation_bytes(args, i, s, NO_AC) for i in layer_ids), default=0)
 
 
+def loss_backward_bytes(args: LlamaArgs, s: ActivationShape) -> int:
+    """The fp32 gradients of the log-softmax output and of the logits, alive together as backward starts."""
+    vocab = args.vocab_size // s.tp if s.loss_parallel else args.vocab_size
+    return 2 * s.tokens * vocab * FP32
+
+
+def peak_activation_bytes(args: LlamaArgs, stages: list[tuple[dict[int, str], bool]], s: ActivationShape,
+                          in_flight: float = 1.0) -> int:
+    """Peak activation bytes of one rank: what its stages (layer policies, holds the head) keep for backward for
+    every microbatch in flight, plus the largest working set of backward (a block's recompute and gradients, or
+    the loss gradients)."""
+    saved = sum(saved_activation_bytes(args, policies, has_head, s) for policies, has_head in stages)
+    working = backward_working_bytes(args, [i for policies, _ in stages for i in policies], s)
+    if any(has_head for _, has_head in stages):
+        working = max(working, loss_backward_bytes(args, s))
+    return int(saved * in_flight) + working
+
+
 def in_flight_microbatches(schedule: str | None, pp: int, pp_rank: int, n_microbatches: int,
                            stages_per_rank: int = 1) -> float:
     """Microbatches whose activations one stage of this rank holds at the peak of a pipeline step.
