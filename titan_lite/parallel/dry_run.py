@@ -2,7 +2,6 @@
 
 import contextlib
 import copy
-import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,8 +18,6 @@ from titan_lite.data.tokenizer import build_tokenizer
 from titan_lite.models.llama import Llama, LlamaArgs
 from titan_lite.parallel import memory_estimate as me
 from titan_lite.parallel.parallel_dims import ParallelDims
-
-logger = logging.getLogger("titan_lite")
 
 DEFAULT_DEVICE_MEMORY_GIB = 80.0
 # Mesh dimensions whose shards FSDP gathers; a parameter's other shard dimensions (TP) stay split when gathered.
@@ -159,18 +156,32 @@ def microbatching(cfg: JobConfig, dims: ParallelDims) -> tuple[int, int]:
     return mb, cfg.training.local_batch_size // mb
 
 
+def dtype_bytes(name: str) -> int:
+    return me.FP32 if name == "float32" else 2
+
+
 def estimate_rank(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, parts: list[nn.Module],
                   pp_rank: int) -> tuple[me.MemoryEstimate, int]:
     """(memory estimate, local parameter count) of the built parts of one rank."""
-    from titan_lite.parallel.fsdp import reshard_after_forward
-    from titan_lite.parallel.parallelize import loss_parallel_enabled
-
     local = sum(local_numel(p) for part in parts for p in part.parameters())
-    param_bytes = me.FP32 if cfg.training.dtype == "float32" else 2
-    c, c_name = compute_bytes(cfg)
-    data_parallel = dims.fsdp_enabled or dims.dp_replicate_enabled
-    offloaded = cfg.training.enable_cpu_offload and data_parallel
-    params, grads, optim = me.state_bytes(local, param_bytes, offloaded)
+    offloaded = cfg.training.enable_cpu_offload and (dims.fsdp_enabled or dims.dp_replicate_enabled)
+    params, grads, optim = me.state_bytes(local, dtype_bytes(cfg.training.dtype), offloaded)
+    activations, activation_note = estimate_activations(cfg, args, dims, parts, pp_rank)
+    buffers, buffer_note = estimate_buffers(cfg, dims, parts, local)
+    notes = {
+        "parameters": f"{local:,} local x {cfg.training.dtype}" + (" (offloaded to CPU)" if offloaded else ""),
+        "gradients": f"sharded like the parameters, {cfg.training.dtype}",
+        "optimizer": f"{cfg.optimizer.name}: 2 x {cfg.training.dtype} per local parameter",
+        "activations": activation_note,
+        "buffers": buffer_note,
+    }
+    return me.MemoryEstimate(params, grads, optim, activations, buffers, notes), local
+
+
+def estimate_activations(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, parts: list[nn.Module],
+                         pp_rank: int) -> tuple[int, str]:
+    """Peak activation bytes of the rank's stages, with the microbatches a pipeline keeps in flight."""
+    from titan_lite.parallel.parallelize import loss_parallel_enabled
 
     microbatch, n_micro = microbatching(cfg, dims)
     shape = activation_shape(cfg, dims, microbatch, loss_parallel_enabled(dims, cfg))
@@ -178,31 +189,29 @@ def estimate_rank(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, parts: li
     in_flight = me.in_flight_microbatches(schedule, dims.pp, pp_rank, n_micro, len(parts))
     ac = cfg.activation_checkpoint
     stages = [(layer_policies(part, ac.mode, ac.selective_ac_option), part.output is not None) for part in parts]
-    activations = me.peak_activation_bytes(args, stages, shape, in_flight)
-
-    reduce_bytes = me.FP32 if cfg.training.mixed_precision_reduce == "float32" else 2
-    if data_parallel:
-        policy = cfg.parallelism.fsdp_reshard_after_forward
-        units = [u for part in parts for u in fsdp_units(part, reshard_after_forward(policy, dims.pp_enabled),
-                                                           head_reshards=policy == "always")]
-        buffers = me.fsdp_buffer_bytes(units, c, reduce_bytes)
-        held = sum(u.unsharded_numel for u in units if not u.reshards_after_forward)
-        buffer_note = (f"FSDP: {held:,} params kept gathered + 2 all-gathers in {c_name}"
-                       f" + 2 reduce-scatters in {cfg.training.mixed_precision_reduce} (worst neighbouring groups)")
-    else:
-        buffers = local * c if c < param_bytes else 0  # autocast's cached low-precision weight copies
-        buffer_note = f"autocast {c_name} weight copies" if buffers else "none (no data parallelism)"
     seq_note = f"seq {cfg.training.seq_len}" + (f" / cp {dims.cp}" if dims.cp > 1 else "")
     ac_note = ac.mode if ac.mode != "selective" else f"selective {ac.selective_ac_option}"
-    notes = {
-        "parameters": f"{local:,} local x {cfg.training.dtype}" + (" (offloaded to CPU)" if offloaded else ""),
-        "gradients": f"sharded like the parameters, {cfg.training.dtype}",
-        "optimizer": f"{cfg.optimizer.name}: 2 x fp32 per local parameter",
-        "activations": (f"AC {ac_note}; microbatch {microbatch} x {seq_note}, {in_flight:g} in flight, {c_name}"
-                        + (f", TP {dims.tp} (sequence parallel)" if dims.tp > 1 else "")),
-        "buffers": buffer_note,
-    }
-    return me.MemoryEstimate(params, grads, optim, activations, buffers, notes), local
+    note = (f"AC {ac_note}; microbatch {microbatch} x {seq_note}, {in_flight:g} in flight, {compute_bytes(cfg)[1]}"
+            + (f", TP {dims.tp} (sequence parallel)" if dims.tp > 1 else ""))
+    return me.peak_activation_bytes(args, stages, shape, in_flight), note
+
+
+def estimate_buffers(cfg: JobConfig, dims: ParallelDims, parts: list[nn.Module], local: int) -> tuple[int, str]:
+    """FSDP's gathered parameters and collective buffers; without data parallelism, autocast's weight copies."""
+    from titan_lite.parallel.fsdp import reshard_after_forward
+
+    c, c_name = compute_bytes(cfg)
+    if not (dims.fsdp_enabled or dims.dp_replicate_enabled):
+        copies = local * c if c < dtype_bytes(cfg.training.dtype) else 0
+        return copies, (f"autocast {c_name} weight copies" if copies else "none (no data parallelism)")
+    policy = cfg.parallelism.fsdp_reshard_after_forward
+    units = [u for part in parts for u in fsdp_units(part, reshard_after_forward(policy, dims.pp_enabled),
+                                                       head_reshards=policy == "always")]
+    held = sum(u.unsharded_numel for u in units if not u.reshards_after_forward)
+    reduce_name = cfg.training.mixed_precision_reduce
+    note = (f"FSDP: {held:,} params kept gathered + 2 all-gathers in {c_name} + 2 reduce-scatters in {reduce_name}"
+            " (worst neighbouring groups)")
+    return me.fsdp_buffer_bytes(units, c, dtype_bytes(reduce_name)), note
 
 
 def plan_rank(cfg: JobConfig, args: LlamaArgs, rank: int, world: int) -> RolePlan:
@@ -241,15 +250,14 @@ def describe_layers(layers: list[list[int]]) -> str:
     return f"layers {', '.join(stages)} ({sum(len(ids) for ids in layers)})"
 
 
-def role_lines(role: RolePlan, dims: ParallelDims, capacity_gib: float) -> tuple[bool, list[str]]:
+def role_lines(role: RolePlan, dims: ParallelDims, capacity_gib: float) -> list[str]:
     ends = [name for name, held in (("embeddings", role.has_embeddings), ("output head", role.has_head)) if held]
     share = dims.world_size // dims.pp
     who = f"rank {role.rank}" + (f" (pp rank {role.pp_rank}; {share} ranks alike)" if dims.pp_enabled
                                  else f" ({dims.world_size} ranks alike)")
-    fits, line = me.verdict(role.estimate, capacity_gib)
-    lines = [f"{who}: {describe_layers(role.layers)}" + (f" + {' + '.join(ends)}" if ends else ""),
-             f"  local parameters: {role.local_params:,}", *role.estimate.lines(), f"  verdict: {line}"]
-    return fits, lines
+    _, verdict = me.verdict(role.estimate, capacity_gib)
+    return [f"{who}: {describe_layers(role.layers)}" + (f" + {' + '.join(ends)}" if ends else ""),
+            f"  local parameters: {role.local_params:,}", *role.estimate.lines(), f"  verdict: {verdict}"]
 
 
 def device_memory_gib(cfg: JobConfig) -> float:
@@ -300,21 +308,22 @@ def dry_run(cfg: JobConfig) -> int:
         full_model = Llama(args)
     for line in summary_lines(cfg, dims, full_model, tokenizer.vocab_size, grad_accum):
         print(line, flush=True)
-    plan_cfg = planning_config(cfg)
     print(f"memory per device, estimated against {capacity:.2f} GiB:", flush=True)
-    worst: tuple[float, RolePlan] | None = None
+    roles = []
     for rank in ranks_to_plan(dims):
-        role = plan_rank(plan_cfg, args, rank, world)
-        _, lines = role_lines(role, dims, capacity)
-        print("\n".join(lines), flush=True)
-        if worst is None or role.estimate.total > worst[0]:
-            worst = (role.estimate.total, role)
-    assert worst is not None
-    peak = worst[0] / me.GIB
-    if peak > capacity:
-        raise ConfigError(f"the plan does not fit: rank {worst[1].rank} needs an estimated {peak:.2f} GiB but a device "
-                          f"has {capacity:.2f} GiB ('dry_run.device_memory_gib'); shard more, lower the batch or "
-                          f"sequence, or use activation checkpointing")
-    print(f"dry run OK: {world} ranks; largest peak {peak:.2f} GiB on rank {worst[1].rank}, "
+        roles.append(plan_rank(planning_config(cfg), args, rank, world))
+        print("\n".join(role_lines(roles[-1], dims, capacity)), flush=True)
+    worst = max(roles, key=lambda role: role.estimate.total)
+    check_fits(worst, capacity)
+    peak = worst.estimate.total / me.GIB
+    print(f"dry run OK: {world} ranks; largest peak {peak:.2f} GiB on rank {worst.rank}, "
           f"head-room {capacity - peak:.2f} GiB of {capacity:.2f} GiB", flush=True)
     return 0
+
+
+def check_fits(worst: RolePlan, capacity_gib: float) -> None:
+    peak = worst.estimate.total / me.GIB
+    if peak > capacity_gib:
+        raise ConfigError(f"the plan does not fit: rank {worst.rank} needs an estimated {peak:.2f} GiB but a device "
+                          f"has {capacity_gib:.2f} GiB ('dry_run.device_memory_gib'); shard more, lower the batch or "
+                          f"sequence, or use activation checkpointing")

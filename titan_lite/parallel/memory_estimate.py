@@ -179,10 +179,10 @@ class MemoryEstimate:
 
 def state_bytes(local_params: int, param_bytes: int, offloaded: bool) -> tuple[int, int, int]:
     """(parameters, gradients, AdamW state) on the device: sharded params and grads in the parameter dtype,
-    two fp32 moments per parameter; nothing when FSDP offloads them to the CPU."""
+    two AdamW moments per parameter in the same dtype; nothing when FSDP offloads them to the CPU."""
     if offloaded:
         return 0, 0, 0
-    return local_params * param_bytes, local_params * param_bytes, 2 * FP32 * local_params
+    return local_params * param_bytes, local_params * param_bytes, 2 * param_bytes * local_params
 
 
 def verdict(estimate: MemoryEstimate, capacity_gib: float) -> tuple[bool, str]:
