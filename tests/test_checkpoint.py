@@ -222,6 +222,10 @@ def test_incomplete_folders_are_skipped_with_a_warning(single_process_group, tmp
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [f"skipping incomplete checkpoint '{root / 'step-3.tmp'}': its save never finished",
                         f"skipping incomplete checkpoint '{root / 'step-4'}': its save never finished"]
+    # The next complete save removes the older unfinished .tmp (a folder without metadata is left to the user).
+    train_one_step(t2, 3)
+    CheckpointManager(cfg, t2).save(5)
+    assert sorted(p.name for p in root.iterdir()) == ["step-1", "step-2", "step-4", "step-5"]
 
 
 def test_initial_load_path_that_is_not_a_checkpoint_names_the_folder(single_process_group, tmp_path):
@@ -254,6 +258,91 @@ def test_last_save_model_only_is_cast_and_loads_model_only(single_process_group,
     for (name, p), p2 in zip(t.model_parts[0].named_parameters(), t2.model_parts[0].parameters()):
         assert p2.dtype == torch.float32
         assert torch.equal(p2.detach(), p.detach().to(torch.bfloat16).float()), name
+
+
+def test_first_step_interval_and_load_only(single_process_group, tmp_path):
+    cfg = make_cfg(tmp_path, interval=3, enable_first_step_checkpoint=True, keep_latest_k=0)
+    t = make_trainer(cfg)
+    manager = CheckpointManager(cfg, t)
+    for step in range(1, 8):
+        train_one_step(t, step)
+        manager.save(step, last=step == 7)
+    assert steps_on_disk(tmp_path / "checkpoint") == [1, 3, 6, 7]
+
+    cfg2 = make_cfg(tmp_path, load_only=True, enable_first_step_checkpoint=True)
+    t2 = make_trainer(cfg2)
+    manager2 = CheckpointManager(cfg2, t2)
+    manager2.load()
+    assert t2.train_state.step == 7
+    for step in (8, 9):
+        train_one_step(t2, step)
+        manager2.save(step, last=step == 9)
+    assert steps_on_disk(tmp_path / "checkpoint") == [1, 3, 6, 7]
+
+
+def test_initial_load_path_model_only_and_seed_checkpoint(single_process_group, tmp_path):
+    seed_cfg = make_cfg(tmp_path / "seed", create_seed_checkpoint=True)
+    seeded = make_trainer(seed_cfg)
+    train_one_step(seeded, 1)  # weights that differ from a fresh init
+    CheckpointManager(seed_cfg, seeded).save_seed()
+    seed_folder = tmp_path / "seed" / "checkpoint" / "step-0"
+    metadata = ckpt.read_metadata(seed_folder)
+    assert all(k.startswith("model.") for k in metadata.state_dict_metadata)
+
+    # A run with a seed checkpoint in its own folder starts from it at step 0.
+    cfg = make_cfg(tmp_path / "seed")
+    t = make_trainer(cfg)
+    CheckpointManager(cfg, t).load()
+    assert t.train_state.step == 0
+    got, seed = snapshot(t), snapshot(seeded)
+    assert sorted(got) == sorted(k for k in seed if k.startswith("param."))
+    assert all(torch.equal(got[k], seed[k]) for k in got)
+
+    # initial_load_path with model_only: weights of a full checkpoint, nothing else.
+    full_cfg = make_cfg(tmp_path / "full")
+    donor = make_trainer(full_cfg)
+    for step in (1, 2):
+        train_one_step(donor, step)
+    CheckpointManager(full_cfg, donor).save(2)
+    cfg2 = make_cfg(tmp_path / "fresh", initial_load_path=str(tmp_path / "full" / "checkpoint" / "step-2"))
+    t2 = make_trainer(cfg2)
+    CheckpointManager(cfg2, t2).load()
+    assert (t2.train_state.step, t2.lr_schedule.step_count, len(t2.optimizer.state)) == (0, 0, 0)
+    for (name, p), p2 in zip(donor.model_parts[0].named_parameters(), t2.model_parts[0].parameters()):
+        assert torch.equal(p.detach(), p2.detach()), name
+
+
+def two_linear_parts(names: list[list[str]]) -> list[torch.nn.Module]:
+    """Model parts holding differently named Linear layers, like pipeline stages of one model."""
+    torch.manual_seed(0)
+    layers = {name: torch.nn.Linear(4, 4) for name in ("a", "b", "c")}
+    return [torch.nn.ModuleDict({n: layers[n] for n in part}) for part in names]
+
+
+def test_several_model_parts_with_one_optimizer_reshard_to_one_part(single_process_group, tmp_path):
+    """Two 'stages' under one optimizer (interleaved pipeline schedules) save and load into one part."""
+    def trainer(parts):
+        t = make_trainer(make_cfg(tmp_path))
+        t.model_parts = parts
+        t.optimizer = torch.optim.AdamW([p for m in parts for p in m.parameters()], lr=0.1)
+        t.lr_schedule = LRSchedule([t.optimizer], make_cfg(tmp_path).lr_scheduler, 100)
+        return t
+
+    src = trainer(two_linear_parts([["a"], ["b", "c"]]))
+    x = torch.ones(2, 4)
+    src.model_parts[1]["c"](src.model_parts[1]["b"](src.model_parts[0]["a"](x))).sum().backward()
+    src.optimizer.step()
+    CheckpointManager(make_cfg(tmp_path), src).save(1)
+    expected = {n: (p.detach().clone(), src.optimizer.state[p]["exp_avg"].clone())
+                for m in src.model_parts for n, p in m.named_parameters()}
+
+    dst = trainer(two_linear_parts([["a", "b", "c"]]))
+    CheckpointManager(make_cfg(tmp_path), dst).load()
+    got = {n: (p.detach(), dst.optimizer.state[p]["exp_avg"]) for n, p in dst.model_parts[0].named_parameters()}
+    assert got.keys() == expected.keys() and len(got) == 6
+    for n, (param, exp_avg) in expected.items():
+        assert torch.equal(got[n][0], param) and torch.equal(got[n][1], exp_avg), n
+    assert all(float(dst.optimizer.state[p]["step"]) == 1.0 for p in dst.model_parts[0].parameters())
 
 
 # ---------------------------------------------------------------- resharding across processes

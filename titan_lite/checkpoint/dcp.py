@@ -2,6 +2,7 @@
 
 import io
 import re
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,8 @@ class _OptimizerPartView(torch.optim.Optimizer):
     """The slice of one optimizer that covers one model part, sharing the optimizer's per-parameter state.
 
     DSD maps optimizer parameters to FQNs through a single module, but the trainer has one optimizer over
-    several pipeline stages; a view per stage lets each stage be handled on its own.
+    several pipeline stages; a view per stage lets each stage be handled on its own. Build views after the
+    optimizer has state (init_optimizer_state).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, part: nn.Module):
@@ -72,7 +74,9 @@ class _OptimizerPartView(torch.optim.Optimizer):
             if params:
                 groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
         super().__init__(groups, optimizer.defaults)
-        self.state = optimizer.state
+        # Only this part's entries (the per-parameter dicts themselves are shared): state_dict() packs every key.
+        self.state = defaultdict(dict, {p: optimizer.state[p] for g in self.param_groups for p in g["params"]
+                                        if p in optimizer.state})
 
     def step(self, closure=None):  # noqa: D102 - never stepped: state is initialised on the real optimizer
         raise RuntimeError("an optimizer view is never stepped")

@@ -56,8 +56,9 @@ class CheckpointManager:
                               f"got {pd.describe()}")
 
     def _checkpoint_group(self):
-        """Async saves run collectives from a background thread, so they get their own gloo group."""
-        if self.enabled and self.c.async_mode != "disabled" and self.world_size > 1:
+        """Async saves run collectives from a background thread, so they get their own group, and DCP's async save
+        needs a CPU backend: gloo, whatever the training backend is."""
+        if self.enabled and self.c.async_mode != "disabled":
             return dist.new_group(backend="gloo")
         return None
 
@@ -170,6 +171,7 @@ class CheckpointManager:
                 shutil.rmtree(final)
             os.replace(ckpt.tmp_folder(self.root, step), final)
             self._purge_old_checkpoints()
+            self._remove_older_unfinished_saves(step)
         self._barrier()
 
     def _maybe_stall_for_test(self, step: int) -> None:
@@ -185,6 +187,14 @@ class CheckpointManager:
         for step in steps[:-k]:
             shutil.rmtree(ckpt.step_folder(self.root, step), ignore_errors=True)
             logger.info(f"removed checkpoint step {step} (keep_latest_k = {k})")
+
+    def _remove_older_unfinished_saves(self, step: int) -> None:
+        """Leftovers of killed saves older than a complete checkpoint are never loaded: remove them."""
+        for folder in ckpt.incomplete_folders(self.root):
+            m = ckpt.TMP_FOLDER.match(folder.name)
+            if m and int(m.group(1)) < step:
+                shutil.rmtree(folder, ignore_errors=True)
+                logger.info(f"removed unfinished save {folder}")
 
     def _barrier(self) -> None:
         if self.world_size > 1:
@@ -262,8 +272,8 @@ class CheckpointManager:
             return {"model"} - excluded
         present = {name for name in LOADABLE if self._present(metadata, name)}
         if present == {"model"} and self.rank == 0:
-            logger.warning("this checkpoint holds model weights only (e.g. a final save with last_save_model_only): "
-                           "optimizer, LR schedule, data position and step start fresh")
+            logger.warning("this checkpoint holds model weights only (a seed checkpoint, or a final save with "
+                           "last_save_model_only): optimizer, LR schedule, data position and step start fresh")
         return present - excluded
 
     def _present(self, metadata, name: str) -> bool:
