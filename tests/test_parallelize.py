@@ -268,3 +268,40 @@ def test_checkpointed_names_stay_canonical():
     names = [n for n, _ in model.named_parameters()]
     assert sum("_checkpoint_wrapped_module" in n for n in names) == 2 * 9  # layers 1 and 3 of 4, 9 params each
     assert [canonical_name(n) for n in names] == plain
+
+
+# ------------------------------------------------------------------------------ config refusals
+
+
+def test_cpu_offload_without_data_parallel_is_refused():
+    from titan_lite.parallel.fsdp import check_cpu_offload
+    from titan_lite.parallel.parallel_dims import ParallelDims
+
+    cfg = _config(tp=2)
+    cfg.training.enable_cpu_offload = True
+    with pytest.raises(ConfigError) as exc:
+        check_cpu_offload(cfg, ParallelDims.from_config(cfg.parallelism, 2))
+    assert str(exc.value) == ("'training.enable_cpu_offload' = true needs FSDP: a data-parallel shard or replicate "
+                              "degree above 1, but the layout is world 2 = dp_replicate 1 x dp_shard 1 x cp 1 x tp 2 x pp 1")
+    cfg.parallelism.tensor_parallel_degree = 1
+    check_cpu_offload(cfg, ParallelDims.from_config(cfg.parallelism, 2))  # FSDP over 2 ranks: accepted
+
+
+def test_unknown_compile_component_is_refused():
+    from titan_lite.config import validate
+
+    cfg = JobConfig()
+    cfg.compile.components = ["model", "los"]
+    with pytest.raises(ConfigError, match=r"^'compile.components' has 'los'; expected some of: model, loss$"):
+        validate(cfg)
+
+
+def test_mixed_precision_policy_resolves_auto_to_float32_on_cpu():
+    from titan_lite.parallel.fsdp import mixed_precision_policy
+
+    cfg = JobConfig()
+    auto = mixed_precision_policy(cfg, "cpu")
+    assert (auto.param_dtype, auto.reduce_dtype) == (torch.float32, torch.float32)
+    cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce = "bfloat16", "bfloat16"
+    explicit = mixed_precision_policy(cfg, "cpu")
+    assert (explicit.param_dtype, explicit.reduce_dtype) == (torch.bfloat16, torch.bfloat16)

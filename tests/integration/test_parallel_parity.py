@@ -83,6 +83,8 @@ CASES = [
     ("fsdp2_ac_selective_op", 2, 4, ["--activation_checkpoint.mode", "selective",
                                      "--activation_checkpoint.selective_ac_option", "op"]),
     ("fsdp2_compile", 2, 4, ["--compile.enable"]),
+    ("fsdp2_cpu_offload_no_reshard", 2, 4, ["--training.enable_cpu_offload",
+                                            "--parallelism.fsdp_reshard_after_forward", "never"]),
     ("accumulation_4x2_one_process", 1, 2, ["--training.global_batch_size", "8"]),
     ("fsdp2_accumulation2", 2, 2, ["--training.global_batch_size", "8"]),
 ]
@@ -97,6 +99,7 @@ EXPECTED_LAYOUT = {
     "fsdp2_ac_full": "dp_shard 2",
     "fsdp2_ac_selective_op": "dp_shard 2",
     "fsdp2_compile": "dp_shard 2",
+    "fsdp2_cpu_offload_no_reshard": "dp_shard 2",
     "accumulation_4x2_one_process": "gradient accumulation 4",
     "fsdp2_accumulation2": "gradient accumulation 2",
 }

@@ -5,6 +5,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from titan_lite.config.manager import ConfigError
 from titan_lite.config.schema import JobConfig
 from titan_lite.parallel.parallel_dims import ParallelDims
 
@@ -32,10 +33,17 @@ def reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
     return not pp_enabled
 
 
+def offload_policy(enable: bool, device_type: str) -> OffloadPolicy:
+    """CPU offload of sharded parameters, gradients and optimizer state; pinned memory only exists with an accelerator."""
+    if not enable:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device_type != "cpu")
+
+
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: JobConfig, pp_enabled: bool) -> None:
     """Shard each block, then the embeddings, then norm + head together, then the root (whatever is left)."""
     reshard = reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, pp_enabled)
-    offload: OffloadPolicy = CPUOffloadPolicy() if cfg.training.enable_cpu_offload else OffloadPolicy()
+    offload = offload_policy(cfg.training.enable_cpu_offload, dp_mesh.device_type)
     common = dict(mesh=dp_mesh, mp_policy=mixed_precision_policy(cfg, dp_mesh.device_type), offload_policy=offload)
     for block in model.layers.values():
         fully_shard(block, reshard_after_forward=reshard, **common)
@@ -49,3 +57,10 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg: JobConfig, pp_enabled
         # The backward starts with the head right after forward: keep it gathered unless told to always reshard.
         fully_shard(head, reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward == "always", **common)
     fully_shard(model, reshard_after_forward=reshard, **common)
+
+
+def check_cpu_offload(cfg: JobConfig, parallel_dims: ParallelDims) -> None:
+    """CPU offload is an FSDP policy: refuse it when no data-parallel sharding or replication is applied."""
+    if cfg.training.enable_cpu_offload and not (parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled):
+        raise ConfigError("'training.enable_cpu_offload' = true needs FSDP: a data-parallel shard or replicate degree "
+                          f"above 1, but the layout is {parallel_dims.describe()}")

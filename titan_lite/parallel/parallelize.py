@@ -5,7 +5,7 @@ from torch import nn
 from titan_lite.config.schema import JobConfig
 from titan_lite.parallel.activation_checkpoint import apply_ac
 from titan_lite.parallel.compile import apply_compile, compiles_model
-from titan_lite.parallel.fsdp import apply_fsdp, data_parallel_mesh
+from titan_lite.parallel.fsdp import apply_fsdp, check_cpu_offload, data_parallel_mesh
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.tensor_parallel import apply_tp, check_tp_divisibility
 
@@ -28,6 +28,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, cfg: JobCon
     if compiles_model(cfg.compile):
         apply_compile(model, cfg.compile)
 
+    check_cpu_offload(cfg, parallel_dims)
     if parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled:
         apply_fsdp(model, data_parallel_mesh(parallel_dims), cfg, pp_enabled=parallel_dims.pp_enabled)
     return model
