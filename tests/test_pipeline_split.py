@@ -6,6 +6,7 @@ import torch
 from titan_lite.config.manager import ConfigError
 from titan_lite.models.llama import Llama, LlamaArgs
 from titan_lite.parallel.pipeline import (
+    check_pipeline_config,
     microbatch_count,
     prune_to_stage,
     split_layers,
@@ -124,3 +125,28 @@ def test_prune_to_stage_keeps_names_and_initialises_like_the_full_model():
     tokens = torch.randint(0, 32, (2, 8))
     first = prune_to_stage(full, [0], is_first=True, is_last=False)  # a copy of the materialised model
     torch.testing.assert_close(last(middle(first(tokens))), full(tokens), rtol=0, atol=0)
+
+
+def pipeline_cfg(*overrides: str):
+    from titan_lite.config import parse_args
+
+    return parse_args(["--job.config_file", "tests/integration/base.toml",
+                       "--parallelism.pipeline_parallel_degree", "2", *overrides])
+
+
+def test_check_pipeline_config_for_a_whole_job():
+    num_stages, layers, n_micro = check_pipeline_config(
+        pipeline_cfg("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                     "--parallelism.pipeline_parallel_microbatch_size", "2"), n_layers=4, tied_embeddings=False)
+    assert (num_stages, layers, n_micro) == (4, ranges((0, 0), (0, 2), (2, 4), (4, 4)), 4)
+
+
+def test_tied_embeddings_are_refused_with_pp():
+    with pytest.raises(ConfigError, match="ties its input embedding to the output head"):
+        check_pipeline_config(pipeline_cfg("--model.flavor", "smollm2_135M"), n_layers=30, tied_embeddings=True)
+
+
+def test_validation_batches_must_suit_the_schedule():
+    cfg = pipeline_cfg("--validation.enable", "--validation.local_batch_size", "1")
+    with pytest.raises(ConfigError, match=r"'validation.local_batch_size' 1 / microbatch_size 1 = 1"):
+        check_pipeline_config(cfg, n_layers=4, tied_embeddings=False)

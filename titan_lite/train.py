@@ -327,14 +327,32 @@ class Trainer:
         batches = iter(loader)
         for _ in range(self.validation_batch_count(len_hint=v.steps)):
             inputs, labels = self.context_parallel_shard(*(t.to(self.device) for t in next(batches)))
-            with self.train_context():
-                totals[0] += to_local(cross_entropy_sum(self.model_parts[0](inputs), labels)).double()
+            totals[0] += self.validation_loss_sum(inputs, labels)
             totals[1] += (labels != IGNORE_INDEX).sum()
         for m in self.model_parts:
             m.train()
+        if self.parallel_dims.pp_enabled:  # only the last stage computed losses; the other stages hold zero
+            loss_sum = totals[0].clone()
+            dist.all_reduce(loss_sum, group=self.parallel_dims.submesh("pp").get_group())
+            totals[0] = loss_sum
         if self.parallel_dims.dp_degree * self.parallel_dims.cp > 1:  # CP ranks each counted their own chunks
             dist.all_reduce(totals, group=self.parallel_dims.submesh("loss").get_group())
         return (totals[0] / totals[1]).item()
+
+    def validation_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Sum of one validation batch's token losses (under PP: through the stages, zero off the last stage)."""
+        if self.pp_schedule is not None:
+            return self.run_pipeline(self.pp_eval_schedule().eval, inputs, labels, torch.ones((), device=self.device))
+        with self.train_context():
+            return to_local(cross_entropy_sum(self.model_parts[0](inputs), labels)).double()
+
+    def pp_eval_schedule(self):
+        """A forward-only twin of the training schedule over the same stage modules, sized for validation batches."""
+        if getattr(self, "_pp_eval_schedule", None) is None:
+            from titan_lite.parallel.pipeline import eval_schedule
+
+            self._pp_eval_schedule = eval_schedule(self.pp_schedule, self.cfg, self.pp_loss_fn)
+        return self._pp_eval_schedule
 
     def validation_batch_count(self, len_hint: int) -> int:
         """Batches every rank can run: a full pass ends at the shortest rank's split so no collective hangs."""
@@ -420,6 +438,10 @@ def check_config(cfg: JobConfig) -> None:
     tokenizer = build_tokenizer(tokenizer_path(cfg))
     args = build_model_args(cfg, tokenizer.vocab_size)
     check_tp_divisibility(args, cfg.parallelism.tensor_parallel_degree)
+    if cfg.parallelism.pipeline_parallel_degree > 1:
+        from titan_lite.parallel.pipeline import check_pipeline_config
+
+        check_pipeline_config(cfg, args.n_layers, args.tie_word_embeddings)
     build_transforms(cfg.model.converters, cfg)
 
 

@@ -63,6 +63,7 @@ def check_ranges(cfg: JobConfig) -> None:
         _require(v.steps == -1 or v.steps >= 1, f"'validation.steps' must be -1 or positive, got {v.steps}")
     check_activation_checkpoint(cfg)
     check_checkpoint(cfg)
+    check_pipeline(cfg)
     check_context_parallel_seq_len(cfg)
 
 
@@ -111,6 +112,22 @@ def check_context_parallel_seq_len(cfg: JobConfig) -> None:
     for key, seq_len in lengths:
         _require(seq_len % factor == 0,
                  f"'{key}' = {seq_len} must be divisible by {factor} ({' x '.join(parts)}) for context parallelism")
+
+
+def check_pipeline(cfg: JobConfig) -> None:
+    """Pipeline checks that need no model: microbatches divide the batches; validation needs a forward-only schedule."""
+    p = cfg.parallelism
+    if p.pipeline_parallel_degree <= 1:
+        return
+    mbs = p.pipeline_parallel_microbatch_size
+    batches = [("training.local_batch_size", cfg.training.local_batch_size)]
+    if cfg.validation.enable:
+        batches.append(("validation.local_batch_size", cfg.validation.local_batch_size))
+    for key, batch in batches:
+        _require(batch % mbs == 0, f"'{key}' {batch} is not a multiple of 'parallelism.pipeline_parallel_microbatch_size' {mbs}")
+    _require(not (cfg.validation.enable and p.pipeline_parallel_schedule == "ZBVZeroBubble"),
+             "'validation.enable' with 'parallelism.pipeline_parallel_schedule' = 'ZBVZeroBubble' is not supported: "
+             "torch's ZBV schedule has no forward-only (eval) mode; use another schedule or disable validation")
 
 
 def check_checkpoint(cfg: JobConfig) -> None:

@@ -189,15 +189,23 @@ def rebind_stage_modules(schedule: _PipelineSchedule, parts: list[nn.Module]) ->
         stage.submod = part
 
 
-def schedule_like(schedule: _PipelineSchedule, n_microbatches: int, loss_fn: Callable | None,
-                  schedule_name: str) -> _PipelineSchedule:
-    """A fresh schedule over the same stage modules, e.g. for validation batches of another shape.
+def validation_microbatch_count(cfg: JobConfig, num_stages: int) -> int:
+    p = cfg.parallelism
+    return microbatch_count(cfg.validation.local_batch_size, p.pipeline_parallel_microbatch_size,
+                            p.pipeline_parallel_schedule, num_stages, p.pipeline_parallel_degree,
+                            batch_key="validation.local_batch_size")
 
-    New PipelineStage objects infer their activation shapes anew from the first batch they see.
+
+def eval_schedule(schedule: _PipelineSchedule, cfg: JobConfig, loss_fn: Callable) -> _PipelineSchedule:
+    """A schedule of the same kind over the same stage modules, for validation batches (run it with .eval()).
+
+    Fresh PipelineStage objects infer the activation shapes of validation batches (batch size and sequence
+    length may differ from training) once, instead of the training stages re-inferring at every switch.
     """
-    stages = [PipelineStage(s.submod, s.stage_index, s.num_stages, s.device, group=s.group)
-              for s in schedule_stages(schedule)]
-    return build_schedule(schedule_name, stages, n_microbatches, loss_fn)
+    old = schedule_stages(schedule)
+    stages = [PipelineStage(s.submod, s.stage_index, s.num_stages, s.device, group=s.group) for s in old]
+    n_micro = validation_microbatch_count(cfg, old[0].num_stages)
+    return build_schedule(cfg.parallelism.pipeline_parallel_schedule, stages, n_micro, loss_fn)
 
 
 def check_pipeline_config(cfg: JobConfig, n_layers: int, tied_embeddings: bool) -> tuple[int, list[list[int]], int]:
@@ -212,6 +220,8 @@ def check_pipeline_config(cfg: JobConfig, n_layers: int, tied_embeddings: bool) 
     layers = split_layers(n_layers, num_stages, first_less, last_less, p.pipeline_parallel_layers_per_stage)
     n_micro = microbatch_count(cfg.training.local_batch_size, p.pipeline_parallel_microbatch_size,
                                p.pipeline_parallel_schedule, num_stages, p.pipeline_parallel_degree)
+    if cfg.validation.enable:
+        validation_microbatch_count(cfg, num_stages)  # fail now, not at the first validation
     return num_stages, layers, n_micro
 
 
