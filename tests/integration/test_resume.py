@@ -108,6 +108,9 @@ def test_two_fsdp_processes_resume_exactly_and_on_one_process(tmp_path, periodic
     first = run_train(steps(10) + CKPT + async_keep1 + data(periodic_data), two, ngpu=2)
     assert_ok(first)
     assert sorted(p.name for p in (two / "checkpoint").iterdir()) == ["step-10"]
+    # FSDP sharded it: each rank wrote its half of the weights and Adam moments (459,328 x 3 fp32 = 5.5 MB).
+    shards = {f.name: f.stat().st_size for f in (two / "checkpoint" / "step-10").glob("*.distcp")}
+    assert sorted(shards) == ["__0_0.distcp", "__1_0.distcp"] and min(shards.values()) > 2_500_000, shards
     one = tmp_path / "one"
     shutil.copytree(two / "checkpoint", one / "checkpoint")
 
@@ -122,6 +125,7 @@ def test_two_fsdp_processes_resume_exactly_and_on_one_process(tmp_path, periodic
     single = run_train(steps(20) + CKPT + data(periodic_data), one, ngpu=1)
     assert_ok(single)
     assert "was saved with data-parallel degree 2, this run has 1" in single.output
+    assert f"loaded checkpoint {one / 'checkpoint' / 'step-10'}" in single.output
     got = single.tb_losses()
     assert sorted(got) == list(range(11, 21))
     for s in range(11, 21):

@@ -40,7 +40,7 @@ class CheckpointManager:
         self._check_seed_checkpoint_request()
         self.pg = self._checkpoint_group()
         self._pending: tuple[Future, int] | None = None
-        if self.c.async_mode == "async_with_pinned_mem":
+        if self.enabled and self.c.async_mode == "async_with_pinned_mem":
             logger.info("checkpoint.async_mode 'async_with_pinned_mem' saves like 'async' (staging in pinned memory "
                         "is not implemented)")
 
