@@ -67,6 +67,13 @@ def test_pp2_fsdp2_matches_single_process(reference_two_data_ranks, tmp_path):
     assert_losses_close(run, reference_two_data_ranks, atol=1e-5)
 
 
+def test_pp2_tp2_matches_single_process(reference, tmp_path):
+    # Sequence-parallel activations cross the stage boundary; the last stage's loss runs on vocab-sharded logits.
+    run = run_train([*PP2, "--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+                    tmp_path, ngpu=4)
+    assert_losses_close(run, reference[0], atol=1e-5)
+
+
 def test_indivisible_layers_per_stage_is_one_clear_line(tmp_path):
     run = run_train([*PP2, "--parallelism.pipeline_parallel_layers_per_stage", "4"], tmp_path, ngpu=2)
     assert run.returncode != 0
