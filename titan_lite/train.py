@@ -485,6 +485,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         trainer.train()
+    except ConfigError as exc:  # found at load time, e.g. a checkpoint that does not fit the model
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        tl_dist.shutdown_quietly()
+        return 2
     finally:
         tl_dist.shutdown()
     return 0
