@@ -7,7 +7,7 @@ import shutil
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,10 @@ import torch.distributed.checkpoint as dcp
 
 from titan_lite.checkpoint import dcp as ckpt
 from titan_lite.config.manager import ConfigError
+from titan_lite.config.schema import JobConfig
+
+if TYPE_CHECKING:
+    from titan_lite.train import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +33,7 @@ LOADABLE = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "
 class CheckpointManager:
     """Saves the trainer's state every `interval` steps to {dump_folder}/{folder}/step-N and resumes from it."""
 
-    def __init__(self, cfg, trainer):
+    def __init__(self, cfg: JobConfig, trainer: "Trainer"):
         self.cfg = cfg
         self.c = cfg.checkpoint
         self.trainer = trainer
@@ -234,6 +238,9 @@ class CheckpointManager:
         self._warn_incomplete()
         if self.c.load_step != -1:
             folder = ckpt.step_folder(self.root, self.c.load_step)
+            if not folder.is_dir() and ckpt.tmp_folder(self.root, self.c.load_step).is_dir():
+                raise ConfigError(f"'checkpoint.load_step' = {self.c.load_step}: the save of '{folder}' never finished "
+                                  f"(only '{ckpt.tmp_folder(self.root, self.c.load_step)}' exists)")
             if not folder.is_dir():
                 raise ConfigError(f"'checkpoint.load_step' = {self.c.load_step}: checkpoint folder '{folder}' does not exist")
             return folder
@@ -261,6 +268,9 @@ class CheckpointManager:
         metadata = ckpt.read_metadata(folder)
         wanted = self._components_to_load(metadata, model_only)
         state = self._placeholders(wanted, metadata, folder)
+        if not state:
+            logger.info(f"nothing loaded from checkpoint {folder}: every part of it is excluded")
+            return
         dcp.load(state, checkpoint_id=str(folder), process_group=self.pg)
         self._apply(state)
         logger.info(f"loaded checkpoint {folder} ({', '.join(sorted(state))}); "
