@@ -55,10 +55,13 @@ def test_pp2_schedule_matches_single_process(reference, tmp_path, schedule):
         assert abs(got[step] - value) <= 1e-5, f"validation step {step}: {got[step]} vs {value}"
 
 
-def test_pp2_zbv_matches_single_process(reference, tmp_path):
-    # ZBV puts stages 0 and 3 on rank 0 (a V), so one rank feeds the inputs and computes the loss.
-    run = run_train([*PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], tmp_path, ngpu=2)
-    assert_losses_close(run, reference[0], atol=1e-5)
+def test_pp2_zbv_with_accumulation_matches_single_process(reference_two_data_ranks, tmp_path):
+    # ZBV puts stages 0 and 3 on rank 0 (a V), so one rank feeds the inputs and computes the loss; two schedule
+    # steps per optimizer step (gradient accumulation) must add up like one 16-sequence batch.
+    run = run_train([*PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
+                     "--training.global_batch_size", str(2 * LOCAL_BATCH), "--training.dataloader.num_workers", "2"],
+                    tmp_path, ngpu=2)
+    assert_losses_close(run, reference_two_data_ranks, atol=1e-5)
 
 
 def test_pp2_fsdp2_matches_single_process(reference_two_data_ranks, tmp_path):

@@ -128,6 +128,11 @@ def check_pipeline(cfg: JobConfig) -> None:
     _require(not (cfg.validation.enable and p.pipeline_parallel_schedule == "ZBVZeroBubble"),
              "'validation.enable' with 'parallelism.pipeline_parallel_schedule' = 'ZBVZeroBubble' is not supported: "
              "torch's ZBV schedule has no forward-only (eval) mode; use another schedule or disable validation")
+    zero_bubble = p.pipeline_parallel_schedule in ("InterleavedZeroBubble", "ZBVZeroBubble")
+    _require(not (zero_bubble and cfg.compile.enable and "model" in cfg.compile.components),
+             f"'parallelism.pipeline_parallel_schedule' = '{p.pipeline_parallel_schedule}' splits the backward into "
+             "input and weight passes, which torch does not support on compiled modules; drop 'model' from "
+             "'compile.components' or use another schedule")
 
 
 def check_checkpoint(cfg: JobConfig) -> None:
