@@ -96,7 +96,7 @@ WATCHED = ["tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0.at
            "layers.0.attention_norm.weight", "norm.weight", "output.weight"]
 
 
-def _run_scenario(name: str, tp: int, tied: bool, loss_parallel: bool) -> dict:
+def _run_scenario(name: str, tp: int, tied: bool, loss_parallel: bool, compile_backend: str | None = None) -> dict:
     """Parallelize a tiny Llama, run one forward/backward on the fixed batch, report placements, loss and grads."""
     from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
 
@@ -105,6 +105,8 @@ def _run_scenario(name: str, tp: int, tied: bool, loss_parallel: bool) -> dict:
     from titan_lite.parallel.parallelize import parallelize_llama
 
     cfg = _config(tp, disable_loss_parallel=not loss_parallel)
+    if compile_backend is not None:
+        cfg.compile.enable, cfg.compile.backend = True, compile_backend
     dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
     dims.build_mesh("cpu")
     with torch.device("meta"):
@@ -137,6 +139,8 @@ SCENARIOS = {
     "tp2_tied": dict(tp=2, tied=True, loss_parallel=True),
     "tp2_tied_no_loss_parallel": dict(tp=2, tied=True, loss_parallel=False),
     "fsdp2_tied": dict(tp=1, tied=True, loss_parallel=False),
+    # aot_eager: the AOTAutograd path that broke TP + compile, without inductor's slow code generation
+    "tp2_compile": dict(tp=2, tied=False, loss_parallel=True, compile_backend="aot_eager"),
 }
 
 

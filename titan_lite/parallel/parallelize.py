@@ -26,7 +26,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, cfg: JobCon
     apply_ac(model, cfg.activation_checkpoint)
 
     if compiles_model(cfg.compile):
-        apply_compile(model, cfg.compile)
+        apply_compile(model, cfg.compile, tp_enabled=parallel_dims.tp_enabled)
 
     check_cpu_offload(cfg, parallel_dims)
     if parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled:
