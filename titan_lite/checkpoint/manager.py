@@ -310,6 +310,8 @@ class CheckpointManager:
             state[self._dataloader_key()] = b""
         if "rng" in wanted and self._rng_key() in ckpt.components_matching(metadata, "rng_rank"):
             state[self._rng_key()] = b""
+        elif "rng" in wanted and self.rank == 0:
+            logger.info(f"checkpoint {folder} holds RNG states of another world size; RNGs keep this run's seeds")
         return state
 
     def _dataloader_resumable(self, metadata, folder: Path) -> bool:
