@@ -171,6 +171,13 @@ class Trainer:
 
     def build_loss_fn(self):
         if self.cfg.compile.enable and "loss" in self.cfg.compile.components:
+            from titan_lite.parallel.parallelize import loss_parallel_enabled
+
+            if loss_parallel_enabled(self.parallel_dims, self.cfg):
+                # Compiled, cross-entropy ignores loss_parallel()'s handlers and normalises each vocab shard on its
+                # own (a wrong loss, silently): the sharded loss stays eager.
+                logger.info("compile: the loss is not compiled under loss parallel (tensor parallel)")
+                return cross_entropy_sum
             return torch.compile(cross_entropy_sum, backend=self.cfg.compile.backend)
         return cross_entropy_sum
 
@@ -450,6 +457,9 @@ def check_launch(cfg: JobConfig) -> int:
     world = int(os.environ.get("NGPU", 1)) * int(os.environ.get("NNODES", 1))
     dims = ParallelDims.from_config(cfg.parallelism, world)
     gradient_accumulation_steps(cfg, dims.dp_degree)
+    from titan_lite.parallel.fsdp import check_cpu_offload
+
+    check_cpu_offload(cfg, dims)
     return 0
 
 

@@ -62,6 +62,7 @@ def check_ranges(cfg: JobConfig) -> None:
         _require(v.seq_len >= 2, f"'validation.seq_len' must be at least 2, got {v.seq_len}")
         _require(v.steps == -1 or v.steps >= 1, f"'validation.steps' must be -1 or positive, got {v.steps}")
     check_activation_checkpoint(cfg)
+    check_compile(cfg)
     check_checkpoint(cfg)
     check_pipeline(cfg)
     check_context_parallel_seq_len(cfg)
@@ -90,6 +91,11 @@ def check_activation_checkpoint(cfg: JobConfig) -> None:
     if ac.mode == "selective" and ac.selective_ac_option != "op":
         _require(ac.selective_ac_option.isdigit() and int(ac.selective_ac_option) >= 1,
                  f"'activation_checkpoint.selective_ac_option' must be 'op' or a positive integer, got {ac.selective_ac_option!r}")
+
+
+def check_compile(cfg: JobConfig) -> None:
+    unknown = [c for c in cfg.compile.components if c not in ("model", "loss")]
+    _require(not unknown, f"'compile.components' has {', '.join(map(repr, unknown))}; expected some of: model, loss")
 
 
 def check_context_parallel_seq_len(cfg: JobConfig) -> None:
