@@ -6,7 +6,6 @@ tokens: each document is one sequence, and any split (1x8, 2x4, 4x2, with or wit
 same 8 sequences per step.
 """
 
-import json
 import os
 import socket
 import subprocess
@@ -14,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import BASE_TOML, REPO, Run, assert_losses_close, run_train
-from titan_lite.data.tokenizer import build_tokenizer
+from tests.integration.harness import BASE_TOML, REPO, Run, assert_losses_close, one_window_dataset, run_train
 
 SEQ_LEN = 64
 GLOBAL_BATCH = 8
@@ -24,31 +22,9 @@ DOCS_NEEDED = GLOBAL_BATCH * STEPS + GLOBAL_BATCH
 ATOL = 1e-5
 
 
-def one_window_documents(count: int) -> list[str]:
-    """Word runs of the bundled Lear that tokenize to exactly SEQ_LEN + 1 tokens with bos and eos."""
-    tokenizer = build_tokenizer(str(REPO / "assets" / "tokenizer"))
-    words = (REPO / "titan_lite/data/corpus/shakespeare/train/lear.txt").read_text().split()
-    docs, start = [], 0
-    while len(docs) < count and start < len(words):
-        end, length = start, 0
-        while length < SEQ_LEN + 1 and end < len(words):
-            end += 1
-            length = len(tokenizer.encode(" ".join(words[start:end]), bos=True, eos=True))
-        if length == SEQ_LEN + 1:
-            docs.append(" ".join(words[start:end]))
-            start = end
-        else:
-            start += 1
-    assert len(docs) == count
-    return docs
-
-
 @pytest.fixture(scope="module")
 def data_overrides(tmp_path_factory) -> list[str]:
-    path = tmp_path_factory.mktemp("data") / "one_window_docs.jsonl"
-    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in one_window_documents(DOCS_NEEDED)))
-    return ["--training.dataset", "jsonl", "--training.dataset_path", str(path), "--training.seq_len", str(SEQ_LEN),
-            "--training.steps", str(STEPS)]
+    return [*one_window_dataset(tmp_path_factory.mktemp("data"), DOCS_NEEDED, SEQ_LEN), "--training.steps", str(STEPS)]
 
 
 @pytest.fixture(scope="module")
