@@ -1,0 +1,54 @@
+"""The README's commands stay true: every run_train.sh line in it parses against the config schema."""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from titan_lite.config import ConfigError, parse_args, validate
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def readme_train_commands() -> list[tuple[dict[str, str], list[str]]]:
+    """(environment assignments, override arguments) of each `./run_train.sh` command in the README's code blocks."""
+    text = (REPO / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("#")[0].strip().rstrip("&").strip()
+            if "./run_train.sh" not in line or line.startswith("$"):
+                continue
+            words = shlex.split(line)
+            at = words.index("./run_train.sh")
+            env = dict(w.split("=", 1) for w in words[:at] if "=" in w)
+            commands.append((env, words[at + 1:]))
+    return commands
+
+
+def test_readme_has_the_two_setup_commands():
+    text = (REPO / "README.md").read_text()
+    assert "./run_train.sh            # trains" in text and "./scripts/run_tests.sh" in text
+    assert "./scripts/run_tests.sh" in (REPO / ".ci" / "run").read_text()
+
+
+@pytest.mark.parametrize("env, args", readme_train_commands())
+def test_readme_command_parses(env, args):
+    config = env.get("CONFIG_FILE", "train_configs/debug_model.toml")
+    assert (REPO / config).is_file(), config
+    try:
+        cfg = parse_args(["--job.config_file", str(REPO / config), *args])
+    except ConfigError as exc:
+        raise AssertionError(f"README command {env} {args}: {exc}") from None
+    # Paths to the user's own data (e.g. /data/c4/en) are not here; everything else must validate.
+    cfg.training.dataset_path = None
+    cfg.checkpoint.initial_load_path = None
+    validate(cfg)
+
+
+def test_readme_lists_at_least_the_workflows():
+    commands = readme_train_commands()
+    assert len(commands) >= 6
+    assert any(env.get("DRY_RUN") == "1" for env, _ in commands)
+    assert any(env.get("NNODES") == "2" for env, _ in commands)
