@@ -16,12 +16,10 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, cfg: JobCon
         check_tp_divisibility(model.args, parallel_dims.tp)
         apply_tp(model, parallel_dims.submesh("tp"), loss_parallel=loss_parallel_enabled(parallel_dims, cfg))
 
-    # ---- context parallel: owned by parallel/context_parallel.py
     if parallel_dims.cp_enabled:
         from titan_lite.parallel.context_parallel import apply_cp
 
         apply_cp(model, parallel_dims, cfg)
-    # ----
 
     apply_ac(model, cfg.activation_checkpoint)
 
