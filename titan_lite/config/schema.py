@@ -166,7 +166,7 @@ class Checkpoint:
     async_mode: str = opt("disabled", "disabled, or async (save in a background thread).", choices=("disabled", "async", "async_with_pinned_mem"))
     keep_latest_k: int = opt(10, "Keep only the newest k complete checkpoints (0 keeps all).")
     load_step: int = opt(-1, "Resume from this step instead of the newest (-1 = newest).")
-    exclude_from_loading: list[str] = opt([], "State keys not loaded on resume (model, optimizer, lr_scheduler, dataloader, train_state).")
+    exclude_from_loading: list[str] = opt([], "State keys not loaded on resume (model, optimizer, lr_scheduler, dataloader, train_state, rng).")
     enable_first_step_checkpoint: bool = opt(False, "Also save right after step 1.")
     create_seed_checkpoint: bool = opt(False, "Initialise the model on one process, save it as step 0 and exit.")
     load_only: bool = opt(False, "Load checkpoints but never save.")
