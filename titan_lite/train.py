@@ -394,9 +394,10 @@ class Trainer:
                 ntokens = sum(inputs.numel() for inputs, _ in microbatches)
                 self.train_state.ntokens_seen += ntokens
                 self.metrics.add_tokens(ntokens)
+                lr = self.lr_schedule.last_lr()  # the LR this step uses; train_step advances the schedule
                 loss, grad_norm = self.train_step(microbatches)
                 if self.metrics.should_log(step) or step == cfg.training.steps:
-                    self.metrics.log(step, loss, grad_norm, self.lr_schedule.last_lr())
+                    self.metrics.log(step, loss, grad_norm, lr)
                 if cfg.validation.enable and step % cfg.validation.freq == 0:
                     self.metrics.log_validation(step, self.validate())
                 self.checkpointer.save(step, last=step == cfg.training.steps)
@@ -460,6 +461,9 @@ def check_launch(cfg: JobConfig) -> int:
     from titan_lite.parallel.fsdp import check_cpu_offload
 
     check_cpu_offload(cfg, dims)
+    from titan_lite.checkpoint.manager import check_source_before_launch
+
+    check_source_before_launch(cfg, build_model_args(cfg, build_tokenizer(tokenizer_path(cfg)).vocab_size))
     return 0
 
 

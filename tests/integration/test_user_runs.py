@@ -66,3 +66,18 @@ def test_bad_input_gets_one_line(tmp_path, args, message):
     assert "Traceback" not in run.output, run.output
     error_lines = [line for line in run.output.splitlines() if "error:" in line]
     assert error_lines and message.split("error: ")[1][:40] in error_lines[0], run.output
+
+
+def test_logged_lr_is_the_lr_each_step_used_and_traces_are_written(tmp_path):
+    run = run_train(["--profiling.enable_profiling", "--profiling.profile_freq", "2", "--profiling.profiler_warmup", "0",
+                     "--profiling.profiler_active", "1"], tmp_path)
+    assert run.returncode == 0, run.output[-3000:]
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    lrs = {e.step: e.value for e in acc.Scalars("lr")}
+    # base.toml: lr 1e-2, warmup 2 -> 1/3, 2/3 of the peak; then linear decay over the 3 remaining steps
+    expected = {1: 1 / 3, 2: 2 / 3, 3: 2 / 3, 4: 1 / 3, 5: 0.0}
+    assert lrs == pytest.approx({k: v * 1e-2 for k, v in expected.items()}, abs=1e-9)
+    for step in (2, 4):
+        trace = tmp_path / "profile_trace" / f"iteration_{step}" / "rank0_trace.json"
+        assert "aten::mm" in trace.read_text() and json.loads(trace.read_text())["traceEvents"]

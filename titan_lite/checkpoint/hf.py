@@ -134,6 +134,19 @@ def load_hf_weights(model_parts: list[nn.Module], folder: str, model_args: Llama
                 copy_into_shard(param, full.to(device=param.device, dtype=param.dtype))
 
 
+def check_hf_folder(folder: str, args: LlamaArgs) -> None:
+    """Every tensor of the model is in the folder's safetensors with the right shape; reads headers only."""
+    files = weight_files(folder)
+    check_no_unexpected_tensors(files, args, folder)
+    with SafetensorsReader() as reader:
+        for name, shape in expected_shapes(args).items():
+            source, path = _locate(name, args, files, folder)
+            found = reader.shape(path, source)
+            if list(found) != list(shape):
+                raise ConfigError(f"{path}: tensor '{source}' has shape {list(found)}, expected {list(shape)} "
+                                  f"(titan_lite '{name}')")
+
+
 def read_hf_folder(folder: str, args: LlamaArgs) -> dict[str, Tensor]:
     """The full titan_lite state dict (names and layout) of an HF folder, checked against the args' shapes."""
     files = weight_files(folder)

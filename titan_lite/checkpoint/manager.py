@@ -224,28 +224,18 @@ class CheckpointManager:
 
     def load(self) -> None:
         """Resume from this run's newest complete checkpoint (or load_step), else from the initial load path."""
-        if self.c.create_seed_checkpoint:
+        if self.enabled:
+            self._warn_incomplete()
+        source = source_to_load(self.cfg)
+        if source is None:
             return
-        folder = self._own_checkpoint_to_load() if self.enabled else None
-        if folder is not None:
-            self._load_folder(folder, model_only=False)
-        elif self.c.initial_load_in_hf:
-            self._load_hf(self.c.initial_load_path or self.cfg.model.hf_assets_path)
-        elif self.c.initial_load_path:
-            self._load_folder(Path(self.c.initial_load_path), model_only=self.c.initial_load_model_only)
-
-    def _own_checkpoint_to_load(self) -> Path | None:
-        self._warn_incomplete()
-        if self.c.load_step != -1:
-            folder = ckpt.step_folder(self.root, self.c.load_step)
-            if not folder.is_dir() and ckpt.tmp_folder(self.root, self.c.load_step).is_dir():
-                raise ConfigError(f"'checkpoint.load_step' = {self.c.load_step}: the save of '{folder}' never finished "
-                                  f"(only '{ckpt.tmp_folder(self.root, self.c.load_step)}' exists)")
-            if not folder.is_dir():
-                raise ConfigError(f"'checkpoint.load_step' = {self.c.load_step}: checkpoint folder '{folder}' does not exist")
-            return folder
-        complete = ckpt.complete_steps(self.root)
-        return complete[max(complete)] if complete else None
+        kind, path = source
+        if kind == "resume":
+            self._load_folder(path, model_only=False)
+        elif kind == "hf":
+            self._load_hf(str(path))
+        else:
+            self._load_folder(path, model_only=self.c.initial_load_model_only)
 
     def _warn_incomplete(self) -> None:
         if self.rank != 0:
@@ -341,3 +331,56 @@ class CheckpointManager:
             t.dataloader.load_state_dict(ckpt.unpack(state[self._dataloader_key()]))
         if self._rng_key() in state:
             self._set_rng_state(ckpt.unpack(state[self._rng_key()]))
+
+
+# ------------------------------------------------------------------------------ before launch
+
+
+def source_to_load(cfg: JobConfig) -> tuple[str, Path] | None:
+    """What a run starts from: ("resume", its own newest complete step or load_step), else ("hf", the HF folder)
+    or ("initial", a DCP folder), else None (keep the fresh init)."""
+    c = cfg.checkpoint
+    if c.create_seed_checkpoint:
+        return None
+    root = Path(cfg.job.dump_folder) / c.folder
+    if c.enable:
+        if c.load_step != -1:
+            folder = ckpt.step_folder(root, c.load_step)
+            if not folder.is_dir() and ckpt.tmp_folder(root, c.load_step).is_dir():
+                raise ConfigError(f"'checkpoint.load_step' = {c.load_step}: the save of '{folder}' never finished "
+                                  f"(only '{ckpt.tmp_folder(root, c.load_step)}' exists)")
+            if not folder.is_dir():
+                raise ConfigError(f"'checkpoint.load_step' = {c.load_step}: checkpoint folder '{folder}' does not exist")
+            return "resume", folder
+        complete = ckpt.complete_steps(root)
+        if complete:
+            return "resume", complete[max(complete)]
+    if c.initial_load_in_hf:
+        folder = c.initial_load_path or cfg.model.hf_assets_path
+        if not folder:
+            raise ConfigError("'checkpoint.initial_load_in_hf' = true needs 'checkpoint.initial_load_path' or "
+                              "'model.hf_assets_path' to name a Hugging Face folder")
+        return "hf", Path(folder)
+    if c.initial_load_path:
+        return "initial", Path(c.initial_load_path)
+    return None
+
+
+def check_source_before_launch(cfg: JobConfig, model_args) -> None:
+    """Read only headers and metadata of what the run will load, so a missing, corrupt or mismatched checkpoint is
+    one line before any process starts. Transforms may rename or reshape parameters: then the run itself checks."""
+    source = source_to_load(cfg)
+    if source is None or cfg.model.converters:
+        return
+    from titan_lite.checkpoint.hf import check_hf_folder, expected_shapes
+
+    kind, path = source
+    if kind == "hf":
+        check_hf_folder(str(path), model_args)
+        return
+    metadata = ckpt.read_metadata(path)
+    if not ckpt.has_component(metadata, "model"):
+        raise ConfigError(f"checkpoint '{path}' holds no model weights")
+    with torch.device("meta"):
+        wanted = {name: torch.empty(shape) for name, shape in expected_shapes(model_args).items()}
+    ckpt.check_tensors_match(path, metadata, wanted, "model")
