@@ -16,7 +16,6 @@ from torch import nn
 
 from titan_lite import distributed as tl_dist
 from titan_lite.config import ConfigError, JobConfig, help_text, parse_args, to_toml, validate
-from titan_lite.config.manager import load_toml  # noqa: F401  (re-exported for scripts)
 from titan_lite.data.dataloader import build_dataloader
 from titan_lite.data.datasets import check_dataset
 from titan_lite.data.tokenizer import build_tokenizer
@@ -437,8 +436,8 @@ def mixed_precision_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype:
 # ------------------------------------------------------------------------------------------ entry
 
 
-def check_config(cfg: JobConfig) -> None:
-    """Everything that can be checked before a process group or a model exists."""
+def check_config(cfg: JobConfig) -> LlamaArgs:
+    """Everything that can be checked before a process group or a model exists; returns the model args."""
     validate(cfg)
     check_dataset(cfg.training.dataset, cfg.training.dataset_path, "training")
     if cfg.validation.enable:
@@ -451,9 +450,10 @@ def check_config(cfg: JobConfig) -> None:
 
         check_pipeline_config(cfg, args.n_layers, args.tie_word_embeddings)
     build_transforms(cfg.model.converters, cfg)
+    return args
 
 
-def check_launch(cfg: JobConfig) -> int:
+def check_launch(cfg: JobConfig, model_args: LlamaArgs) -> int:
     """run_train.sh calls this before torchrun, so user errors print one line instead of torchrun's traceback."""
     world = int(os.environ.get("NGPU", 1)) * int(os.environ.get("NNODES", 1))
     dims = ParallelDims.from_config(cfg.parallelism, world)
@@ -463,7 +463,7 @@ def check_launch(cfg: JobConfig) -> int:
     check_cpu_offload(cfg, dims)
     from titan_lite.checkpoint.manager import check_source_before_launch
 
-    check_source_before_launch(cfg, build_model_args(cfg, build_tokenizer(tokenizer_path(cfg)).vocab_size))
+    check_source_before_launch(cfg, model_args)
     return 0
 
 
@@ -484,9 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     init_logger()
     try:
         cfg = parse_args(argv)
-        check_config(cfg)
+        model_args = check_config(cfg)
         if os.environ.get("TITAN_LITE_CHECK_ONLY") == "1":
-            return check_launch(cfg)
+            return check_launch(cfg, model_args)
         if cfg.comm.mode != "default" or os.environ.get("DRY_RUN") == "1":
             from titan_lite.parallel.dry_run import dry_run
 

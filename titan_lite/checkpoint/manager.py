@@ -243,14 +243,9 @@ class CheckpointManager:
         for folder in ckpt.incomplete_folders(self.root):
             logger.warning(f"skipping incomplete checkpoint '{folder}': its save never finished")
 
-    def _load_hf(self, folder: str | None) -> None:
-        if not folder:
-            raise ConfigError("'checkpoint.initial_load_in_hf' = true needs 'checkpoint.initial_load_path' or "
-                              "'model.hf_assets_path' to name a Hugging Face folder")
-        try:
-            from titan_lite.checkpoint.hf import load_hf_weights
-        except ImportError as exc:
-            raise ConfigError(f"'checkpoint.initial_load_in_hf' = true but HF import is unavailable ({exc})") from None
+    def _load_hf(self, folder: str) -> None:
+        from titan_lite.checkpoint.hf import load_hf_weights
+
         load_hf_weights(self.trainer.model_parts, folder, self.trainer.model_args)
         logger.info(f"loaded Hugging Face weights from {folder}")
 
