@@ -35,10 +35,6 @@ def choose_backend(device: torch.device) -> str:
     return backend
 
 
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", 1))
-
-
 def init_process_group(device: torch.device, timeout_s: int) -> None:
     """Join the job's process group (a group of one when not launched by torchrun)."""
     if dist.is_initialized():

@@ -270,7 +270,7 @@ class Trainer:
     def run_pipeline(self, run, inputs, labels, scale) -> torch.Tensor:
         """One local batch through a schedule's step or eval; the sum of its token losses (zero off the last stage)."""
         self._loss_scale, self._pp_loss_sums = scale, []
-        is_first, is_last = self.pp_stage_role()
+        is_first, is_last = self.pp_has_first_stage, self.pp_has_last_stage
         args = (inputs,) if is_first else ()
         losses: list[torch.Tensor] = []
         kwargs = {"target": labels, "losses": losses} if is_last else {}
@@ -281,11 +281,6 @@ class Trainer:
         # A schedule's first run also calls the loss once on placeholder activations to infer shapes (its value is
         # garbage); the real microbatches are the last len(losses) calls.
         return torch.stack(self._pp_loss_sums[-len(losses):]).sum()
-
-    def pp_stage_role(self) -> tuple[bool, bool]:
-        pp_mesh = self.parallel_dims.submesh("pp")
-        rank, size = pp_mesh.get_local_rank(), pp_mesh.size()
-        return getattr(self, "pp_has_first_stage", rank == 0), getattr(self, "pp_has_last_stage", rank == size - 1)
 
     def train_step(self, microbatches) -> tuple[float, float]:
         """Accumulate gradients over the microbatches, clip, step; return the global loss and grad norm."""
@@ -455,8 +450,9 @@ def check_config(cfg: JobConfig) -> LlamaArgs:
 
 def check_launch(cfg: JobConfig, model_args: LlamaArgs) -> int:
     """run_train.sh calls this before torchrun, so user errors print one line instead of torchrun's traceback."""
-    world = int(os.environ.get("NGPU", 1)) * int(os.environ.get("NNODES", 1))
-    dims = ParallelDims.from_config(cfg.parallelism, world)
+    from titan_lite.parallel.dry_run import planned_world_size
+
+    dims = ParallelDims.from_config(cfg.parallelism, planned_world_size())
     gradient_accumulation_steps(cfg, dims.dp_degree)
     from titan_lite.parallel.fsdp import check_cpu_offload
 

@@ -101,14 +101,21 @@ def _locate(name: str, args: LlamaArgs, files: dict[str, Path], folder: str | Pa
                       "from the checkpoint")
 
 
-def read_titan_tensor(name: str, args: LlamaArgs, files: dict[str, Path], reader: SafetensorsReader,
-                      folder: str | Path, expected_shape: torch.Size | list[int]) -> Tensor:
-    """One parameter in titan_lite layout, read from the HF folder and checked for presence and shape."""
+def _locate_checked(name: str, args: LlamaArgs, files: dict[str, Path], reader: SafetensorsReader,
+                    folder: str | Path, expected_shape: torch.Size | list[int]) -> tuple[str, Path]:
+    """(HF name, file) of a parameter whose header says it has the expected shape; reads no tensor data."""
     source, path = _locate(name, args, files, folder)
     shape = reader.shape(path, source)
     if list(shape) != list(expected_shape):
         raise ConfigError(f"{path}: tensor '{source}' has shape {list(shape)}, expected {list(expected_shape)} "
                           f"(titan_lite '{name}')")
+    return source, path
+
+
+def read_titan_tensor(name: str, args: LlamaArgs, files: dict[str, Path], reader: SafetensorsReader,
+                      folder: str | Path, expected_shape: torch.Size | list[int]) -> Tensor:
+    """One parameter in titan_lite layout, read from the HF folder and checked for presence and shape."""
+    source, path = _locate_checked(name, args, files, reader, folder, expected_shape)
     return tensor_from_hf(name, reader.tensor(path, source), args)
 
 
@@ -140,11 +147,7 @@ def check_hf_folder(folder: str, args: LlamaArgs) -> None:
     check_no_unexpected_tensors(files, args, folder)
     with SafetensorsReader() as reader:
         for name, shape in expected_shapes(args).items():
-            source, path = _locate(name, args, files, folder)
-            found = reader.shape(path, source)
-            if list(found) != list(shape):
-                raise ConfigError(f"{path}: tensor '{source}' has shape {list(found)}, expected {list(shape)} "
-                                  f"(titan_lite '{name}')")
+            _locate_checked(name, args, files, reader, folder, shape)
 
 
 def read_hf_folder(folder: str, args: LlamaArgs) -> dict[str, Tensor]:
