@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_lite.checkpoint.hf import check_state_dict, read_hf_folder, write_hf_folder
-from titan_lite.config.manager import ConfigError
+from titan_lite.errors import ConfigError
 from titan_lite.models.llama.args import LlamaArgs, flavor_args
 from titan_lite.models.llama.hf import args_from_hf_config, read_hf_config
 from titan_lite.models.llama.model import canonical_name

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from titan_lite.checkpoint import dcp as ckpt
 from titan_lite.checkpoint.manager import CheckpointManager
 from titan_lite.config import JobConfig
-from titan_lite.config.manager import ConfigError
+from titan_lite.errors import ConfigError
 from titan_lite.models.llama import Llama, flavor_args
 from titan_lite.optim.lr_scheduler import LRSchedule
 from titan_lite.parallel.parallel_dims import ParallelDims

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from titan_lite.config import ConfigError, parse_args, to_toml, validate
+from titan_lite.config import parse_args, to_toml, validate
+from titan_lite.errors import ConfigError
 from titan_lite.config.manager import help_text, iter_options
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titan_lite.config.manager import ConfigError
+from titan_lite.errors import ConfigError
 from titan_lite.parallel.context_parallel import GlobalRopePositions, shard_positions
 
 CP = 2

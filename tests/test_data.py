@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_lite.config.manager import ConfigError
+from titan_lite.errors import ConfigError
 from titan_lite.data.dataloader import build_dataloader, check_dataset
 from titan_lite.data.datasets import (
     DocumentStream,

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from titan_lite.checkpoint.hf import export_hf, load_hf_weights, read_hf_folder  # noqa: E402
 from titan_lite.config import JobConfig  # noqa: E402
-from titan_lite.config.manager import ConfigError  # noqa: E402
+from titan_lite.errors import ConfigError  # noqa: E402
 from titan_lite.models.llama import Llama, LlamaArgs, flavor_args  # noqa: E402
 from titan_lite.models.llama.hf import (  # noqa: E402
     args_from_hf_config, args_to_hf_config, check_args_against_hf_config, from_hf_state_dict, to_hf_state_dict)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_lite.config import JobConfig
-from titan_lite.config.manager import ConfigError
+from titan_lite.errors import ConfigError
 from titan_lite.models.llama import Llama, flavor_args
 from titan_lite.models.llama.model import TransformerBlock, rope_cache
 from titan_lite.parallel.activation_checkpoint import apply_ac

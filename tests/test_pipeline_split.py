@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from titan_lite.config.manager import ConfigError
+from titan_lite.errors import ConfigError
 from titan_lite.models.llama import Llama, LlamaArgs
 from titan_lite.parallel.pipeline import (
     check_pipeline_config,

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from titan_lite.config import ConfigError, parse_args, validate
+from titan_lite.config import parse_args, validate
+from titan_lite.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 

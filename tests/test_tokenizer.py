@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_lite.config.manager import ConfigError
+from titan_lite.errors import ConfigError
 from titan_lite.data.tokenizer import (
     HFByteLevelBPETokenizer,
     SentencePieceTokenizer,

@@ -56,7 +56,7 @@ def test_loss_is_mean_token_cross_entropy(tmp_path):
 
 
 def test_global_batch_must_divide(tmp_path):
-    from titan_lite.config import ConfigError
+    from titan_lite.errors import ConfigError
 
     with pytest.raises(ConfigError, match="'training.global_batch_size' 10 is not a multiple of local_batch_size 4"):
         first_step(tmp_path, 4, 10)

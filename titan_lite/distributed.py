@@ -7,7 +7,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from titan_lite.config.manager import ConfigError
+from titan_lite.errors import ConfigError
 
 
 def local_device() -> torch.device:

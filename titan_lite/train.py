@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_lite import distributed as tl_dist
-from titan_lite.config import ConfigError, JobConfig, help_text, parse_args, to_toml, validate
+from titan_lite.config import JobConfig, help_text, parse_args, to_toml, validate
+from titan_lite.errors import ConfigError
 from titan_lite.data.dataloader import build_dataloader
 from titan_lite.data.datasets import check_dataset
 from titan_lite.data.tokenizer import build_tokenizer

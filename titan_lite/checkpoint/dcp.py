@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from titan_lite.config.manager import ConfigError
+from titan_lite.errors import ConfigError
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 TMP_FOLDER = re.compile(r"^step-(\d+)\.tmp$")

@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from titan_lite.config.manager import ConfigError
+from titan_lite.errors import ConfigError
 from titan_lite.models.llama.args import LlamaArgs
 from titan_lite.models.llama.hf import (args_to_hf_config, check_args_against_hf_config, hf_name, hf_source_names,
                                         read_hf_config, tensor_from_hf, to_hf_state_dict)

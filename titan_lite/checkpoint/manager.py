@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from titan_lite.checkpoint import dcp as ckpt
-from titan_lite.config.manager import ConfigError
+from titan_lite.errors import ConfigError
 from titan_lite.config.schema import JobConfig
 
 if TYPE_CHECKING:

@@ -14,10 +14,7 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 from titan_lite.config.schema import JobConfig
-
-
-class ConfigError(ValueError):
-    """A user error in the config: the message is one line naming the key and what is expected."""
+from titan_lite.errors import ConfigError
 
 
 # ---------------------------------------------------------------- schema introspection

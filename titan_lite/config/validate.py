@@ -3,7 +3,8 @@
 import dataclasses
 from pathlib import Path
 
-from titan_lite.config.manager import ConfigError, iter_options
+from titan_lite.config.manager import iter_options
+from titan_lite.errors import ConfigError
 from titan_lite.config.schema import JobConfig
 
 

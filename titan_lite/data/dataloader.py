@@ -3,7 +3,7 @@
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titan_lite.config.manager import ConfigError
+from titan_lite.errors import ConfigError
 from titan_lite.data.datasets import TokenizerLike, build_packed_dataset, check_dataset
 
 __all__ = ["build_dataloader", "check_dataset", "collate_pairs"]

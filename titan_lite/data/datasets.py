@@ -11,7 +11,7 @@ from typing import Any, BinaryIO, Protocol
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from titan_lite.config.manager import ConfigError
+from titan_lite.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

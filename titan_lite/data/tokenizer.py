@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 import sentencepiece
 import tiktoken
 
-from titan_lite.config.manager import ConfigError
+from titan_lite.errors import ConfigError
 
 # Llama 3's pre-tokenizer split pattern (the cl100k pattern with numbers in groups of up to three).
 LLAMA3_PATTERN = (

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from titan_lite.config.manager import ConfigError
+from titan_lite.errors import ConfigError
 
 HEADTAIL = "headtail"
 

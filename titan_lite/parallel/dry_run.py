@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from titan_lite.config.manager import ConfigError
+from titan_lite.errors import ConfigError
 from titan_lite.config.schema import JobConfig
 from titan_lite.data.tokenizer import build_tokenizer
 from titan_lite.models.llama import Llama, LlamaArgs

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from titan_lite.config.manager import ConfigError
+from titan_lite.errors import ConfigError
 
 # Outer to inner: pipeline stages are furthest apart, tensor parallel ranks are neighbours (same node).
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")

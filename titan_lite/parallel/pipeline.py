@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineSchedule, get_schedule_class
 
-from titan_lite.config.manager import ConfigError
+from titan_lite.errors import ConfigError
 from titan_lite.config.schema import JobConfig
 from titan_lite.models.llama import Llama
 from titan_lite.parallel.parallel_dims import ParallelDims

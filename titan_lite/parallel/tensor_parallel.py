@@ -11,7 +11,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titan_lite.config.manager import ConfigError
+from titan_lite.errors import ConfigError
 from titan_lite.models.llama.args import LlamaArgs
 
 

@@ -5,7 +5,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from titan_lite.config.manager import ConfigError
+from titan_lite.errors import ConfigError
 
 
 class Transform:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from titan_lite.config.manager import ConfigError
+from titan_lite.errors import ConfigError
 from titan_lite.models.llama.args import LlamaArgs
 
 # titan_lite name (with {i} for the layer) -> HF name.
