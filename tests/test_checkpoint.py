@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 
 from titan_lite.checkpoint import dcp as ckpt
-from titan_lite.checkpoint.manager import CheckpointManager
+from titan_lite.checkpoint.manager import CheckpointManager, RankLocal
 from titan_lite.config import JobConfig
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama import Llama, flavor_args
@@ -80,6 +80,17 @@ def make_trainer(cfg: JobConfig, flavor_changes: dict | None = None, fsdp: bool 
                            dataloader=CountingLoader(), train_state=TrainState(), device=torch.device("cpu"))
 
 
+def manager_of(cfg: JobConfig, t: SimpleNamespace) -> CheckpointManager:
+    """The manager from components, as the trainer builds it (a per-data-parallel-rank data position)."""
+    states = {"lr_scheduler": t.lr_schedule, "train_state": t.train_state,
+              "dataloader": RankLocal(t.dataloader, f"dp{dist.get_rank()}_of_{dist.get_world_size()}", "restarts the data")}
+    return CheckpointManager(cfg.checkpoint, tmp_root(cfg), t.model_parts, t.optimizer, states)
+
+
+def tmp_root(cfg: JobConfig) -> Path:
+    return Path(cfg.job.dump_folder) / cfg.checkpoint.folder
+
+
 def train_one_step(t: SimpleNamespace, seed: int) -> None:
     """One deterministic step on the same global batch everywhere (the inputs do not depend on the rank)."""
     g = torch.Generator().manual_seed(seed)
@@ -129,7 +140,7 @@ def steps_on_disk(root: Path) -> list[int]:
 def test_keep_latest_k_keeps_the_newest(single_process_group, tmp_path):
     cfg = make_cfg(tmp_path, keep_latest_k=2)
     t = make_trainer(cfg)
-    manager = CheckpointManager(cfg, t)
+    manager = manager_of(cfg, t)
     for step in range(1, 6):
         train_one_step(t, step)
         manager.save(step)
@@ -141,7 +152,7 @@ def test_keep_latest_k_keeps_the_newest(single_process_group, tmp_path):
 def test_load_step_resumes_that_step_and_newest_is_default(single_process_group, tmp_path):
     cfg = make_cfg(tmp_path, keep_latest_k=0)
     t = make_trainer(cfg)
-    manager = CheckpointManager(cfg, t)
+    manager = manager_of(cfg, t)
     saved = {}
     for step in range(1, 4):
         train_one_step(t, step)
@@ -151,7 +162,7 @@ def test_load_step_resumes_that_step_and_newest_is_default(single_process_group,
     for load_step, expected in ((2, 2), (-1, 3)):
         cfg2 = make_cfg(tmp_path, load_step=load_step)
         t2 = make_trainer(cfg2)
-        CheckpointManager(cfg2, t2).load()
+        manager_of(cfg2, t2).load()
         assert t2.train_state.step == expected
         assert t2.train_state.ntokens_seen == expected * 2 * SEQ
         assert t2.dataloader.batches == expected
@@ -165,7 +176,7 @@ def test_load_step_resumes_that_step_and_newest_is_default(single_process_group,
 def test_load_step_that_does_not_exist_names_the_folder(single_process_group, tmp_path):
     cfg = make_cfg(tmp_path, load_step=7)
     with pytest.raises(ConfigError) as err:
-        CheckpointManager(cfg, make_trainer(cfg)).load()
+        manager_of(cfg, make_trainer(cfg)).load()
     assert str(err.value) == (f"'checkpoint.load_step' = 7: checkpoint folder '{tmp_path / 'checkpoint' / 'step-7'}' "
                               f"does not exist")
 
@@ -173,7 +184,7 @@ def test_load_step_that_does_not_exist_names_the_folder(single_process_group, tm
 def test_exclude_from_loading_leaves_those_parts_fresh(single_process_group, tmp_path):
     cfg = make_cfg(tmp_path)
     t = make_trainer(cfg)
-    manager = CheckpointManager(cfg, t)
+    manager = manager_of(cfg, t)
     train_one_step(t, 1)
     train_one_step(t, 2)
     manager.save(2)
@@ -182,7 +193,7 @@ def test_exclude_from_loading_leaves_those_parts_fresh(single_process_group, tmp
     cfg2 = make_cfg(tmp_path, exclude_from_loading=["optimizer", "train_state", "dataloader"])
     t2 = make_trainer(cfg2)
     fresh_params = {k: v for k, v in snapshot(t2).items() if k.startswith("param.")}
-    CheckpointManager(cfg2, t2).load()
+    manager_of(cfg2, t2).load()
     got = snapshot(t2)
     params = [k for k in saved if k.startswith("param.")]
     assert all(torch.equal(got[k], saved[k]) for k in params)
@@ -195,10 +206,10 @@ def test_shape_mismatch_is_one_line_naming_tensor_and_shapes(single_process_grou
     cfg = make_cfg(tmp_path)
     t = make_trainer(cfg)
     train_one_step(t, 1)
-    CheckpointManager(cfg, t).save(1)
+    manager_of(cfg, t).save(1)
     wider = make_trainer(cfg, {"ffn_dim": 256})
     with pytest.raises(ConfigError) as err:
-        CheckpointManager(cfg, wider).load()
+        manager_of(cfg, wider).load()
     folder = tmp_path / "checkpoint" / "step-1"
     assert str(err.value) == (f"checkpoint '{folder}': tensor 'model.layers.0.feed_forward.w1.weight' has shape "
                               f"[192, 64] in the checkpoint but [256, 64] in this model")
@@ -207,7 +218,7 @@ def test_shape_mismatch_is_one_line_naming_tensor_and_shapes(single_process_grou
 def test_incomplete_folders_are_skipped_with_a_warning(single_process_group, tmp_path, caplog):
     cfg = make_cfg(tmp_path)
     t = make_trainer(cfg)
-    manager = CheckpointManager(cfg, t)
+    manager = manager_of(cfg, t)
     for step in (1, 2):
         train_one_step(t, step)
         manager.save(step)
@@ -217,14 +228,14 @@ def test_incomplete_folders_are_skipped_with_a_warning(single_process_group, tmp
     (root / "step-4").mkdir()  # renamed by hand, never finished: no .metadata
     t2 = make_trainer(cfg)
     with caplog.at_level(logging.WARNING, logger="titan_lite"):
-        CheckpointManager(cfg, t2).load()
+        manager_of(cfg, t2).load()
     assert t2.train_state.step == 2
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [f"skipping incomplete checkpoint '{root / 'step-3.tmp'}': its save never finished",
                         f"skipping incomplete checkpoint '{root / 'step-4'}': its save never finished"]
     # The next complete save removes the older unfinished .tmp (a folder without metadata is left to the user).
     train_one_step(t2, 3)
-    CheckpointManager(cfg, t2).save(5)
+    manager_of(cfg, t2).save(5)
     assert sorted(p.name for p in root.iterdir()) == ["step-1", "step-2", "step-4", "step-5"]
 
 
@@ -233,12 +244,12 @@ def test_initial_load_path_that_is_not_a_checkpoint_names_the_folder(single_proc
     not_a_checkpoint.mkdir()
     cfg = make_cfg(tmp_path / "run", initial_load_path=str(not_a_checkpoint))
     with pytest.raises(ConfigError) as err:
-        CheckpointManager(cfg, make_trainer(cfg)).load()
+        manager_of(cfg, make_trainer(cfg)).load()
     assert str(err.value) == (f"checkpoint folder '{not_a_checkpoint}' is incomplete or not a DCP checkpoint "
                               f"(no .metadata file)")
     (not_a_checkpoint / ".metadata").write_bytes(b"garbage")
     with pytest.raises(ConfigError) as err:
-        CheckpointManager(cfg, make_trainer(cfg)).load()
+        manager_of(cfg, make_trainer(cfg)).load()
     assert str(err.value).startswith(f"checkpoint folder '{not_a_checkpoint}' is corrupt: cannot read its .metadata")
 
 
@@ -246,14 +257,14 @@ def test_last_save_model_only_is_cast_and_loads_model_only(single_process_group,
     cfg = make_cfg(tmp_path, last_save_model_only=True, export_dtype="bfloat16")
     t = make_trainer(cfg)
     train_one_step(t, 1)
-    CheckpointManager(cfg, t).save(1, last=True)
+    manager_of(cfg, t).save(1, last=True)
     metadata = ckpt.read_metadata(tmp_path / "checkpoint" / "step-1")
     dtypes = {md.properties.dtype for md in metadata.state_dict_metadata.values()}
     assert dtypes == {torch.bfloat16}
     assert all(k.startswith("model.") for k in metadata.state_dict_metadata)
 
     t2 = make_trainer(cfg)
-    CheckpointManager(cfg, t2).load()
+    manager_of(cfg, t2).load()
     assert t2.train_state.step == 0 and not t2.optimizer.state
     for (name, p), p2 in zip(t.model_parts[0].named_parameters(), t2.model_parts[0].parameters()):
         assert p2.dtype == torch.float32
@@ -263,7 +274,7 @@ def test_last_save_model_only_is_cast_and_loads_model_only(single_process_group,
 def test_first_step_interval_and_load_only(single_process_group, tmp_path):
     cfg = make_cfg(tmp_path, interval=3, enable_first_step_checkpoint=True, keep_latest_k=0)
     t = make_trainer(cfg)
-    manager = CheckpointManager(cfg, t)
+    manager = manager_of(cfg, t)
     for step in range(1, 8):
         train_one_step(t, step)
         manager.save(step, last=step == 7)
@@ -271,7 +282,7 @@ def test_first_step_interval_and_load_only(single_process_group, tmp_path):
 
     cfg2 = make_cfg(tmp_path, load_only=True, enable_first_step_checkpoint=True)
     t2 = make_trainer(cfg2)
-    manager2 = CheckpointManager(cfg2, t2)
+    manager2 = manager_of(cfg2, t2)
     manager2.load()
     assert t2.train_state.step == 7
     for step in (8, 9):
@@ -284,7 +295,7 @@ def test_initial_load_path_model_only_and_seed_checkpoint(single_process_group, 
     seed_cfg = make_cfg(tmp_path / "seed", create_seed_checkpoint=True)
     seeded = make_trainer(seed_cfg)
     train_one_step(seeded, 1)  # weights that differ from a fresh init
-    CheckpointManager(seed_cfg, seeded).save_seed()
+    manager_of(seed_cfg, seeded).save_seed()
     seed_folder = tmp_path / "seed" / "checkpoint" / "step-0"
     metadata = ckpt.read_metadata(seed_folder)
     assert all(k.startswith("model.") for k in metadata.state_dict_metadata)
@@ -292,7 +303,7 @@ def test_initial_load_path_model_only_and_seed_checkpoint(single_process_group, 
     # A run with a seed checkpoint in its own folder starts from it at step 0.
     cfg = make_cfg(tmp_path / "seed")
     t = make_trainer(cfg)
-    CheckpointManager(cfg, t).load()
+    manager_of(cfg, t).load()
     assert t.train_state.step == 0
     got, seed = snapshot(t), snapshot(seeded)
     assert sorted(got) == sorted(k for k in seed if k.startswith("param."))
@@ -303,10 +314,10 @@ def test_initial_load_path_model_only_and_seed_checkpoint(single_process_group, 
     donor = make_trainer(full_cfg)
     for step in (1, 2):
         train_one_step(donor, step)
-    CheckpointManager(full_cfg, donor).save(2)
+    manager_of(full_cfg, donor).save(2)
     cfg2 = make_cfg(tmp_path / "fresh", initial_load_path=str(tmp_path / "full" / "checkpoint" / "step-2"))
     t2 = make_trainer(cfg2)
-    CheckpointManager(cfg2, t2).load()
+    manager_of(cfg2, t2).load()
     assert (t2.train_state.step, t2.lr_schedule.step_count, len(t2.optimizer.state)) == (0, 0, 0)
     for (name, p), p2 in zip(donor.model_parts[0].named_parameters(), t2.model_parts[0].parameters()):
         assert torch.equal(p.detach(), p2.detach()), name
@@ -332,12 +343,12 @@ def test_several_model_parts_with_one_optimizer_reshard_to_one_part(single_proce
     x = torch.ones(2, 4)
     src.model_parts[1]["c"](src.model_parts[1]["b"](src.model_parts[0]["a"](x))).sum().backward()
     src.optimizer.step()
-    CheckpointManager(make_cfg(tmp_path), src).save(1)
+    manager_of(make_cfg(tmp_path), src).save(1)
     expected = {n: (p.detach().clone(), src.optimizer.state[p]["exp_avg"].clone())
                 for m in src.model_parts for n, p in m.named_parameters()}
 
     dst = trainer(two_linear_parts([["a", "b", "c"]]))
-    CheckpointManager(make_cfg(tmp_path), dst).load()
+    manager_of(make_cfg(tmp_path), dst).load()
     got = {n: (p.detach(), dst.optimizer.state[p]["exp_avg"]) for n, p in dst.model_parts[0].named_parameters()}
     assert got.keys() == expected.keys() and len(got) == 6
     for n, (param, exp_avg) in expected.items():
@@ -352,7 +363,7 @@ def load_and_compare(folder: Path) -> dict:
     """Load the newest checkpoint of `folder` into a fresh stand-in trainer; differences to the saved reference."""
     cfg = make_cfg(folder)
     t = make_trainer(cfg, fsdp=dist.get_world_size() > 1)
-    CheckpointManager(cfg, t).load()
+    manager_of(cfg, t).load()
     reference = torch.load(folder / "reference.pt")
     got = snapshot(t)
     diffs = {k: (got[k] - v).abs().max().item() if k in got else None for k, v in reference.items()}
@@ -368,7 +379,7 @@ def _reshard_worker(rank: int, world: int, port: int, folder: str, phase: str) -
         if phase == "save":
             cfg = make_cfg(Path(folder), async_mode="async")
             t = make_trainer(cfg, fsdp=True)
-            manager = CheckpointManager(cfg, t)
+            manager = manager_of(cfg, t)
             for step in (1, 2):
                 train_one_step(t, step)
                 manager.save(step)

@@ -156,7 +156,7 @@ def test_layout_that_does_not_divide_exits_2_with_the_arithmetic(c4_shard):
 def test_dry_run_rank_plans_only_the_chosen_rank(monkeypatch, capsys):
     """In-process: DRY_RUN_RANK picks one rank; debugmodel's 6 layers + 2 ends over 2 stages is 3 layers each."""
     from titan_lite.config import parse_args
-    from titan_lite.parallel.dry_run import dry_run as plan
+    from titan_lite.dry_run import dry_run as plan
 
     monkeypatch.setenv("NGPU", "4")
     monkeypatch.setenv("NNODES", "1")

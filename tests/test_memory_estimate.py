@@ -12,7 +12,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from titan_lite.config.schema import JobConfig
 from titan_lite.models.llama import Llama, LlamaArgs, flavor_args
 from titan_lite.parallel import memory_estimate as me
-from titan_lite.parallel.dry_run import layer_policies
+from titan_lite.dry_run import layer_policies
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.parallelize import parallelize_llama
 

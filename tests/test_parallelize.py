@@ -314,13 +314,11 @@ def test_mixed_precision_policy_resolves_auto_to_float32_on_cpu():
 @pytest.mark.parametrize("tp, disable_loss_parallel, compiled", [(1, False, True), (2, False, False), (2, True, True)])
 def test_loss_is_compiled_except_under_loss_parallel(tp, disable_loss_parallel, compiled):
     # Compiled cross-entropy ignores loss_parallel() and normalises each vocab shard alone: a silently wrong loss.
-    from types import SimpleNamespace
-
+    from titan_lite.loss import build_loss_fn, cross_entropy_sum
     from titan_lite.parallel.parallel_dims import ParallelDims
-    from titan_lite.train import Trainer, cross_entropy_sum
+    from titan_lite.parallel.parallelize import loss_parallel_enabled
 
     cfg = _config(tp, disable_loss_parallel)
     cfg.compile.enable = True
-    trainer = SimpleNamespace(cfg=cfg, parallel_dims=ParallelDims.from_config(cfg.parallelism, tp))
-    loss_fn = Trainer.build_loss_fn(trainer)
+    loss_fn = build_loss_fn(cfg.compile, loss_parallel_enabled(ParallelDims.from_config(cfg.parallelism, tp), cfg))
     assert (loss_fn is not cross_entropy_sum) == compiled

@@ -28,14 +28,14 @@ def first_step(tmp_path, local_batch: int, global_batch: int) -> tuple[float, di
         grads.update({n: p.grad.clone() for n, p in trainer.model_parts[0].named_parameters()})
 
     trainer.optimizer.step = capture
-    loss, _ = trainer.train_step(trainer.next_microbatches(iter(trainer.dataloader)))
+    loss, _ = trainer.train_step(trainer.next_microbatches(iter(trainer.dataloader)), step=1)
     return loss, grads, trainer
 
 
 def test_accumulation_equals_one_large_batch(tmp_path):
     loss_1x8, grads_1x8, t1 = first_step(tmp_path / "a", 8, 8)
     loss_4x2, grads_4x2, t2 = first_step(tmp_path / "b", 2, 8)
-    assert (t1.grad_accum, t2.grad_accum) == (1, 4)
+    assert (t1.plan.grad_accum, t2.plan.grad_accum) == (1, 4)
     assert abs(loss_1x8 - loss_4x2) < 1e-6
     for name, g in grads_1x8.items():
         assert torch.allclose(g, grads_4x2[name], atol=1e-6, rtol=0), name
@@ -47,7 +47,7 @@ def test_loss_is_mean_token_cross_entropy(tmp_path):
     fresh, _, _ = first_step(tmp_path / "again", 4, 4)
     assert fresh == loss
     model = trainer.model_parts[0]
-    inputs, labels = next(iter(trainer.build_data("shakespeare", None, 32, 4, trainer.cfg.training.dataloader, True)))
+    inputs, labels = next(iter(trainer.build_train_loader()))
     model.init_weights(seed=0)
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), labels.flatten()).item()

@@ -1,7 +1,8 @@
-"""Process-group and device set-up: device choice, backend choice (COMM_BACKEND), seeds, timeouts, teardown."""
+"""Process-group and device set-up: device choice, compute dtype, backend choice (COMM_BACKEND), seeds, teardown."""
 
 import os
 import random
+import socket
 from datetime import timedelta
 
 import torch
@@ -18,6 +19,13 @@ def local_device() -> torch.device:
         torch.accelerator.set_device_index(index)
         return torch.device(accelerator.type, index)
     return torch.device("cpu")
+
+
+def compute_dtype(mixed_precision_param: str, device_type: str) -> torch.dtype:
+    """The compute dtype: 'auto' means bfloat16 on accelerators and float32 on CPUs (bf16 matmuls are slow there)."""
+    if mixed_precision_param == "auto":
+        return torch.float32 if device_type == "cpu" else torch.bfloat16
+    return getattr(torch, mixed_precision_param)
 
 
 def default_backend(device: torch.device) -> str:
@@ -47,8 +55,6 @@ def init_process_group(device: torch.device, timeout_s: int) -> None:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -53,9 +53,12 @@ def model_state_dict(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
 
 
 def load_model_state_dict(model_parts: list[nn.Module], state: dict[str, torch.Tensor]) -> None:
+    """Load the entries of `state` that each part holds; parameters missing from `state` (not saved, e.g. a frozen
+    base under adapter-only checkpoints) keep their current values."""
     for part in model_parts:
-        own = {k: state[k] for k in get_model_state_dict(part)}
-        set_model_state_dict(part, own)
+        keys = list(get_model_state_dict(part))
+        own = {k: state[k] for k in keys if k in state}
+        set_model_state_dict(part, own, options=StateDictOptions(strict=len(own) == len(keys)))
 
 
 class _OptimizerPartView(torch.optim.Optimizer):

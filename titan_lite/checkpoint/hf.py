@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -15,9 +16,10 @@ from torch import Tensor, nn
 
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama.args import LlamaArgs
-from titan_lite.models.llama.hf import (args_to_hf_config, check_args_against_hf_config, hf_name, hf_source_names,
-                                        read_hf_config, tensor_from_hf, to_hf_state_dict)
-from titan_lite.models.llama.model import Llama, canonical_name, copy_into_shard
+from titan_lite.dtensor import copy_into_shard, full_tensor
+from titan_lite.models.llama.hf import (LLAMA_NAMES, HFNames, args_to_hf_config, check_args_against_hf_config, hf_name,
+                                        hf_source_names, read_hf_config, tensor_from_hf, to_hf_state_dict)
+from titan_lite.models.llama.model import Llama, canonical_name
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -92,19 +94,21 @@ def open_safetensors(path: Path):
         raise ConfigError(f"{path}: corrupt or truncated safetensors file ({_one_line(exc)})") from None
 
 
-def _locate(name: str, args: LlamaArgs, files: dict[str, Path], folder: str | Path) -> tuple[str, Path]:
+def _locate(name: str, args: LlamaArgs, files: dict[str, Path], folder: str | Path,
+            names: HFNames = LLAMA_NAMES) -> tuple[str, Path]:
     """(HF name, file) of a titan_lite parameter, or ConfigError when the checkpoint lacks it."""
-    for source in hf_source_names(name, args):
+    sources = hf_source_names(name, args, names)
+    for source in sources:
         if source in files:
             return source, files[source]
-    raise ConfigError(f"{folder}: tensor '{hf_source_names(name, args)[0]}' (titan_lite '{name}') is missing "
-                      "from the checkpoint")
+    raise ConfigError(f"{folder}: tensor '{sources[0]}' (titan_lite '{name}') is missing from the checkpoint")
 
 
 def _locate_checked(name: str, args: LlamaArgs, files: dict[str, Path], reader: SafetensorsReader,
-                    folder: str | Path, expected_shape: torch.Size | list[int]) -> tuple[str, Path]:
+                    folder: str | Path, expected_shape: torch.Size | list[int],
+                    names: HFNames = LLAMA_NAMES) -> tuple[str, Path]:
     """(HF name, file) of a parameter whose header says it has the expected shape; reads no tensor data."""
-    source, path = _locate(name, args, files, folder)
+    source, path = _locate(name, args, files, folder, names)
     shape = reader.shape(path, source)
     if list(shape) != list(expected_shape):
         raise ConfigError(f"{path}: tensor '{source}' has shape {list(shape)}, expected {list(expected_shape)} "
@@ -113,9 +117,10 @@ def _locate_checked(name: str, args: LlamaArgs, files: dict[str, Path], reader: 
 
 
 def read_titan_tensor(name: str, args: LlamaArgs, files: dict[str, Path], reader: SafetensorsReader,
-                      folder: str | Path, expected_shape: torch.Size | list[int]) -> Tensor:
+                      folder: str | Path, expected_shape: torch.Size | list[int],
+                      names: HFNames = LLAMA_NAMES) -> Tensor:
     """One parameter in titan_lite layout, read from the HF folder and checked for presence and shape."""
-    source, path = _locate_checked(name, args, files, reader, folder, expected_shape)
+    source, path = _locate_checked(name, args, files, reader, folder, expected_shape, names)
     return tensor_from_hf(name, reader.tensor(path, source), args)
 
 
@@ -129,15 +134,19 @@ def check_no_unexpected_tensors(files: dict[str, Path], args: LlamaArgs, folder:
 
 
 @torch.no_grad()
-def load_hf_weights(model_parts: list[nn.Module], folder: str, model_args: LlamaArgs) -> None:
-    """Load every parameter the parts hold from an HF folder; DTensor parameters keep only their own shard."""
+def load_hf_weights(model_parts: list[nn.Module], folder: str, model_args: LlamaArgs,
+                    names: HFNames = LLAMA_NAMES) -> None:
+    """Load every parameter the parts hold from an HF folder (except those `names` says no HF folder holds);
+    DTensor parameters keep only their own shard."""
     files = weight_files(folder)
     check_no_unexpected_tensors(files, model_args, folder)
     with SafetensorsReader() as reader:
         for part in model_parts:
             for name, param in part.named_parameters():
                 name = canonical_name(name)
-                full = read_titan_tensor(name, model_args, files, reader, folder, param.shape)
+                if not names.in_hf(name):
+                    continue
+                full = read_titan_tensor(name, model_args, files, reader, folder, param.shape, names)
                 copy_into_shard(param, full.to(device=param.device, dtype=param.dtype))
 
 
@@ -276,8 +285,7 @@ def _full_tensors(model_parts: list[nn.Module], dtype: torch.dtype) -> dict[str,
     out = {}
     for part in model_parts:
         for name, param in part.named_parameters():
-            full = param.full_tensor() if hasattr(param, "full_tensor") else param
-            out[canonical_name(name)] = full.detach().to(dtype=dtype).cpu()
+            out[canonical_name(name)] = full_tensor(param).detach().to(dtype=dtype).cpu()
     return out
 
 
@@ -297,17 +305,27 @@ def _gather_pipeline_stages(sd: dict[str, Tensor], parallel_dims) -> dict[str, T
     return merged
 
 
+ExportConversion = Callable[[dict[str, Tensor], LlamaArgs], tuple[dict[str, Tensor], LlamaArgs]]
+
+
 def export_hf(model_parts: list[nn.Module], model_args: LlamaArgs, out_dir: str, dtype: torch.dtype,
-              assets_dir: str | None, parallel_dims=None, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write the model as an HF folder. Collective when distributed: every rank must call it; rank 0 writes."""
+              assets_dir: str | None, parallel_dims=None, max_shard_bytes: int = 5 * 2**30,
+              convert: ExportConversion | None = None) -> None:
+    """Write the model as an HF folder. Collective when distributed: every rank must call it; rank 0 writes.
+
+    `convert` turns the full state dict and args into a plain Llama's before writing (transforms merge adapters,
+    drop masks or materialise a smaller model there); it runs on rank 0 on fp32 tensors.
+    """
     distributed = dist.is_available() and dist.is_initialized()
-    sd = _full_tensors(model_parts, dtype)
+    sd = _full_tensors(model_parts, torch.float32 if convert else dtype)
     if distributed and parallel_dims is not None and parallel_dims.pp_enabled:
         sd = _gather_pipeline_stages(sd, parallel_dims)
     rank = dist.get_rank() if distributed else 0
     if rank == 0:
         if model_args.tie_word_embeddings:
             sd.pop("output.weight", None)  # a pipeline's last stage holds its own copy of the tied head
+        if convert is not None:
+            sd, model_args = convert(sd, model_args)
         write_hf_folder(sd, model_args, out_dir, dtype, assets_dir, max_shard_bytes)
     if distributed:
         dist.barrier()

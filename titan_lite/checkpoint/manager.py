@@ -1,24 +1,25 @@
-"""CheckpointManager: when and what to save and load (DCP step folders, atomic renames, HF import/export)."""
+"""CheckpointManager: when and what to save and load (DCP step folders, atomic renames, resume, initial weights)."""
 
 import logging
 import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 
 from titan_lite.checkpoint import dcp as ckpt
+from titan_lite.checkpoint.hf import check_hf_folder, expected_shapes
+from titan_lite.config.schema import Checkpoint, JobConfig
 from titan_lite.errors import ConfigError
-from titan_lite.config.schema import JobConfig
-
-if TYPE_CHECKING:
-    from titan_lite.train import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -27,37 +28,71 @@ logger = logging.getLogger(__name__)
 STALL_STEP_ENV = "TITAN_LITE_TEST_STALL_SAVE_STEP"
 STALL_SECONDS_ENV = "TITAN_LITE_TEST_STALL_SAVE_SECONDS"
 
-LOADABLE = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class RankLocal:
+    """A stateful object saved once per rank (or per data-parallel rank) under `{name}_{suffix}`; a checkpoint of
+    another layout holds other suffixes, and then `note` says what happens (the object keeps its fresh state)."""
+
+    def __init__(self, obj: Stateful, suffix: str, note: str):
+        self.obj, self.suffix, self.note = obj, suffix, note
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.obj.load_state_dict(state)
+
+
+class RNGState:
+    """Python, torch CPU and device RNG states of this process."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        if self.device.type != "cpu":
+            state["device"] = torch.get_device_module(self.device.type).get_rng_state(self.device)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        random.setstate(state["python"])
+        torch.set_rng_state(state["torch"])
+        if "device" in state and self.device.type != "cpu":
+            torch.get_device_module(self.device.type).set_rng_state(state["device"], self.device)
 
 
 class CheckpointManager:
-    """Saves the trainer's state every `interval` steps to {dump_folder}/{folder}/step-N and resumes from it."""
+    """Saves model parts, optimizer and a dict of stateful objects every `interval` steps to {folder}/step-N, and
+    loads them back (resharding to the current layout).
 
-    def __init__(self, cfg: JobConfig, trainer: "Trainer"):
-        self.cfg = cfg
-        self.c = cfg.checkpoint
-        self.trainer = trainer
-        self.root = Path(cfg.job.dump_folder) / self.c.folder
+    It knows nothing about the trainer or the transforms: they hand it components. `states` maps a name to an
+    object with state_dict()/load_state_dict() (wrapped in RankLocal when each rank has its own); `saves_parameter`
+    leaves model parameters out of checkpoints (adapter-only saves: the rest comes from the initial weights).
+    """
+
+    def __init__(self, cfg: Checkpoint, folder: Path, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer,
+                 states: dict[str, Stateful], saves_parameter: Callable[[str], bool] | None = None):
+        self.c = cfg
+        self.root = Path(folder)
+        self.model_parts = model_parts
+        self.optimizer = optimizer
+        self.states = states
+        self.saves_parameter = saves_parameter or (lambda name: True)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.enabled = self.c.enable
-        self._check_seed_checkpoint_request()
+        self.enabled = cfg.enable
         self.pg = self._checkpoint_group()
         self._pending: tuple[Future, int] | None = None
-        if self.enabled and self.c.async_mode == "async_with_pinned_mem":
+        if self.enabled and cfg.async_mode == "async_with_pinned_mem":
             logger.info("checkpoint.async_mode 'async_with_pinned_mem' saves like 'async' (staging in pinned memory "
                         "is not implemented)")
-
-    # -------------------------------------------------------------------------------- setup
-
-    def _check_seed_checkpoint_request(self) -> None:
-        if not self.c.create_seed_checkpoint:
-            return
-        pd = self.trainer.parallel_dims
-        degrees = (pd.dp_replicate, pd.dp_shard, pd.cp, pd.tp, pd.pp)
-        if self.world_size != 1 or any(d != 1 for d in degrees):
-            raise ConfigError(f"'checkpoint.create_seed_checkpoint' needs one process and every parallel degree 1; "
-                              f"got {pd.describe()}")
 
     def _checkpoint_group(self):
         """Async saves run collectives from a background thread, so they get their own group, and DCP's async save
@@ -72,44 +107,22 @@ class CheckpointManager:
 
     # -------------------------------------------------------------------------------- state
 
-    def _dp_rank_and_degree(self) -> tuple[int, int]:
-        mesh = self.trainer.parallel_dims.submesh("batch")
-        return mesh.get_local_rank(), mesh.size()
+    @staticmethod
+    def key_of(name: str, obj: Stateful) -> str:
+        return f"{name}_{obj.suffix}" if isinstance(obj, RankLocal) else name
 
-    def _dataloader_key(self) -> str:
-        dp_rank, dp_degree = self._dp_rank_and_degree()
-        return f"dataloader_dp{dp_rank}_of_{dp_degree}"
-
-    def _rng_key(self) -> str:
-        return f"rng_rank{self.rank}_of_{self.world_size}"
-
-    def _rng_state(self) -> dict[str, Any]:
-        state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-        device = self.trainer.device
-        if device.type != "cpu":
-            state["device"] = torch.get_device_module(device.type).get_rng_state(device)
-        return state
-
-    def _set_rng_state(self, state: dict[str, Any]) -> None:
-        random.setstate(state["python"])
-        torch.set_rng_state(state["torch"])
-        device = self.trainer.device
-        if "device" in state and device.type != "cpu":
-            torch.get_device_module(device.type).set_rng_state(state["device"], device)
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in ckpt.model_state_dict(self.model_parts).items() if self.saves_parameter(k)}
 
     def _full_state(self) -> dict[str, Any]:
-        t = self.trainer
-        return {
-            "model": ckpt.model_state_dict(t.model_parts),
-            "optimizer": ckpt.optimizer_state_dict(t.model_parts, t.optimizer),
-            "lr_scheduler": ckpt.pack(t.lr_schedule.state_dict()),
-            "train_state": ckpt.pack(t.train_state.state_dict()),
-            self._dataloader_key(): ckpt.pack(t.dataloader.state_dict()),
-            self._rng_key(): ckpt.pack(self._rng_state()),
-        }
+        state = {"model": self._model_state(),
+                 "optimizer": ckpt.optimizer_state_dict(self.model_parts, self.optimizer)}
+        for name, obj in self.states.items():
+            state[self.key_of(name, obj)] = ckpt.pack(obj.state_dict())
+        return state
 
     def _model_only_state(self, dtype: torch.dtype | None = None) -> dict[str, Any]:
-        model = ckpt.model_state_dict(self.trainer.model_parts)
+        model = self._model_state()
         if dtype is not None:
             model = {k: v.to(dtype) for k, v in model.items()}
         return {"model": model}
@@ -123,14 +136,12 @@ class CheckpointManager:
 
     def save(self, step: int, last: bool = False) -> None:
         """Save after `step` when it is due; the final save may hold the model only (last_save_model_only)."""
-        if self.should_save(step, last):
-            if last and self.c.last_save_model_only:
-                dtype = getattr(torch, self.c.export_dtype)
-                self._save(step, self._model_only_state(dtype), asynchronous=False)
-            else:
-                self._save(step, self._full_state(), asynchronous=self.is_async)
-        if last and self.c.last_save_in_hf and not self.c.load_only:
-            self.export_hf(step)
+        if not self.should_save(step, last):
+            return
+        if last and self.c.last_save_model_only:
+            self._save(step, self._model_only_state(getattr(torch, self.c.export_dtype)), asynchronous=False)
+        else:
+            self._save(step, self._full_state(), asynchronous=self.is_async)
 
     def save_seed(self) -> None:
         """create_seed_checkpoint: the freshly initialised model as step-0, then the caller stops."""
@@ -204,18 +215,6 @@ class CheckpointManager:
         if self.world_size > 1:
             dist.barrier(group=self.pg)
 
-    def export_hf(self, step: int) -> None:
-        """last_save_in_hf: a Hugging Face folder {dump_folder}/{folder}/step-N-hf (collective)."""
-        try:
-            from titan_lite.checkpoint.hf import export_hf
-        except ImportError as exc:
-            raise ConfigError(f"'checkpoint.last_save_in_hf' = true but HF export is unavailable ({exc})") from None
-        t = self.trainer
-        out = self.root / f"step-{step}-hf"
-        export_hf(t.model_parts, t.model_args, str(out), getattr(torch, self.c.export_dtype),
-                  self.cfg.model.hf_assets_path, t.parallel_dims)
-        logger.info(f"Hugging Face export of step {step} written to {out}")
-
     def finish(self) -> None:
         """Wait for a background save so that no checkpoint is left half-written at exit."""
         self.wait_for_pending_save()
@@ -223,33 +222,15 @@ class CheckpointManager:
     # -------------------------------------------------------------------------------- load
 
     def load(self) -> None:
-        """Resume from this run's newest complete checkpoint (or load_step), else from the initial load path."""
-        if self.enabled:
-            self._warn_incomplete()
-        source = source_to_load(self.cfg)
-        if source is None:
-            return
-        kind, path = source
-        if kind == "resume":
-            self._load_folder(path, model_only=False)
-        elif kind == "hf":
-            self._load_hf(str(path))
-        else:
-            self._load_folder(path, model_only=self.c.initial_load_model_only)
+        """Resume from this run's checkpoint, else load the initial DCP checkpoint (initial_load_path), if any."""
+        folder = resume_folder(self.c, self.root)
+        if folder is not None:
+            self.load_folder(folder, model_only=False)
+        elif self.c.initial_load_path and not self.c.initial_load_in_hf and not self.c.create_seed_checkpoint:
+            self.load_folder(Path(self.c.initial_load_path), model_only=self.c.initial_load_model_only)
 
-    def _warn_incomplete(self) -> None:
-        if self.rank != 0:
-            return
-        for folder in ckpt.incomplete_folders(self.root):
-            logger.warning(f"skipping incomplete checkpoint '{folder}': its save never finished")
-
-    def _load_hf(self, folder: str) -> None:
-        from titan_lite.checkpoint.hf import load_hf_weights
-
-        load_hf_weights(self.trainer.model_parts, folder, self.trainer.model_args)
-        logger.info(f"loaded Hugging Face weights from {folder}")
-
-    def _load_folder(self, folder: Path, model_only: bool) -> None:
+    def load_folder(self, folder: Path, model_only: bool) -> None:
+        """Load what the folder holds (minus exclude_from_loading) into the components."""
         metadata = ckpt.read_metadata(folder)
         wanted = self._components_to_load(metadata, model_only)
         state = self._placeholders(wanted, metadata, folder)
@@ -258,98 +239,82 @@ class CheckpointManager:
             return
         dcp.load(state, checkpoint_id=str(folder), process_group=self.pg)
         self._apply(state)
-        logger.info(f"loaded checkpoint {folder} ({', '.join(sorted(state))}); "
-                    f"resuming after step {self.trainer.train_state.step}")
+        logger.info(f"loaded checkpoint {folder} ({', '.join(sorted(state))})")
 
     def _components_to_load(self, metadata, model_only: bool) -> set[str]:
         excluded = set(self.c.exclude_from_loading)
         if model_only:
             return {"model"} - excluded
-        present = {name for name in LOADABLE if self._present(metadata, name)}
+        present = {name for name in ("model", "optimizer", *self.states) if self._present(metadata, name)}
         if present == {"model"} and self.rank == 0:
             logger.warning("this checkpoint holds model weights only (a seed checkpoint, or a final save with "
                            "last_save_model_only): optimizer, LR schedule, data position and step start fresh")
         return present - excluded
 
     def _present(self, metadata, name: str) -> bool:
-        if name == "dataloader":
-            return bool(ckpt.components_matching(metadata, "dataloader_dp"))
-        if name == "rng":
-            return bool(ckpt.components_matching(metadata, "rng_rank"))
+        obj = self.states.get(name)
+        if isinstance(obj, RankLocal):
+            return bool(ckpt.components_matching(metadata, f"{name}_"))
         return ckpt.has_component(metadata, name)
 
     def _placeholders(self, wanted: set[str], metadata, folder: Path) -> dict[str, Any]:
         """The state to load into: current tensors give DCP the target shapes and shardings."""
-        t = self.trainer
         state: dict[str, Any] = {}
         if "model" in wanted:
-            state["model"] = ckpt.model_state_dict(t.model_parts)
+            state["model"] = self._model_state()
             ckpt.check_tensors_match(folder, metadata, state["model"], "model")
         if "optimizer" in wanted:
-            state["optimizer"] = ckpt.optimizer_state_dict(t.model_parts, t.optimizer)
+            state["optimizer"] = ckpt.optimizer_state_dict(self.model_parts, self.optimizer)
             ckpt.check_tensors_match(folder, metadata, state["optimizer"], "optimizer")
-        for name in ("lr_scheduler", "train_state"):
-            if name in wanted:
-                state[name] = b""
-        if "dataloader" in wanted and self._dataloader_resumable(metadata, folder):
-            state[self._dataloader_key()] = b""
-        if "rng" in wanted and self._rng_key() in ckpt.components_matching(metadata, "rng_rank"):
-            state[self._rng_key()] = b""
-        elif "rng" in wanted and self.rank == 0:
-            logger.info(f"checkpoint {folder} holds RNG states of another world size; RNGs keep this run's seeds")
+        for name, obj in self.states.items():
+            if name not in wanted:
+                continue
+            key = self.key_of(name, obj)
+            if ckpt.has_component(metadata, key):
+                state[key] = b""
+            elif self.rank == 0:
+                logger.warning(f"checkpoint {folder} {obj.note}")
         return state
 
-    def _dataloader_resumable(self, metadata, folder: Path) -> bool:
-        """The data position is per data-parallel rank and cannot be split differently: on another dp degree
-        the data restarts from the beginning."""
-        saved = ckpt.components_matching(metadata, "dataloader_dp")
-        if self._dataloader_key() in saved:
-            return True
-        if self.rank == 0:
-            saved_degree = saved[0].rsplit("_of_", 1)[1]
-            logger.warning(f"checkpoint {folder} was saved with data-parallel degree {saved_degree}, this run has "
-                           f"{self._dp_rank_and_degree()[1]}: a data position cannot be resharded, so the data loader "
-                           f"restarts from the beginning of the dataset")
-        return False
-
     def _apply(self, state: dict[str, Any]) -> None:
-        t = self.trainer
         if "model" in state:
-            ckpt.load_model_state_dict(t.model_parts, state["model"])
+            ckpt.load_model_state_dict(self.model_parts, state["model"])
         if "optimizer" in state:
-            ckpt.load_optimizer_state_dict(t.model_parts, t.optimizer, state["optimizer"])
-        if "lr_scheduler" in state:
-            t.lr_schedule.load_state_dict(ckpt.unpack(state["lr_scheduler"]))
-        if "train_state" in state:
-            t.train_state.load_state_dict(ckpt.unpack(state["train_state"]))
-        if self._dataloader_key() in state:
-            t.dataloader.load_state_dict(ckpt.unpack(state[self._dataloader_key()]))
-        if self._rng_key() in state:
-            self._set_rng_state(ckpt.unpack(state[self._rng_key()]))
+            ckpt.load_optimizer_state_dict(self.model_parts, self.optimizer, state["optimizer"])
+        for name, obj in self.states.items():
+            key = self.key_of(name, obj)
+            if key in state:
+                obj.load_state_dict(ckpt.unpack(state[key]))
 
 
 # ------------------------------------------------------------------------------ before launch
 
 
-def source_to_load(cfg: JobConfig) -> tuple[str, Path] | None:
-    """What a run starts from: ("resume", its own newest complete step or load_step), else ("hf", the HF folder)
-    or ("initial", a DCP folder), else None (keep the fresh init)."""
+def resume_folder(c: Checkpoint, root: Path) -> Path | None:
+    """This run's checkpoint to resume from: load_step's folder (which must exist and be complete), else the newest
+    complete one; None when there is none or checkpointing is off. Incomplete saves are skipped with a warning."""
+    if not c.enable or c.create_seed_checkpoint:
+        return None
+    if dist.get_rank() == 0:
+        for folder in ckpt.incomplete_folders(root):
+            logger.warning(f"skipping incomplete checkpoint '{folder}': its save never finished")
+    if c.load_step != -1:
+        folder = ckpt.step_folder(root, c.load_step)
+        if not folder.is_dir() and ckpt.tmp_folder(root, c.load_step).is_dir():
+            raise ConfigError(f"'checkpoint.load_step' = {c.load_step}: the save of '{folder}' never finished "
+                              f"(only '{ckpt.tmp_folder(root, c.load_step)}' exists)")
+        if not folder.is_dir():
+            raise ConfigError(f"'checkpoint.load_step' = {c.load_step}: checkpoint folder '{folder}' does not exist")
+        return folder
+    complete = ckpt.complete_steps(root)
+    return complete[max(complete)] if complete else None
+
+
+def initial_source(cfg: JobConfig) -> tuple[str, Path] | None:
+    """The weights a run starts from when it does not resume: ("hf", an HF folder), ("dcp", a DCP folder) or None."""
     c = cfg.checkpoint
     if c.create_seed_checkpoint:
         return None
-    root = Path(cfg.job.dump_folder) / c.folder
-    if c.enable:
-        if c.load_step != -1:
-            folder = ckpt.step_folder(root, c.load_step)
-            if not folder.is_dir() and ckpt.tmp_folder(root, c.load_step).is_dir():
-                raise ConfigError(f"'checkpoint.load_step' = {c.load_step}: the save of '{folder}' never finished "
-                                  f"(only '{ckpt.tmp_folder(root, c.load_step)}' exists)")
-            if not folder.is_dir():
-                raise ConfigError(f"'checkpoint.load_step' = {c.load_step}: checkpoint folder '{folder}' does not exist")
-            return "resume", folder
-        complete = ckpt.complete_steps(root)
-        if complete:
-            return "resume", complete[max(complete)]
     if c.initial_load_in_hf:
         folder = c.initial_load_path or cfg.model.hf_assets_path
         if not folder:
@@ -357,8 +322,28 @@ def source_to_load(cfg: JobConfig) -> tuple[str, Path] | None:
                               "'model.hf_assets_path' to name a Hugging Face folder")
         return "hf", Path(folder)
     if c.initial_load_path:
-        return "initial", Path(c.initial_load_path)
+        return "dcp", Path(c.initial_load_path)
     return None
+
+
+def source_to_load(cfg: JobConfig) -> tuple[str, Path] | None:
+    """What a run starts from: ("resume", its own checkpoint), else its initial_source, else None."""
+    folder = resume_folder(cfg.checkpoint, Path(cfg.job.dump_folder) / cfg.checkpoint.folder)
+    return ("resume", folder) if folder is not None else initial_source(cfg)
+
+
+def holds_model(folder: Path, model_parts: list[nn.Module]) -> bool:
+    """Whether a checkpoint holds every model parameter of the parts (adapter-only checkpoints do not)."""
+    saved = ckpt.read_metadata(folder).state_dict_metadata
+    return all(f"model.{name}" in saved for name in ckpt.model_state_dict(model_parts))
+
+
+def weights_only_loader(cfg: Checkpoint, folder: Path) -> Callable[[list[nn.Module]], None]:
+    """Loads the model weights of a DCP checkpoint (initial_load_path) into model parts."""
+    def load(model_parts: list[nn.Module]) -> None:
+        manager = CheckpointManager(replace(cfg, enable=False), folder, model_parts, None, {})
+        manager.load_folder(folder, model_only=True)
+    return load
 
 
 def check_source_before_launch(cfg: JobConfig, model_args) -> None:
@@ -367,8 +352,6 @@ def check_source_before_launch(cfg: JobConfig, model_args) -> None:
     source = source_to_load(cfg)
     if source is None or cfg.model.converters:
         return
-    from titan_lite.checkpoint.hf import check_hf_folder, expected_shapes
-
     kind, path = source
     if kind == "hf":
         check_hf_folder(str(path), model_args)

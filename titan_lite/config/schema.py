@@ -247,7 +247,8 @@ class FaultTolerance:
 
 @dataclass
 class Experimental:
-    custom_import: str = opt("", "Module imported at start.", unsupported="custom imports are not supported")
+    custom_import: str = opt("", "Module imported at start, before the transforms are built: e.g. one that registers "
+                                 "your own transform with titan_lite.transforms.register_transform.")
     custom_args_module: str = opt("", "Deprecated torchtitan key.", unsupported="custom args modules are not supported")
 
 

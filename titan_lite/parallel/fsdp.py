@@ -7,6 +7,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from titan_lite.errors import ConfigError
 from titan_lite.config.schema import JobConfig
+from titan_lite.distributed import compute_dtype
 from titan_lite.parallel.parallel_dims import ParallelDims
 
 
@@ -18,9 +19,7 @@ def data_parallel_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
 
 
 def mixed_precision_policy(cfg: JobConfig, device_type: str) -> MixedPrecisionPolicy:
-    from titan_lite.train import mixed_precision_dtype
-
-    return MixedPrecisionPolicy(param_dtype=mixed_precision_dtype(cfg, torch.device(device_type)),
+    return MixedPrecisionPolicy(param_dtype=compute_dtype(cfg.training.mixed_precision_param, device_type),
                                 reduce_dtype=getattr(torch, cfg.training.mixed_precision_reduce))
 
 

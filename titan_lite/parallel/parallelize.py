@@ -1,37 +1,56 @@
 """parallelize_llama: applies TP, CP, activation checkpointing, compile and FSDP to one model part, in that order."""
 
+from collections.abc import Sequence
+
 from torch import nn
 
 from titan_lite.config.schema import JobConfig
+from titan_lite.models.llama.model import canonical_name
 from titan_lite.parallel.activation_checkpoint import apply_ac
 from titan_lite.parallel.compile import apply_compile, compiles_model
-from titan_lite.parallel.fsdp import apply_fsdp, check_cpu_offload, data_parallel_mesh
+from titan_lite.parallel.context_parallel import apply_cp
+from titan_lite.parallel.fsdp import apply_fsdp, data_parallel_mesh
 from titan_lite.parallel.parallel_dims import ParallelDims
-from titan_lite.parallel.tensor_parallel import apply_tp, check_tp_divisibility
+from titan_lite.parallel.tensor_parallel import PlanEdit, apply_tp
 
 
-def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, cfg: JobConfig) -> nn.Module:
-    """The fixed order of torchtitan: TP, CP, AC, compile, FSDP/HSDP. Each step is one named helper."""
-    if parallel_dims.tp_enabled:
-        check_tp_divisibility(model.args, parallel_dims.tp)
-        apply_tp(model, parallel_dims.submesh("tp"), loss_parallel=loss_parallel_enabled(parallel_dims, cfg))
+def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, cfg: JobConfig,
+                      tp_plan_edits: Sequence[PlanEdit] = ()) -> nn.Module:
+    """The fixed order of torchtitan: TP, CP, AC, compile, FSDP/HSDP. Each step is one named helper.
 
-    if parallel_dims.cp_enabled:
-        from titan_lite.parallel.context_parallel import apply_cp
-
-        apply_cp(model, parallel_dims, cfg)
-
-    apply_ac(model, cfg.activation_checkpoint)
-
-    if compiles_model(cfg.compile):
-        apply_compile(model, cfg.compile, tp_enabled=parallel_dims.tp_enabled)
-
-    check_cpu_offload(cfg, parallel_dims)
-    if parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled:
-        apply_fsdp(model, data_parallel_mesh(parallel_dims), cfg, pp_enabled=parallel_dims.pp_enabled)
+    tp_plan_edits: transforms' contributions to the tensor-parallel plan (see tensor_parallel.PlanEdit).
+    """
+    with frozen_parameters_kept(model):
+        if parallel_dims.tp_enabled:
+            apply_tp(model, parallel_dims.submesh("tp"), loss_parallel_enabled(parallel_dims, cfg), tp_plan_edits)
+        if parallel_dims.cp_enabled:
+            apply_cp(model, parallel_dims, cfg)
+        apply_ac(model, cfg.activation_checkpoint)
+        if compiles_model(cfg.compile):
+            apply_compile(model, cfg.compile, tp_enabled=parallel_dims.tp_enabled)
+        if parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled:
+            apply_fsdp(model, data_parallel_mesh(parallel_dims), cfg, pp_enabled=parallel_dims.pp_enabled)
     return model
+
+
+class frozen_parameters_kept:
+    """Distributing a parameter makes a new nn.Parameter, which defaults to requires_grad=True: a frozen weight
+    (a transform's base, say) would silently train. Record requires_grad by name before, restore it after."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.frozen = {canonical_name(n) for n, p in self.model.named_parameters() if not p.requires_grad}
+
+    def __exit__(self, *exc) -> None:
+        for name, param in self.model.named_parameters():
+            if canonical_name(name) in self.frozen:
+                param.requires_grad_(False)
 
 
 def loss_parallel_enabled(parallel_dims: ParallelDims, cfg: JobConfig) -> bool:
     """Cross-entropy on vocab-sharded logits (no gather of the logits) whenever TP is on and not disabled."""
     return parallel_dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
+
+

@@ -183,12 +183,6 @@ def schedule_stages(schedule: _PipelineSchedule) -> list[PipelineStage]:
     return list(schedule._stages) if hasattr(schedule, "_stages") else [schedule._stage]
 
 
-def rebind_stage_modules(schedule: _PipelineSchedule, parts: list[nn.Module]) -> None:
-    """Point each stage at its part after parallelisation, in case a wrapper replaced the module object."""
-    for stage, part in zip(schedule_stages(schedule), parts, strict=True):
-        stage.submod = part
-
-
 def validation_microbatch_count(cfg: JobConfig, num_stages: int) -> int:
     p = cfg.parallelism
     return microbatch_count(cfg.validation.local_batch_size, p.pipeline_parallel_microbatch_size,
@@ -196,16 +190,65 @@ def validation_microbatch_count(cfg: JobConfig, num_stages: int) -> int:
                             batch_key="validation.local_batch_size")
 
 
-def eval_schedule(schedule: _PipelineSchedule, cfg: JobConfig, loss_fn: Callable) -> _PipelineSchedule:
-    """A schedule of the same kind over the same stage modules, for validation batches (run it with .eval()).
+class PipelineRunner:
+    """This rank's pipeline schedule, run on whole local batches: a training step (forward and backward over the
+    microbatches) or a forward-only evaluation; both return the sum of the batch's token losses (zero on ranks
+    without the last stage)."""
 
-    Fresh PipelineStage objects infer the activation shapes of validation batches (batch size and sequence
-    length may differ from training) once, instead of the training stages re-inferring at every switch.
-    """
-    old = schedule_stages(schedule)
-    stages = [PipelineStage(s.submod, s.stage_index, s.num_stages, s.device, group=s.group) for s in old]
-    n_micro = validation_microbatch_count(cfg, old[0].num_stages)
-    return build_schedule(cfg.parallelism.pipeline_parallel_schedule, stages, n_micro, loss_fn)
+    def __init__(self, cfg: JobConfig, loss_fn: Callable):
+        self.cfg = cfg
+        self.loss_fn = loss_fn
+        self.schedule: _PipelineSchedule | None = None
+        self._eval_schedule: _PipelineSchedule | None = None
+        self._scale: torch.Tensor | None = None
+        self._loss_sums: list[torch.Tensor] = []
+
+    def attach(self, schedule: _PipelineSchedule) -> None:
+        self.schedule = schedule
+        stages = schedule_stages(schedule)
+        # With V-style schedules one rank holds both the first and the last stage.
+        self.has_first_stage = any(stage.is_first for stage in stages)
+        self.has_last_stage = any(stage.is_last for stage in stages)
+
+    def scaled_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss a schedule backpropagates: the microbatch's token-loss sum times the step's scale."""
+        loss_sum = self.loss_fn(output, labels)
+        self._loss_sums.append(loss_sum.detach())
+        return loss_sum * self._scale
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one local batch through the stages; gradients accumulate in the parts."""
+        return self._run(self.schedule.step, inputs, labels, scale)
+
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward only, through a twin schedule sized for validation batches."""
+        return self._run(self.eval_schedule().eval, inputs, labels, torch.ones((), device=inputs.device))
+
+    def _run(self, run: Callable, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        self._scale, self._loss_sums = scale, []
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first_stage else ()
+        kwargs = {"target": labels, "losses": losses} if self.has_last_stage else {}
+        run(*args, return_outputs=False, **kwargs)
+        if not self.has_last_stage:
+            return torch.zeros((), device=inputs.device)
+        # A schedule's first run also calls the loss once on placeholder activations to infer shapes (its value is
+        # garbage); the real microbatches are the last len(losses) calls.
+        return torch.stack(self._loss_sums[-len(losses):]).sum()
+
+    def eval_schedule(self) -> _PipelineSchedule:
+        """A schedule of the same kind over the same stage modules, for validation batches (run it with .eval()).
+
+        Fresh PipelineStage objects infer the activation shapes of validation batches (batch size and sequence
+        length may differ from training) once, instead of the training stages re-inferring at every switch.
+        """
+        if self._eval_schedule is None:
+            old = schedule_stages(self.schedule)
+            stages = [PipelineStage(s.submod, s.stage_index, s.num_stages, s.device, group=s.group) for s in old]
+            n_micro = validation_microbatch_count(self.cfg, old[0].num_stages)
+            self._eval_schedule = build_schedule(self.cfg.parallelism.pipeline_parallel_schedule, stages, n_micro,
+                                                 self.scaled_loss)
+        return self._eval_schedule
 
 
 def check_pipeline_config(cfg: JobConfig, n_layers: int, tied_embeddings: bool) -> tuple[int, list[list[int]], int]:
@@ -226,8 +269,8 @@ def check_pipeline_config(cfg: JobConfig, n_layers: int, tied_embeddings: bool) 
 
 
 def pipeline_llama(model: Llama, parallel_dims: ParallelDims, cfg: JobConfig, device: torch.device,
-                   loss_fn: Callable) -> tuple[_PipelineSchedule, list[nn.Module]]:
-    """Split the meta model into this rank's stages and build the schedule over them.
+                   loss_fn: Callable) -> tuple[PipelineRunner, list[nn.Module]]:
+    """Split the meta model into this rank's stages and build the schedule over them, behind a PipelineRunner.
 
     The stages wrap the still-meta parts: PipelineStage only keeps a reference to its module and infers
     activation shapes on the first step, so parallelising, materialising and initialising the parts in place
@@ -243,4 +286,6 @@ def pipeline_llama(model: Llama, parallel_dims: ParallelDims, cfg: JobConfig, de
         part = prune_to_stage(model, layers[stage_id], is_first=stage_id == 0, is_last=stage_id == num_stages - 1)
         parts.append(part)
         stages.append(PipelineStage(part, stage_id, num_stages, device, group=pp_mesh.get_group()))
-    return build_schedule(schedule_name, stages, n_micro, loss_fn), parts
+    runner = PipelineRunner(cfg, loss_fn)
+    runner.attach(build_schedule(schedule_name, stages, n_micro, runner.scaled_loss))
+    return runner, parts

@@ -1,10 +1,13 @@
 """Tensor parallelism for Llama: the sequence-parallel plan per module, loss parallel, and the TP divisibility check."""
 
+from collections.abc import Callable, Sequence
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -61,13 +64,25 @@ def block_plan() -> dict:
     }
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+# A transform's contribution to the plan: (plan, scope) -> plan, scope "model" (top level) or "block" (per block).
+PlanEdit = Callable[[dict[str, ParallelStyle], str], dict[str, ParallelStyle]]
+
+
+def edited_plan(plan: dict[str, ParallelStyle], scope: str, edits: Sequence[PlanEdit]) -> dict[str, ParallelStyle]:
+    for edit in edits:
+        plan = edit(dict(plan), scope)
+    return plan
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, plan_edits: Sequence[PlanEdit] = ()) -> None:
     """Shard the model over tp_mesh in place (sequence parallel everywhere; pipeline stages may lack some parts)."""
     tied = _is_tied(model)
-    plan = {name: style for name, style in top_level_plan(loss_parallel).items() if getattr(model, name, None) is not None}
-    parallelize_module(model, tp_mesh, plan)
+    top = edited_plan(top_level_plan(loss_parallel), "model", plan_edits)
+    parallelize_module(model, tp_mesh, {name: style for name, style in top.items()
+                                        if getattr(model, name.split(".")[0], None) is not None})
+    plan = edited_plan(block_plan(), "block", plan_edits)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan())
+        parallelize_module(block, tp_mesh, plan)
     if tied:
         retie_embeddings(model)
 

@@ -1,5 +1,7 @@
-"""Model transforms ("converters"): the protocol, the registry, and the built-in transforms."""
+"""Model transforms ("converters"): the contract, the registry, and the built-in transforms (registered on import)."""
 
-from titan_lite.transforms.base import Transform, build_transforms, register_transform
+from titan_lite.transforms.base import (Transform, TransformContext, Transforms, build_transforms, register_transform,
+                                        registered_transforms)
 
-__all__ = ["Transform", "build_transforms", "register_transform"]
+__all__ = ["Transform", "TransformContext", "Transforms", "build_transforms", "register_transform",
+           "registered_transforms"]

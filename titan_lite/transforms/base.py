@@ -1,11 +1,63 @@
-"""The transform protocol and registry: named objects whose hooks the trainer calls in the configured order."""
+"""The transform contract: the hooks a model transform may implement, the context they receive, and the registry.
 
-from typing import Callable
+A transform is a small object with a name, built from the job config. The trainer (and DRY_RUN and the scripts)
+calls the hooks of the configured transforms (`[model] converters`) in order and knows nothing else about them:
+
+  convert             the meta model, before parallelism (wrap linears, add masks or gates)
+  check               config checks that need the model args or the parallel layout (before launch)
+  tp_plan             contributions to the tensor-parallel plan ("model" scope and per-"block" scope)
+  hf_names            names the transform adds to the HF name map, or that no HF folder holds
+  after_load          work on real weights and data (SVD, calibration), after the initial weights are loaded
+  param_groups        optimizer parameter groups with their own hyper-parameters
+  extra_loss          a term added to the loss once per optimizer step
+  after_optimizer_step  e.g. re-apply masks, re-factor adapters
+  state               objects checkpointed with the run (state_dict / load_state_dict)
+  saves_parameter     False for parameters left out of checkpoints (adapter-only saves)
+  metrics             scalars logged with each training log line
+  export_state_dict   turn a full state dict into a plain Llama's before an HF export (merge, drop, materialise)
+  export              extra artifacts at the end of a run (adapter folders, reports)
+
+A module a transform adds owns the initialisation of its parameters through `param_init()`, a dict from the
+parameter's local name to `fn(full_tensor, generator)`; Llama.init_weights calls it with the same per-name seeding
+as every other parameter, so a transform's parameters start identically on every layout.
+"""
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
+from titan_lite.config.schema import JobConfig
 from titan_lite.errors import ConfigError
+from titan_lite.models.llama.args import LlamaArgs
+from titan_lite.models.llama.hf import HFNames
+from titan_lite.parallel.parallel_dims import ParallelDims
+from titan_lite.parallel.runner import ModelRunner
+
+# (dataset, dataset_path, nsamples, seq_len, batch_size) -> this data-parallel rank's share of the first nsamples
+# windows of the dataset, as (inputs, labels) batches on the device; the same set whatever the layout.
+CalibrationSource = Callable[..., Iterator[tuple[torch.Tensor, torch.Tensor]]]
+
+
+@dataclass
+class TransformContext:
+    """What `after_load` may use: the built model and the run's components."""
+
+    cfg: JobConfig
+    model_args: LlamaArgs
+    parallel_dims: ParallelDims
+    device: torch.device
+    tokenizer: Any
+    model_parts: list[nn.Module]
+    runner: ModelRunner
+    calibration_batches: CalibrationSource
+    # True when a checkpoint of this run is loaded after after_load: data-dependent work whose result the
+    # checkpoint holds (a mask, say) can be skipped.
+    resuming: bool = False
 
 
 class Transform:
@@ -13,42 +65,140 @@ class Transform:
 
     name: str = ""
 
-    def convert(self, model: nn.Module) -> None:
-        """Rewrite the meta-device model before parallelism (e.g. wrap linears, add masks)."""
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
 
-    def after_load(self, model_parts: list[nn.Module], ctx: dict) -> None:
-        """Work that needs real weights or data (ctx holds tokenizer, device, parallel_dims, cfg)."""
+    def convert(self, model: nn.Module) -> None:
+        """Rewrite the meta-device model before parallelism."""
+
+    def check(self, model_args: LlamaArgs, parallel_dims: ParallelDims) -> None:
+        """Raise ConfigError for settings that cannot work with this model or layout (runs before launch)."""
+
+    def tp_plan(self, plan: dict[str, ParallelStyle], scope: str) -> dict[str, ParallelStyle]:
+        """The tensor-parallel plan of scope 'model' (top-level modules) or 'block' (per transformer block)."""
+        return plan
+
+    def hf_names(self, names: HFNames) -> None:
+        """Extend the run's HF name map (names.add_layer_name, names.add_not_in_hf)."""
+
+    def after_load(self, ctx: TransformContext) -> None:
+        """Work that needs real weights or data; runs after the initial weights are loaded."""
 
     def param_groups(self, model_parts: list[nn.Module]) -> list[dict]:
-        """Extra optimizer param groups with their own hyper-parameters."""
+        """Extra optimizer param groups ({'params': [...], 'lr': ..., ...}); their parameters leave the default group."""
         return []
 
-    def after_optimizer_step(self, model_parts: list[nn.Module]) -> None:
-        """Run after every optimizer step (e.g. re-apply masks)."""
+    def extra_loss(self, model_parts: list[nn.Module], step: int) -> torch.Tensor | None:
+        """A scalar added to the loss (and backpropagated) once per optimizer step, or None."""
+        return None
+
+    def after_optimizer_step(self, model_parts: list[nn.Module], step: int) -> None:
+        """Runs after every optimizer step, without gradients."""
+
+    def state(self) -> dict[str, Any]:
+        """Objects with state_dict()/load_state_dict() saved in checkpoints, by key (prefixed with the name)."""
+        return {}
+
+    def saves_parameter(self, name: str) -> bool:
+        """Whether a model parameter (canonical name) goes into checkpoints."""
+        return True
+
+    def metrics(self, model_parts: list[nn.Module]) -> dict[str, float]:
+        """Scalars logged with the training line (and to TensorBoard)."""
+        return {}
+
+    def export_state_dict(self, state_dict: dict[str, torch.Tensor],
+                          model_args: LlamaArgs) -> tuple[dict[str, torch.Tensor], LlamaArgs]:
+        """A plain Llama's full state dict and args from this transform's (fp32, unsharded, on rank 0)."""
+        return state_dict, model_args
+
+    def export(self, model_parts: list[nn.Module], folder: Path, step: int) -> None:
+        """Extra artifacts at the end of a run (collective: every rank calls it)."""
 
 
-_REGISTRY: dict[str, Callable[..., Transform]] = {}
+_REGISTRY: dict[str, Callable[[JobConfig], Transform]] = {}
 
 
 def register_transform(name: str) -> Callable:
-    def wrap(factory: Callable[..., Transform]) -> Callable[..., Transform]:
+    """Class decorator: `@register_transform("lora")` makes the class available to `[model] converters`."""
+    def wrap(factory: Callable[[JobConfig], Transform]) -> Callable[[JobConfig], Transform]:
         _REGISTRY[name] = factory
         return factory
     return wrap
 
 
-def build_transforms(names: list[str], cfg) -> list[Transform]:
+def registered_transforms() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def build_transforms(cfg: JobConfig) -> list[Transform]:
     """Instantiate the configured transforms, in order; an unknown name is one clear error."""
     transforms = []
-    for name in names:
+    for name in cfg.model.converters:
         if name not in _REGISTRY:
-            known = ", ".join(sorted(_REGISTRY)) or "none yet"
+            known = ", ".join(registered_transforms()) or "none"
             raise ConfigError(f"'model.converters' has unknown transform '{name}'; available: {known}")
         transforms.append(_REGISTRY[name](cfg))
     return transforms
 
 
-@torch.no_grad()
-def run_after_step(transforms: list[Transform], model_parts: list[nn.Module]) -> None:
-    for t in transforms:
-        t.after_optimizer_step(model_parts)
+class Transforms:
+    """The configured transforms, called in order; what the trainer, DRY_RUN and the scripts talk to."""
+
+    def __init__(self, transforms: list[Transform]):
+        self.items = transforms
+
+    def __iter__(self) -> Iterator[Transform]:
+        return iter(self.items)
+
+    def convert(self, model: nn.Module) -> None:
+        for t in self.items:
+            t.convert(model)
+
+    def check(self, model_args: LlamaArgs, parallel_dims: ParallelDims) -> None:
+        for t in self.items:
+            t.check(model_args, parallel_dims)
+
+    def tp_plan_edits(self) -> list[Callable]:
+        return [t.tp_plan for t in self.items]
+
+    def hf_names(self) -> HFNames:
+        names = HFNames()
+        for t in self.items:
+            t.hf_names(names)
+        return names
+
+    def after_load(self, ctx: TransformContext) -> None:
+        for t in self.items:
+            t.after_load(ctx)
+
+    def param_groups(self, model_parts: list[nn.Module]) -> list[dict]:
+        return [g for t in self.items for g in t.param_groups(model_parts)]
+
+    def extra_loss(self, model_parts: list[nn.Module], step: int) -> torch.Tensor | None:
+        terms = [term for t in self.items if (term := t.extra_loss(model_parts, step)) is not None]
+        return torch.stack(terms).sum() if terms else None
+
+    @torch.no_grad()
+    def after_optimizer_step(self, model_parts: list[nn.Module], step: int) -> None:
+        for t in self.items:
+            t.after_optimizer_step(model_parts, step)
+
+    def state(self) -> dict[str, Any]:
+        return {f"transform.{t.name}.{key}": obj for t in self.items for key, obj in t.state().items()}
+
+    def saves_parameter(self, name: str) -> bool:
+        return all(t.saves_parameter(name) for t in self.items)
+
+    def metrics(self, model_parts: list[nn.Module]) -> dict[str, float]:
+        return {k: v for t in self.items for k, v in t.metrics(model_parts).items()}
+
+    def export_state_dict(self, state_dict: dict[str, torch.Tensor],
+                          model_args: LlamaArgs) -> tuple[dict[str, torch.Tensor], LlamaArgs]:
+        for t in reversed(self.items):  # undo the last transform first
+            state_dict, model_args = t.export_state_dict(state_dict, model_args)
+        return state_dict, model_args
+
+    def export(self, model_parts: list[nn.Module], folder: Path, step: int) -> None:
+        for t in self.items:
+            t.export(model_parts, folder, step)

@@ -3,6 +3,7 @@
 import json
 import math
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,8 +29,6 @@ _TOP_NAMES = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_HF_LAYER_NAMES = {hf: titan for titan, hf in _LAYER_NAMES.items()}
-_HF_TOP_NAMES = {hf: titan for titan, hf in _TOP_NAMES.items()}
 _TITAN_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _ROTARY = ("attention.wq.weight", "attention.wk.weight")
@@ -37,32 +36,66 @@ _ROTARY = ("attention.wq.weight", "attention.wk.weight")
 # ------------------------------------------------------------------------------------------ names
 
 
+@dataclass
+class HFNames:
+    """titan_lite <-> HF names of a Llama's parameters. A transform extends the run's copy (`Transform.hf_names`)
+    with layer-level names it adds, and with patterns of names that no HF folder holds (adapters, masks)."""
+
+    layer: dict[str, str] = field(default_factory=lambda: dict(_LAYER_NAMES))
+    top: dict[str, str] = field(default_factory=lambda: dict(_TOP_NAMES))
+    not_in_hf: list[re.Pattern] = field(default_factory=list)
+
+    def add_layer_name(self, titan_suffix: str, hf_suffix: str) -> None:
+        """Map `layers.{i}.<titan_suffix>` to `model.layers.{i}.<hf_suffix>` both ways."""
+        self.layer[titan_suffix] = hf_suffix
+
+    def add_not_in_hf(self, pattern: str) -> None:
+        """titan_lite names matching this regex (searched anywhere in the name) are not read from HF folders."""
+        self.not_in_hf.append(re.compile(pattern))
+
+    def in_hf(self, name: str) -> bool:
+        return not any(p.search(name) for p in self.not_in_hf)
+
+    def to_hf(self, name: str) -> str:
+        """The HF name of a titan_lite parameter name."""
+        if name in self.top:
+            return self.top[name]
+        match = _TITAN_LAYER.fullmatch(name)
+        if match and match.group(2) in self.layer:
+            return f"model.layers.{match.group(1)}.{self.layer[match.group(2)]}"
+        raise KeyError(f"'{name}' is not a Llama parameter name")
+
+    def to_titan(self, name: str) -> str:
+        """The titan_lite name of an HF LlamaForCausalLM parameter name."""
+        top = {hf: titan for titan, hf in self.top.items()}
+        if name in top:
+            return top[name]
+        match = _HF_LAYER.fullmatch(name)
+        layer = {hf: titan for titan, hf in self.layer.items()}
+        if match and match.group(2) in layer:
+            return f"layers.{match.group(1)}.{layer[match.group(2)]}"
+        raise KeyError(f"'{name}' is not a LlamaForCausalLM parameter name")
+
+
+LLAMA_NAMES = HFNames()  # the plain Llama's names; extend a copy (HFNames()), never this one
+
+
 def hf_name(name: str) -> str:
-    """The HF name of a titan_lite parameter name."""
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    match = _TITAN_LAYER.fullmatch(name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
-    raise KeyError(f"'{name}' is not a Llama parameter name")
+    """The HF name of a plain Llama parameter name."""
+    return LLAMA_NAMES.to_hf(name)
 
 
 def titan_name(name: str) -> str:
     """The titan_lite name of an HF LlamaForCausalLM parameter name."""
-    if name in _HF_TOP_NAMES:
-        return _HF_TOP_NAMES[name]
-    match = _HF_LAYER.fullmatch(name)
-    if match and match.group(2) in _HF_LAYER_NAMES:
-        return f"layers.{match.group(1)}.{_HF_LAYER_NAMES[match.group(2)]}"
-    raise KeyError(f"'{name}' is not a LlamaForCausalLM parameter name")
+    return LLAMA_NAMES.to_titan(name)
 
 
-def hf_source_names(name: str, args: LlamaArgs) -> list[str]:
+def hf_source_names(name: str, args: LlamaArgs, names: HFNames = LLAMA_NAMES) -> list[str]:
     """HF names a titan_lite parameter may be read from, preferred first (a tied head falls back to the embedding)."""
-    names = [hf_name(name)]
+    sources = [names.to_hf(name)]
     if name == "output.weight" and args.tie_word_embeddings:
-        names.append(_TOP_NAMES["tok_embeddings.weight"])
-    return names
+        sources.append(names.to_hf("tok_embeddings.weight"))
+    return sources
 
 
 # ------------------------------------------------------------------------------- rotary permutation

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_lite.dtensor import copy_into_shard
 from titan_lite.models.llama.args import LlamaArgs
 
 # ------------------------------------------------------------------------------------------ RoPE
@@ -150,15 +151,26 @@ class Llama(nn.Module):
         """Initialise every parameter from a generator seeded by (seed, parameter name).
 
         Each parameter's full tensor is drawn and this rank keeps its own shard, so the initial model is the
-        same whatever the parallel layout: a sharded run starts exactly where a single-process run does.
+        same whatever the parallel layout: a sharded run starts exactly where a single-process run does. A module
+        that owns the init of its parameters (a transform's adapter, say) declares it with `param_init()`.
         """
         device = buffer_device or self.rope_cache.device
         self.rope_cache = rope_cache(self.args, device)
-        for name, param in self.named_parameters():
-            full = torch.empty(param.shape, dtype=param.dtype, device=device)
-            generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(canonical_name(name).encode()))
-            init_parameter(canonical_name(name), full, self.args, generator)
-            copy_into_shard(param, full)
+        seen: set[int] = set()  # a tied head shares the embedding's parameter: initialise it once, as the embedding
+        for module_name, module in self.named_modules():
+            owned = module.param_init() if hasattr(module, "param_init") else {}
+            for local_name, param in module.named_parameters(recurse=False):
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+                name = canonical_name(f"{module_name}.{local_name}" if module_name else local_name)
+                full = torch.empty(param.shape, dtype=param.dtype, device=device)
+                generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                if local_name in owned:
+                    owned[local_name](full, generator)
+                else:
+                    init_parameter(name, full, self.args, generator)
+                copy_into_shard(param, full)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameter count (tied weights counted once); optionally without the input embedding."""
@@ -197,13 +209,3 @@ def init_parameter(name: str, tensor: torch.Tensor, args: LlamaArgs, generator: 
         layer_id = int(name.split(".")[1])
         std = 0.02 / math.sqrt(2 * (layer_id + 1))
     nn.init.trunc_normal_(tensor, 0.0, std, -2 * std, 2 * std, generator=generator)
-
-
-def copy_into_shard(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a full tensor into a parameter, keeping only this rank's shard when it is a DTensor."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor):
-        # src_data_rank=None: every rank already holds the same full tensor, so slice locally, no communication.
-        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-    param.copy_(full)

@@ -4,20 +4,30 @@ import contextlib
 import copy
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+# The fake backend's store: torch ships it only under torch.testing (it is what torchtitan's dry run uses too).
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from titan_lite.errors import ConfigError
 from titan_lite.config.schema import JobConfig
-from titan_lite.data.tokenizer import build_tokenizer
-from titan_lite.models.llama import Llama, LlamaArgs
+from titan_lite.distributed import compute_dtype
+from titan_lite.dtensor import local_tensor
+from titan_lite.errors import ConfigError
+from titan_lite.job.assembly import build_parts
+from titan_lite.job.plan import JobPlan, check_data, plan_job, tokenizer_path
+from titan_lite.loss import cross_entropy_sum
+from titan_lite.metrics.memory import device_capacity_gib
+from titan_lite.models.llama import LlamaArgs
 from titan_lite.parallel import memory_estimate as me
+from titan_lite.parallel.fsdp import reshard_after_forward
 from titan_lite.parallel.parallel_dims import ParallelDims
+from titan_lite.parallel.parallelize import loss_parallel_enabled
 
 DEFAULT_DEVICE_MEMORY_GIB = 80.0
 # Mesh dimensions whose shards FSDP gathers; a parameter's other shard dimensions (TP) stay split when gathered.
@@ -34,8 +44,6 @@ def planned_world_size() -> int:
 @contextlib.contextmanager
 def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
     """Pretend to be `rank` of `world_size`: collectives are no-ops, so the trainer's code plans as it would run."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
@@ -50,29 +58,11 @@ def planning_config(cfg: JobConfig) -> JobConfig:
     return plan
 
 
-def build_rank_parts(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims) -> list[nn.Module]:
-    """The trainer's order on the meta device: model -> transforms -> pipeline split -> parallelize_llama."""
-    from titan_lite.parallel.parallelize import parallelize_llama
-    from titan_lite.train import cross_entropy_sum
-    from titan_lite.transforms import build_transforms
-
-    with torch.device("meta"):
-        model = Llama(args)
-    for transform in build_transforms(cfg.model.converters, cfg):
-        transform.convert(model)
-    parts: list[nn.Module] = [model]
-    if dims.pp_enabled:
-        from titan_lite.parallel.pipeline import pipeline_llama
-
-        _, parts = pipeline_llama(model, dims, cfg, torch.device("cpu"), cross_entropy_sum)
-    return [parallelize_llama(part, dims, cfg) for part in parts]
-
-
 # ------------------------------------------------------------------------------------ reading a built part
 
 
 def local_numel(param: torch.Tensor) -> int:
-    return param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+    return local_tensor(param).numel()
 
 
 def gathered_numel(param: torch.Tensor) -> int:
@@ -89,8 +79,6 @@ def gathered_numel(param: torch.Tensor) -> int:
 
 def layer_policies(part: nn.Module, ac_mode: str, ac_option: str) -> dict[int, str]:
     """Global layer id -> AC policy, read from which blocks parallelize_llama wrapped in a checkpoint."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
     wrapped_policy = me.OP_AC if (ac_mode == "selective" and ac_option == "op") else me.FULL_AC
     return {int(name): wrapped_policy if isinstance(block, CheckpointWrapper) else me.NO_AC
             for name, block in part.layers.items()}
@@ -135,10 +123,9 @@ class RolePlan:
 
 
 def compute_bytes(cfg: JobConfig) -> tuple[int, str]:
-    """Compute dtype for an accelerator target: auto and bfloat16 mean bf16."""
-    name = cfg.training.mixed_precision_param
-    name = "bfloat16" if name == "auto" else name
-    return (me.FP32 if name == "float32" else 2), name
+    """(bytes, name) of the compute dtype on the accelerators a plan targets."""
+    dtype = compute_dtype(cfg.training.mixed_precision_param, "cuda")
+    return dtype.itemsize, str(dtype).removeprefix("torch.")
 
 
 def activation_shape(cfg: JobConfig, dims: ParallelDims, microbatch: int, loss_parallel: bool) -> me.ActivationShape:
@@ -160,29 +147,41 @@ def dtype_bytes(name: str) -> int:
     return me.FP32 if name == "float32" else 2
 
 
+def dtype_names(params: list[torch.Tensor]) -> str:
+    return "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in params})) or "none"
+
+
+def param_bytes(params: list[torch.Tensor]) -> int:
+    return sum(local_numel(p) * p.element_size() for p in params)
+
+
 def estimate_rank(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, parts: list[nn.Module],
                   pp_rank: int) -> tuple[me.MemoryEstimate, int]:
-    """(memory estimate, local parameter count) of the built parts of one rank."""
-    local = sum(local_numel(p) for part in parts for p in part.parameters())
+    """(memory estimate, local parameter count) of the built parts of one rank. Parameters count in the dtype the
+    model was built in (training.dtype, or a transform's choice such as a bf16 frozen base); gradients and AdamW's
+    two moments exist only for trainable parameters."""
     offloaded = cfg.training.enable_cpu_offload and (dims.fsdp_enabled or dims.dp_replicate_enabled)
-    params, grads, optim = me.state_bytes(local, dtype_bytes(cfg.training.dtype), offloaded)
+    params = [p for part in parts for p in part.parameters()]
+    trainable = [p for p in params if p.requires_grad]
+    local, local_trainable = sum(map(local_numel, params)), sum(map(local_numel, trainable))
+    on_device = 0 if offloaded else 1
     activations, activation_note = estimate_activations(cfg, args, dims, parts, pp_rank)
     buffers, buffer_note = estimate_buffers(cfg, dims, parts, local)
+    frozen = f"; {local - local_trainable:,} frozen have none" if local_trainable < local else ""
     notes = {
-        "parameters": f"{local:,} local x {cfg.training.dtype}" + (" (offloaded to CPU)" if offloaded else ""),
-        "gradients": f"sharded like the parameters, {cfg.training.dtype}",
-        "optimizer": f"{cfg.optimizer.name}: 2 x {cfg.training.dtype} per local parameter",
+        "parameters": f"{local:,} local x {dtype_names(params)}" + (" (offloaded to CPU)" if offloaded else ""),
+        "gradients": f"{local_trainable:,} trainable, sharded like the parameters, {dtype_names(trainable)}{frozen}",
+        "optimizer": f"{cfg.optimizer.name}: 2 x {dtype_names(trainable)} per local trainable parameter",
         "activations": activation_note,
         "buffers": buffer_note,
     }
-    return me.MemoryEstimate(params, grads, optim, activations, buffers, notes), local
+    grads = on_device * param_bytes(trainable)
+    return me.MemoryEstimate(on_device * param_bytes(params), grads, 2 * grads, activations, buffers, notes), local
 
 
 def estimate_activations(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, parts: list[nn.Module],
                          pp_rank: int) -> tuple[int, str]:
     """Peak activation bytes of the rank's stages, with the microbatches a pipeline keeps in flight."""
-    from titan_lite.parallel.parallelize import loss_parallel_enabled
-
     microbatch, n_micro = microbatching(cfg, dims)
     shape = activation_shape(cfg, dims, microbatch, loss_parallel_enabled(dims, cfg))
     schedule = cfg.parallelism.pipeline_parallel_schedule if dims.pp_enabled else None
@@ -198,8 +197,6 @@ def estimate_activations(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, pa
 
 def estimate_buffers(cfg: JobConfig, dims: ParallelDims, parts: list[nn.Module], local: int) -> tuple[int, str]:
     """FSDP's gathered parameters and collective buffers; without data parallelism, autocast's weight copies."""
-    from titan_lite.parallel.fsdp import reshard_after_forward
-
     c, c_name = compute_bytes(cfg)
     if not (dims.fsdp_enabled or dims.dp_replicate_enabled):
         copies = local * c if c < dtype_bytes(cfg.training.dtype) else 0
@@ -214,14 +211,16 @@ def estimate_buffers(cfg: JobConfig, dims: ParallelDims, parts: list[nn.Module],
     return me.fsdp_buffer_bytes(units, c, dtype_bytes(reduce_name)), note
 
 
-def plan_rank(cfg: JobConfig, args: LlamaArgs, rank: int, world: int) -> RolePlan:
-    """Build rank `rank`'s parts exactly as the trainer would, then read and estimate them."""
+def plan_rank(plan: JobPlan, rank: int) -> RolePlan:
+    """Build rank `rank`'s parts exactly as the trainer would (on the meta device), then read and estimate them."""
+    world = plan.parallel_dims.world_size
     with fake_process_group(rank, world):
-        dims = ParallelDims.from_config(cfg.parallelism, world)
+        dims = ParallelDims.from_config(plan.cfg.parallelism, world)
         dims.build_mesh("cpu")  # a "cuda" mesh cannot be built on a CPU-only install; placement is identical
         pp_rank = dims.submesh("pp").get_local_rank()
-        parts = build_rank_parts(cfg, args, dims)
-        estimate, local = estimate_rank(cfg, args, dims, parts, pp_rank)
+        rank_plan = replace(plan, cfg=planning_config(plan.cfg), parallel_dims=dims)
+        parts, _ = build_parts(rank_plan, torch.device("cpu"), cross_entropy_sum)
+        estimate, local = estimate_rank(plan.cfg, plan.model_args, dims, parts, pp_rank)
     return RolePlan(rank=rank, pp_rank=pp_rank, layers=[[int(k) for k in p.layers.keys()] for p in parts],
                     has_embeddings=any(p.tok_embeddings is not None for p in parts),
                     has_head=any(p.output is not None for p in parts), local_params=local, estimate=estimate)
@@ -266,8 +265,6 @@ def device_memory_gib(cfg: JobConfig) -> float:
         if cfg.dry_run.device_memory_gib <= 0:
             raise ConfigError(f"'dry_run.device_memory_gib' must be positive, got {cfg.dry_run.device_memory_gib}")
         return float(cfg.dry_run.device_memory_gib)
-    from titan_lite.metrics.memory import device_capacity_gib
-
     if torch.accelerator.is_available():
         capacity = device_capacity_gib(torch.accelerator.current_accelerator())
         if capacity:
@@ -275,18 +272,18 @@ def device_memory_gib(cfg: JobConfig) -> float:
     return DEFAULT_DEVICE_MEMORY_GIB
 
 
-def summary_lines(cfg: JobConfig, dims: ParallelDims, model: Llama, vocab: int, grad_accum: int) -> list[str]:
-    from titan_lite.train import tokenizer_path
-
-    t = cfg.training
-    global_batch = t.local_batch_size * dims.dp_degree * grad_accum
+def summary_lines(plan: JobPlan) -> list[str]:
+    cfg, dims, t = plan.cfg, plan.parallel_dims, plan.cfg.training
+    global_batch = plan.global_batch_size
     return [
         f"DRY RUN of '{cfg.job.config_file}': nothing will be trained",
         f"mesh: {dims.describe()}",
-        f"model: {cfg.model.name} {cfg.model.flavor}, {model.num_params():,} parameters, {model.args.n_layers} layers",
-        f"tokenizer: '{tokenizer_path(cfg)}', {vocab:,} tokens",
+        f"model: {cfg.model.name} {cfg.model.flavor}, {plan.full_param_count():,} parameters, "
+        f"{plan.model_args.n_layers} layers" + (f"; transforms: {', '.join(cfg.model.converters)}"
+                                                 if cfg.model.converters else ""),
+        f"tokenizer: '{tokenizer_path(cfg)}', {plan.tokenizer.vocab_size:,} tokens",
         f"data: {t.dataset}" + (f" from '{t.dataset_path}'" if t.dataset_path else ""),
-        f"batch: local {t.local_batch_size} x data-parallel {dims.dp_degree} x accumulation {grad_accum} "
+        f"batch: local {t.local_batch_size} x data-parallel {dims.dp_degree} x accumulation {plan.grad_accum} "
         f"= global {global_batch} sequences x {t.seq_len} tokens = {global_batch * t.seq_len:,} tokens per step",
         f"steps: {t.steps} -> {t.steps * global_batch * t.seq_len:,} tokens",
     ]
@@ -296,27 +293,20 @@ def dry_run(cfg: JobConfig) -> int:
     """Check degrees, shapes and data; build every distinct rank's plan (or DRY_RUN_RANK's) with the trainer's
     code; estimate its memory against the device. Raises ConfigError (exit 2) when the plan cannot run or does
     not fit."""
-    from titan_lite.train import build_model_args, gradient_accumulation_steps, tokenizer_path
-
-    world = planned_world_size()
-    dims = ParallelDims.from_config(cfg.parallelism, world)
-    tokenizer = build_tokenizer(tokenizer_path(cfg))
-    args = build_model_args(cfg, tokenizer.vocab_size)
-    grad_accum = gradient_accumulation_steps(cfg, dims.dp_degree)
+    check_data(cfg)
+    plan = plan_job(cfg, planned_world_size())
     capacity = device_memory_gib(cfg)
-    with torch.device("meta"):
-        full_model = Llama(args)
-    for line in summary_lines(cfg, dims, full_model, tokenizer.vocab_size, grad_accum):
+    for line in summary_lines(plan):
         print(line, flush=True)
     print(f"memory per device, estimated against {capacity:.2f} GiB:", flush=True)
     roles = []
-    for rank in ranks_to_plan(dims):
-        roles.append(plan_rank(planning_config(cfg), args, rank, world))
-        print("\n".join(role_lines(roles[-1], dims, capacity)), flush=True)
+    for rank in ranks_to_plan(plan.parallel_dims):
+        roles.append(plan_rank(plan, rank))
+        print("\n".join(role_lines(roles[-1], plan.parallel_dims, capacity)), flush=True)
     worst = max(roles, key=lambda role: role.estimate.total)
     check_fits(worst, capacity)
     peak = worst.estimate.total / me.GIB
-    print(f"dry run OK: {world} ranks; largest peak {peak:.2f} GiB on rank {worst.rank}, "
+    print(f"dry run OK: {plan.parallel_dims.world_size} ranks; largest peak {peak:.2f} GiB on rank {worst.rank}, "
           f"head-room {capacity - peak:.2f} GiB of {capacity:.2f} GiB", flush=True)
     return 0
 

@@ -1,0 +1,112 @@
+"""Model assembly, the one path every entry point takes: meta model, transforms, pipeline split, parallelize,
+materialise, init, initial weights, transforms after load."""
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from titan_lite.checkpoint.hf import load_hf_weights
+from titan_lite.data.datasets import build_packed_dataset
+from titan_lite.job.plan import JobPlan
+from titan_lite.loss import build_loss_fn
+from titan_lite.models.llama import Llama
+from titan_lite.parallel.parallelize import loss_parallel_enabled, parallelize_llama
+from titan_lite.parallel.pipeline import PipelineRunner, pipeline_llama
+from titan_lite.parallel.runner import ModelRunner
+from titan_lite.transforms import TransformContext
+
+logger = logging.getLogger("titan_lite")
+
+# Loads initial weights into the materialised parts (an HF folder, a DCP checkpoint, ...).
+WeightLoader = Callable[[list[nn.Module]], None]
+
+
+@dataclass
+class BuiltModel:
+    """The model parts this rank holds (one, or its pipeline stages) and the runner that drives them."""
+
+    parts: list[nn.Module]
+    runner: ModelRunner
+    pipeline: PipelineRunner | None
+
+    def param_count(self) -> int:
+        return sum(p.numel() for m in self.parts for p in m.parameters())
+
+
+def build_parts(plan: JobPlan, device: torch.device,
+                loss_fn: Callable) -> tuple[list[nn.Module], PipelineRunner | None]:
+    """The meta model, converted by the transforms, split into this rank's pipeline stages and parallelised
+    (still on the meta device: DRY_RUN plans from here)."""
+    with torch.device("meta"):
+        model = Llama(plan.model_args)
+    plan.transforms.convert(model)
+    if plan.cfg.model.print_after_conversion:
+        logger.info(f"model after transforms:\n{model}")
+    pipeline, parts = None, [model]
+    if plan.parallel_dims.pp_enabled:
+        pipeline, parts = pipeline_llama(model, plan.parallel_dims, plan.cfg, device, loss_fn)
+    edits = plan.transforms.tp_plan_edits()
+    return [parallelize_llama(part, plan.parallel_dims, plan.cfg, edits) for part in parts], pipeline
+
+
+def loss_function(plan: JobPlan) -> Callable:
+    return build_loss_fn(plan.cfg.compile, loss_parallel_enabled(plan.parallel_dims, plan.cfg))
+
+
+def materialise(parts: list[nn.Module], plan: JobPlan, device: torch.device, seed: int) -> None:
+    """Allocate the parts on the device (sharded parameters on the CPU under FSDP CPU offload) and initialise."""
+    offload = plan.cfg.training.enable_cpu_offload
+    for part in parts:
+        part.to_empty(device="cpu" if offload else device)
+        part.init_weights(seed=seed, buffer_device=device)
+        part.train()
+
+
+def assemble_model(plan: JobPlan, device: torch.device, *, seed: int = 0, load: WeightLoader | None = None,
+                   resuming: bool = False) -> BuiltModel:
+    """Build, materialise and initialise this rank's parts, load the initial weights (if any), then let the
+    transforms work on real weights (`after_load`). The trainer and the scripts come through here."""
+    loss_fn = loss_function(plan)
+    parts, pipeline = build_parts(plan, device, loss_fn)
+    materialise(parts, plan, device, seed)
+    built = BuiltModel(parts, ModelRunner(parts, plan.parallel_dims, plan.cfg, device, loss_fn, pipeline), pipeline)
+    if load is not None:
+        load(parts)
+    plan.transforms.after_load(TransformContext(
+        cfg=plan.cfg, model_args=plan.model_args, parallel_dims=plan.parallel_dims, device=device,
+        tokenizer=plan.tokenizer, model_parts=parts, runner=built.runner,
+        calibration_batches=calibration_source(plan, device), resuming=resuming))
+    return built
+
+
+def hf_weight_loader(plan: JobPlan, folder: str | Path) -> WeightLoader:
+    """Loads an HF safetensors folder into the parts (each rank reads only its shard of each tensor)."""
+    names = plan.transforms.hf_names()
+
+    def load(parts: list[nn.Module]) -> None:
+        load_hf_weights(parts, str(folder), plan.model_args, names)
+        logger.info(f"loaded Hugging Face weights from {folder}")
+    return load
+
+
+def calibration_source(plan: JobPlan, device: torch.device):
+    """Calibration batches for transforms: the first `nsamples` windows of `seq_len` tokens of a dataset, packed
+    from one stream on every rank (so any layout sees the same set), then dealt round-robin over data-parallel
+    ranks; each rank yields its share in batches of `batch_size`."""
+    dims = plan.parallel_dims
+
+    def batches(dataset: str, path: str | None, nsamples: int, seq_len: int,
+                batch_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        packed = build_packed_dataset(dataset, path, plan.tokenizer, seq_len, 0, 1, infinite=False)
+        windows = [pair for _, pair in zip(range(nsamples), packed)]
+        if dims.dp_degree > 1:
+            mesh = dims.submesh("batch")
+            windows = windows[mesh.get_local_rank()::mesh.size()]
+        for i in range(0, len(windows), batch_size):
+            chunk = windows[i:i + batch_size]
+            yield (torch.stack([w[0] for w in chunk]).to(device), torch.stack([w[1] for w in chunk]).to(device))
+    return batches

@@ -1,0 +1,87 @@
+"""ModelRunner: batches through the parallelised model parts (CP sharding, pipeline, loss parallel, autocast)."""
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel
+
+from titan_lite.config.schema import JobConfig
+from titan_lite.distributed import compute_dtype
+from titan_lite.dtensor import full_tensor
+from titan_lite.loss import IGNORE_INDEX
+from titan_lite.parallel.context_parallel import shard_batch
+from titan_lite.parallel.parallel_dims import ParallelDims
+from titan_lite.parallel.parallelize import loss_parallel_enabled
+from titan_lite.parallel.pipeline import PipelineRunner
+
+
+class ModelRunner:
+    """Runs one local batch through the model parts, the same way on every layout.
+
+    Token losses are sums (see titan_lite.loss); callers normalise by a global token count. Under context parallel
+    each rank runs its own sequence chunks; under pipeline parallel only ranks holding the last stage see losses.
+    """
+
+    def __init__(self, model_parts: list[nn.Module], parallel_dims: ParallelDims, cfg: JobConfig,
+                 device: torch.device, loss_fn: Callable, pipeline: PipelineRunner | None = None):
+        self.model_parts = model_parts
+        self.parallel_dims = parallel_dims
+        self.cfg = cfg
+        self.device = device
+        self.loss_fn = loss_fn
+        self.pipeline = pipeline
+        self.loss_parallel = loss_parallel_enabled(parallel_dims, cfg)
+
+    def context(self) -> contextlib.ExitStack:
+        """Loss parallel under TP (the loss runs on vocab-sharded logits); autocast when mixed precision is asked
+        for but no data parallelism (whose FSDP policy casts itself) is applied."""
+        stack = contextlib.ExitStack()
+        if self.loss_parallel:
+            stack.enter_context(loss_parallel())
+        dtype = compute_dtype(self.cfg.training.mixed_precision_param, self.device.type)
+        pd = self.parallel_dims
+        if dtype != torch.float32 and not (pd.fsdp_enabled or pd.dp_replicate_enabled):
+            stack.enter_context(torch.autocast(self.device.type, dtype=dtype))
+        return stack
+
+    def shard(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a [batch, seq] batch: its context-parallel sequence chunks, or the whole batch."""
+        if not self.parallel_dims.cp_enabled:
+            return inputs, labels
+        return shard_batch((inputs, labels), self.parallel_dims, self.cfg.parallelism.context_parallel_load_balancer)
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one microbatch with loss = token-loss sum x scale; returns the detached sum."""
+        inputs, labels = self.shard(inputs, labels)
+        with self.context():
+            if self.pipeline is not None:
+                return self.pipeline.step(inputs, labels, scale)
+            logits = self.model_parts[0](inputs)
+            loss_sum = self.loss_fn(logits, labels)
+            del logits
+            (loss_sum * scale).backward()
+        return full_tensor(loss_sum.detach())
+
+    @torch.no_grad()
+    def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token-loss sum, tokens with a loss) of one batch on this rank, in float64, without gradients."""
+        inputs, labels = self.shard(inputs, labels)
+        with self.context():
+            if self.pipeline is not None:
+                loss = self.pipeline.evaluate(inputs, labels)
+            else:
+                loss = self.loss_fn(self.model_parts[0](inputs), labels)
+        return full_tensor(loss).double(), (labels != IGNORE_INDEX).sum().double()
+
+    def global_sum(self, local: torch.Tensor, loss_values: bool) -> torch.Tensor:
+        """Sum of a per-rank statistic over the ranks that split a batch (data and context parallel). Loss values
+        are also summed over pipeline stages, where only the last stage holds them (the others hold zero)."""
+        pd = self.parallel_dims
+        if pd.dp_degree * pd.cp > 1:
+            dist.all_reduce(local, group=pd.submesh("loss").get_group())
+        if loss_values and pd.pp_enabled:
+            dist.all_reduce(local, group=pd.submesh("pp").get_group())
+        return local
