@@ -123,6 +123,26 @@ def _model_errors(rank: int, parallel_dims, load_balancer) -> dict:
     return errors
 
 
+def _gathered_shard_shapes(parallel_dims) -> list[list[int]]:
+    """The shapes of the shards a tiny GQA Llama under CP hands to the all-gather, one per gather, forward and backward."""
+    from unittest import mock
+
+    from titan_lite.models.llama import Llama, flavor_args
+    from titan_lite.parallel import context_parallel
+
+    args = flavor_args("tiny")
+    args.max_seq_len = 64
+    model = Llama(args)
+    model.init_weights(seed=3)
+    cfg = SimpleNamespace(parallelism=SimpleNamespace(context_parallel_load_balancer="headtail"))
+    context_parallel.apply_cp(model, parallel_dims, cfg)
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(7))
+    (local_tokens,) = context_parallel.shard_batch((tokens,), parallel_dims, "headtail")
+    with mock.patch.object(context_parallel, "gather_shards", wraps=context_parallel.gather_shards) as spy:
+        model(local_tokens).square().mean().backward()
+    return [list(call.args[0].shape) for call in spy.call_args_list]
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -140,6 +160,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             results[f"attention-{lb}-{heads}-{kv}"] = _attention_errors(rank, group, lb, heads, kv)
         for lb in MODEL_CASES:
             results[f"model-{lb}"] = _model_errors(rank, parallel_dims, lb)
+        results["gathered_shapes"] = _gathered_shard_shapes(parallel_dims)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
         dist.barrier()
@@ -149,7 +170,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def cp_errors(tmp_path_factory) -> list[dict]:
-    """Both ranks' error tables from one spawn of 2 gloo processes."""
+    """Both ranks' result tables (errors, gathered shapes) from one spawn of 2 gloo processes."""
     import torch.multiprocessing as mp
 
     out_dir = tmp_path_factory.mktemp("cp")
@@ -173,3 +194,15 @@ def test_cp_llama_matches_single_process(cp_errors, load_balancer):
         errors = table[f"model-{load_balancer}"]
         assert errors["logits"] <= 1e-5, f"rank {rank} logits: {errors['logits']}"
         assert errors["param_grads"] <= 1e-6, f"rank {rank} parameter gradients: {errors['param_grads']}"
+
+
+def test_cp_all_gathers_kv_with_kv_heads_not_query_heads(cp_errors):
+    from titan_lite.models.llama import flavor_args
+
+    args = flavor_args("tiny")
+    assert args.kv_heads < args.n_heads  # GQA, so expanding before the gather would show
+    local_kv = [2, args.kv_heads, 32 // CP, args.head_dim]  # batch 2 of 32 tokens, half on each rank
+    for rank, table in enumerate(cp_errors):
+        shapes = table["gathered_shapes"]
+        assert len(shapes) == 2 * args.n_layers, f"rank {rank}: expected K and V of each block, got {shapes}"
+        assert all(shape == local_kv for shape in shapes), f"rank {rank}: {shapes}"

@@ -209,7 +209,7 @@ def test_no_ac_layer_bytes_by_hand():
     shape = me.ActivationShape(tokens=10, compute_bytes=2, fused_rms_norm=True)
     norms = 2 * (10 * 8 * 2 + 10 * 4)  # input + fp32 rstd, twice
     gathered = 2 * 10 * 8 * 2  # norm outputs fed to the projections
-    attention = 4 * 10 * 8 * 2 + 10 * 2 * 4  # q, expanded k and v, output; fp32 log-sum-exp per head
+    attention = 2 * 10 * 8 * 2 + 2 * 10 * 4 * 2 + 10 * 2 * 4  # q, output; k, v of 1 kv head; fp32 log-sum-exp per head
     mlp = 4 * 10 * 12 * 2
     assert me.layer_activation_bytes(args, 0, shape, me.NO_AC) == norms + gathered + attention + mlp
 

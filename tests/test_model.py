@@ -1,10 +1,11 @@
-"""The Llama model: published parameter counts, RoPE scaling, init independent of layout, causal behaviour."""
+"""The Llama model: published parameter counts, RoPE scaling, init independent of layout, causal behaviour, GQA."""
 
 import pytest
 import torch
 
 from titan_lite.models.llama import FLAVORS, Llama, flavor_args
-from titan_lite.models.llama.model import apply_rope, rope_cache, rope_frequencies
+from titan_lite.models.llama import model as llama_model
+from titan_lite.models.llama.model import apply_rope, grouped_attention, rope_cache, rope_frequencies
 
 PUBLISHED = {
     "8B": 8_030_261_248,  # Llama 3.1 8B
@@ -76,3 +77,18 @@ def test_tied_embeddings_share_one_tensor():
         model = Llama(flavor_args("1B"))
     assert model.output.weight is model.tok_embeddings.weight
     assert all(f in FLAVORS for f in ("debugmodel", "1B", "3B", "8B", "70B", "405B", "smollm2_135M", "llama2_7B"))
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "mask"])
+def test_grouped_attention_shares_each_kv_head_with_consecutive_query_heads(monkeypatch, masked):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 8, 4, generator=gen)
+    k, v = torch.randn(2, 2, 8, 4, generator=gen), torch.randn(2, 2, 8, 4, generator=gen)
+    mask = (torch.rand(8, 8, generator=gen) > 0.3) | torch.eye(8, dtype=torch.bool)  # every query sees some key
+    kwargs = dict(attn_mask=mask) if masked else dict(is_causal=True)
+    expanded = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), **kwargs)
+    assert torch.allclose(grouped_attention(q, k, v, **kwargs), expanded, atol=1e-6)
+    # The explicit expansion taken where no fused kernel reads GQA (e.g. masked fp32 on CUDA).
+    monkeypatch.setattr(llama_model, "_fused_kernel_takes_gqa", lambda *a: False)
+    assert torch.equal(grouped_attention(q, k, v, **kwargs), expanded)

@@ -8,10 +8,10 @@ rank i holds chunks i and 2 x CP - 1 - i, so every rank does the same amount of 
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from titan_lite.errors import ConfigError
+from titan_lite.models.llama.model import grouped_attention
 
 HEADTAIL = "headtail"
 
@@ -90,7 +90,9 @@ def gather_shards(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor
 class ContextParallelAttention(nn.Module):
     """Causal attention of this rank's query chunks against K/V all-gathered over the CP group.
 
-    q, k, v: [batch, heads, local_seq, head_dim] in this rank's local order; k/v may have fewer heads (GQA).
+    q: [batch, heads, local_seq, head_dim], k, v: [batch, kv_heads, local_seq, head_dim], in this rank's local order.
+    K/V are gathered with their kv_heads (GQA) and only the attention kernel shares them among the query heads, so the
+    all-gather moves heads / kv_heads times fewer bytes than gathering expanded K/V.
     """
 
     def __init__(self, group: dist.ProcessGroup, load_balancer: str | None):
@@ -106,7 +108,7 @@ class ContextParallelAttention(nn.Module):
         to_global_order = positions.flatten().argsort()
         k, v = (self.gather_in_global_order(t, to_global_order) for t in (k, v))
         mask = positions[self.cp_rank][:, None] >= torch.arange(seq_len, device=q.device)[None, :]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+        return grouped_attention(q, k, v, attn_mask=mask)
 
     def gather_in_global_order(self, t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         gathered = gather_shards(t, self.group)  # [cp, b, h, local, d]

@@ -32,11 +32,13 @@ def _rms_norm_bytes(args: LlamaArgs, tokens: int, s: ActivationShape) -> int:
 
 
 def _attention_core_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape) -> int:
-    """SDPA saves q, the GQA-expanded k and v, its output and the fp32 log-sum-exp, heads split over TP."""
-    q_heads, _ = args.heads_of(layer_id)
-    width = q_heads * args.head_dim // s.tp
+    """SDPA saves q, k and v (n_kv_heads: SDPA expands GQA itself), its output and the fp32 log-sum-exp, heads
+    split over TP; under CP k and v are the all-gathered whole sequence."""
+    q_heads, kv_heads = args.heads_of(layer_id)
+    q_width, kv_width = q_heads * args.head_dim // s.tp, kv_heads * args.head_dim // s.tp
     kv_tokens = s.tokens * s.cp
-    saved = (s.tokens * width * 2 + kv_tokens * width * 2) * s.compute_bytes + s.tokens * (q_heads // s.tp) * FP32
+    saved = (s.tokens * q_width * 2 + kv_tokens * kv_width * 2) * s.compute_bytes
+    saved += s.tokens * (q_heads // s.tp) * FP32
     if s.cp > 1:
         # this rank's causal mask rows as an additive bias, RoPE rows of its global positions, the gather order
         local_seq = s.seq_len // s.cp
