@@ -83,7 +83,8 @@ def make_trainer(cfg: JobConfig, flavor_changes: dict | None = None, fsdp: bool 
 def manager_of(cfg: JobConfig, t: SimpleNamespace) -> CheckpointManager:
     """The manager from components, as the trainer builds it (a per-data-parallel-rank data position)."""
     states = {"lr_scheduler": t.lr_schedule, "train_state": t.train_state,
-              "dataloader": RankLocal(t.dataloader, f"dp{dist.get_rank()}_of_{dist.get_world_size()}", "restarts the data")}
+              "dataloader": RankLocal(t.dataloader, f"dp{dist.get_rank()}_of_{dist.get_world_size()}",
+                                        lambda saved: "restarts the data")}
     return CheckpointManager(cfg.checkpoint, tmp_root(cfg), t.model_parts, t.optimizer, states)
 
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from titan_lite import distributed as tl_dist
 from titan_lite.checkpoint.hf import export_hf
 from titan_lite.checkpoint.manager import (CheckpointManager, RankLocal, RNGState, holds_model, initial_source,
-                                          resume_folder, weights_only_loader)
+                                          resume_folder, warn_incomplete_saves, weights_only_loader)
 from titan_lite.config import JobConfig, help_text, parse_args, to_toml, validate
 from titan_lite.data.dataloader import build_dataloader
 from titan_lite.dry_run import dry_run, planned_world_size
@@ -82,6 +82,8 @@ class Trainer:
     def build_model(self) -> BuiltModel:
         """Assembled parts started from the initial weights, unless this run's checkpoint holds the whole model
         (adapter-only checkpoints do not: then the initial weights come first and train() loads the rest)."""
+        if self.rank == 0:
+            warn_incomplete_saves(self.cfg.checkpoint, self.checkpoint_folder())
         self.resume_folder = resume_folder(self.cfg.checkpoint, self.checkpoint_folder())
         built = assemble_model(self.plan, self.device, seed=self.seed, resuming=self.resume_folder is not None,
                                load=self.initial_weight_loader())
@@ -122,11 +124,13 @@ class Trainer:
         states = {
             "lr_scheduler": self.lr_schedule,
             "train_state": self.train_state,
-            "dataloader": RankLocal(self.dataloader, f"dp{dp_rank}_of_{dp_degree}",
-                                    f"was saved with another data-parallel degree than this run's {dp_degree}: a data "
-                                    f"position cannot be resharded, so the data loader restarts from the beginning"),
+            "dataloader": RankLocal(
+                self.dataloader, f"dp{dp_rank}_of_{dp_degree}",
+                lambda saved: f"was saved with data-parallel degree {saved[0].rsplit('_of_', 1)[1]}, this run has "
+                              f"{dp_degree}: a data position cannot be resharded, so the data loader restarts from "
+                              f"the beginning of the dataset"),
             "rng": RankLocal(RNGState(self.device), f"rank{self.rank}_of_{world}",
-                             "holds RNG states of another world size; RNGs keep this run's seeds"),
+                             lambda saved: "holds RNG states of another world size; RNGs keep this run's seeds"),
             **self.transforms.state(),
         }
         return CheckpointManager(self.cfg.checkpoint, self.checkpoint_folder(), self.model_parts, self.optimizer,

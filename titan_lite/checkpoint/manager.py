@@ -36,10 +36,10 @@ class Stateful(Protocol):
 
 
 class RankLocal:
-    """A stateful object saved once per rank (or per data-parallel rank) under `{name}_{suffix}`; a checkpoint of
-    another layout holds other suffixes, and then `note` says what happens (the object keeps its fresh state)."""
+    """A stateful object saved once per rank (or per data-parallel rank) under `{name}_{suffix}`. A checkpoint of
+    another layout holds other suffixes: then the object keeps its fresh state and `note(saved suffixes)` says so."""
 
-    def __init__(self, obj: Stateful, suffix: str, note: str):
+    def __init__(self, obj: Stateful, suffix: str, note: Callable[[list[str]], str]):
         self.obj, self.suffix, self.note = obj, suffix, note
 
     def state_dict(self) -> dict[str, Any]:
@@ -223,6 +223,8 @@ class CheckpointManager:
 
     def load(self) -> None:
         """Resume from this run's checkpoint, else load the initial DCP checkpoint (initial_load_path), if any."""
+        if self.rank == 0:
+            warn_incomplete_saves(self.c, self.root)
         folder = resume_folder(self.c, self.root)
         if folder is not None:
             self.load_folder(folder, model_only=False)
@@ -273,7 +275,8 @@ class CheckpointManager:
             if ckpt.has_component(metadata, key):
                 state[key] = b""
             elif self.rank == 0:
-                logger.warning(f"checkpoint {folder} {obj.note}")
+                saved = [k.removeprefix(f"{name}_") for k in ckpt.components_matching(metadata, f"{name}_")]
+                logger.warning(f"checkpoint {folder} {obj.note(saved)}")
         return state
 
     def _apply(self, state: dict[str, Any]) -> None:
@@ -292,12 +295,9 @@ class CheckpointManager:
 
 def resume_folder(c: Checkpoint, root: Path) -> Path | None:
     """This run's checkpoint to resume from: load_step's folder (which must exist and be complete), else the newest
-    complete one; None when there is none or checkpointing is off. Incomplete saves are skipped with a warning."""
+    complete one; None when there is none or checkpointing is off (incomplete saves are never chosen)."""
     if not c.enable or c.create_seed_checkpoint:
         return None
-    if dist.get_rank() == 0:
-        for folder in ckpt.incomplete_folders(root):
-            logger.warning(f"skipping incomplete checkpoint '{folder}': its save never finished")
     if c.load_step != -1:
         folder = ckpt.step_folder(root, c.load_step)
         if not folder.is_dir() and ckpt.tmp_folder(root, c.load_step).is_dir():
@@ -308,6 +308,13 @@ def resume_folder(c: Checkpoint, root: Path) -> Path | None:
         return folder
     complete = ckpt.complete_steps(root)
     return complete[max(complete)] if complete else None
+
+
+def warn_incomplete_saves(c: Checkpoint, root: Path) -> None:
+    """One warning per save that never finished (a killed run's leftovers), which resuming skips."""
+    if c.enable:
+        for folder in ckpt.incomplete_folders(root):
+            logger.warning(f"skipping incomplete checkpoint '{folder}': its save never finished")
 
 
 def initial_source(cfg: JobConfig) -> tuple[str, Path] | None:
