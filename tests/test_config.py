@@ -148,6 +148,43 @@ def test_impossible_values_rejected(argv, message):
     assert message in str(exc.value)
 
 
+def test_literal_field_from_cli():
+    assert parse_args(["--optimizer.name", "Adam"]).optimizer.name == "Adam"
+    cfg = parse_args(["--parallelism.context_parallel_load_balancer", "none"])
+    assert cfg.parallelism.context_parallel_load_balancer is None
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--optimizer.name", "SGD"])
+    assert str(exc.value) == "'optimizer.name' = 'SGD' is not one of: AdamW, Adam"
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--optimizer.name"])
+    assert str(exc.value) == "--optimizer.name: expects AdamW | Adam after it"
+
+
+@pytest.mark.parametrize("value, message", [
+    ('"cubic"', "'lr_scheduler.decay_type' = 'cubic' is not one of: linear, sqrt, cosine"),
+    ("3", "'lr_scheduler.decay_type' = 3 is not one of: linear, sqrt, cosine"),
+])
+def test_literal_field_from_toml(tmp_path, value, message):
+    cfg = parse_args(["--job.config_file", write(tmp_path, '[lr_scheduler]\ndecay_type = "cosine"\n')])
+    assert cfg.lr_scheduler.decay_type == "cosine"
+    path = write(tmp_path, f"[lr_scheduler]\ndecay_type = {value}\n")
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--job.config_file", path])
+    assert str(exc.value) == f"{path}: {message}"
+
+
+def test_validate_checks_literal_values_set_in_code():
+    cfg = parse_args([])
+    cfg.checkpoint.async_mode = "threads"
+    with pytest.raises(ConfigError) as exc:
+        validate(cfg)
+    assert str(exc.value) == "'checkpoint.async_mode' = 'threads' is not one of: disabled, async, async_with_pinned_mem"
+
+
+def test_help_lists_literal_choices():
+    assert "--optimizer.name (AdamW | Adam, default 'AdamW'): Optimizer." in help_text()
+
+
 def test_inert_torchtitan_keys_load_while_off(tmp_path):
     toml = ("[metrics]\nenable_wandb = false\n[fault_tolerance]\nenable = false\n"
             "[quantize.linear.float8]\nenable_fsdp_float8_all_gather = true\nrecipe_name = \"rowwise\"\n"

@@ -3,9 +3,9 @@
 import dataclasses
 from pathlib import Path
 
-from titan_lite.config.manager import iter_options
-from titan_lite.errors import ConfigError
+from titan_lite.config.manager import choices_of, iter_options, not_one_of
 from titan_lite.config.schema import JobConfig
+from titan_lite.errors import ConfigError
 
 
 def _get(cfg: JobConfig, key: str):
@@ -16,11 +16,12 @@ def _get(cfg: JobConfig, key: str):
 
 
 def check_choices_and_unsupported(cfg: JobConfig) -> None:
-    for key, f, _ in iter_options():
+    """Literal fields hold one of their values; `unsupported` fields keep their default."""
+    for key, f, tp in iter_options():
         value = _get(cfg, key)
-        choices = f.metadata.get("choices")
+        choices = choices_of(tp)
         if choices and value is not None and value not in choices:
-            raise ConfigError(f"'{key}' = {value!r} is not one of: {', '.join(choices)}")
+            raise ConfigError(not_one_of(key, value, choices))
         reason = f.metadata.get("unsupported")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if reason and value != default:
@@ -55,8 +56,6 @@ def check_ranges(cfg: JobConfig) -> None:
              f"'parallelism.data_parallel_shard_degree' must be -1 or at least 1, got {p.data_parallel_shard_degree}")
     _require(p.pipeline_parallel_microbatch_size >= 1,
              f"'parallelism.pipeline_parallel_microbatch_size' must be at least 1, got {p.pipeline_parallel_microbatch_size}")
-    _require(p.context_parallel_load_balancer in (None, "headtail", "none"),
-             f"'parallelism.context_parallel_load_balancer' = {p.context_parallel_load_balancer!r} is not one of: headtail, none")
     if v.enable:
         _require(v.freq >= 1, f"'validation.freq' must be at least 1, got {v.freq}")
         _require(v.local_batch_size >= 1, f"'validation.local_batch_size' must be at least 1, got {v.local_batch_size}")
