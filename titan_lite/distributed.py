@@ -1,4 +1,4 @@
-"""Process-group and device set-up: device choice, backend choice (COMM_BACKEND), seeds, timeouts, teardown."""
+"""Process-group and device set-up: device choice, backend choice (COMM_BACKEND), NCCL flight recorder, seeds, teardown."""
 
 import os
 import random
@@ -7,7 +7,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from titan_lite.config.schema import Comm
 from titan_lite.errors import ConfigError
+
+# The flight-recorder variables torch reads, each with the older name torch still accepts.
+_FR_BUFFER_SIZE = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE")
+_FR_DUMP_ON_TIMEOUT = ("TORCH_NCCL_DUMP_ON_TIMEOUT",)
+_FR_DUMP_FILE = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 
 
 def local_device() -> torch.device:
@@ -33,6 +39,30 @@ def choose_backend(device: torch.device) -> str:
     if backend == "nccl" and device.type != "cuda":
         raise ConfigError(f"COMM_BACKEND=nccl needs CUDA devices, but this process runs on '{device.type}'; use gloo")
     return backend
+
+
+def configure_flight_recorder(comm: Comm, dump_folder: str) -> None:
+    """Set the NCCL flight-recorder variables from [comm] before the process group exists (gloo ignores them).
+
+    A buffer size > 0 also dumps the recorded collectives on a timeout, one file per rank named
+    {dump_folder}/{comm.save_traces_folder}/{comm.save_traces_file_prefix}{rank}. A variable the user set
+    (under either of its names) is left alone.
+    """
+    _set_unless_present(_FR_BUFFER_SIZE, str(comm.trace_buf_size))
+    if comm.trace_buf_size <= 0:
+        return
+    _set_unless_present(_FR_DUMP_ON_TIMEOUT, "1")
+    folder = os.path.join(dump_folder, comm.save_traces_folder)
+    if _set_unless_present(_FR_DUMP_FILE, os.path.join(folder, comm.save_traces_file_prefix)):
+        os.makedirs(folder, exist_ok=True)
+
+
+def _set_unless_present(names: tuple[str, ...], value: str) -> bool:
+    """Set names[0] to value unless one of names is already in the environment; True when it was set."""
+    if any(name in os.environ for name in names):
+        return False
+    os.environ[names[0]] = value
+    return True
 
 
 def init_process_group(device: torch.device, timeout_s: int) -> None:

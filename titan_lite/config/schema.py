@@ -192,9 +192,10 @@ class Compile:
 class Comm:
     init_timeout_seconds: int = opt(300, "Process-group timeout until the first step ends.")
     train_timeout_seconds: int = opt(100, "Process-group timeout after the first step.")
-    trace_buf_size: int = opt(20000, "Flight-recorder buffer entries (0 disables).")
-    save_traces_folder: str = opt("comm_traces", "Flight-recorder dump folder, relative to dump_folder.")
-    save_traces_file_prefix: str = opt("rank_", "Flight-recorder file prefix.")
+    trace_buf_size: int = opt(20000, "NCCL flight recorder: collectives kept per rank, dumped on a timeout "
+                                     "(0 disables; inert on gloo).")
+    save_traces_folder: str = opt("comm_traces", "NCCL flight-recorder dump folder, relative to dump_folder.")
+    save_traces_file_prefix: str = opt("rank_", "NCCL flight-recorder dump file prefix (the rank is appended).")
     mode: Literal["default", "fake_backend", "local_tensor"] = opt("default", "default, or fake_backend (plan in one process; what DRY_RUN=1 uses).")
 
 
