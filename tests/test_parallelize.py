@@ -3,6 +3,7 @@
 import json
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,12 +11,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy
 
 from titan_lite.config import JobConfig
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama import Llama, flavor_args
 from titan_lite.models.llama.model import TransformerBlock, rope_cache
-from titan_lite.parallel.activation_checkpoint import apply_ac
+from titan_lite.parallel.activation_checkpoint import apply_ac, forced_mm_shapes, save_policy
 from titan_lite.parallel.tensor_parallel import check_tp_divisibility
 
 SEQ, BATCH = 16, 4
@@ -238,13 +240,15 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _backward_op_counts(mode: str, option: str = "op") -> dict[str, int]:
+def _backward_op_counts(mode: str, option: str = "op", force: tuple[str, ...] = ()) -> dict[str, int]:
     args = _tiny_args(tied=False)
     args.n_layers = 1
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleDict({"0": TransformerBlock(args, 0)})
     cfg = JobConfig().activation_checkpoint
     cfg.mode, cfg.selective_ac_option = mode, option
+    if force:
+        cfg.per_op_sac_force_recompute_mm_shapes_by_fqns = list(force)
     apply_ac(model, cfg)
     x = torch.randn(2, SEQ, args.dim, requires_grad=True)
     out = model.layers["0"](x, rope_cache(args))
@@ -258,6 +262,26 @@ def test_selective_op_ac_recomputes_every_second_mm_and_no_attention():
     assert _backward_op_counts("none") == {"mm": 14, "sdpa": 0}
     assert _backward_op_counts("full") == {"mm": 21, "sdpa": 1}
     assert _backward_op_counts("selective", "op") == {"mm": 17, "sdpa": 0}
+
+
+def test_op_sac_forced_mm_is_recomputed_without_shifting_the_alternation():
+    # Forward mm order: wq wk wv wo w1 w3 w2; every second one (wk, wo, w3) is recomputed, w2 is saved.
+    # Forcing w2 recomputes it as well (one mm more), and the alternation over the others is unchanged.
+    assert _backward_op_counts("selective", "op", force=("feed_forward.w2",)) == {"mm": 18, "sdpa": 0}
+    assert _backward_op_counts("selective", "op", force=("moe.router.gate",)) == {"mm": 17, "sdpa": 0}
+
+
+def test_op_sac_policy_forces_the_transposed_weight_shape():
+    args = _tiny_args(tied=False)
+    block = TransformerBlock(args, 0)
+    forced = forced_mm_shapes(block, ["feed_forward.w2", "w9"])
+    w2 = block.feed_forward.w2.weight
+    assert forced == {(w2.shape[1], w2.shape[0])}
+    ctx, mm, counts = SimpleNamespace(is_recompute=False), torch.ops.aten.mm.default, {False: 0}
+    x = torch.empty(4, w2.shape[1])
+    assert save_policy(counts, forced, ctx, mm, x, w2.t()) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert counts[False] == 0  # not counted in the every-other-mm alternation
+    assert save_policy(counts, forced, ctx, mm, x, block.feed_forward.w1.weight.t()) == CheckpointPolicy.MUST_SAVE
 
 
 def test_checkpointed_names_stay_canonical():
@@ -314,8 +338,6 @@ def test_mixed_precision_policy_resolves_auto_to_float32_on_cpu():
 @pytest.mark.parametrize("tp, disable_loss_parallel, compiled", [(1, False, True), (2, False, False), (2, True, True)])
 def test_loss_is_compiled_except_under_loss_parallel(tp, disable_loss_parallel, compiled):
     # Compiled cross-entropy ignores loss_parallel() and normalises each vocab shard alone: a silently wrong loss.
-    from types import SimpleNamespace
-
     from titan_lite.parallel.parallel_dims import ParallelDims
     from titan_lite.train import Trainer, cross_entropy_sum
 

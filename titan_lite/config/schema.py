@@ -172,7 +172,9 @@ class Checkpoint:
 class ActivationCheckpoint:
     mode: Literal["none", "full", "selective", "memory_budget"] = opt("selective", "Activation checkpointing: none, full or selective (memory_budget is refused).")
     selective_ac_option: str = opt("2", "selective: 'op' for per-op SAC, or an integer N to checkpoint every N-th layer.")
-    per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = opt(["moe.router.gate"], "Linear layers whose mm is always recomputed under op SAC.")
+    per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = opt(
+        ["moe.router.gate"], "op SAC: always recompute the mm of the Linear layers whose name in a block ends with one of "
+        "these (matched by weight shape: any mm of that shape is recomputed). The default matches nothing in Llama.")
     early_stop: bool = opt(False, "Stop recomputation early (non-reentrant checkpoint).")
     memory_budget: float = opt(0.5, "Compiler memory budget.", unsupported=None)
     visualize_memory_budget_pareto: bool = opt(False, "Plot the memory budget Pareto front.", unsupported="memory_budget AC is not implemented")
