@@ -21,7 +21,8 @@ def clean_env(monkeypatch):
 
 
 def test_flight_recorder_variables_and_folder(clean_env, tmp_path):
-    configure_flight_recorder(Comm(trace_buf_size=500, save_traces_folder="fr", save_traces_file_prefix="r_"), str(tmp_path))
+    comm = Comm(trace_buf_size=500, save_traces_folder="fr", save_traces_file_prefix="r_")
+    configure_flight_recorder(comm, str(tmp_path))
     assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500"
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "fr" / "r_")

@@ -19,7 +19,12 @@ from titan_lite.config import JobConfig  # noqa: E402
 from titan_lite.errors import ConfigError  # noqa: E402
 from titan_lite.models.llama import Llama, LlamaArgs, flavor_args  # noqa: E402
 from titan_lite.models.llama.hf import (  # noqa: E402
-    args_from_hf_config, args_to_hf_config, check_args_against_hf_config, from_hf_state_dict, to_hf_state_dict)
+    args_from_hf_config,
+    args_to_hf_config,
+    check_args_against_hf_config,
+    from_hf_state_dict,
+    to_hf_state_dict,
+)
 from titan_lite.train import build_model_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

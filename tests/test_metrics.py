@@ -17,8 +17,12 @@ from titan_lite.metrics import profiler as profiler_mod
 from titan_lite.metrics.flops import gpu_peak_flops_by_name, num_flops_per_token, peak_flops
 from titan_lite.metrics.logger import MetricsProcessor, init_logger
 from titan_lite.metrics.memory import device_capacity_gib, peak_memory_gib, reset_peak
-from titan_lite.metrics.profiler import (MemorySnapshotter, maybe_enable_memory_snapshot, maybe_enable_profiling,
-                                         profiler_windows)
+from titan_lite.metrics.profiler import (
+    MemorySnapshotter,
+    maybe_enable_memory_snapshot,
+    maybe_enable_profiling,
+    profiler_windows,
+)
 
 CPU = torch.device("cpu")
 ANSI = re.compile(r"\033\[[0-9;]*m")

@@ -1,4 +1,4 @@
-"""Unit tests of parallelize_llama: TP divisibility errors, TP/FSDP placements, tied embeddings, SAC recompute counts."""
+"""Unit tests of parallelize_llama: TP divisibility errors, TP/FSDP placements, tied embeddings, SAC recomputation."""
 
 import json
 import socket
@@ -310,7 +310,8 @@ def test_cpu_offload_without_data_parallel_is_refused():
     with pytest.raises(ConfigError) as exc:
         check_cpu_offload(cfg, ParallelDims.from_config(cfg.parallelism, 2))
     assert str(exc.value) == ("'training.enable_cpu_offload' = true needs FSDP: a data-parallel shard or replicate "
-                              "degree above 1, but the layout is world 2 = dp_replicate 1 x dp_shard 1 x cp 1 x tp 2 x pp 1")
+                              "degree above 1, but the layout is "
+                              "world 2 = dp_replicate 1 x dp_shard 1 x cp 1 x tp 2 x pp 1")
     cfg.parallelism.tensor_parallel_degree = 1
     check_cpu_offload(cfg, ParallelDims.from_config(cfg.parallelism, 2))  # FSDP over 2 ranks: accepted
 

@@ -1,4 +1,4 @@
-"""Process-group and device set-up: device choice, backend choice (COMM_BACKEND), NCCL flight recorder, seeds, teardown."""
+"""Process-group and device set-up: device and backend choice (COMM_BACKEND), NCCL flight recorder, seeds, teardown."""
 
 import os
 import random

@@ -15,8 +15,15 @@ from torch import Tensor, nn
 
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama.args import LlamaArgs
-from titan_lite.models.llama.hf import (args_to_hf_config, check_args_against_hf_config, hf_name, hf_source_names,
-                                        read_hf_config, tensor_from_hf, to_hf_state_dict)
+from titan_lite.models.llama.hf import (
+    args_to_hf_config,
+    check_args_against_hf_config,
+    hf_name,
+    hf_source_names,
+    read_hf_config,
+    tensor_from_hf,
+    to_hf_state_dict,
+)
 from titan_lite.models.llama.model import Llama, canonical_name, copy_into_shard
 
 SINGLE_FILE = "model.safetensors"

@@ -16,7 +16,6 @@ except ModuleNotFoundError:  # Python < 3.11
 from titan_lite.config.schema import JobConfig
 from titan_lite.errors import ConfigError
 
-
 # ---------------------------------------------------------------- schema introspection
 
 

@@ -1,4 +1,4 @@
-"""Activation checkpointing of transformer blocks: full, every N-th block, or per-op selective (save mm/SDPA outputs)."""
+"""Activation checkpointing of transformer blocks: full, every N-th block, or per-op selective (op SAC)."""
 
 from collections import defaultdict
 from functools import partial

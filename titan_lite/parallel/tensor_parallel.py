@@ -64,7 +64,8 @@ def block_plan() -> dict:
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
     """Shard the model over tp_mesh in place (sequence parallel everywhere; pipeline stages may lack some parts)."""
     tied = _is_tied(model)
-    plan = {name: style for name, style in top_level_plan(loss_parallel).items() if getattr(model, name, None) is not None}
+    plan = {name: style for name, style in top_level_plan(loss_parallel).items()
+            if getattr(model, name, None) is not None}
     parallelize_module(model, tp_mesh, plan)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan())
