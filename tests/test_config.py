@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from titan_lite.config import parse_args, to_toml, validate
-from titan_lite.errors import ConfigError
 from titan_lite.config.manager import help_text, iter_options
+from titan_lite.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -96,10 +96,12 @@ def test_boolean_forms(argv, expected):
 
 
 def test_value_forms_and_lists():
-    cfg = parse_args(["--training.steps=12", "--model.converters", "lora,prune", "--checkpoint.initial_load_path", "none",
-                      "--optimizer.lr", "1e-3", "--training.global_batch_size", "-1"])
+    cfg = parse_args(["--training.steps=12", "--model.converters", "lora,prune",
+                      "--checkpoint.initial_load_path", "none", "--optimizer.lr", "1e-3",
+                      "--training.global_batch_size", "-1"])
     assert cfg.training.steps == 12 and cfg.model.converters == ["lora", "prune"]
-    assert cfg.checkpoint.initial_load_path is None and cfg.optimizer.lr == 1e-3 and cfg.training.global_batch_size == -1
+    assert cfg.checkpoint.initial_load_path is None and cfg.optimizer.lr == 1e-3
+    assert cfg.training.global_batch_size == -1
 
 
 def test_toml_ints_accepted_for_floats(tmp_path):
@@ -136,10 +138,19 @@ def test_cli_errors_name_the_key(argv, message):
     (["--optimizer.lr", "0"], "'optimizer.lr' must be positive, got 0.0"),
     (["--parallelism.tensor_parallel_degree", "0"], "'parallelism.tensor_parallel_degree' must be at least 1, got 0"),
     (["--lr_scheduler.decay_type", "cubic"], "'lr_scheduler.decay_type' = 'cubic' is not one of: linear, sqrt, cosine"),
-    (["--metrics.enable_wandb"], "'metrics.enable_wandb' = True is not supported: wandb logging is not part of titan_lite"),
+    (["--metrics.enable_wandb"],
+     "'metrics.enable_wandb' = True is not supported: wandb logging is not part of titan_lite"),
     (["--parallelism.enable_async_tensor_parallel"], "not supported: async tensor parallel"),
     (["--fault_tolerance.enable"], "not supported: fault tolerance"),
     (["--activation_checkpoint.selective_ac_option", "x"], "must be 'op' or a positive integer"),
+    (["--training.local_batch_size", "0"], "'training.local_batch_size' must be at least 1, got 0"),
+    (["--training.dataloader.num_workers", "-1"], "'training.dataloader.num_workers' must be at least 0, got -1"),
+    (["--training.dataloader.prefetch_factor", "2"],
+     "'training.dataloader.prefetch_factor' = 2 needs 'training.dataloader.num_workers' > 0"),
+    (["--validation.enable", "--validation.dataloader.persistent_workers"],
+     "'validation.dataloader.persistent_workers' = true needs 'validation.dataloader.num_workers' > 0"),
+    (["--parallelism.data_parallel_shard_degree", "0"],
+     "'parallelism.data_parallel_shard_degree' must be -1 or positive, got 0"),
     (["--training.dataset_path", "/no/such/shards"], "'training.dataset_path' = '/no/such/shards' does not exist"),
 ])
 def test_impossible_values_rejected(argv, message):

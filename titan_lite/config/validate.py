@@ -33,34 +33,30 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _at_least(cfg: JobConfig, key: str, minimum: int) -> None:
+    value = _get(cfg, key)
+    _require(value >= minimum, f"'{key}' must be at least {minimum}, got {value}")
+
+
+def _positive(cfg: JobConfig, key: str) -> None:
+    value = _get(cfg, key)
+    _require(value > 0, f"'{key}' must be positive, got {value}")
+
+
+def _minus_one_or_positive(cfg: JobConfig, key: str) -> None:
+    value = _get(cfg, key)
+    _require(value == -1 or value >= 1, f"'{key}' must be -1 or positive, got {value}")
+
+
 def check_ranges(cfg: JobConfig) -> None:
-    t, p, v = cfg.training, cfg.parallelism, cfg.validation
-    _require(t.steps >= 1, f"'training.steps' must be at least 1, got {t.steps}")
-    _require(t.local_batch_size >= 1, f"'training.local_batch_size' must be at least 1, got {t.local_batch_size}")
-    _require(t.seq_len >= 2, f"'training.seq_len' must be at least 2, got {t.seq_len}")
-    _require(t.global_batch_size == -1 or t.global_batch_size >= 1,
-             f"'training.global_batch_size' must be -1 or positive, got {t.global_batch_size}")
-    _require(t.gc_freq >= 1, f"'training.gc_freq' must be at least 1, got {t.gc_freq}")
-    _require(cfg.optimizer.lr > 0, f"'optimizer.lr' must be positive, got {cfg.optimizer.lr}")
-    _require(cfg.optimizer.eps > 0, f"'optimizer.eps' must be positive, got {cfg.optimizer.eps}")
-    for name in ("beta1", "beta2"):
-        beta = getattr(cfg.optimizer, name)
-        _require(0 <= beta < 1, f"'optimizer.{name}' must be in [0, 1), got {beta}")
-    _require(cfg.metrics.log_freq >= 1, f"'metrics.log_freq' must be at least 1, got {cfg.metrics.log_freq}")
-    _require(cfg.profiling.profile_freq >= 1, f"'profiling.profile_freq' must be at least 1, got {cfg.profiling.profile_freq}")
+    """Every per-key range, then the checks that relate keys to each other."""
+    check_training(cfg)
+    check_optimizer(cfg)
+    for key in ("metrics.log_freq", "profiling.profile_freq"):
+        _at_least(cfg, key, 1)
     check_lr_scheduler(cfg)
-    for name in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"):
-        degree = getattr(p, name)
-        _require(degree >= 1, f"'parallelism.{name}' must be at least 1, got {degree}")
-    _require(p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
-             f"'parallelism.data_parallel_shard_degree' must be -1 or at least 1, got {p.data_parallel_shard_degree}")
-    _require(p.pipeline_parallel_microbatch_size >= 1,
-             f"'parallelism.pipeline_parallel_microbatch_size' must be at least 1, got {p.pipeline_parallel_microbatch_size}")
-    if v.enable:
-        _require(v.freq >= 1, f"'validation.freq' must be at least 1, got {v.freq}")
-        _require(v.local_batch_size >= 1, f"'validation.local_batch_size' must be at least 1, got {v.local_batch_size}")
-        _require(v.seq_len >= 2, f"'validation.seq_len' must be at least 2, got {v.seq_len}")
-        _require(v.steps == -1 or v.steps >= 1, f"'validation.steps' must be -1 or positive, got {v.steps}")
+    check_parallelism(cfg)
+    check_validation(cfg)
     check_activation_checkpoint(cfg)
     check_compile(cfg)
     check_checkpoint(cfg)
@@ -68,29 +64,80 @@ def check_ranges(cfg: JobConfig) -> None:
     check_context_parallel_seq_len(cfg)
 
 
+def check_training(cfg: JobConfig) -> None:
+    for key in ("training.steps", "training.local_batch_size", "training.gc_freq"):
+        _at_least(cfg, key, 1)
+    _at_least(cfg, "training.seq_len", 2)
+    _minus_one_or_positive(cfg, "training.global_batch_size")
+    check_dataloader(cfg, "training")
+
+
+def check_dataloader(cfg: JobConfig, section: str) -> None:
+    """[training.dataloader] or [validation.dataloader]: worker options need workers."""
+    loader = _get(cfg, f"{section}.dataloader")
+    key = f"'{section}.dataloader"
+    _at_least(cfg, f"{section}.dataloader.num_workers", 0)
+    if loader.prefetch_factor is not None:
+        _at_least(cfg, f"{section}.dataloader.prefetch_factor", 1)
+        _require(loader.num_workers > 0, f"{key}.prefetch_factor' = {loader.prefetch_factor} needs "
+                                         f"{key}.num_workers' > 0 (leave it unset with 0 workers)")
+    _require(loader.num_workers > 0 or not loader.persistent_workers,
+             f"{key}.persistent_workers' = true needs {key}.num_workers' > 0")
+
+
+def check_optimizer(cfg: JobConfig) -> None:
+    for key in ("optimizer.lr", "optimizer.eps"):
+        _positive(cfg, key)
+    for name in ("beta1", "beta2"):
+        beta = getattr(cfg.optimizer, name)
+        _require(0 <= beta < 1, f"'optimizer.{name}' must be in [0, 1), got {beta}")
+
+
+def check_parallelism(cfg: JobConfig) -> None:
+    for name in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
+                 "context_parallel_degree", "pipeline_parallel_microbatch_size"):
+        _at_least(cfg, f"parallelism.{name}", 1)
+    _minus_one_or_positive(cfg, "parallelism.data_parallel_shard_degree")
+
+
+def check_validation(cfg: JobConfig) -> None:
+    if not cfg.validation.enable:
+        return
+    for key in ("validation.freq", "validation.local_batch_size"):
+        _at_least(cfg, key, 1)
+    _at_least(cfg, "validation.seq_len", 2)
+    _minus_one_or_positive(cfg, "validation.steps")
+    check_dataloader(cfg, "validation")
+
+
 def check_lr_scheduler(cfg: JobConfig) -> None:
     s = cfg.lr_scheduler
-    _require(s.warmup_steps >= 0, f"'lr_scheduler.warmup_steps' must be at least 0, got {s.warmup_steps}")
-    _require(s.total_steps is None or s.total_steps >= 1, f"'lr_scheduler.total_steps' must be positive, got {s.total_steps}")
-    _require(s.decay_ratio is None or 0 <= s.decay_ratio <= 1, f"'lr_scheduler.decay_ratio' must be in [0, 1], got {s.decay_ratio}")
+    _at_least(cfg, "lr_scheduler.warmup_steps", 0)
+    if s.total_steps is not None:
+        _positive(cfg, "lr_scheduler.total_steps")
+    if s.decay_ratio is not None:
+        _require(0 <= s.decay_ratio <= 1, f"'lr_scheduler.decay_ratio' must be in [0, 1], got {s.decay_ratio}")
     _require(0 <= s.min_lr_factor <= 1, f"'lr_scheduler.min_lr_factor' must be in [0, 1], got {s.min_lr_factor}")
     if s.name == "greedy":
         _require(s.greedy_factor > 1, f"'lr_scheduler.greedy_factor' must be greater than 1, got {s.greedy_factor}")
-        _require(s.greedy_patience >= 1, f"'lr_scheduler.greedy_patience' must be at least 1, got {s.greedy_patience}")
-        _require(0 <= s.greedy_smoothing < 1, f"'lr_scheduler.greedy_smoothing' must be in [0, 1), got {s.greedy_smoothing}")
+        _at_least(cfg, "lr_scheduler.greedy_patience", 1)
+        _require(0 <= s.greedy_smoothing < 1,
+                 f"'lr_scheduler.greedy_smoothing' must be in [0, 1), got {s.greedy_smoothing}")
         _require(0 < s.greedy_min_lr_factor <= 1 <= s.greedy_max_lr_factor,
                  "'lr_scheduler.greedy_min_lr_factor' must be in (0, 1] and 'greedy_max_lr_factor' at least 1, "
                  f"got {s.greedy_min_lr_factor} and {s.greedy_max_lr_factor}")
-        _require(s.greedy_cooldown >= 0, f"'lr_scheduler.greedy_cooldown' must be at least 0, got {s.greedy_cooldown}")
+        _at_least(cfg, "lr_scheduler.greedy_cooldown", 0)
 
 
 def check_activation_checkpoint(cfg: JobConfig) -> None:
     ac = cfg.activation_checkpoint
     if ac.mode == "memory_budget":
-        raise ConfigError("'activation_checkpoint.mode' = 'memory_budget' is not supported: use none, full or selective")
+        raise ConfigError("'activation_checkpoint.mode' = 'memory_budget' is not supported: "
+                          "use none, full or selective")
     if ac.mode == "selective" and ac.selective_ac_option != "op":
-        _require(ac.selective_ac_option.isdigit() and int(ac.selective_ac_option) >= 1,
-                 f"'activation_checkpoint.selective_ac_option' must be 'op' or a positive integer, got {ac.selective_ac_option!r}")
+        option = ac.selective_ac_option
+        _require(option.isdigit() and int(option) >= 1,
+                 f"'activation_checkpoint.selective_ac_option' must be 'op' or a positive integer, got {option!r}")
 
 
 def check_compile(cfg: JobConfig) -> None:
@@ -130,7 +177,8 @@ def check_pipeline(cfg: JobConfig) -> None:
     if cfg.validation.enable:
         batches.append(("validation.local_batch_size", cfg.validation.local_batch_size))
     for key, batch in batches:
-        _require(batch % mbs == 0, f"'{key}' {batch} is not a multiple of 'parallelism.pipeline_parallel_microbatch_size' {mbs}")
+        _require(batch % mbs == 0,
+                 f"'{key}' {batch} is not a multiple of 'parallelism.pipeline_parallel_microbatch_size' {mbs}")
     _require(not (cfg.validation.enable and p.pipeline_parallel_schedule == "ZBVZeroBubble"),
              "'validation.enable' with 'parallelism.pipeline_parallel_schedule' = 'ZBVZeroBubble' is not supported: "
              "torch's ZBV schedule has no forward-only (eval) mode; use another schedule or disable validation")
@@ -143,14 +191,16 @@ def check_pipeline(cfg: JobConfig) -> None:
 
 def check_checkpoint(cfg: JobConfig) -> None:
     c = cfg.checkpoint
-    _require(c.interval >= 1, f"'checkpoint.interval' must be at least 1, got {c.interval}")
-    _require(c.keep_latest_k >= 0, f"'checkpoint.keep_latest_k' must be at least 0, got {c.keep_latest_k}")
+    _at_least(cfg, "checkpoint.interval", 1)
+    _at_least(cfg, "checkpoint.keep_latest_k", 0)
     allowed = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"}
     for key in c.exclude_from_loading:
-        _require(key in allowed, f"'checkpoint.exclude_from_loading' has '{key}'; expected some of: {', '.join(sorted(allowed))}")
+        _require(key in allowed,
+                 f"'checkpoint.exclude_from_loading' has '{key}'; expected some of: {', '.join(sorted(allowed))}")
     if c.create_seed_checkpoint:
         _require(c.enable, "'checkpoint.create_seed_checkpoint' = true needs 'checkpoint.enable' = true")
-        _require(not c.load_only, "'checkpoint.create_seed_checkpoint' = true contradicts 'checkpoint.load_only' = true")
+        _require(not c.load_only,
+                 "'checkpoint.create_seed_checkpoint' = true contradicts 'checkpoint.load_only' = true")
 
 
 def check_paths(cfg: JobConfig) -> None:
