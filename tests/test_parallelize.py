@@ -1,18 +1,17 @@
 """Unit tests of parallelize_llama: TP divisibility errors, TP/FSDP placements, tied embeddings, SAC recomputation."""
 
 import json
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
+from tests.helpers import spawn_gloo
 from titan_lite.config import JobConfig
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama import Llama, flavor_args
@@ -59,12 +58,6 @@ def test_entry_point_refuses_bad_tp_degree_before_starting(capsys):
 
 
 # ------------------------------------------------------------------- placements and parity (2 ranks)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tiny_args(tied: bool):
@@ -146,22 +139,17 @@ SCENARIOS = {
 }
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        for name, spec in SCENARIOS.items():
-            report = _run_scenario(name, **spec)
-            Path(out_dir, f"{name}.rank{rank}.json").write_text(json.dumps(report))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, out_dir: str) -> None:
+    for name, spec in SCENARIOS.items():
+        report = _run_scenario(name, **spec)
+        Path(out_dir, f"{name}.rank{rank}.json").write_text(json.dumps(report))
+    dist.barrier()
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("parallelize")
-    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    spawn_gloo(_worker, 2, str(out))
     return {(name, rank): json.loads(Path(out, f"{name}.rank{rank}.json").read_text())
             for name in SCENARIOS for rank in range(2)}
 

@@ -2,6 +2,7 @@
 
 import os
 import random
+import socket
 from datetime import timedelta
 
 import torch
@@ -71,14 +72,13 @@ def init_process_group(device: torch.device, timeout_s: int) -> None:
         return
     backend = choose_backend(device)
     if "MASTER_ADDR" not in os.environ:  # plain `python -m titan_lite.train`: a single-process group
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     kwargs = {"device_id": device} if device.type != "cpu" else {}
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
 
 
-def _free_port() -> int:
-    import socket
-
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a single-process group's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
