@@ -232,9 +232,9 @@ def test_console_line_shows_memory_share_on_accelerators(tmp_path, clock, fixed_
 
 
 def test_init_logger_format_and_idempotence(capsys):
-    log = init_logger()
     init_logger()
-    assert sum(getattr(h, "_titan_lite", False) for h in log.handlers) == 1
+    init_logger()
+    assert sum(getattr(h, "_titan_lite", False) for h in logging.getLogger("titan_lite").handlers) == 1
     logging.getLogger("titan_lite.some_module").info("hello %d", 42)
     out = capsys.readouterr().out
     assert re.fullmatch(r"\[titan_lite\] \d{4}-\d\d-\d\d \d\d:\d\d:\d\d INFO hello 42\n", out)

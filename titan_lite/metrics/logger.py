@@ -32,7 +32,7 @@ class _StdoutHandler(logging.StreamHandler):
         pass
 
 
-def init_logger() -> logging.Logger:
+def init_logger() -> None:
     """Make the `titan_lite` logger print INFO and up as "[titan_lite] <time> <level> message" on stdout, once."""
     if not any(getattr(h, "_titan_lite", False) for h in logger.handlers):
         handler = _StdoutHandler()
@@ -40,7 +40,6 @@ def init_logger() -> logging.Logger:
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False  # a root handler configured by someone else would print every line twice
-    return logger
 
 
 @dataclass(frozen=True)
