@@ -162,6 +162,8 @@ def test_impossible_values_rejected(argv, message):
 def test_literal_field_from_cli():
     assert parse_args(["--optimizer.name", "Adam"]).optimizer.name == "Adam"
     cfg = parse_args(["--parallelism.context_parallel_load_balancer", "none"])
+    assert cfg.parallelism.context_parallel_load_balancer == "none"  # a value, so it survives to_toml
+    cfg = parse_args(["--parallelism.context_parallel_load_balancer", "null"])
     assert cfg.parallelism.context_parallel_load_balancer is None
     with pytest.raises(ConfigError) as exc:
         parse_args(["--optimizer.name", "SGD"])

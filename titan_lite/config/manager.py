@@ -81,16 +81,16 @@ def _type_name(tp: Any) -> str:
 
 
 def _from_string(key: str, text: str, tp: Any) -> Any:
-    """Convert a command-line string to the field's type."""
+    """Convert a command-line string to the field's type (a Literal value wins over none: it survives to_toml)."""
     base, optional = _unwrap_optional(tp)
+    choices = choices_of(tp) or ()
+    match = [c for c in choices if str(c) == text]
+    if match:
+        return match[0]
     if optional and text.lower() in ("none", "null"):
         return None
-    choices = choices_of(tp)
     if choices:
-        match = [c for c in choices if str(c) == text]
-        if not match:
-            raise ConfigError(not_one_of(key, text, choices))
-        return match[0]
+        raise ConfigError(not_one_of(key, text, choices))
     if typing.get_origin(base) is list:
         return [item.strip() for item in text.split(",") if item.strip()]
     if base is bool:
