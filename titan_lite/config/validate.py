@@ -74,15 +74,15 @@ def check_training(cfg: JobConfig) -> None:
 
 def check_dataloader(cfg: JobConfig, section: str) -> None:
     """[training.dataloader] or [validation.dataloader]: worker options need workers."""
-    loader = _get(cfg, f"{section}.dataloader")
-    key = f"'{section}.dataloader"
-    _at_least(cfg, f"{section}.dataloader.num_workers", 0)
+    prefix = f"{section}.dataloader"
+    loader = _get(cfg, prefix)
+    _at_least(cfg, f"{prefix}.num_workers", 0)
     if loader.prefetch_factor is not None:
-        _at_least(cfg, f"{section}.dataloader.prefetch_factor", 1)
-        _require(loader.num_workers > 0, f"{key}.prefetch_factor' = {loader.prefetch_factor} needs "
-                                         f"{key}.num_workers' > 0 (leave it unset with 0 workers)")
+        _at_least(cfg, f"{prefix}.prefetch_factor", 1)
+        _require(loader.num_workers > 0, f"'{prefix}.prefetch_factor' = {loader.prefetch_factor} needs "
+                                         f"'{prefix}.num_workers' > 0 (leave it unset with 0 workers)")
     _require(loader.num_workers > 0 or not loader.persistent_workers,
-             f"{key}.persistent_workers' = true needs {key}.num_workers' > 0")
+             f"'{prefix}.persistent_workers' = true needs '{prefix}.num_workers' > 0")
 
 
 def check_optimizer(cfg: JobConfig) -> None:
