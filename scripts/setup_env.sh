@@ -16,7 +16,9 @@ has_deps() {
   local py="$1"
   command -v "$py" >/dev/null 2>&1 || return 1
   (cd /tmp && "$py" -c "$check_runtime" >/dev/null 2>&1) || return 1
-  if [ "$extra" = "test" ]; then (cd /tmp && "$py" -c "$check_test" >/dev/null 2>&1) || return 1; fi
+  [ "$extra" = "test" ] || return 0
+  (cd /tmp && "$py" -c "$check_test" >/dev/null 2>&1) || return 1
+  (cd /tmp && "$py" -m ruff --version >/dev/null 2>&1) || return 1  # ruff is a binary, not an importable module
 }
 
 venv_ready() {

@@ -1,6 +1,8 @@
 """Trains a small byte-level BPE (Llama 3 pre-tokenizer) in pure Python and writes a Llama 3 tiktoken tokenizer.model.
 
-Usage: python scripts/train_bpe_tokenizer.py --input a.txt b.txt --vocab-size 1792 --output assets/tokenizer/tokenizer.model
+Usage:
+  python scripts/train_bpe_tokenizer.py --input a.txt b.txt --vocab-size 1792 \
+      --output assets/tokenizer/tokenizer.model
 
 --vocab-size counts the base tokens (256 bytes + merges); the Llama 3 loader appends 256 special tokens after them.
 """
@@ -12,11 +14,12 @@ import base64
 import sys
 import time
 from collections import Counter, defaultdict
+from itertools import pairwise
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan_lite.data.tokenizer import LLAMA3_PATTERN, compile_pattern  # noqa: E402
+from titan_lite.data.tokenizer import LLAMA3_PATTERN, compile_pattern
 
 Pair = tuple[int, int]
 
@@ -42,7 +45,7 @@ class _PairStats:
 
     def _add_word(self, index: int, sign: int) -> None:
         word, freq = self.words[index], self.freqs[index]
-        for pair in zip(word, word[1:]):
+        for pair in pairwise(word):
             self.counts[pair] += sign * freq
             if sign > 0:
                 self.holders[pair].add(index)
@@ -57,7 +60,7 @@ class _PairStats:
         """Replace every occurrence of `pair` (left to right) by `new_id`, updating the counts."""
         for index in self.holders.pop(pair, ()):
             word = self.words[index]
-            if not any(a == pair[0] and b == pair[1] for a, b in zip(word, word[1:])):
+            if not any(a == pair[0] and b == pair[1] for a, b in pairwise(word)):
                 continue  # stale holder: an earlier merge already consumed the pair here
             self._add_word(index, -1)
             self.words[index] = _merge_word(word, pair, new_id)

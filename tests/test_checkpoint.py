@@ -3,7 +3,6 @@
 import json
 import logging
 import os
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 
+from tests.helpers import free_port
 from titan_lite.checkpoint import dcp as ckpt
 from titan_lite.checkpoint.manager import CheckpointManager, RankLocal
 from titan_lite.config import JobConfig
@@ -23,12 +23,6 @@ from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.train import TrainState
 
 SEQ = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class CountingLoader:
@@ -267,7 +261,7 @@ def test_last_save_model_only_is_cast_and_loads_model_only(single_process_group,
     t2 = make_trainer(cfg)
     manager_of(cfg, t2).load()
     assert t2.train_state.step == 0 and not t2.optimizer.state
-    for (name, p), p2 in zip(t.model_parts[0].named_parameters(), t2.model_parts[0].parameters()):
+    for (name, p), p2 in zip(t.model_parts[0].named_parameters(), t2.model_parts[0].parameters(), strict=True):
         assert p2.dtype == torch.float32
         assert torch.equal(p2.detach(), p.detach().to(torch.bfloat16).float()), name
 
@@ -320,7 +314,7 @@ def test_initial_load_path_model_only_and_seed_checkpoint(single_process_group, 
     t2 = make_trainer(cfg2)
     manager_of(cfg2, t2).load()
     assert (t2.train_state.step, t2.lr_schedule.step_count, len(t2.optimizer.state)) == (0, 0, 0)
-    for (name, p), p2 in zip(donor.model_parts[0].named_parameters(), t2.model_parts[0].parameters()):
+    for (name, p), p2 in zip(donor.model_parts[0].named_parameters(), t2.model_parts[0].parameters(), strict=True):
         assert torch.equal(p.detach(), p2.detach()), name
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from titan_lite.config import parse_args, to_toml, validate
-from titan_lite.errors import ConfigError
 from titan_lite.config.manager import help_text, iter_options
+from titan_lite.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -96,10 +96,12 @@ def test_boolean_forms(argv, expected):
 
 
 def test_value_forms_and_lists():
-    cfg = parse_args(["--training.steps=12", "--model.converters", "lora,prune", "--checkpoint.initial_load_path", "none",
-                      "--optimizer.lr", "1e-3", "--training.global_batch_size", "-1"])
+    cfg = parse_args(["--training.steps=12", "--model.converters", "lora,prune",
+                      "--checkpoint.initial_load_path", "none", "--optimizer.lr", "1e-3",
+                      "--training.global_batch_size", "-1"])
     assert cfg.training.steps == 12 and cfg.model.converters == ["lora", "prune"]
-    assert cfg.checkpoint.initial_load_path is None and cfg.optimizer.lr == 1e-3 and cfg.training.global_batch_size == -1
+    assert cfg.checkpoint.initial_load_path is None and cfg.optimizer.lr == 1e-3
+    assert cfg.training.global_batch_size == -1
 
 
 def test_toml_ints_accepted_for_floats(tmp_path):
@@ -136,16 +138,64 @@ def test_cli_errors_name_the_key(argv, message):
     (["--optimizer.lr", "0"], "'optimizer.lr' must be positive, got 0.0"),
     (["--parallelism.tensor_parallel_degree", "0"], "'parallelism.tensor_parallel_degree' must be at least 1, got 0"),
     (["--lr_scheduler.decay_type", "cubic"], "'lr_scheduler.decay_type' = 'cubic' is not one of: linear, sqrt, cosine"),
-    (["--metrics.enable_wandb"], "'metrics.enable_wandb' = True is not supported: wandb logging is not part of titan_lite"),
+    (["--metrics.enable_wandb"],
+     "'metrics.enable_wandb' = True is not supported: wandb logging is not part of titan_lite"),
     (["--parallelism.enable_async_tensor_parallel"], "not supported: async tensor parallel"),
     (["--fault_tolerance.enable"], "not supported: fault tolerance"),
     (["--activation_checkpoint.selective_ac_option", "x"], "must be 'op' or a positive integer"),
+    (["--training.local_batch_size", "0"], "'training.local_batch_size' must be at least 1, got 0"),
+    (["--training.dataloader.num_workers", "-1"], "'training.dataloader.num_workers' must be at least 0, got -1"),
+    (["--training.dataloader.prefetch_factor", "2"],
+     "'training.dataloader.prefetch_factor' = 2 needs 'training.dataloader.num_workers' > 0"),
+    (["--validation.enable", "--validation.dataloader.persistent_workers"],
+     "'validation.dataloader.persistent_workers' = true needs 'validation.dataloader.num_workers' > 0"),
+    (["--parallelism.data_parallel_shard_degree", "0"],
+     "'parallelism.data_parallel_shard_degree' must be -1 or positive, got 0"),
     (["--training.dataset_path", "/no/such/shards"], "'training.dataset_path' = '/no/such/shards' does not exist"),
 ])
 def test_impossible_values_rejected(argv, message):
     with pytest.raises(ConfigError) as exc:
         validate(parse_args(argv))
     assert message in str(exc.value)
+
+
+def test_literal_field_from_cli():
+    assert parse_args(["--optimizer.name", "Adam"]).optimizer.name == "Adam"
+    cfg = parse_args(["--parallelism.context_parallel_load_balancer", "none"])
+    assert cfg.parallelism.context_parallel_load_balancer == "none"  # a value, so it survives to_toml
+    cfg = parse_args(["--parallelism.context_parallel_load_balancer", "null"])
+    assert cfg.parallelism.context_parallel_load_balancer is None
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--optimizer.name", "SGD"])
+    assert str(exc.value) == "'optimizer.name' = 'SGD' is not one of: AdamW, Adam"
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--optimizer.name"])
+    assert str(exc.value) == "--optimizer.name: expects AdamW | Adam after it"
+
+
+@pytest.mark.parametrize("value, message", [
+    ('"cubic"', "'lr_scheduler.decay_type' = 'cubic' is not one of: linear, sqrt, cosine"),
+    ("3", "'lr_scheduler.decay_type' = 3 is not one of: linear, sqrt, cosine"),
+])
+def test_literal_field_from_toml(tmp_path, value, message):
+    cfg = parse_args(["--job.config_file", write(tmp_path, '[lr_scheduler]\ndecay_type = "cosine"\n')])
+    assert cfg.lr_scheduler.decay_type == "cosine"
+    path = write(tmp_path, f"[lr_scheduler]\ndecay_type = {value}\n")
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--job.config_file", path])
+    assert str(exc.value) == f"{path}: {message}"
+
+
+def test_validate_checks_literal_values_set_in_code():
+    cfg = parse_args([])
+    cfg.checkpoint.async_mode = "threads"
+    with pytest.raises(ConfigError) as exc:
+        validate(cfg)
+    assert str(exc.value) == "'checkpoint.async_mode' = 'threads' is not one of: disabled, async, async_with_pinned_mem"
+
+
+def test_help_lists_literal_choices():
+    assert "--optimizer.name (AdamW | Adam, default 'AdamW'): Optimizer." in help_text()
 
 
 def test_inert_torchtitan_keys_load_while_off(tmp_path):

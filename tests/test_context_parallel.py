@@ -1,14 +1,14 @@
-"""Context parallel: shard positions, RoPE positions, and 2-process CP attention and model against single-process references."""
+"""Context parallel: shard and RoPE positions; 2-process CP attention and model against single-process references."""
 
 import json
 import os
-import socket
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import free_port
 from titan_lite.errors import ConfigError
 from titan_lite.parallel.context_parallel import GlobalRopePositions, shard_positions
 
@@ -42,26 +42,20 @@ def test_rope_hook_hands_the_block_its_global_rows():
     assert sharded[:4, 0, 0].tolist() == [0.0, 1.0, 6.0, 7.0]
 
 
-def test_seq_len_check_in_validate_names_the_numbers():
+def test_seq_len_check_names_the_numbers():
     from titan_lite.config.schema import JobConfig
-    from titan_lite.config.validate import validate
+    from titan_lite.parallel.context_parallel import check_sequence_lengths
 
     cfg = JobConfig()
     cfg.parallelism.context_parallel_degree, cfg.parallelism.tensor_parallel_degree = 2, 2
     cfg.training.seq_len = 36  # divisible by 2 x CP = 4, not by 2 x CP x TP = 8
     with pytest.raises(ConfigError, match=r"'training.seq_len' = 36 .* 8 \(2 x context_parallel_degree 2 x tensor"):
-        validate(cfg)
+        check_sequence_lengths(cfg)
     cfg.training.seq_len = 40
-    validate(cfg)
+    check_sequence_lengths(cfg)
 
 
 # ------------------------------------------------------------------------------- 2 gloo processes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -85,7 +79,7 @@ def _attention_errors(rank: int, group, load_balancer, n_heads: int, n_kv: int) 
     out = ContextParallelAttention(group, load_balancer)(*local)
     (out * weight.index_select(2, positions)).sum().backward()
     errors = {"out": _max_diff(out, reference.index_select(2, positions))}
-    for name, mine, ref in zip("qkv", local, full):
+    for name, mine, ref in zip("qkv", local, full, strict=True):
         errors[f"grad_{name}"] = _max_diff(mine.grad, ref.grad.index_select(2, positions))
     return errors
 
@@ -115,7 +109,7 @@ def _model_errors(rank: int, parallel_dims, load_balancer) -> dict:
     positions = shard_positions(32, rank, CP, load_balancer)
     errors = {"logits": _max_diff(local_logits, full_logits.index_select(1, positions))}
     grad_error = 0.0
-    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+    for (_name, p), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
         grad = p.grad.clone()
         dist.all_reduce(grad)
         grad_error = max(grad_error, _max_diff(grad, ref.grad))
@@ -124,7 +118,7 @@ def _model_errors(rank: int, parallel_dims, load_balancer) -> dict:
 
 
 def _gathered_shard_shapes(parallel_dims) -> list[list[int]]:
-    """The shapes of the shards a tiny GQA Llama under CP hands to the all-gather, one per gather, forward and backward."""
+    """The shapes of the shards a tiny GQA Llama under CP hands to the all-gather: one per gather, fwd and bwd."""
     from unittest import mock
 
     from titan_lite.models.llama import Llama, flavor_args
@@ -175,7 +169,7 @@ def cp_errors(tmp_path_factory) -> list[dict]:
 
     out_dir = tmp_path_factory.mktemp("cp")
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=CP, join=True)
+    mp.spawn(_worker, args=(free_port(), str(out_dir)), nprocs=CP, join=True)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(CP)]
 
 

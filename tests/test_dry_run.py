@@ -84,7 +84,7 @@ def assert_verdict_consistent(run: DryRun, capacity: float) -> None:
         assert cap == capacity
         assert headroom == pytest.approx(capacity - peak, abs=0.011)
     peak, _, headroom = max(run.verdicts())
-    assert f"dry run OK: " in run.stdout and f"head-room {headroom:.2f} GiB of {capacity:.2f} GiB" in run.stdout
+    assert "dry run OK: " in run.stdout and f"head-room {headroom:.2f} GiB of {capacity:.2f} GiB" in run.stdout
 
 
 def test_llama3_8b_fsdp_on_8_ranks(c4_shard):
@@ -163,7 +163,8 @@ def test_dry_run_rank_plans_only_the_chosen_rank(monkeypatch, capsys):
     monkeypatch.setenv("DRY_RUN_RANK", "3")
     monkeypatch.chdir(REPO)
     cfg = parse_args(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-                      "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "4",
+                      "--parallelism.pipeline_parallel_degree", "2",
+                      "--parallelism.pipeline_parallel_microbatch_size", "4",
                       "--dry_run.device_memory_gib", "1"])
     assert plan(cfg) == 0
     out = capsys.readouterr().out

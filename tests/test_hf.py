@@ -14,13 +14,19 @@ import torch.distributed.checkpoint as dcp
 
 transformers = pytest.importorskip("transformers")
 
+from tests.helpers import spawn_gloo  # noqa: E402
 from titan_lite.checkpoint.hf import export_hf, load_hf_weights, read_hf_folder  # noqa: E402
 from titan_lite.config import JobConfig  # noqa: E402
 from titan_lite.errors import ConfigError  # noqa: E402
+from titan_lite.job.plan import build_model_args  # noqa: E402
 from titan_lite.models.llama import Llama, LlamaArgs, flavor_args  # noqa: E402
 from titan_lite.models.llama.hf import (  # noqa: E402
-    args_from_hf_config, args_to_hf_config, check_args_against_hf_config, from_hf_state_dict, to_hf_state_dict)
-from titan_lite.job.plan import build_model_args  # noqa: E402
+    args_from_hf_config,
+    args_to_hf_config,
+    check_args_against_hf_config,
+    from_hf_state_dict,
+    to_hf_state_dict,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, SEQ = 300, 40
@@ -395,14 +401,6 @@ def test_download_explains_gated_and_unauthorised():
 LAYOUTS = {"fsdp": dict(dp_shard=2), "tp": dict(tp=2), "pp": dict(pp=2)}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _parallel_parts(layout: str, args: LlamaArgs):
     """This rank's model parts and ParallelDims for one 2-rank layout (parameters still uninitialised)."""
     from titan_lite.parallel.parallel_dims import ParallelDims
@@ -426,35 +424,26 @@ def _parallel_parts(layout: str, args: LlamaArgs):
     return parts, parallel_dims
 
 
-def _parallel_worker(rank: int, port: int, folder: str) -> None:
-    import torch.distributed as dist
+def _parallel_worker(rank: int, folder: str) -> None:
     from torch.distributed.tensor import DTensor
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        args = args_from_hf_config(json.loads((Path(folder) / "hf" / "config.json").read_text()))
-        for layout in LAYOUTS:
-            parts, parallel_dims = _parallel_parts(layout, args)
-            sharded = any(isinstance(p, DTensor) for part in parts for p in part.parameters())
-            assert sharded == (layout != "pp"), layout
-            load_hf_weights(parts, str(Path(folder) / "hf"), args)
-            export_hf(parts, args, str(Path(folder) / f"out-{layout}"), torch.float32, None, parallel_dims,
-                      max_shard_bytes=60_000)
-    finally:
-        dist.destroy_process_group()
+    args = args_from_hf_config(json.loads((Path(folder) / "hf" / "config.json").read_text()))
+    for layout in LAYOUTS:
+        parts, parallel_dims = _parallel_parts(layout, args)
+        sharded = any(isinstance(p, DTensor) for part in parts for p in part.parameters())
+        assert sharded == (layout != "pp"), layout
+        load_hf_weights(parts, str(Path(folder) / "hf"), args)
+        export_hf(parts, args, str(Path(folder) / f"out-{layout}"), torch.float32, None, parallel_dims,
+                  max_shard_bytes=60_000)
 
 
 def test_sharded_and_pipelined_parts_load_and_export_exactly(tmp_path):
     """FSDP and TP (DTensor shards) and pipeline stages (a tied head on the last stage) on 2 gloo processes:
     HF -> parts -> HF gives back the original tensors bit for bit."""
-    import torch.multiprocessing as mp
     from safetensors import safe_open
 
     hf_model(tie_word_embeddings=True).save_pretrained(tmp_path / "hf")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_parallel_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_gloo(_parallel_worker, 2, str(tmp_path))
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
         original = {name: f.get_tensor(name) for name in f.keys()}
     for layout in LAYOUTS:

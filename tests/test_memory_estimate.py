@@ -1,6 +1,7 @@
 """The memory estimate: its arithmetic, and its activation bytes against what a real CPU forward keeps for backward."""
 
 import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,9 +11,9 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from titan_lite.config.schema import JobConfig
+from titan_lite.dry_run import layer_policies
 from titan_lite.models.llama import Llama, LlamaArgs, flavor_args
 from titan_lite.parallel import memory_estimate as me
-from titan_lite.dry_run import layer_policies
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.parallelize import parallelize_llama
 

@@ -17,8 +17,12 @@ from titan_lite.metrics import profiler as profiler_mod
 from titan_lite.metrics.flops import gpu_peak_flops_by_name, num_flops_per_token, peak_flops
 from titan_lite.metrics.logger import MetricsProcessor, init_logger
 from titan_lite.metrics.memory import device_capacity_gib, peak_memory_gib, reset_peak
-from titan_lite.metrics.profiler import (MemorySnapshotter, maybe_enable_memory_snapshot, maybe_enable_profiling,
-                                         profiler_windows)
+from titan_lite.metrics.profiler import (
+    MemorySnapshotter,
+    maybe_enable_memory_snapshot,
+    maybe_enable_profiling,
+    profiler_windows,
+)
 
 CPU = torch.device("cpu")
 ANSI = re.compile(r"\033\[[0-9;]*m")
@@ -228,9 +232,9 @@ def test_console_line_shows_memory_share_on_accelerators(tmp_path, clock, fixed_
 
 
 def test_init_logger_format_and_idempotence(capsys):
-    log = init_logger()
     init_logger()
-    assert sum(getattr(h, "_titan_lite", False) for h in log.handlers) == 1
+    init_logger()
+    assert sum(getattr(h, "_titan_lite", False) for h in logging.getLogger("titan_lite").handlers) == 1
     logging.getLogger("titan_lite.some_module").info("hello %d", 42)
     out = capsys.readouterr().out
     assert re.fullmatch(r"\[titan_lite\] \d{4}-\d\d-\d\d \d\d:\d\d:\d\d INFO hello 42\n", out)

@@ -55,7 +55,7 @@ def test_init_depends_only_on_seed_and_name():
     a.init_weights(seed=7)
     torch.manual_seed(456)
     b.init_weights(seed=7)
-    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb), name
     c = Llama(flavor_args("tiny"))
     c.init_weights(seed=8)

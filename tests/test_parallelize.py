@@ -1,21 +1,22 @@
-"""Unit tests of parallelize_llama: TP divisibility errors, TP/FSDP placements, tied embeddings, SAC recompute counts."""
+"""Unit tests of parallelize_llama: TP divisibility errors, TP/FSDP placements, tied embeddings, SAC recomputation."""
 
 import json
-import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy
 
+from tests.helpers import spawn_gloo
 from titan_lite.config import JobConfig
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama import Llama, flavor_args
 from titan_lite.models.llama.model import TransformerBlock, rope_cache
-from titan_lite.parallel.activation_checkpoint import apply_ac
+from titan_lite.parallel.activation_checkpoint import apply_ac, forced_mm_shapes, save_policy
 from titan_lite.parallel.tensor_parallel import check_tp_divisibility
 
 SEQ, BATCH = 16, 4
@@ -57,12 +58,6 @@ def test_entry_point_refuses_bad_tp_degree_before_starting(capsys):
 
 
 # ------------------------------------------------------------------- placements and parity (2 ranks)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tiny_args(tied: bool):
@@ -144,22 +139,17 @@ SCENARIOS = {
 }
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        for name, spec in SCENARIOS.items():
-            report = _run_scenario(name, **spec)
-            Path(out_dir, f"{name}.rank{rank}.json").write_text(json.dumps(report))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, out_dir: str) -> None:
+    for name, spec in SCENARIOS.items():
+        report = _run_scenario(name, **spec)
+        Path(out_dir, f"{name}.rank{rank}.json").write_text(json.dumps(report))
+    dist.barrier()
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("parallelize")
-    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    spawn_gloo(_worker, 2, str(out))
     return {(name, rank): json.loads(Path(out, f"{name}.rank{rank}.json").read_text())
             for name in SCENARIOS for rank in range(2)}
 
@@ -238,13 +228,15 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _backward_op_counts(mode: str, option: str = "op") -> dict[str, int]:
+def _backward_op_counts(mode: str, option: str = "op", force: tuple[str, ...] = ()) -> dict[str, int]:
     args = _tiny_args(tied=False)
     args.n_layers = 1
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleDict({"0": TransformerBlock(args, 0)})
     cfg = JobConfig().activation_checkpoint
     cfg.mode, cfg.selective_ac_option = mode, option
+    if force:
+        cfg.per_op_sac_force_recompute_mm_shapes_by_fqns = list(force)
     apply_ac(model, cfg)
     x = torch.randn(2, SEQ, args.dim, requires_grad=True)
     out = model.layers["0"](x, rope_cache(args))
@@ -258,6 +250,26 @@ def test_selective_op_ac_recomputes_every_second_mm_and_no_attention():
     assert _backward_op_counts("none") == {"mm": 14, "sdpa": 0}
     assert _backward_op_counts("full") == {"mm": 21, "sdpa": 1}
     assert _backward_op_counts("selective", "op") == {"mm": 17, "sdpa": 0}
+
+
+def test_op_sac_forced_mm_is_recomputed_without_shifting_the_alternation():
+    # Forward mm order: wq wk wv wo w1 w3 w2; every second one (wk, wo, w3) is recomputed, w2 is saved.
+    # Forcing w2 recomputes it as well (one mm more), and the alternation over the others is unchanged.
+    assert _backward_op_counts("selective", "op", force=("feed_forward.w2",)) == {"mm": 18, "sdpa": 0}
+    assert _backward_op_counts("selective", "op", force=("moe.router.gate",)) == {"mm": 17, "sdpa": 0}
+
+
+def test_op_sac_policy_forces_the_transposed_weight_shape():
+    args = _tiny_args(tied=False)
+    block = TransformerBlock(args, 0)
+    forced = forced_mm_shapes(block, ["feed_forward.w2", "w9"])
+    w2 = block.feed_forward.w2.weight
+    assert forced == {(w2.shape[1], w2.shape[0])}
+    ctx, mm, counts = SimpleNamespace(is_recompute=False), torch.ops.aten.mm.default, {False: 0}
+    x = torch.empty(4, w2.shape[1])
+    assert save_policy(counts, forced, ctx, mm, x, w2.t()) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert counts[False] == 0  # not counted in the every-other-mm alternation
+    assert save_policy(counts, forced, ctx, mm, x, block.feed_forward.w1.weight.t()) == CheckpointPolicy.MUST_SAVE
 
 
 def test_checkpointed_names_stay_canonical():
@@ -286,7 +298,8 @@ def test_cpu_offload_without_data_parallel_is_refused():
     with pytest.raises(ConfigError) as exc:
         check_cpu_offload(cfg, ParallelDims.from_config(cfg.parallelism, 2))
     assert str(exc.value) == ("'training.enable_cpu_offload' = true needs FSDP: a data-parallel shard or replicate "
-                              "degree above 1, but the layout is world 2 = dp_replicate 1 x dp_shard 1 x cp 1 x tp 2 x pp 1")
+                              "degree above 1, but the layout is "
+                              "world 2 = dp_replicate 1 x dp_shard 1 x cp 1 x tp 2 x pp 1")
     cfg.parallelism.tensor_parallel_degree = 1
     check_cpu_offload(cfg, ParallelDims.from_config(cfg.parallelism, 2))  # FSDP over 2 ranks: accepted
 

@@ -1,15 +1,15 @@
-"""Tests of the tokenizers: ids compared with the library that owns each format (tiktoken, sentencepiece, tokenizers)."""
+"""Tests of the tokenizers: ids compared with the library owning each format (tiktoken, sentencepiece, tokenizers)."""
 
 import base64
 import importlib.util
 import json
 import random
 from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
 
-from titan_lite.errors import ConfigError
 from titan_lite.data.tokenizer import (
     HFByteLevelBPETokenizer,
     SentencePieceTokenizer,
@@ -17,6 +17,7 @@ from titan_lite.data.tokenizer import (
     build_tokenizer,
     compile_pattern,
 )
+from titan_lite.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED = REPO / "assets" / "tokenizer" / "tokenizer.model"
@@ -145,7 +146,7 @@ def naive_bpe(counts: Counter, vocab_size: int) -> list[bytes]:
     while len(tokens) < vocab_size:
         pairs = Counter()
         for word, count in words.items():
-            for pair in zip(word, word[1:]):
+            for pair in pairwise(word):
                 pairs[pair] += count
         if not pairs:
             break
@@ -289,7 +290,8 @@ def train_hf_tokenizer(folder: Path, pre_tokenizer_name: str, bos_template: bool
             single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", tok.token_to_id("<|begin_of_text|>"))])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
-    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
+              "tokenizer_class": "PreTrainedTokenizerFast"}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder / "tokenizer.json"
 

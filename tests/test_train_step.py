@@ -19,7 +19,8 @@ def single_process_group():
 
 def first_step(tmp_path, local_batch: int, global_batch: int) -> tuple[float, dict[str, torch.Tensor], Trainer]:
     cfg = parse_args(["--job.config_file", "tests/integration/base.toml", "--job.dump_folder", str(tmp_path),
-                      "--training.local_batch_size", str(local_batch), "--training.global_batch_size", str(global_batch),
+                      "--training.local_batch_size", str(local_batch),
+                      "--training.global_batch_size", str(global_batch),
                       "--training.seq_len", "32", "--training.max_norm", "0", "--metrics.enable_tensorboard=false"])
     trainer = Trainer(cfg)
     grads = {}

@@ -1,4 +1,4 @@
-"""Process-group and device set-up: device choice, compute dtype, backend choice (COMM_BACKEND), seeds, teardown."""
+"""Process-group and device set-up: device, compute dtype, backend (COMM_BACKEND), flight recorder, seeds, teardown."""
 
 import os
 import random
@@ -8,7 +8,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from titan_lite.config.schema import Comm
 from titan_lite.errors import ConfigError
+
+# The flight-recorder variables: the name set here first, then the other names torch reads for the same setting.
+_FR_BUFFER_SIZE = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE")
+_FR_DUMP_ON_TIMEOUT = ("TORCH_NCCL_DUMP_ON_TIMEOUT",)
+_FR_DUMP_FILE = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 
 
 def local_device() -> torch.device:
@@ -43,18 +49,43 @@ def choose_backend(device: torch.device) -> str:
     return backend
 
 
+def configure_flight_recorder(comm: Comm, dump_folder: str) -> None:
+    """Set the NCCL flight-recorder variables from [comm] before the process group exists (gloo ignores them).
+
+    A buffer size > 0 also dumps the recorded collectives on a timeout, one file per rank named
+    {dump_folder}/{comm.save_traces_folder}/{comm.save_traces_file_prefix}{rank}. A variable the user set
+    (under either of its names) is left alone.
+    """
+    _set_unless_present(_FR_BUFFER_SIZE, str(comm.trace_buf_size))
+    if comm.trace_buf_size <= 0:
+        return
+    _set_unless_present(_FR_DUMP_ON_TIMEOUT, "1")
+    folder = os.path.join(dump_folder, comm.save_traces_folder)
+    if _set_unless_present(_FR_DUMP_FILE, os.path.join(folder, comm.save_traces_file_prefix)):
+        os.makedirs(folder, exist_ok=True)
+
+
+def _set_unless_present(names: tuple[str, ...], value: str) -> bool:
+    """Set names[0] to value unless one of names is already in the environment; True when it was set."""
+    if any(name in os.environ for name in names):
+        return False
+    os.environ[names[0]] = value
+    return True
+
+
 def init_process_group(device: torch.device, timeout_s: int) -> None:
     """Join the job's process group (a group of one when not launched by torchrun)."""
     if dist.is_initialized():
         return
     backend = choose_backend(device)
     if "MASTER_ADDR" not in os.environ:  # plain `python -m titan_lite.train`: a single-process group
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     kwargs = {"device_id": device} if device.type != "cpu" else {}
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a single-process group's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -1,4 +1,4 @@
-"""DRY_RUN=1: plan a full-size job in one CPU process (fake process group, meta model) and estimate each rank's memory."""
+"""DRY_RUN=1: plan a full-size job in one CPU process (fake process group, meta model); estimate each rank's memory."""
 
 import contextlib
 import copy
@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
 # The fake backend's store: torch ships it only under torch.testing (it is what torchtitan's dry run uses too).
 from torch.testing._internal.distributed.fake_pg import FakeStore
 

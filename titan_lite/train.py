@@ -14,8 +14,16 @@ import torch.distributed as dist
 
 from titan_lite import distributed as tl_dist
 from titan_lite.checkpoint.hf import export_hf
-from titan_lite.checkpoint.manager import (CheckpointManager, RankLocal, RNGState, holds_model, initial_source,
-                                          resume_folder, warn_incomplete_saves, weights_only_loader)
+from titan_lite.checkpoint.manager import (
+    CheckpointManager,
+    RankLocal,
+    RNGState,
+    holds_model,
+    initial_source,
+    resume_folder,
+    warn_incomplete_saves,
+    weights_only_loader,
+)
 from titan_lite.config import JobConfig, help_text, parse_args, to_toml, validate
 from titan_lite.data.dataloader import build_dataloader
 from titan_lite.dry_run import dry_run, planned_world_size
@@ -23,7 +31,7 @@ from titan_lite.dtensor import full_tensor
 from titan_lite.errors import ConfigError
 from titan_lite.eval.validate import Validator
 from titan_lite.job.assembly import BuiltModel, WeightLoader, assemble_model, hf_weight_loader
-from titan_lite.job.plan import JobPlan, check_before_launch, check_data, plan_job
+from titan_lite.job.plan import check_before_launch, check_data, plan_job
 from titan_lite.loss import IGNORE_INDEX
 from titan_lite.metrics.flops import num_flops_per_token
 from titan_lite.metrics.logger import MetricsProcessor, init_logger
@@ -58,6 +66,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.device = tl_dist.local_device()
+        tl_dist.configure_flight_recorder(cfg.comm, cfg.job.dump_folder)
         tl_dist.init_process_group(self.device, cfg.comm.init_timeout_seconds)
         self.rank = dist.get_rank()
         self.plan = plan_job(cfg, dist.get_world_size())

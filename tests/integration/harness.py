@@ -46,7 +46,8 @@ def run_train(overrides: list[str], dump_folder: Path, ngpu: int = 1, config: Pa
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        raise AssertionError(f"run_train.sh {' '.join(overrides)} timed out after {timeout}s:\n{stdout[-2000:]}{stderr[-2000:]}")
+        raise AssertionError(f"run_train.sh {' '.join(overrides)} timed out after {timeout}s:\n"
+                             f"{stdout[-2000:]}{stderr[-2000:]}") from None
     output = stdout + stderr
     losses = {int(s): float(v) for s, v in STEP_LINE.findall(ANSI_COLOUR.sub("", output))}
     return Run(proc.returncode, output, Path(dump_folder), losses)

@@ -51,15 +51,18 @@ def test_cp2_tp2_matches_single_process(data, reference_losses, tmp_path):
 
 
 def test_cp2_matches_single_process(data, single_run, reference_losses, tmp_path):
-    # Head-tail balancing (the default); the contiguous split is checked against full attention in test_context_parallel.
-    run = run_train([*data, "--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+    # Head-tail balancing (the default); the contiguous split is checked against full attention in
+    # test_context_parallel.
+    run = run_train([*data, "--parallelism.context_parallel_degree", "2",
+                     "--parallelism.data_parallel_shard_degree", "1",
                      "--training.local_batch_size", str(GLOBAL_BATCH), *VALIDATION], tmp_path, ngpu=2)
     assert_losses_close(run, reference_losses, atol=1e-5)
     assert abs(validation_loss(run) - validation_loss(single_run)) <= 1e-5
 
 
 def test_fsdp2_cp2_matches_single_process(data, reference_losses, tmp_path):
-    run = run_train([*data, "--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+    run = run_train([*data, "--parallelism.context_parallel_degree", "2",
+                     "--parallelism.data_parallel_shard_degree", "2",
                      "--training.local_batch_size", str(GLOBAL_BATCH // 2)], tmp_path, ngpu=4)
     assert "dp_replicate 1 x dp_shard 2 x cp 2 x tp 1" in run.output, run.output[-3000:]
     assert_losses_close(run, reference_losses, atol=1e-5)

@@ -7,12 +7,12 @@ same 8 sequences per step.
 """
 
 import os
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port
 from tests.integration.harness import BASE_TOML, REPO, Run, assert_losses_close, one_window_dataset, run_train
 
 SEQ_LEN = 64
@@ -53,7 +53,8 @@ CASES = [
     ("hsdp_replicate2_shard2", 4, 2, ["--parallelism.data_parallel_replicate_degree", "2"]),
     ("ddp_replicate2", 2, 4, ["--parallelism.data_parallel_replicate_degree", "2"]),
     ("tp2_loss_parallel", 2, 8, ["--parallelism.tensor_parallel_degree", "2"]),
-    ("tp2_no_loss_parallel", 2, 8, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.disable_loss_parallel"]),
+    ("tp2_no_loss_parallel", 2, 8,
+     ["--parallelism.tensor_parallel_degree", "2", "--parallelism.disable_loss_parallel"]),
     ("fsdp2_tp2", 4, 4, ["--parallelism.tensor_parallel_degree", "2"]),
     ("fsdp2_ac_full", 2, 4, ["--activation_checkpoint.mode", "full"]),
     ("fsdp2_ac_selective_op", 2, 4, ["--activation_checkpoint.mode", "selective",
@@ -93,12 +94,6 @@ def test_parity_with_one_process(name, ngpu, local_batch, overrides, data_overri
 # ------------------------------------------------------------------------- two nodes on one machine
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_node(node_rank: int, port: int, overrides: list[str], dump_folder: Path) -> subprocess.Popen:
     """NNODES=2 NODE_RANK=node_rank NGPU=1 ./run_train.sh, as one would type it on each of two machines."""
     env = {**os.environ, "CONFIG_FILE": str(BASE_TOML), "NGPU": "1", "NNODES": "2", "NODE_RANK": str(node_rank),
@@ -110,7 +105,7 @@ def start_node(node_rank: int, port: int, overrides: list[str], dump_folder: Pat
 
 def test_two_nodes_match_one_node(data_overrides, fsdp2_run, tmp_path):
     overrides = [*data_overrides, "--training.local_batch_size", "4"]
-    port = _free_port()
+    port = free_port()
     nodes = [start_node(rank, port, overrides, tmp_path / f"node{rank}") for rank in (0, 1)]
     outputs = []
     for node in nodes:

@@ -1,4 +1,4 @@
-"""Pipeline parallel through run_train.sh: every schedule's per-step losses equal a single-process run on the same batch."""
+"""Pipeline parallel through run_train.sh: each schedule's per-step losses equal a single-process run on one batch."""
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -40,7 +40,8 @@ def reference_two_data_ranks(tmp_path_factory) -> dict[int, float]:
     """One process seeing what two data-parallel ranks see: 2 loader workers read the same two document splits as
     dp ranks 0 and 1 (worker i takes split i of 2), and the loader alternates them, so gradient accumulation over
     2 x 8 sequences forms the same 16-sequence global batch."""
-    run = run_train(["--training.local_batch_size", str(LOCAL_BATCH), "--training.global_batch_size", str(2 * LOCAL_BATCH),
+    run = run_train(["--training.local_batch_size", str(LOCAL_BATCH),
+                     "--training.global_batch_size", str(2 * LOCAL_BATCH),
                      "--training.dataloader.num_workers", "2"], tmp_path_factory.mktemp("single16"), ngpu=1)
     return checked_losses(run, with_validation=False)[0]
 
@@ -72,8 +73,8 @@ def test_pp2_fsdp2_matches_single_process(reference_two_data_ranks, tmp_path):
 
 def test_pp2_tp2_matches_single_process(reference, tmp_path):
     # Sequence-parallel activations cross the stage boundary; the last stage's loss runs on vocab-sharded logits.
-    run = run_train([*PP2, "--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
-                    tmp_path, ngpu=4)
+    run = run_train([*PP2, "--parallelism.tensor_parallel_degree", "2",
+                     "--parallelism.data_parallel_shard_degree", "1"], tmp_path, ngpu=4)
     assert_losses_close(run, reference[0], atol=1e-5)
 
 

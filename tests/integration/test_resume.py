@@ -99,8 +99,9 @@ def test_one_process_resume_is_exact(tmp_path, reference_1p):
     wider = run_train(steps(20) + CKPT + ["--model.flavor", "debugmodel"], tmp_path)
     assert wider.returncode != 0
     errors = re.findall(r"error: .*", wider.output)
-    assert errors == [f"error: checkpoint '{tmp_path / 'checkpoint' / 'step-20'}': tensor 'model.tok_embeddings.weight' "
-                      f"has shape [2048, 64] in the checkpoint but [2048, 256] in this model"], wider.output[-2000:]
+    assert errors == [f"error: checkpoint '{tmp_path / 'checkpoint' / 'step-20'}': "
+                      "tensor 'model.tok_embeddings.weight' has shape [2048, 64] in the checkpoint "
+                      "but [2048, 256] in this model"], wider.output[-2000:]
     assert wider.returncode == 2 and "Traceback" not in wider.output
 
 

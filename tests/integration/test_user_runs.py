@@ -35,7 +35,8 @@ def c4_shard(folder: Path) -> Path:
     path = folder / "c4-train.00000-of-01024.json.gz"
     with gzip.open(path, "wt") as fh:
         for i in range(20):
-            fh.write(json.dumps({"text": f"Document {i}: the quick brown fox jumps over the lazy dog.", "url": "x"}) + "\n")
+            doc = {"text": f"Document {i}: the quick brown fox jumps over the lazy dog.", "url": "x"}
+            fh.write(json.dumps(doc) + "\n")
     return path
 
 
@@ -69,8 +70,8 @@ def test_bad_input_gets_one_line(tmp_path, args, message):
 
 
 def test_logged_lr_is_the_lr_each_step_used_and_traces_are_written(tmp_path):
-    run = run_train(["--profiling.enable_profiling", "--profiling.profile_freq", "2", "--profiling.profiler_warmup", "0",
-                     "--profiling.profiler_active", "1"], tmp_path)
+    run = run_train(["--profiling.enable_profiling", "--profiling.profile_freq", "2",
+                     "--profiling.profiler_warmup", "0", "--profiling.profiler_active", "1"], tmp_path)
     assert run.returncode == 0, run.output[-3000:]
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()

@@ -81,7 +81,7 @@ class _OptimizerPartView(torch.optim.Optimizer):
         self.state = defaultdict(dict, {p: optimizer.state[p] for g in self.param_groups for p in g["params"]
                                         if p in optimizer.state})
 
-    def step(self, closure=None):  # noqa: D102 - never stepped: state is initialised on the real optimizer
+    def step(self, closure=None):  # never stepped: state is initialised on the real optimizer
         raise RuntimeError("an optimizer view is never stepped")
 
 
@@ -96,7 +96,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     for g in optimizer.param_groups:
         g["lr"] = 0.0
     optimizer.step()
-    for g, lr in zip(optimizer.param_groups, lrs):
+    for g, lr in zip(optimizer.param_groups, lrs, strict=True):
         g["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
 
@@ -111,7 +111,7 @@ def _optimizer_views(model_parts: list[nn.Module], optimizer: torch.optim.Optimi
 def optimizer_state_dict(model_parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Flattened, FQN-keyed optimizer state over every model part (resharding-friendly)."""
     state: dict[str, Any] = {}
-    for part, view in zip(model_parts, _optimizer_views(model_parts, optimizer)):
+    for part, view in zip(model_parts, _optimizer_views(model_parts, optimizer), strict=True):
         state.update(get_optimizer_state_dict(part, view, options=OPTIM_OPTIONS))
     return state
 
@@ -119,7 +119,7 @@ def optimizer_state_dict(model_parts: list[nn.Module], optimizer: torch.optim.Op
 def load_optimizer_state_dict(model_parts: list[nn.Module], optimizer: torch.optim.Optimizer,
                               state: dict[str, Any]) -> None:
     views = _optimizer_views(model_parts, optimizer)
-    for part, view in zip(model_parts, views):
+    for part, view in zip(model_parts, views, strict=True):
         set_optimizer_state_dict(part, view, state, options=OPTIM_OPTIONS)
         if view is not optimizer:  # load_state_dict gave the view a fresh state dict: copy it back
             for group in view.param_groups:
@@ -139,7 +139,8 @@ def read_metadata(folder: Path) -> Metadata:
     try:
         return dcp.FileSystemReader(str(folder)).read_metadata()
     except Exception as exc:  # noqa: BLE001 - any unpickling/IO failure means the same thing to the user
-        raise ConfigError(f"checkpoint folder '{folder}' is corrupt: cannot read its .metadata ({type(exc).__name__})") from None
+        raise ConfigError(f"checkpoint folder '{folder}' is corrupt: "
+                          f"cannot read its .metadata ({type(exc).__name__})") from None
 
 
 def has_component(metadata: Metadata, name: str) -> bool:
@@ -166,7 +167,8 @@ def check_tensors_match(folder: Path, metadata: Metadata, state: dict[str, Any],
         if entry is None:
             raise ConfigError(f"checkpoint '{folder}' has no tensor '{fqn}': it was saved from a different model")
         if not isinstance(entry, TensorStorageMetadata):
-            raise ConfigError(f"checkpoint '{folder}' holds '{fqn}' as a non-tensor value: it was saved from a different model")
+            raise ConfigError(f"checkpoint '{folder}' holds '{fqn}' as a non-tensor value: "
+                              "it was saved from a different model")
         if list(entry.size) != _shape(value):
             raise ConfigError(f"checkpoint '{folder}': tensor '{fqn}' has shape {list(entry.size)} in the checkpoint "
                               f"but {_shape(value)} in this model")

@@ -14,11 +14,20 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from titan_lite.dtensor import copy_into_shard, full_tensor
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama.args import LlamaArgs
-from titan_lite.dtensor import copy_into_shard, full_tensor
-from titan_lite.models.llama.hf import (LLAMA_NAMES, HFNames, args_to_hf_config, check_args_against_hf_config, hf_name,
-                                        hf_source_names, read_hf_config, tensor_from_hf, to_hf_state_dict)
+from titan_lite.models.llama.hf import (
+    LLAMA_NAMES,
+    HFNames,
+    args_to_hf_config,
+    check_args_against_hf_config,
+    hf_name,
+    hf_source_names,
+    read_hf_config,
+    tensor_from_hf,
+    to_hf_state_dict,
+)
 from titan_lite.models.llama.model import Llama, canonical_name
 
 SINGLE_FILE = "model.safetensors"

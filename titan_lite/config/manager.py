@@ -16,7 +16,6 @@ except ModuleNotFoundError:  # Python < 3.11
 from titan_lite.config.schema import JobConfig
 from titan_lite.errors import ConfigError
 
-
 # ---------------------------------------------------------------- schema introspection
 
 
@@ -58,9 +57,23 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def choices_of(tp: Any) -> tuple | None:
+    """The allowed values of a `Literal[...]` (or optional Literal) field type; None for other types."""
+    base, _ = _unwrap_optional(tp)
+    return typing.get_args(base) if typing.get_origin(base) is typing.Literal else None
+
+
+def not_one_of(key: str, value: Any, choices: tuple) -> str:
+    """The one-line error for a value outside a Literal field's choices."""
+    return f"'{key}' = {value!r} is not one of: {', '.join(map(str, choices))}"
+
+
 def _type_name(tp: Any) -> str:
     base, optional = _unwrap_optional(tp)
-    if typing.get_origin(base) is list:
+    choices = choices_of(tp)
+    if choices:
+        name, optional = " | ".join(map(str, choices)), optional and "none" not in choices
+    elif typing.get_origin(base) is list:
         name = "a list of strings"
     else:
         name = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[base]
@@ -68,10 +81,16 @@ def _type_name(tp: Any) -> str:
 
 
 def _from_string(key: str, text: str, tp: Any) -> Any:
-    """Convert a command-line string to the field's type."""
+    """Convert a command-line string to the field's type (a Literal value wins over none: it survives to_toml)."""
     base, optional = _unwrap_optional(tp)
+    choices = choices_of(tp) or ()
+    match = [c for c in choices if str(c) == text]
+    if match:
+        return match[0]
     if optional and text.lower() in ("none", "null"):
         return None
+    if choices:
+        raise ConfigError(not_one_of(key, text, choices))
     if typing.get_origin(base) is list:
         return [item.strip() for item in text.split(",") if item.strip()]
     if base is bool:
@@ -92,6 +111,11 @@ def _check_toml_value(key: str, value: Any, tp: Any, source: str) -> Any:
     base, optional = _unwrap_optional(tp)
     if value is None and optional:
         return None
+    choices = choices_of(tp)
+    if choices:
+        if not any(type(c) is type(value) and c == value for c in choices):
+            raise ConfigError(f"{source}: {not_one_of(key, value, choices)}")
+        return value
     if typing.get_origin(base) is list:
         if isinstance(value, str):  # torchtitan users sometimes write "a,b"
             return [v.strip() for v in value.split(",") if v.strip()]
@@ -215,8 +239,7 @@ def help_text() -> str:
             lines.append(f"[{section}]")
         meta = f.metadata
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        extra = f" choices: {', '.join(meta['choices'])}." if meta.get("choices") else ""
-        extra += " (not supported: must stay at its default)" if meta.get("unsupported") else ""
+        extra = " (not supported: must stay at its default)" if meta.get("unsupported") else ""
         lines.append(f"  --{key} ({_type_name(tp)}, default {default!r}): {meta['help']}{extra}")
     return "\n".join(lines)
 

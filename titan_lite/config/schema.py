@@ -1,17 +1,20 @@
 """The job config schema: one dataclass per TOML section, every field documented where it is declared.
 
-Section and key names follow torchtitan v0.2.2. Keys of torchtitan features that titan_lite does not
-implement are declared with `unsupported=...`: they load while they keep their inert default and are
-refused with one line when switched on.
+Section and key names follow torchtitan v0.2.2. A key with a fixed set of values is typed `Literal[...]`:
+the loader, `validate` and `--help` take the allowed values from the type. Keys of torchtitan features that
+titan_lite does not implement are declared with `unsupported=...`: they load while they keep their inert
+default and are refused with one line when switched on.
 """
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+PipelineSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"]
 
 
-def opt(default: Any, help: str, *, choices: tuple | None = None, unsupported: str | None = None) -> Any:
-    """A config field: its default, its documentation, optional allowed values, and whether it is inert."""
-    meta = {"help": help, "choices": choices, "unsupported": unsupported}
+def opt(default: Any, help: str, *, unsupported: str | None = None) -> Any:
+    """A config field: its default, its documentation, and whether it is inert (a Literal type lists its values)."""
+    meta = {"help": help, "unsupported": unsupported}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -19,7 +22,7 @@ def opt(default: Any, help: str, *, choices: tuple | None = None, unsupported: s
 
 def section(cls: type, help: str) -> Any:
     """A nested section (a sub-table such as [training.dataloader])."""
-    return field(default_factory=cls, metadata={"help": help, "choices": None, "unsupported": None})
+    return field(default_factory=cls, metadata={"help": help, "unsupported": None})
 
 
 @dataclass
@@ -28,9 +31,11 @@ class Job:
     dump_folder: str = opt("./outputs", "Folder for every output of the run: TensorBoard, traces, checkpoints.")
     description: str = opt("default job", "Free text describing the job, printed at start.")
     print_config: bool = opt(False, "Print the resolved config (TOML + overrides) at start.")
-    save_config_file: str | None = opt(None, "If set, write the resolved config as TOML to this file under dump_folder.")
-    custom_config_module: str = opt("", "torchtitan's custom config extension module.",
-                                    unsupported="custom config modules are not supported; every key lives in titan_lite's schema")
+    save_config_file: str | None = opt(
+        None, "If set, write the resolved config as TOML to this file under dump_folder.")
+    custom_config_module: str = opt(
+        "", "torchtitan's custom config extension module.",
+        unsupported="custom config modules are not supported; every key lives in titan_lite's schema")
 
 
 @dataclass
@@ -40,7 +45,8 @@ class Profiling:
     profile_freq: int = opt(10, "Record one profiled window every this many steps.")
     profiler_active: int = opt(1, "Steps recorded in each profiled window.")
     profiler_warmup: int = opt(3, "Warm-up steps before each profiled window.")
-    enable_memory_snapshot: bool = opt(False, "Dump CUDA allocator memory snapshots (CUDA only; ignored with a warning elsewhere).")
+    enable_memory_snapshot: bool = opt(
+        False, "Dump CUDA allocator memory snapshots (CUDA only; ignored with a warning elsewhere).")
     save_memory_snapshot_folder: str = opt("memory_snapshot", "Memory snapshot folder, relative to dump_folder.")
 
 
@@ -50,44 +56,55 @@ class Metrics:
     enable_tensorboard: bool = opt(False, "Write the logged scalars to TensorBoard event files.")
     disable_color_printing: bool = opt(False, "Print metrics without ANSI colours.")
     save_tb_folder: str = opt("tb", "TensorBoard folder, relative to dump_folder.")
-    save_for_all_ranks: bool = opt(False, "Write TensorBoard files for every rank (each in its own rank_N folder), not just rank 0.")
-    enable_wandb: bool = opt(False, "Weights & Biases logging.", unsupported="wandb logging is not part of titan_lite; use TensorBoard")
+    save_for_all_ranks: bool = opt(
+        False, "Write TensorBoard files for every rank (each in its own rank_N folder), not just rank 0.")
+    enable_wandb: bool = opt(
+        False, "Weights & Biases logging.", unsupported="wandb logging is not part of titan_lite; use TensorBoard")
 
 
 @dataclass
 class Model:
-    name: str = opt("llama3", "Model family.", choices=("llama3", "llama2", "llama"))
+    name: Literal["llama3", "llama2", "llama"] = opt("llama3", "Model family.")
     flavor: str = opt("debugmodel", "Model size preset: debugmodel, smollm2_135M, 1B, 3B, 8B, 70B, 405B, llama2_7B.")
-    hf_assets_path: str | None = opt("./assets/tokenizer", "Folder with tokenizer files (tokenizer.model or tokenizer.json) and, optionally, HF config.json and weights.")
-    tokenizer_path: str | None = opt(None, "Deprecated torchtitan key: a tokenizer file or folder; overrides hf_assets_path for the tokenizer.")
-    converters: list[str] = opt([], "Model transforms applied on the meta model before parallelism, in order (e.g. lora,prune).")
+    hf_assets_path: str | None = opt(
+        "./assets/tokenizer", "Folder with tokenizer files (tokenizer.model or tokenizer.json) and, optionally, HF "
+        "config.json and weights.")
+    tokenizer_path: str | None = opt(
+        None, "Deprecated torchtitan key: a tokenizer file or folder; overrides hf_assets_path for the tokenizer.")
+    converters: list[str] = opt(
+        [], "Model transforms applied on the meta model before parallelism, in order (e.g. lora,prune).")
     print_after_conversion: bool = opt(False, "Print the model after the transforms ran.")
 
 
 @dataclass
 class Optimizer:
-    name: str = opt("AdamW", "Optimizer.", choices=("AdamW", "Adam"))
+    name: Literal["AdamW", "Adam"] = opt("AdamW", "Optimizer.")
     lr: float = opt(8e-4, "Peak learning rate.")
     beta1: float = opt(0.9, "Adam beta1.")
     beta2: float = opt(0.95, "Adam beta2.")
     eps: float = opt(1e-8, "Adam epsilon.")
     weight_decay: float = opt(0.1, "Decoupled weight decay.")
-    implementation: str = opt("fused", "Kernel: fused, foreach or for-loop; fused falls back to foreach where the device has no fused kernel.",
-                              choices=("fused", "foreach", "for-loop"))
+    implementation: Literal["fused", "foreach", "for-loop"] = opt(
+        "fused", "Kernel: fused, foreach or for-loop; fused falls back to foreach where the device has no "
+        "fused kernel.")
     early_step_in_backward: bool = opt(False, "Step the optimizer inside backward.",
                                        unsupported="early_step_in_backward is not implemented")
 
 
 @dataclass
 class LRScheduler:
-    name: str = opt("wsd", "Schedule: wsd (linear warmup, optional stable phase, decay) or greedy (warmup, then adapt the LR to the loss).",
-                    choices=("wsd", "greedy"))
+    name: Literal["wsd", "greedy"] = opt(
+        "wsd", "Schedule: wsd (linear warmup, optional stable phase, decay) or greedy (warmup, then adapt the LR to "
+        "the loss).")
     warmup_steps: int = opt(200, "Steps of linear warmup from near zero to the peak LR.")
     total_steps: int | None = opt(None, "Length of the schedule; defaults to training.steps.")
-    decay_ratio: float | None = opt(None, "Fraction of steps spent decaying; None decays straight after warmup (no stable phase).")
-    decay_type: str = opt("linear", "Shape of the decay.", choices=("linear", "sqrt", "cosine"))
+    decay_ratio: float | None = opt(
+        None, "Fraction of steps spent decaying; None decays straight after warmup (no stable phase).")
+    decay_type: Literal["linear", "sqrt", "cosine"] = opt("linear", "Shape of the decay.")
     min_lr_factor: float = opt(0.0, "LR at the end of decay, as a fraction of the peak LR.")
-    greedy_factor: float = opt(1.1, "greedy: multiply the LR by this after `greedy_patience` improving steps, divide by it after as many worsening ones.")
+    greedy_factor: float = opt(
+        1.1, "greedy: multiply the LR by this after `greedy_patience` improving steps, divide by it after as many "
+        "worsening ones.")
     greedy_patience: int = opt(10, "greedy: steps of consistent improvement or worsening before the LR changes.")
     greedy_smoothing: float = opt(0.9, "greedy: exponential smoothing of the loss (0 = raw loss).")
     greedy_min_lr_factor: float = opt(0.01, "greedy: lower bound of the LR, as a fraction of the peak LR.")
@@ -105,18 +122,24 @@ class DataLoader:
 
 @dataclass
 class Training:
-    dataset: str = opt("shakespeare", "Dataset: shakespeare (bundled), c4, c4_test, text, jsonl; c4/text/jsonl read training.dataset_path.")
-    dataset_path: str | None = opt(None, "Local file or folder of .txt, .jsonl, .json.gz shards (one JSON object per line with a 'text' field).")
+    dataset: str = opt(
+        "shakespeare", "Dataset: shakespeare (bundled), c4, c4_test, text, jsonl; c4/text/jsonl read "
+        "training.dataset_path.")
+    dataset_path: str | None = opt(
+        None, "Local file or folder of .txt, .jsonl, .json.gz shards (one JSON object per line with a 'text' field).")
     local_batch_size: int = opt(8, "Sequences per micro-batch on each data-parallel rank.")
-    global_batch_size: int = opt(-1, "Sequences per optimizer step over all ranks; -1 = local_batch_size x data-parallel degree (no accumulation).")
+    global_batch_size: int = opt(
+        -1, "Sequences per optimizer step over all ranks; -1 = local_batch_size x data-parallel degree "
+        "(no accumulation).")
     seq_len: int = opt(2048, "Tokens per sequence.")
     max_norm: float = opt(1.0, "Clip the global gradient norm to this (0 or less disables clipping).")
     steps: int = opt(10000, "Optimizer steps to train.")
     enable_cpu_offload: bool = opt(False, "FSDP2 CPU offload of parameters, gradients and optimizer state.")
-    dtype: str = opt("float32", "Parameter dtype outside FSDP mixed precision.", choices=("float32", "bfloat16"))
-    mixed_precision_param: str = opt("auto", "Compute dtype: FSDP2 parameter dtype, or the autocast dtype without FSDP; auto = bfloat16 on accelerators, float32 on CPU (bf16 matmuls are very slow on most CPUs).",
-                                    choices=("auto", "float32", "bfloat16", "float16"))
-    mixed_precision_reduce: str = opt("float32", "FSDP2 gradient reduction dtype.", choices=("float32", "bfloat16"))
+    dtype: Literal["float32", "bfloat16"] = opt("float32", "Parameter dtype outside FSDP mixed precision.")
+    mixed_precision_param: Literal["auto", "float32", "bfloat16", "float16"] = opt(
+        "auto", "Compute dtype: FSDP2 parameter dtype, or the autocast dtype without FSDP; auto = bfloat16 on "
+        "accelerators, float32 on CPU (bf16 matmuls are very slow on most CPUs).")
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = opt("float32", "FSDP2 gradient reduction dtype.")
     gc_freq: int = opt(50, "Run Python's garbage collector every this many steps (automatic gc is disabled).")
     gc_debug: bool = opt(False, "Collect garbage every step to find reference cycles.")
     dataloader: DataLoader = section(DataLoader, "DataLoader options.")
@@ -125,48 +148,67 @@ class Training:
 @dataclass
 class Parallelism:
     data_parallel_replicate_degree: int = opt(1, "Replicas of the model (DDP/HSDP replicate dimension).")
-    data_parallel_shard_degree: int = opt(-1, "FSDP shard degree; -1 = whatever the other degrees leave of the world size.")
-    fsdp_reshard_after_forward: str = opt("default", "Free unsharded parameters after forward: default (yes, except with PP), always, never.",
-                                          choices=("default", "always", "never"))
+    data_parallel_shard_degree: int = opt(
+        -1, "FSDP shard degree; -1 = whatever the other degrees leave of the world size.")
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = opt(
+        "default", "Free unsharded parameters after forward: default (yes, except with PP), always, never.")
     tensor_parallel_degree: int = opt(1, "Tensor parallel degree (with sequence parallel).")
     disable_loss_parallel: bool = opt(False, "Gather logits before the loss instead of computing it sharded over TP.")
-    enable_async_tensor_parallel: bool = opt(False, "Async TP.", unsupported="async tensor parallel needs CUDA symmetric memory and is not implemented")
+    enable_async_tensor_parallel: bool = opt(
+        False, "Async TP.", unsupported="async tensor parallel needs CUDA symmetric memory and is not implemented")
     pipeline_parallel_degree: int = opt(1, "Pipeline stages over ranks.")
-    module_fqns_per_model_part: list[str] | None = opt(None, "Explicit module names per pipeline stage.",
-                                                       unsupported="module_fqns_per_model_part is not implemented; use pipeline_parallel_layers_per_stage")
-    pipeline_parallel_first_stage_less_layers: int = opt(1, "Layers fewer on the first stage (it also holds the embeddings).")
-    pipeline_parallel_last_stage_less_layers: int = opt(1, "Layers fewer on the last stage (it also holds the output head).")
-    pipeline_parallel_layers_per_stage: int | None = opt(None, "Transformer layers per virtual stage; None = split evenly.")
-    pipeline_parallel_schedule: str = opt("1F1B", "Pipeline schedule.",
-                                          choices=("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"))
-    pipeline_parallel_schedule_csv: str | None = opt(None, "Custom schedule CSV.", unsupported="CSV pipeline schedules are not implemented")
+    module_fqns_per_model_part: list[str] | None = opt(
+        None, "Explicit module names per pipeline stage.",
+        unsupported="module_fqns_per_model_part is not implemented; use pipeline_parallel_layers_per_stage")
+    pipeline_parallel_first_stage_less_layers: int = opt(
+        1, "Layers fewer on the first stage (it also holds the embeddings).")
+    pipeline_parallel_last_stage_less_layers: int = opt(
+        1, "Layers fewer on the last stage (it also holds the output head).")
+    pipeline_parallel_layers_per_stage: int | None = opt(
+        None, "Transformer layers per virtual stage; None = split evenly.")
+    pipeline_parallel_schedule: PipelineSchedule = opt("1F1B", "Pipeline schedule.")
+    pipeline_parallel_schedule_csv: str | None = opt(
+        None, "Custom schedule CSV.", unsupported="CSV pipeline schedules are not implemented")
     pipeline_parallel_microbatch_size: int = opt(1, "Sequences per pipeline micro-batch.")
     pipeline_parallel_expert_parallel_overlap: bool = opt(False, "MoE overlap; inert for Llama.")
     context_parallel_degree: int = opt(1, "Context parallel degree (sequence split for attention).")
-    context_parallel_load_balancer: str | None = opt("headtail", "Causal load balancing: headtail (2 x CP chunks) or none.")
-    context_parallel_rotate_method: str = opt("allgather", "How K/V reach other ranks; titan_lite all-gathers.", choices=("allgather", "alltoall"))
-    expert_parallel_degree: int = opt(1, "Expert parallel degree (MoE only).", unsupported="expert parallelism is for MoE models; Llama has no experts")
-    expert_tensor_parallel_degree: int = opt(1, "Expert tensor parallel degree (MoE only).", unsupported="expert parallelism is for MoE models; Llama has no experts")
+    context_parallel_load_balancer: Literal["headtail", "none"] | None = opt(
+        "headtail", "Causal load balancing: headtail (2 x CP chunks), or none (None also means none).")
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] = opt(
+        "allgather", "How K/V reach other ranks; titan_lite all-gathers.")
+    expert_parallel_degree: int = opt(
+        1, "Expert parallel degree (MoE only).",
+        unsupported="expert parallelism is for MoE models; Llama has no experts")
+    expert_tensor_parallel_degree: int = opt(
+        1, "Expert tensor parallel degree (MoE only).",
+        unsupported="expert parallelism is for MoE models; Llama has no experts")
     expert_parallel_comm_backend: str = opt("standard", "MoE all-to-all backend; inert for Llama.")
 
 
 @dataclass
 class Checkpoint:
     enable: bool = opt(False, "Save distributed checkpoints and resume from the newest complete one.")
-    enable_ft_dataloader_checkpoints: bool = opt(False, "torchft dataloader checkpoints.", unsupported="fault tolerance (torchft) is not part of titan_lite")
+    enable_ft_dataloader_checkpoints: bool = opt(
+        False, "torchft dataloader checkpoints.", unsupported="fault tolerance (torchft) is not part of titan_lite")
     folder: str = opt("checkpoint", "Checkpoint folder, relative to dump_folder.")
     interval: int = opt(500, "Save every this many steps (and at the last step).")
-    initial_load_path: str | None = opt(None, "Checkpoint (DCP folder, or HF folder with initial_load_in_hf) to start from when no checkpoint of this run exists.")
+    initial_load_path: str | None = opt(
+        None, "Checkpoint (DCP folder, or HF folder with initial_load_in_hf) to start from when no checkpoint of this "
+        "run exists.")
     initial_load_model_only: bool = opt(True, "Load only model weights from initial_load_path.")
-    initial_load_in_hf: bool = opt(False, "initial_load_path (default hf_assets_path) is a Hugging Face safetensors folder.")
-    initial_load_in_hf_quantized: bool = opt(False, "Quantized HF weights.", unsupported="quantized HF checkpoints are not supported")
+    initial_load_in_hf: bool = opt(
+        False, "initial_load_path (default hf_assets_path) is a Hugging Face safetensors folder.")
+    initial_load_in_hf_quantized: bool = opt(
+        False, "Quantized HF weights.", unsupported="quantized HF checkpoints are not supported")
     last_save_model_only: bool = opt(True, "The final save holds model weights only (in export_dtype).")
     last_save_in_hf: bool = opt(False, "At the end of training, also export a Hugging Face folder.")
-    export_dtype: str = opt("float32", "Dtype of model-only and HF exports.", choices=("float32", "bfloat16", "float16"))
-    async_mode: str = opt("disabled", "disabled, or async (save in a background thread).", choices=("disabled", "async", "async_with_pinned_mem"))
+    export_dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "Dtype of model-only and HF exports.")
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = opt(
+        "disabled", "disabled, or async (save in a background thread).")
     keep_latest_k: int = opt(10, "Keep only the newest k complete checkpoints (0 keeps all).")
     load_step: int = opt(-1, "Resume from this step instead of the newest (-1 = newest).")
-    exclude_from_loading: list[str] = opt([], "State keys not loaded on resume (model, optimizer, lr_scheduler, dataloader, train_state, rng).")
+    exclude_from_loading: list[str] = opt(
+        [], "State keys not loaded on resume (model, optimizer, lr_scheduler, dataloader, train_state, rng).")
     enable_first_step_checkpoint: bool = opt(False, "Also save right after step 1.")
     create_seed_checkpoint: bool = opt(False, "Initialise the model on one process, save it as step 0 and exit.")
     load_only: bool = opt(False, "Load checkpoints but never save.")
@@ -174,14 +216,20 @@ class Checkpoint:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = opt("selective", "Activation checkpointing: none, full, selective.", choices=("none", "full", "selective", "memory_budget"))
-    selective_ac_option: str = opt("2", "selective: 'op' for per-op SAC, or an integer N to checkpoint every N-th layer.")
-    per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = opt(["moe.router.gate"], "Linear layers whose mm is always recomputed under op SAC.")
+    mode: Literal["none", "full", "selective", "memory_budget"] = opt(
+        "selective", "Activation checkpointing: none, full or selective (memory_budget is refused).")
+    selective_ac_option: str = opt(
+        "2", "selective: 'op' for per-op SAC, or an integer N to checkpoint every N-th layer.")
+    per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = opt(
+        ["moe.router.gate"], "op SAC: always recompute the mm of the Linear layers whose name in a block ends with "
+        "one of these (matched by weight shape: any mm of that shape is recomputed). The default matches nothing in "
+        "Llama.")
     early_stop: bool = opt(False, "Stop recomputation early (non-reentrant checkpoint).")
     memory_budget: float = opt(0.5, "Compiler memory budget.", unsupported=None)
-    visualize_memory_budget_pareto: bool = opt(False, "Plot the memory budget Pareto front.", unsupported="memory_budget AC is not implemented")
+    visualize_memory_budget_pareto: bool = opt(
+        False, "Plot the memory budget Pareto front.", unsupported="memory_budget AC is not implemented")
     preserve_rng_state: bool = opt(False, "Restore RNG state when recomputing (needed with dropout; Llama has none).")
-    determinism_check: str = opt("default", "torch.utils.checkpoint determinism check.")
+    determinism_check: Literal["default", "none"] = opt("default", "torch.utils.checkpoint determinism check.")
     debug: bool = opt(False, "torch.utils.checkpoint debug mode.")
 
 
@@ -196,11 +244,12 @@ class Compile:
 class Comm:
     init_timeout_seconds: int = opt(300, "Process-group timeout until the first step ends.")
     train_timeout_seconds: int = opt(100, "Process-group timeout after the first step.")
-    trace_buf_size: int = opt(20000, "Flight-recorder buffer entries (0 disables).")
-    save_traces_folder: str = opt("comm_traces", "Flight-recorder dump folder, relative to dump_folder.")
-    save_traces_file_prefix: str = opt("rank_", "Flight-recorder file prefix.")
-    mode: str = opt("default", "default, or fake_backend (plan in one process; what DRY_RUN=1 uses).",
-                    choices=("default", "fake_backend", "local_tensor"))
+    trace_buf_size: int = opt(20000, "NCCL flight recorder: collectives kept per rank, dumped on a timeout "
+                                     "(0 disables; inert on gloo).")
+    save_traces_folder: str = opt("comm_traces", "NCCL flight-recorder dump folder, relative to dump_folder.")
+    save_traces_file_prefix: str = opt("rank_", "NCCL flight-recorder dump file prefix (the rank is appended).")
+    mode: Literal["default", "fake_backend", "local_tensor"] = opt(
+        "default", "default, or fake_backend (plan in one process; what DRY_RUN=1 uses).")
 
 
 @dataclass
@@ -225,24 +274,28 @@ class Debug:
 
 @dataclass
 class DryRun:
-    device_memory_gib: float | None = opt(None, "Memory per device for the DRY_RUN verdict; default the visible GPU's, else 80.")
+    device_memory_gib: float | None = opt(
+        None, "Memory per device for the DRY_RUN verdict; default the visible GPU's, else 80.")
 
 
 @dataclass
 class MemoryEstimation:
-    enable: bool = opt(False, "torchtitan's memory estimation.", unsupported="use DRY_RUN=1, which plans the job and estimates memory")
+    enable: bool = opt(
+        False, "torchtitan's memory estimation.", unsupported="use DRY_RUN=1, which plans the job and estimates memory")
     disable_fake_mode: bool = opt(False, "torchtitan's memory estimation without fake tensors.")
 
 
 @dataclass
 class FaultTolerance:
-    enable: bool = opt(False, "torchft fault tolerance.", unsupported="fault tolerance (torchft) is not part of titan_lite")
+    enable: bool = opt(
+        False, "torchft fault tolerance.", unsupported="fault tolerance (torchft) is not part of titan_lite")
     process_group: str = opt("gloo", "torchft process group.")
     process_group_timeout_ms: int = opt(10000, "torchft timeout.")
     replica_id: int = opt(0, "torchft replica id.")
     group_size: int = opt(0, "torchft group size.")
     min_replica_size: int = opt(1, "torchft minimum replicas.")
-    semi_sync_method: str | None = opt(None, "torchft semi-sync method.", unsupported="fault tolerance (torchft) is not part of titan_lite")
+    semi_sync_method: str | None = opt(
+        None, "torchft semi-sync method.", unsupported="fault tolerance (torchft) is not part of titan_lite")
 
 
 @dataclass

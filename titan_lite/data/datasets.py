@@ -42,7 +42,8 @@ def _is_shard(path: Path) -> bool:
 def _dataset_root(dataset: str, dataset_path: str | None, key_prefix: str) -> Path:
     """The file or folder a dataset reads; a given dataset_path overrides the bundled corpus."""
     if dataset not in BUNDLED_DATASETS and dataset not in LOCAL_DATASETS:
-        raise ConfigError(f"'{key_prefix}.dataset' = '{dataset}' is unknown; known datasets: {', '.join(known_datasets())}")
+        raise ConfigError(f"'{key_prefix}.dataset' = '{dataset}' is unknown; "
+                          f"known datasets: {', '.join(known_datasets())}")
     if dataset_path is not None:
         return Path(dataset_path)
     if dataset in BUNDLED_DATASETS:
@@ -89,6 +90,10 @@ class StreamPosition:
     doc: int = 0
 
 
+# A document as read: its text (None when it belongs to another split) and the stream position after it.
+Document = tuple[str | None, StreamPosition]
+
+
 def _open_lines(path: Path) -> BinaryIO:
     return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
 
@@ -104,7 +109,8 @@ def _text_of_json_line(raw: bytes, path: Path, line_no: int) -> str:
     try:
         record = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ConfigError(f"{path}:{line_no}: not valid JSON; each line must be an object with a \"text\" string") from None
+        raise ConfigError(f"{path}:{line_no}: not valid JSON; "
+                          "each line must be an object with a \"text\" string") from None
     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
         raise ConfigError(f"{path}:{line_no}: no \"text\" string; each line must be an object with a \"text\" string")
     return record["text"]
@@ -120,18 +126,19 @@ class DocumentStream:
         """Yield (text, position after it) for the documents whose global index is rank mod world."""
         position = start
         while position.shard < len(self.shards):
-            for text, position in self._read_shard(position, rank, world):
+            end = position
+            for text, end in self._read_shard(position, rank, world):
                 if text is not None:
-                    yield text, position
-            position = StreamPosition(shard=position.shard + 1, doc=position.doc)
+                    yield text, end
+            position = StreamPosition(shard=position.shard + 1, doc=end.doc)
 
-    def _read_shard(self, start: StreamPosition, rank: int, world: int) -> Iterator[tuple[str | None, StreamPosition]]:
+    def _read_shard(self, start: StreamPosition, rank: int, world: int) -> Iterator[Document]:
         """Every document of one shard from `start` on, as text for this split and None for the others."""
         if self.shards[start.shard].suffix == ".txt":
             return self._read_text_file(start, rank, world)
         return self._read_json_lines(start, rank, world)
 
-    def _read_text_file(self, start: StreamPosition, rank: int, world: int) -> Iterator[tuple[str | None, StreamPosition]]:
+    def _read_text_file(self, start: StreamPosition, rank: int, world: int) -> Iterator[Document]:
         """A .txt file is one document; a finished file has line == 1."""
         if start.line > 0:
             return
@@ -139,7 +146,7 @@ class DocumentStream:
         text = _read_utf8(path) if start.doc % world == rank else None
         yield text, StreamPosition(start.shard, 1, path.stat().st_size, start.doc + 1)
 
-    def _read_json_lines(self, start: StreamPosition, rank: int, world: int) -> Iterator[tuple[str | None, StreamPosition]]:
+    def _read_json_lines(self, start: StreamPosition, rank: int, world: int) -> Iterator[Document]:
         """One document per non-blank line; lines of other splits are counted but not parsed."""
         path = self.shards[start.shard]
         line_no, byte, doc = start.line, start.byte, start.doc
@@ -262,7 +269,5 @@ def build_packed_dataset(dataset: str, dataset_path: str | None, tokenizer: Toke
     """The packed, rank-split dataset named `dataset` (see known_datasets())."""
     if not 0 <= dp_rank < dp_world_size:
         raise ConfigError(f"data-parallel rank {dp_rank} is outside 0..{dp_world_size - 1}")
-    if seq_len < 1:
-        raise ConfigError(f"'{key_prefix}.seq_len' must be at least 1, got {seq_len}")
     stream = DocumentStream(resolve_shards(dataset, dataset_path, key_prefix))
     return PackedDataset(dataset, stream, tokenizer, seq_len, dp_rank, dp_world_size, infinite)

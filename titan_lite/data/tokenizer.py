@@ -8,8 +8,9 @@ import functools
 import json
 import re
 import unicodedata
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import sentencepiece
 import tiktoken
@@ -155,7 +156,7 @@ def _load_sentencepiece(proto: bytes) -> sentencepiece.SentencePieceProcessor | 
     processor = sentencepiece.SentencePieceProcessor()
     try:
         processor.LoadFromSerializedProto(proto)
-    except Exception:  # sentencepiece raises RuntimeError/OSError depending on the failure
+    except Exception:  # noqa: BLE001 - sentencepiece raises RuntimeError or OSError depending on the failure
         return None
     return processor if processor.get_piece_size() > 0 else None
 
@@ -195,7 +196,7 @@ def _class_body(spans: list[tuple[int, int]]) -> str:
     return "".join(f"\\U{lo:08x}" if lo == hi else f"\\U{lo:08x}-\\U{hi:08x}" for lo, hi in merged)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _property_body(name: str) -> str:
     name = _LONG_PROPERTY_NAMES.get(name, name)
     spans = _category_spans()
@@ -255,7 +256,7 @@ def translate_regex(pattern: str) -> str:
     return "".join(out)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compile_pattern(pattern: str) -> re.Pattern[str]:
     """A tiktoken/Oniguruma pre-tokenizer pattern compiled with Python's `re`."""
     return re.compile(translate_regex(pattern))

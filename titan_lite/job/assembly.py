@@ -1,6 +1,7 @@
 """Model assembly, the one path every entry point takes: meta model, transforms, pipeline split, parallelize,
 materialise, init, initial weights, transforms after load."""
 
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -102,7 +103,7 @@ def calibration_source(plan: JobPlan, device: torch.device):
     def batches(dataset: str, path: str | None, nsamples: int, seq_len: int,
                 batch_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         packed = build_packed_dataset(dataset, path, plan.tokenizer, seq_len, 0, 1, infinite=False)
-        windows = [pair for _, pair in zip(range(nsamples), packed)]
+        windows = list(itertools.islice(packed, nsamples))
         if dims.dp_degree > 1:
             mesh = dims.submesh("batch")
             windows = windows[mesh.get_local_rank()::mesh.size()]

@@ -14,6 +14,7 @@ from titan_lite.data.tokenizer import Tokenizer, build_tokenizer
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama import Llama, LlamaArgs, flavor_args
 from titan_lite.models.llama.hf import check_args_against_hf_config
+from titan_lite.parallel.context_parallel import check_sequence_lengths
 from titan_lite.parallel.fsdp import check_cpu_offload
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.pipeline import check_pipeline_config
@@ -97,6 +98,7 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
     check_tp_divisibility(args, p.tensor_parallel_degree)
     if p.pipeline_parallel_degree > 1:
         check_pipeline_config(cfg, args.n_layers, args.tie_word_embeddings)
+    check_sequence_lengths(cfg)
     dims = ParallelDims.from_config(p, world_size)
     check_cpu_offload(cfg, dims)
     check_seed_checkpoint_layout(cfg, dims)

@@ -66,7 +66,8 @@ def gpu_peak_flops_by_name(device_name: str) -> float:
     for pattern, flops in _GPU_BF16_PEAKS:
         if pattern.lower() in device_name.lower():
             return flops
-    logger.warning("Peak FLOP/s of GPU '%s' is unknown; MFU uses A100's %.0f TFLOP/s", device_name, A100_BF16_PEAK / 1e12)
+    logger.warning("Peak FLOP/s of GPU '%s' is unknown; MFU uses A100's %.0f TFLOP/s",
+                   device_name, A100_BF16_PEAK / 1e12)
     return A100_BF16_PEAK
 
 

@@ -1,4 +1,4 @@
-"""Training metrics: the `titan_lite` console logger and the per-window throughput/MFU/memory report (console + TensorBoard)."""
+"""Training metrics: the `titan_lite` console logger and the per-window throughput/MFU/memory report."""
 
 import logging
 import os
@@ -32,15 +32,14 @@ class _StdoutHandler(logging.StreamHandler):
         pass
 
 
-def init_logger() -> logging.Logger:
-    """Make the `titan_lite` logger print INFO and above as '[titan_lite] <time> <level> message' to stdout (idempotent)."""
+def init_logger() -> None:
+    """Make the `titan_lite` logger print INFO and up as "[titan_lite] <time> <level> message" on stdout, once."""
     if not any(getattr(h, "_titan_lite", False) for h in logger.handlers):
         handler = _StdoutHandler()
         handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%Y-%m-%d %H:%M:%S"))
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False  # a root handler configured by someone else would print every line twice
-    return logger
 
 
 @dataclass(frozen=True)

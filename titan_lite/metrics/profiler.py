@@ -23,7 +23,7 @@ def _rank() -> int:
 
 
 def profiler_windows(profile_freq: int, warmup: int, active: int) -> tuple[int, int, int]:
-    """(wait, warmup, active) filling one `profile_freq`-step cycle; shrinks warmup, then active, to fit (with a warning)."""
+    """(wait, warmup, active) filling one `profile_freq`-step cycle; shrinks warmup, then active, to fit (warning)."""
     fitted_active = max(1, min(active, profile_freq))
     fitted_warmup = max(0, min(warmup, profile_freq - fitted_active))
     if (fitted_warmup, fitted_active) != (warmup, active):

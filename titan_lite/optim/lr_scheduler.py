@@ -7,7 +7,8 @@ import torch
 from titan_lite.config.schema import LRScheduler
 
 
-def wsd_factor(step: int, warmup: int, total: int, decay_ratio: float | None, decay_type: str, min_factor: float) -> float:
+def wsd_factor(step: int, warmup: int, total: int, decay_ratio: float | None, decay_type: str,
+               min_factor: float) -> float:
     """LR multiplier after `step` optimizer steps: linear warmup, a stable phase, then decay to min_factor.
 
     decay_ratio None decays straight after warmup. Warmup starts at 1/(warmup+1), never at zero.

@@ -1,4 +1,4 @@
-"""Context parallelism: sequence sharding (head-tail load balancing), all-gather K/V attention, RoPE at global positions.
+"""Context parallelism: sequence sharding (head-tail balancing), all-gather K/V attention, RoPE at global positions.
 
 Each CP rank holds a slice of every sequence. Attention all-gathers K and V over the CP group (the Llama 3 paper's
 approach, which runs on any backend including gloo) and attends its local queries to the whole sequence under the
@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titan_lite.config.schema import JobConfig
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama.model import grouped_attention
 
@@ -43,6 +44,30 @@ def shard_positions(seq_len: int, cp_rank: int, cp_size: int, load_balancer: str
     chunk = seq_len // n_chunks
     chunk_ids = [cp_rank, n_chunks - 1 - cp_rank] if n_chunks == 2 * cp_size else [cp_rank]
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in chunk_ids])
+
+
+def check_sequence_lengths(cfg: JobConfig) -> None:
+    """Context parallel cuts each sequence into equal chunks (2 x CP with head-tail balancing), which sequence
+    parallel then splits over TP again: training and validation lengths must divide evenly."""
+    p = cfg.parallelism
+    if p.context_parallel_degree == 1:
+        return
+    if p.context_parallel_rotate_method != "allgather":
+        raise ConfigError(f"'parallelism.context_parallel_rotate_method' = {p.context_parallel_rotate_method!r} is "
+                          "not supported: titan_lite's context parallel all-gathers K/V; use allgather")
+    chunks = chunks_per_sequence(p.context_parallel_degree, p.context_parallel_load_balancer)
+    factor = chunks * p.tensor_parallel_degree
+    parts = ["2"] if chunks > p.context_parallel_degree else []
+    parts.append(f"context_parallel_degree {p.context_parallel_degree}")
+    if p.tensor_parallel_degree > 1:
+        parts.append(f"tensor_parallel_degree {p.tensor_parallel_degree}")
+    lengths = [("training.seq_len", cfg.training.seq_len)]
+    if cfg.validation.enable:
+        lengths.append(("validation.seq_len", cfg.validation.seq_len))
+    for key, seq_len in lengths:
+        if seq_len % factor:
+            raise ConfigError(f"'{key}' = {seq_len} must be divisible by {factor} ({' x '.join(parts)}) "
+                              "for context parallelism")
 
 
 def all_shard_positions(seq_len: int, cp_size: int, load_balancer: str | None,
@@ -143,7 +168,7 @@ class GlobalRopePositions:
 # ------------------------------------------------------------------------------------------ apply
 
 
-def apply_cp(model: nn.Module, parallel_dims, cfg) -> nn.Module:
+def apply_cp(model: nn.Module, parallel_dims, cfg) -> None:
     """Swap every block's inner attention for ContextParallelAttention and make RoPE use global positions."""
     group = parallel_dims.submesh("cp").get_group()
     load_balancer = cfg.parallelism.context_parallel_load_balancer
@@ -153,10 +178,10 @@ def apply_cp(model: nn.Module, parallel_dims, cfg) -> nn.Module:
         # On attention, after TP's input hook: there x holds the whole CP-local sequence (a block's input is further
         # split over TP by sequence parallel).
         block.attention.register_forward_pre_hook(rope_hook)
-    return model
 
 
-def shard_batch(tensors: tuple[torch.Tensor, ...], parallel_dims, load_balancer: str | None) -> tuple[torch.Tensor, ...]:
+def shard_batch(tensors: tuple[torch.Tensor, ...], parallel_dims,
+                load_balancer: str | None) -> tuple[torch.Tensor, ...]:
     """This CP rank's chunks of each [batch, seq] tensor (token ids, labels), in the order the model expects."""
     cp_mesh = parallel_dims.submesh("cp")
     seq_len = tensors[0].shape[1]

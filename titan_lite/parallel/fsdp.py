@@ -5,9 +5,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from titan_lite.errors import ConfigError
 from titan_lite.config.schema import JobConfig
 from titan_lite.distributed import compute_dtype
+from titan_lite.errors import ConfigError
 from titan_lite.parallel.parallel_dims import ParallelDims
 
 
@@ -33,7 +33,7 @@ def reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
 
 
 def offload_policy(enable: bool, device_type: str) -> OffloadPolicy:
-    """CPU offload of sharded parameters, gradients and optimizer state; pinned memory only exists with an accelerator."""
+    """CPU offload of sharded parameters, gradients and optimizer state; pinned memory exists only with accelerators."""
     if not enable:
         return OffloadPolicy()
     return CPUOffloadPolicy(pin_memory=device_type != "cpu")

@@ -1,5 +1,6 @@
-"""Per-rank peak device memory estimate of a planned job: parameters, gradients, optimizer, activations, FSDP buffers."""
+"""Per-rank peak device memory of a planned job: parameters, gradients, optimizer, activations, FSDP buffers."""
 
+import itertools
 from dataclasses import dataclass, field
 
 from titan_lite.models.llama.args import LlamaArgs
@@ -153,7 +154,7 @@ def fsdp_buffer_bytes(units: list[FsdpUnit], compute_bytes: int, reduce_bytes: i
 def _largest_neighbour_pair(sizes: list[int]) -> int:
     if len(sizes) < 2:
         return sum(sizes)
-    return max(a + b for a, b in zip(sizes, sizes[1:]))
+    return max(a + b for a, b in itertools.pairwise(sizes))
 
 
 @dataclass

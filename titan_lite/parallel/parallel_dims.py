@@ -48,8 +48,8 @@ class ParallelDims:
 
     # ---------------------------------------------------------------- the mesh
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The world mesh over MESH_DIMS plus flattened views: batch (data loading), loss, fsdp."""
+    def build_mesh(self, device_type: str) -> None:
+        """Build the world mesh over MESH_DIMS (see .mesh) and its flattened views: batch (data loading), loss, fsdp."""
         shape = tuple(getattr(self, name) for name in MESH_DIMS)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         # Keep the flattened meshes: slicing them back out of the root mesh is deprecated.
@@ -57,7 +57,6 @@ class ParallelDims:
                       "loss": mesh["dp_replicate", "dp_shard", "cp"]._flatten("loss"),
                       "fsdp": mesh["dp_shard", "cp"]._flatten("fsdp")}
         self._mesh = mesh
-        return mesh
 
     @property
     def mesh(self) -> DeviceMesh:

@@ -8,8 +8,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineSchedule, get_schedule_class
 
-from titan_lite.errors import ConfigError
 from titan_lite.config.schema import JobConfig
+from titan_lite.errors import ConfigError
 from titan_lite.models.llama import Llama
 from titan_lite.parallel.parallel_dims import ParallelDims
 
@@ -31,7 +31,8 @@ def virtual_stage_count(pp: int, schedule: str, n_layers: int, first_less: int, 
     if layers_per_stage is None:
         return pp * stages_per_rank
     if layers_per_stage < 1:
-        raise ConfigError(f"'parallelism.pipeline_parallel_layers_per_stage' must be at least 1, got {layers_per_stage}")
+        raise ConfigError(f"'parallelism.pipeline_parallel_layers_per_stage' must be at least 1, "
+                          f"got {layers_per_stage}")
     units = n_layers + first_less + last_less
     if units % layers_per_stage:
         raise ConfigError(
@@ -149,7 +150,8 @@ def microbatch_count(local_batch_size: int, microbatch_size: int, schedule: str,
                           f"'parallelism.pipeline_parallel_microbatch_size' {microbatch_size}")
     n = local_batch_size // microbatch_size
     if schedule in NEED_MICROBATCHES_PER_STAGE and n < num_stages:
-        raise ConfigError(f"'parallelism.pipeline_parallel_schedule' = '{schedule}' needs at least as many microbatches "
+        raise ConfigError(f"'parallelism.pipeline_parallel_schedule' = '{schedule}' needs at least as many "
+                          f"microbatches "
                           f"as stages ({num_stages}), but '{batch_key}' {local_batch_size} / microbatch_size "
                           f"{microbatch_size} = {n}; raise the batch size or lower the microbatch size")
     if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
@@ -256,7 +258,8 @@ def check_pipeline_config(cfg: JobConfig, n_layers: int, tied_embeddings: bool) 
     p = cfg.parallelism
     if tied_embeddings:
         raise ConfigError(f"flavor '{cfg.model.flavor}' ties its input embedding to the output head, which cannot be "
-                          f"split across pipeline stages; use 'parallelism.pipeline_parallel_degree' 1 or an untied flavor")
+                          f"split across pipeline stages; use 'parallelism.pipeline_parallel_degree' 1 or an untied "
+                          f"flavor")
     first_less, last_less = p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers
     num_stages = virtual_stage_count(p.pipeline_parallel_degree, p.pipeline_parallel_schedule, n_layers,
                                      first_less, last_less, p.pipeline_parallel_layers_per_stage)

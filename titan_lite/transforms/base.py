@@ -85,7 +85,7 @@ class Transform:
         """Work that needs real weights or data; runs after the initial weights are loaded."""
 
     def param_groups(self, model_parts: list[nn.Module]) -> list[dict]:
-        """Extra optimizer param groups ({'params': [...], 'lr': ..., ...}); their parameters leave the default group."""
+        """Extra optimizer param groups ({'params': [...], 'lr': ...}); their parameters leave the default group."""
         return []
 
     def extra_loss(self, model_parts: list[nn.Module], step: int) -> torch.Tensor | None:

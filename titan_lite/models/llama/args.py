@@ -60,9 +60,12 @@ FLAVORS: dict[str, LlamaArgs] = {
     "3B": LlamaArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256, ffn_dim=8192,
                     tie_word_embeddings=True, **_LLAMA32_ROPE),
     # Llama 3.1
-    "8B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336, **_LLAMA31_ROPE),
-    "70B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, ffn_dim=28672, **_LLAMA31_ROPE),
-    "405B": LlamaArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256, ffn_dim=53248, **_LLAMA31_ROPE),
+    "8B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336,
+                    **_LLAMA31_ROPE),
+    "70B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, ffn_dim=28672,
+                     **_LLAMA31_ROPE),
+    "405B": LlamaArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256, ffn_dim=53248,
+                      **_LLAMA31_ROPE),
     # Llama 2
     "llama2_7B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, ffn_dim=11008, rope_theta=10000.0),
 }

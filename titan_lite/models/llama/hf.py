@@ -291,11 +291,11 @@ def _same(a, b) -> bool:
 def check_args_against_hf_config(args: LlamaArgs, config_path: str) -> None:
     """Raise ConfigError naming the first field where the model args and the HF config.json disagree."""
     expected = args_from_hf_config(read_hf_config(config_path), source=str(config_path))
-    for field in _CHECKED_FIELDS:
-        if field in _SCALING_FIELDS and args.rope_scaling_factor is None and expected.rope_scaling_factor is None:
+    for name in _CHECKED_FIELDS:
+        if name in _SCALING_FIELDS and args.rope_scaling_factor is None and expected.rope_scaling_factor is None:
             continue  # the scaling details mean nothing without scaling
-        ours, theirs = getattr(args, field), getattr(expected, field)
+        ours, theirs = getattr(args, name), getattr(expected, name)
         if not _same(ours, theirs):
-            label = "n_kv_heads" if field == "kv_heads" else field
+            label = "n_kv_heads" if name == "kv_heads" else name
             raise ConfigError(f"model args disagree with {config_path}: {label} is {ours!r} in the model "
                               f"but {theirs!r} in config.json")

@@ -1,0 +1,33 @@
+"""Helpers shared by the unit tests: a free TCP port, and worker functions run in a fresh gloo process group."""
+
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from titan_lite.distributed import free_port
+
+__all__ = ["free_port", "spawn_gloo"]
+
+
+def spawn_gloo(worker: Callable[..., None], world_size: int, *args) -> None:
+    """Run worker(rank, *args) in world_size new processes that share one gloo process group; wait for all of them.
+
+    worker must be a module-level function (the processes are spawned, so it is pickled by name). A failure in any
+    process is raised here.
+    """
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_in_gloo_group, args=(world_size, free_port(), worker, args), nprocs=world_size, join=True)
+
+
+def _in_gloo_group(rank: int, world_size: int, port: int, worker: Callable[..., None], args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        worker(rank, *args)
+        dist.barrier()  # gloo sometimes aborts at exit when a rank leaves early
+    finally:
+        dist.destroy_process_group()
