@@ -313,13 +313,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     init_logger()
     try:
-        return run(parse_args(argv))
+        code = run(parse_args(argv))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         tl_dist.shutdown_quietly()
         return 2
-    finally:
-        tl_dist.shutdown()
+    except BaseException:
+        tl_dist.shutdown_quietly()  # no barrier: the other ranks may never get there
+        raise
+    tl_dist.shutdown()
+    return code
 
 
 if __name__ == "__main__":

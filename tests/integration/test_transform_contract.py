@@ -4,6 +4,7 @@ param group, extra loss, state across a resume, metrics in TensorBoard, and its 
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -105,10 +106,11 @@ def test_gates_train_and_state_metrics_and_export_flow(single, hf_start):
     assert not torch.equal(before, after)
 
 
-def test_state_resumes_with_the_run(single, data, hf_start):
+def test_state_resumes_with_the_run(single, data, hf_start, tmp_path):
+    shutil.copytree(single.dump_folder / "checkpoint", tmp_path / "checkpoint")
     run = run_train([*data, *TOY, *start_overrides(hf_start), "--training.steps", str(STEPS + 2),
                      "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"],
-                    single.dump_folder)
+                    tmp_path)
     assert run.returncode == 0, run.output[-3000:]
     after_load = dict(hooks_of(run))["after_load"]
     assert "resuming True" in after_load

@@ -58,11 +58,12 @@ class ModelRunner:
         inputs, labels = self.shard(inputs, labels)
         with self.context():
             if self.pipeline is not None:
-                return self.pipeline.step(inputs, labels, scale)
-            logits = self.model_parts[0](inputs)
-            loss_sum = self.loss_fn(logits, labels)
-            del logits
-            (loss_sum * scale).backward()
+                loss_sum = self.pipeline.step(inputs, labels, scale)
+            else:
+                logits = self.model_parts[0](inputs)
+                loss_sum = self.loss_fn(logits, labels)
+                del logits
+                (loss_sum * scale).backward()
         return full_tensor(loss_sum.detach())
 
     @torch.no_grad()
