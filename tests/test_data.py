@@ -1,6 +1,7 @@
-"""Tests of the data pipeline: shard reading, rank splitting, packing, epochs and exact resume."""
+"""Tests of the data pipeline: shard reading, packing, global batches sliced per rank, epochs and exact resume."""
 
 import gzip
+import itertools
 import json
 import logging
 import pickle
@@ -9,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_lite.data.dataloader import build_dataloader, check_dataset
+from titan_lite.data.dataloader import BatchLayout, LoaderOptions, build_dataloader
 from titan_lite.data.datasets import (
     DocumentStream,
     StreamPosition,
-    build_packed_dataset,
+    build_packed_source,
+    check_dataset,
     known_datasets,
     resolve_shards,
 )
@@ -64,22 +66,21 @@ def mixed_folder(tmp_path: Path) -> Path:
     return folder
 
 
-def all_texts(folder: Path, rank: int = 0, world: int = 1) -> list[str]:
+def all_texts(folder: Path) -> list[str]:
     stream = DocumentStream(resolve_shards("jsonl", str(folder)))
-    return [text for text, _ in stream.read(StreamPosition(), rank, world)]
+    return [text for text, _ in stream.read(StreamPosition())]
 
 
 def token_stream(docs: list[str]) -> list[int]:
     return [t for d in docs for t in TOK.encode(d, bos=True, eos=True)]
 
 
-def samples_of(dataset, n: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    out = []
-    for sample in dataset:
-        out.append(sample)
-        if n is not None and len(out) == n:
-            break
-    return out
+def samples_of(source, n: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [sample for sample, _ in itertools.islice(source.samples(), n)]
+
+
+def single(local_batch: int = 1) -> BatchLayout:
+    return BatchLayout(local_batch, 0, 1)
 
 
 # ---------------------------------------------------------------- reading sources
@@ -103,7 +104,7 @@ def test_bundled_shakespeare_splits_are_disjoint_plays():
     val = resolve_shards("shakespeare_validation", None)
     assert len(train) == 6 and len(val) == 1
     assert not {p.name for p in train} & {p.name for p in val}
-    texts = [text for text, _ in DocumentStream(train).read(StreamPosition(), 0, 1)]
+    texts = [text for text, _ in DocumentStream(train).read(StreamPosition())]
     assert len(texts) == 6
     assert texts[0].startswith("ANTONY AND CLEOPATRA")
     assert not any("Gutenberg" in t for t in texts)
@@ -112,32 +113,10 @@ def test_bundled_shakespeare_splits_are_disjoint_plays():
 
 def test_bundled_shakespeare_loader_from_another_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.chdir(tmp_path)
-    inputs, labels = next(iter(build_dataloader("shakespeare", None, TOK, 32, 2, 0, 1)))
+    inputs, labels = next(iter(build_dataloader("shakespeare", None, TOK, 32, single(2))))
     assert inputs.shape == labels.shape == (2, 32)
     assert inputs[0, 0].item() == BOS
     assert TOK.decode(inputs[0, 1:].tolist()).startswith("ANTONY AND CLEOP")
-
-
-# ---------------------------------------------------------------- splitting across ranks
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_ranks_take_every_world_th_document_without_overlap(mixed_folder: Path, world: int):
-    per_rank = [all_texts(mixed_folder, rank, world) for rank in range(world)]
-    for rank, texts in enumerate(per_rank):
-        assert texts == DOCS[rank::world]
-    assert sorted(t for texts in per_rank for t in texts) == sorted(DOCS)
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_each_rank_packs_only_its_documents(mixed_folder: Path, world: int):
-    seq_len = 5
-    for rank in range(world):
-        loader = build_dataloader("jsonl", str(mixed_folder), TOK, seq_len, 1, rank, world, infinite=False)
-        windows = [torch.cat([x[0, :1], y[0]]).tolist() for x, y in loader]
-        expected = token_stream(DOCS[rank::world])
-        usable = len(expected) // (seq_len + 1) * (seq_len + 1)
-        assert sum(windows, []) == expected[:usable]
 
 
 # ---------------------------------------------------------------- packing
@@ -145,7 +124,7 @@ def test_each_rank_packs_only_its_documents(mixed_folder: Path, world: int):
 
 def test_windows_concatenate_to_the_tokenized_documents(mixed_folder: Path):
     seq_len = 7
-    samples = samples_of(build_packed_dataset("jsonl", str(mixed_folder), TOK, seq_len, 0, 1, infinite=False))
+    samples = samples_of(build_packed_source("jsonl", str(mixed_folder), TOK, seq_len, infinite=False))
     expected = token_stream(DOCS)
     assert len(samples) == len(expected) // (seq_len + 1)
     for inputs, labels in samples:
@@ -156,34 +135,30 @@ def test_windows_concatenate_to_the_tokenized_documents(mixed_folder: Path):
     assert sum(windows, []) == expected[: len(samples) * (seq_len + 1)]
 
 
-def test_loader_batches_are_long_tensors_of_batch_by_seq_len(mixed_folder: Path):
-    batches = list(build_dataloader("jsonl", str(mixed_folder), TOK, 6, 3, 0, 1, infinite=False))
-    samples = len(token_stream(DOCS)) // 7
-    assert [b[0].shape[0] for b in batches] == [3] * (samples // 3) + ([samples % 3] if samples % 3 else [])
-    assert all(x.dtype == y.dtype == torch.int64 and x.shape[1] == y.shape[1] == 6 for x, y in batches)
-
-
-def test_finite_pass_stops_and_next_iteration_starts_over(mixed_folder: Path):
-    loader = build_dataloader("jsonl", str(mixed_folder), TOK, 9, 2, 0, 1, infinite=False)
-    first, second = [torch.cat(b) for b in loader], [torch.cat(b) for b in loader]
-    assert len(first) == len(second) == -(-(len(token_stream(DOCS)) // 10) // 2)
-    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
-
-
-# ---------------------------------------------------------------- epochs
+def test_source_state_is_position_and_leftover_tokens(tmp_path: Path):
+    path = write_jsonl(tmp_path / "big.jsonl", DOCS)
+    source = build_packed_source("jsonl", str(path), TOK, 8)
+    samples = source.samples()
+    _, state = next(samples)
+    consumed_docs = state["position"]["doc"]
+    assert state["epoch"] == 0 and state["position"]["shard"] == 0
+    assert state["position"]["line"] == consumed_docs
+    consumed_lines = path.read_text().splitlines()[:consumed_docs]
+    assert state["position"]["byte"] == len("".join(line + "\n" for line in consumed_lines))
+    assert state["buffer"] == token_stream(DOCS[:consumed_docs])[9:]
+    restarted = build_packed_source("jsonl", str(path), TOK, 8).samples(pickle.loads(pickle.dumps(state)))
+    assert all(torch.equal(a, b) for a, b in zip(next(restarted)[0], next(samples)[0], strict=True))
 
 
 def test_infinite_stream_repeats_documents_and_counts_epochs(mixed_folder: Path, caplog: pytest.LogCaptureFixture):
     seq_len = 10
     per_epoch = token_stream(DOCS)
-    dataset = build_packed_dataset("jsonl", str(mixed_folder), TOK, seq_len, 0, 1, infinite=True)
+    source = build_packed_source("jsonl", str(mixed_folder), TOK, seq_len, infinite=True)
     n = 3 * len(per_epoch) // (seq_len + 1) + 2  # well into the fourth epoch
     epochs, tokens = [], []
     with caplog.at_level(logging.INFO, logger="titan_lite.data.datasets"):
-        iterator = iter(dataset)
-        for _ in range(n):
-            inputs, labels = next(iterator)
-            epochs.append(dataset.epoch)
+        for (inputs, labels), state in itertools.islice(source.samples(), n):
+            epochs.append(state["epoch"])
             tokens += [inputs[0].item(), *labels.tolist()]
     assert tokens == (per_epoch * 4)[: n * (seq_len + 1)]
     assert epochs == [(k * (seq_len + 1) - 1) // len(per_epoch) for k in range(1, n + 1)]
@@ -191,57 +166,79 @@ def test_infinite_stream_repeats_documents_and_counts_epochs(mixed_folder: Path,
     assert [r.getMessage() for r in caplog.records] == [f"Dataset jsonl: starting epoch {e}" for e in (1, 2, 3)]
 
 
-# ---------------------------------------------------------------- exact resume
+# ---------------------------------------------------------------- global batches, sliced per rank
+
+SEQ = 5
+# (local batch, data-parallel degree, accumulation): all with a global batch of 4 sequences.
+LAYOUTS = [(4, 1, 1), (2, 1, 2), (1, 1, 4), (2, 2, 1), (1, 2, 2), (1, 4, 1)]
 
 
-def take(iterator, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [next(iterator) for _ in range(n)]
+def microbatches(folder: Path, local: int, degree: int, accumulation: int, rank: int, steps: int,
+                 num_workers: int = 0, state: dict | None = None):
+    """`steps` global batches' microbatches of one rank, and the loader (to read its state)."""
+    loader = build_dataloader("jsonl", str(folder), TOK, SEQ, BatchLayout(local, rank, degree, accumulation),
+                              LoaderOptions(num_workers=num_workers))
+    if state is not None:
+        loader.load_state_dict(pickle.loads(pickle.dumps(state)))  # as a checkpoint would store it
+    return list(itertools.islice(iter(loader), steps * accumulation)), loader
 
 
+def global_batches(folder: Path, layout: tuple[int, int, int], steps: int, **kwargs) -> list[torch.Tensor]:
+    """Every rank's microbatches of each step, put back together in the global order (microbatch, rank)."""
+    local, degree, accumulation = layout
+    per_rank = [microbatches(folder, local, degree, accumulation, r, steps, **kwargs)[0] for r in range(degree)]
+    out = []
+    for step in range(steps):
+        rows = [per_rank[r][step * accumulation + a][0] for a in range(accumulation) for r in range(degree)]
+        out.append(torch.cat(rows))
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[f"L{lb}xD{d}xA{a}" for lb, d, a in LAYOUTS])
+def test_a_global_batch_holds_the_same_sequences_on_every_layout(mixed_folder: Path, layout):
+    steps = 12  # 48 windows of 6 tokens: over two epochs of the stream
+    stream = [x for x, _ in samples_of(build_packed_source("jsonl", str(mixed_folder), TOK, SEQ), 4 * steps)]
+    got = global_batches(mixed_folder, layout, steps)
+    for step, batch in enumerate(got):
+        assert torch.equal(batch, torch.stack(stream[4 * step:4 * step + 4])), step
+
+
+def test_dataloader_workers_keep_the_order(mixed_folder: Path):
+    plain, _ = microbatches(mixed_folder, 1, 2, 2, 1, steps=5)
+    with_workers, _ = microbatches(mixed_folder, 1, 2, 2, 1, steps=5, num_workers=2)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(plain, with_workers, strict=True))
+
+
+@pytest.mark.parametrize("saved, resumed", [((2, 2, 1), (4, 1, 1)), ((1, 4, 1), (1, 2, 2)), ((4, 1, 1), (1, 4, 1))])
 @pytest.mark.parametrize("num_workers", [0, 1])
-@pytest.mark.parametrize("k", [1, 4, 7])
-def test_resume_yields_exactly_the_next_batches(mixed_folder: Path, num_workers: int, k: int):
-    def loader():
-        return build_dataloader("jsonl", str(mixed_folder), TOK, 11, 2, 1, 2, num_workers=num_workers)
-
-    total = 16  # rank 1 has 76 tokens an epoch, so 384 tokens cross about five epoch boundaries
-    reference = take(iter(loader()), total)
-
-    first = loader()
-    for (x, y), (x_ref, y_ref) in zip(take(iter(first), k), reference[:k], strict=True):
-        assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
-    state = pickle.loads(pickle.dumps(first.state_dict()))  # as a checkpoint would store it
-
-    resumed = loader()
-    resumed.load_state_dict(state)
-    rest = take(iter(resumed), total - k)
-    for (x, y), (x_ref, y_ref) in zip(rest, reference[k:], strict=True):
-        assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
+def test_resume_on_another_layout_continues_with_the_next_global_batch(mixed_folder: Path, saved, resumed,
+                                                                        num_workers: int):
+    k, total = 3, 9
+    reference = global_batches(mixed_folder, saved, total)
+    local, degree, accumulation = saved
+    states = [microbatches(mixed_folder, local, degree, accumulation, r, k, num_workers)[1].state_dict()
+              for r in range(degree)]
+    assert all(s == states[0] for s in states)  # the same position on every rank
+    rest = global_batches(mixed_folder, resumed, total - k, state=states[0], num_workers=num_workers)
+    for step, (a, b) in enumerate(zip(rest, reference[k:], strict=True)):
+        assert torch.equal(a, b), step
 
 
-def test_dataset_state_is_position_and_leftover_tokens(tmp_path: Path):
-    path = write_jsonl(tmp_path / "big.jsonl", DOCS)
-    dataset = build_packed_dataset("jsonl", str(path), TOK, 8, 0, 1)
-    iterator = iter(dataset)
-    next(iterator)
-    state = dataset.state_dict()
-    consumed_docs = state["position"]["doc"]
-    assert state["epoch"] == 0 and state["position"]["shard"] == 0
-    assert state["position"]["line"] == consumed_docs
-    consumed_lines = path.read_text().splitlines()[:consumed_docs]
-    assert state["position"]["byte"] == len("".join(line + "\n" for line in consumed_lines))
-    assert state["buffer"] == token_stream(DOCS[:consumed_docs])[9:]
-
-    restored = build_packed_dataset("jsonl", str(path), TOK, 8, 0, 1)
-    restored.load_state_dict(state)
-    assert all(torch.equal(a, b) for a, b in zip(next(iter(restored)), next(iterator), strict=True))
+def test_resume_with_another_global_batch_size_is_refused(mixed_folder: Path):
+    _, loader = microbatches(mixed_folder, 2, 2, 1, 0, steps=1)
+    other = build_dataloader("jsonl", str(mixed_folder), TOK, SEQ, BatchLayout(2, 0, 1, 1))
+    message = one_line_error(other.load_state_dict, loader.state_dict())
+    assert message.startswith("the checkpoint's data position is for global batches of 4 sequences, this run has 2")
+    assert "'training.global_batch_size' to 4" in message
 
 
-def test_resume_with_a_different_split_is_refused(mixed_folder: Path):
-    dataset = build_packed_dataset("jsonl", str(mixed_folder), TOK, 8, 0, 2)
-    other = build_packed_dataset("jsonl", str(mixed_folder), TOK, 8, 0, 4)
-    with pytest.raises(ConfigError, match="split 2 ways.*now 4"):
-        other.load_state_dict(dataset.state_dict())
+def test_finite_pass_drops_an_incomplete_global_batch_and_restarts(mixed_folder: Path):
+    loader = build_dataloader("jsonl", str(mixed_folder), TOK, 9, BatchLayout(2, 1, 2), infinite=False)
+    first = [torch.cat(b) for b in loader]
+    loader.restart()
+    second = [torch.cat(b) for b in loader]
+    assert len(first) == len(second) == (len(token_stream(DOCS)) // 10) // 4
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
 # ---------------------------------------------------------------- user errors
@@ -260,7 +257,7 @@ def test_local_dataset_without_path_says_local_shards_only(name: str):
     message = one_line_error(check_dataset, name, None)
     assert f"dataset '{name}'" in message
     assert "local shards only" in message and "set training.dataset_path" in message
-    assert "validation.dataset_path" in one_line_error(build_dataloader, name, None, TOK, 8, 1, 0, 1,
+    assert "validation.dataset_path" in one_line_error(build_dataloader, name, None, TOK, 8, single(),
                                                        key_prefix="validation")
 
 
@@ -288,24 +285,13 @@ def test_missing_or_empty_paths(tmp_path: Path):
 def test_bad_json_line_names_file_and_line(tmp_path: Path, bad_line: str, problem: str):
     path = tmp_path / "shard.json.gz"
     path.write_bytes(gzip.compress(f'{{"text": "fine"}}\n\n{bad_line}\n'.encode()))
-    dataset = build_packed_dataset("c4", str(path), TOK, 4, 0, 1, infinite=False)
-    message = one_line_error(samples_of, dataset)
+    source = build_packed_source("c4", str(path), TOK, 4, infinite=False)
+    message = one_line_error(samples_of, source)
     assert message.startswith(f"{path}:3: {problem}")
 
 
-def test_bad_line_of_another_rank_is_not_parsed_here(tmp_path: Path):
-    path = tmp_path / "shard.jsonl"
-    path.write_text('{"text": "mine"}\nBROKEN\n{"text": "mine too"}\n')
-    assert all_texts(path, rank=0, world=2) == ["mine", "mine too"]
-    assert "shard.jsonl:2: not valid JSON" in one_line_error(all_texts, path, rank=1, world=2)
-
-
-def test_rank_outside_the_split_is_an_error(mixed_folder: Path):
-    # The loader options (batch size, workers, prefetch) are checked by titan_lite.config.validate: see test_config.
-    assert "rank 2 is outside 0..1" in one_line_error(build_dataloader, "jsonl", str(mixed_folder), TOK, 8, 1, 2, 2)
-
-
-def test_more_splits_than_documents_is_an_error(tmp_path: Path):
-    path = write_jsonl(tmp_path / "two.jsonl", DOCS[:2])
-    dataset = build_packed_dataset("jsonl", str(path), TOK, 4, 2, 3)
-    assert "no documents for data split 2 of 3" in one_line_error(samples_of, dataset, 1)
+def test_empty_dataset_is_an_error(tmp_path: Path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n  \n")
+    assert "dataset 'jsonl' has no documents" in one_line_error(samples_of, build_packed_source(
+        "jsonl", str(path), TOK, 4), 1)

@@ -25,7 +25,7 @@ from titan_lite.checkpoint.manager import (
     weights_only_loader,
 )
 from titan_lite.config import JobConfig, help_text, parse_args, to_toml, validate
-from titan_lite.data.dataloader import build_dataloader
+from titan_lite.data.dataloader import BatchLayout, DataLoader, build_dataloader, loader_options
 from titan_lite.dry_run import dry_run, planned_world_size
 from titan_lite.dtensor import full_tensor
 from titan_lite.errors import ConfigError
@@ -119,25 +119,18 @@ class Trainer:
                 load(parts)
         return load_unless_resumed
 
-    def build_train_loader(self):
+    def build_train_loader(self) -> DataLoader:
         t, batch_mesh = self.cfg.training, self.parallel_dims.submesh("batch")
-        return build_dataloader(t.dataset, t.dataset_path, self.plan.tokenizer, t.seq_len, t.local_batch_size,
-                                dp_rank=batch_mesh.get_local_rank(), dp_world_size=batch_mesh.size(), infinite=True,
-                                num_workers=t.dataloader.num_workers, pin_memory=t.dataloader.pin_memory,
-                                persistent_workers=t.dataloader.persistent_workers,
-                                prefetch_factor=t.dataloader.prefetch_factor, key_prefix="training")
+        layout = BatchLayout(t.local_batch_size, batch_mesh.get_local_rank(), batch_mesh.size(), self.plan.grad_accum)
+        return build_dataloader(t.dataset, t.dataset_path, self.plan.tokenizer, t.seq_len, layout,
+                                loader_options(t.dataloader))
 
     def build_checkpointer(self) -> CheckpointManager:
-        batch_mesh = self.parallel_dims.submesh("batch")
-        dp_rank, dp_degree, world = batch_mesh.get_local_rank(), batch_mesh.size(), dist.get_world_size()
+        world = dist.get_world_size()
         states = {
             "lr_scheduler": self.lr_schedule,
             "train_state": self.train_state,
-            "dataloader": RankLocal(
-                self.dataloader, f"dp{dp_rank}_of_{dp_degree}",
-                lambda saved: f"was saved with data-parallel degree {saved[0].rsplit('_of_', 1)[1]}, this run has "
-                              f"{dp_degree}: a data position cannot be resharded, so the data loader restarts from "
-                              f"the beginning of the dataset"),
+            "dataloader": self.dataloader,  # the same on every rank, whatever the layout
             "rng": RankLocal(RNGState(self.device), f"rank{self.rank}_of_{world}",
                              lambda saved: "holds RNG states of another world size; RNGs keep this run's seeds"),
             **self.transforms.state(),

@@ -1,37 +1,162 @@
-"""The checkpointable data loader: a StatefulDataLoader over the packed, rank-split dataset."""
+"""The checkpointable data loader: global batches cut from one sample stream, each rank reading its own slice.
+
+Global batch N is samples [N x G, (N + 1) x G) of the source's stream, where G = local batch x data-parallel degree
+x accumulation steps. Its microbatch a of data-parallel rank r is the L samples starting at (a x D + r) x L. So what
+a global batch holds depends only on the data and N, never on the layout; every rank reads the whole stream and
+keeps its slice. The loader's state (the source's state at the end of the last global batch, and G) is the same on
+every rank, so a checkpoint resumes exactly on another data-parallel degree as long as G stays the same.
+"""
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titan_lite.data.datasets import TokenizerLike, build_packed_dataset, check_dataset
-
-__all__ = ["build_dataloader", "check_dataset", "collate_pairs"]
-
-
-def collate_pairs(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack (input_ids, labels) samples into ([B, S], [B, S])."""
-    inputs, labels = zip(*samples, strict=True)
-    return torch.stack(inputs), torch.stack(labels)
+from titan_lite.data.datasets import Sample, SampleSource, build_packed_source
+from titan_lite.errors import ConfigError
 
 
-def build_dataloader(dataset: str, dataset_path: str | None, tokenizer: TokenizerLike, seq_len: int,
-                     local_batch_size: int, dp_rank: int, dp_world_size: int, infinite: bool = True,
-                     num_workers: int = 0, pin_memory: bool = False, persistent_workers: bool = False,
-                     prefetch_factor: int | None = None, key_prefix: str = "training") -> StatefulDataLoader:
-    """A loader yielding (input_ids, labels), both LongTensor[local_batch_size, seq_len], for one dp rank.
+@dataclass(frozen=True)
+class BatchLayout:
+    """How a global batch is cut: L samples per microbatch, D data-parallel ranks, A microbatches per rank."""
 
-    Its state_dict()/load_state_dict() resume exactly after the last batch it yielded.
-    key_prefix names the config section ('training' or 'validation') in error messages. The loader options are
-    not checked here: titan_lite.config.validate owns those checks.
+    local_batch: int
+    dp_rank: int
+    dp_degree: int
+    accumulation: int = 1
+
+    @property
+    def global_batch(self) -> int:
+        return self.local_batch * self.dp_degree * self.accumulation
+
+    def keeps(self, index: int) -> tuple[int, int] | None:
+        """(microbatch, position in it) of sample `index` of a global batch on this rank, or None."""
+        row, pos = divmod(index, self.local_batch)
+        microbatch, rank = divmod(row, self.dp_degree)
+        return (microbatch, pos) if rank == self.dp_rank else None
+
+
+class GlobalBatchSlices(IterableDataset):
+    """This rank's samples of every global batch, microbatch by microbatch, each with the source's state at the end
+    of its global batch. A global batch is read whole before any of it is handed out, and an incomplete last one
+    (finite sources) is dropped, so every rank yields the same number of microbatches.
+
+    With DataLoader workers, worker w produces the rank's microbatches k with k % workers == w (each worker reads
+    the stream), and the loader's round-robin over workers restores the order.
     """
-    packed = build_packed_dataset(dataset, dataset_path, tokenizer, seq_len, dp_rank, dp_world_size,
-                                  infinite=infinite, key_prefix=key_prefix)
-    return StatefulDataLoader(
-        packed,
-        batch_size=local_batch_size,
-        collate_fn=collate_pairs,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        persistent_workers=persistent_workers,
-        prefetch_factor=prefetch_factor,
-    )
+
+    def __init__(self, source: SampleSource, layout: BatchLayout):
+        self.source = source
+        self.layout = layout
+        self.start_state: dict[str, Any] | None = None
+
+    def __iter__(self) -> Iterator[tuple[Sample, dict[str, Any]]]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        samples = self.source.samples(self.start_state)
+        for batch_index in itertools.count():
+            batch = list(itertools.islice(samples, self.layout.global_batch))
+            if len(batch) < self.layout.global_batch:
+                return
+            end_state = batch[-1][1]
+            mine: list[list[Sample]] = [[] for _ in range(self.layout.accumulation)]
+            for index, (sample, _) in enumerate(batch):
+                kept = self.layout.keeps(index)
+                if kept is not None:
+                    mine[kept[0]].append(sample)
+            for a, microbatch in enumerate(mine):
+                if (batch_index * self.layout.accumulation + a) % workers == worker:
+                    for sample in microbatch:
+                        yield sample, end_state
+
+
+def pad_collate(pad_id: int, ignore_index: int, multiple: int = 1) -> Callable:
+    """Collate variable-length samples: inputs padded with pad_id and labels with ignore_index, to the longest
+    sample rounded up to a multiple (context parallel needs lengths divisible by its chunks)."""
+    def collate(items: list[tuple[Sample, dict]]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        longest = max(inputs.numel() for (inputs, _), _ in items)
+        length = -(-longest // multiple) * multiple
+        inputs = torch.full((len(items), length), pad_id, dtype=torch.long)
+        labels = torch.full((len(items), length), ignore_index, dtype=torch.long)
+        for row, ((x, y), _) in enumerate(items):
+            inputs[row, :x.numel()], labels[row, :y.numel()] = x, y
+        return inputs, labels, items[-1][1]
+    return collate
+
+
+def stack_collate(items: list[tuple[Sample, dict]]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Stack equal-length (input_ids, labels) samples into ([B, S], [B, S]), with the batch's end state."""
+    return (torch.stack([x for (x, _), _ in items]), torch.stack([y for (_, y), _ in items]), items[-1][1])
+
+
+@dataclass
+class LoaderOptions:
+    num_workers: int = 0
+    pin_memory: bool = False
+    persistent_workers: bool = False
+    prefetch_factor: int | None = None
+
+
+class DataLoader:
+    """Yields this rank's microbatches (input_ids, labels) and checkpoints a layout-independent position.
+
+    state_dict() must be taken between steps (after whole global batches), as the trainer's checkpoints are.
+    """
+
+    def __init__(self, source: SampleSource, layout: BatchLayout, options: LoaderOptions | None = None,
+                 collate: Callable = stack_collate):
+        self.source = source
+        self.layout = layout
+        self.dataset = GlobalBatchSlices(source, layout)
+        self.options = options or LoaderOptions()
+        self.collate = collate
+        self.state: dict[str, Any] | None = None  # the source's state at the end of the last global batch consumed
+        self.microbatches = 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self.dataset.start_state = self.state
+        o = self.options
+        loader = StatefulDataLoader(self.dataset, batch_size=self.layout.local_batch, collate_fn=self.collate,
+                                    num_workers=o.num_workers, pin_memory=o.pin_memory,
+                                    persistent_workers=o.persistent_workers, prefetch_factor=o.prefetch_factor)
+        for inputs, labels, end_state in loader:
+            self.microbatches += 1
+            if self.microbatches % self.layout.accumulation == 0:
+                self.state = end_state
+            yield inputs, labels
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.microbatches % self.layout.accumulation:
+            raise RuntimeError("the data position is defined between global batches only")
+        return {"source": self.state, "global_batch": self.layout.global_batch, "dataset": self.source.name}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["global_batch"] != self.layout.global_batch:
+            raise ConfigError(
+                f"the checkpoint's data position is for global batches of {state['global_batch']} sequences, this run "
+                f"has {self.layout.global_batch} ('training.local_batch_size' {self.layout.local_batch} x "
+                f"data-parallel degree {self.layout.dp_degree} x accumulation {self.layout.accumulation}); set "
+                f"'training.global_batch_size' to {state['global_batch']} to continue the same run")
+        self.state, self.microbatches = state["source"], 0
+
+    def restart(self) -> None:
+        """Back to the beginning of the data (a finite source's next pass)."""
+        self.state, self.microbatches = None, 0
+
+
+def build_dataloader(dataset: str, dataset_path: str | None, tokenizer, seq_len: int, layout: BatchLayout,
+                     options: LoaderOptions | None = None, infinite: bool = True,
+                     key_prefix: str = "training") -> DataLoader:
+    """The loader of a pre-training dataset (packed windows of seq_len tokens) for this rank's layout.
+    key_prefix names the config section ('training' or 'validation') in error messages."""
+    return DataLoader(build_packed_source(dataset, dataset_path, tokenizer, seq_len, infinite, key_prefix), layout,
+                      options)
+
+
+def loader_options(cfg) -> LoaderOptions:
+    """From a [*.dataloader] config section."""
+    return LoaderOptions(cfg.num_workers, cfg.pin_memory, cfg.persistent_workers, cfg.prefetch_factor)

@@ -1,4 +1,4 @@
-"""Document sources (bundled Shakespeare, local .txt/.jsonl/.json.gz shards), rank sharding and token packing."""
+"""Document sources (bundled Shakespeare, local .txt/.jsonl/.json.gz shards) and token packing into a sample stream."""
 
 import dataclasses
 import gzip
@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
 
 from titan_lite.errors import ConfigError
 
@@ -90,10 +89,6 @@ class StreamPosition:
     doc: int = 0
 
 
-# A document as read: its text (None when it belongs to another split) and the stream position after it.
-Document = tuple[str | None, StreamPosition]
-
-
 def _open_lines(path: Path) -> BinaryIO:
     return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
 
@@ -117,37 +112,34 @@ def _text_of_json_line(raw: bytes, path: Path, line_no: int) -> str:
 
 
 class DocumentStream:
-    """Streams the documents of an ordered list of shards, keeping only those of one split (rank, world)."""
+    """Streams the documents of an ordered list of shards from any position, without reading what comes before."""
 
     def __init__(self, shards: list[Path]):
         self.shards = shards
 
-    def read(self, start: StreamPosition, rank: int, world: int) -> Iterator[tuple[str, StreamPosition]]:
-        """Yield (text, position after it) for the documents whose global index is rank mod world."""
+    def read(self, start: StreamPosition) -> Iterator[tuple[str, StreamPosition]]:
+        """Yield (text, position after it) for every document from `start` on."""
         position = start
         while position.shard < len(self.shards):
             end = position
-            for text, end in self._read_shard(position, rank, world):
-                if text is not None:
-                    yield text, end
+            for text, end in self._read_shard(position):
+                yield text, end
             position = StreamPosition(shard=position.shard + 1, doc=end.doc)
 
-    def _read_shard(self, start: StreamPosition, rank: int, world: int) -> Iterator[Document]:
-        """Every document of one shard from `start` on, as text for this split and None for the others."""
+    def _read_shard(self, start: StreamPosition) -> Iterator[tuple[str, StreamPosition]]:
         if self.shards[start.shard].suffix == ".txt":
-            return self._read_text_file(start, rank, world)
-        return self._read_json_lines(start, rank, world)
+            return self._read_text_file(start)
+        return self._read_json_lines(start)
 
-    def _read_text_file(self, start: StreamPosition, rank: int, world: int) -> Iterator[Document]:
+    def _read_text_file(self, start: StreamPosition) -> Iterator[tuple[str, StreamPosition]]:
         """A .txt file is one document; a finished file has line == 1."""
         if start.line > 0:
             return
         path = self.shards[start.shard]
-        text = _read_utf8(path) if start.doc % world == rank else None
-        yield text, StreamPosition(start.shard, 1, path.stat().st_size, start.doc + 1)
+        yield _read_utf8(path), StreamPosition(start.shard, 1, path.stat().st_size, start.doc + 1)
 
-    def _read_json_lines(self, start: StreamPosition, rank: int, world: int) -> Iterator[Document]:
-        """One document per non-blank line; lines of other splits are counted but not parsed."""
+    def _read_json_lines(self, start: StreamPosition) -> Iterator[tuple[str, StreamPosition]]:
+        """One document per non-blank line; a malformed line is an error naming the file and line."""
         path = self.shards[start.shard]
         line_no, byte, doc = start.line, start.byte, start.doc
         with _open_lines(path) as f:
@@ -157,117 +149,75 @@ class DocumentStream:
                 byte += len(raw)
                 if not raw.strip():
                     continue
-                text = _text_of_json_line(raw, path, line_no) if doc % world == rank else None
                 doc += 1
-                yield text, StreamPosition(start.shard, line_no, byte, doc)
+                yield _text_of_json_line(raw, path, line_no), StreamPosition(start.shard, line_no, byte, doc)
 
 
 # ---------------------------------------------------------------- packing
 
 
-def _split_of_this_worker(dp_rank: int, dp_world_size: int) -> tuple[int, int]:
-    """Each DataLoader worker of a rank takes every num_workers-th of that rank's documents."""
-    info = get_worker_info()
-    if info is None:
-        return dp_rank, dp_world_size
-    return dp_rank + dp_world_size * info.id, dp_world_size * info.num_workers
+# A training sample (input ids, labels) and the source's state right after it.
+Sample = tuple[torch.Tensor, torch.Tensor]
 
 
-class PackedDataset(IterableDataset):
-    """Packs tokenized documents (bos + text + eos) into windows of seq_len + 1 tokens, with an exact resumable state.
+class SampleSource(Protocol):
+    """An ordered stream of samples that can restart from any state it handed out (a dict of plain values)."""
 
-    The state is the epoch, the position after the last document read and the tokens not yet packed,
-    so a restored dataset continues with exactly the samples the original would have produced next.
+    name: str
+
+    def samples(self, state: dict[str, Any] | None) -> Iterator[tuple[Sample, dict[str, Any]]]: ...
+
+
+class PackedSource:
+    """Packs tokenized documents (bos + text + eos) into windows of seq_len + 1 tokens, in document order.
+
+    The state after a window is the epoch, the stream position after the last document read and the tokens not yet
+    packed, so a source restarted from it continues with exactly the windows that would have come next. An
+    infinite source starts a new epoch at the end of the data (the leftover tokens carry over); a finite one stops
+    (the partial last window is dropped).
     """
 
     def __init__(self, name: str, stream: DocumentStream, tokenizer: TokenizerLike, seq_len: int,
-                 dp_rank: int = 0, dp_world_size: int = 1, infinite: bool = True):
+                 infinite: bool = True):
         self.name = name
         self.stream = stream
         self.tokenizer = tokenizer
         self.seq_len = seq_len
-        self.dp_rank = dp_rank
-        self.dp_world_size = dp_world_size
         self.infinite = infinite
-        self._rewind(epoch=0)
 
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    def _rewind(self, epoch: int) -> None:
-        self._epoch = epoch
-        self._position = StreamPosition()
-        self._buffer: list[int] = []
-        self._packed = 0  # tokens at the front of _buffer already handed out
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        rank, world = _split_of_this_worker(self.dp_rank, self.dp_world_size)
-        while True:
-            from_start = self._position == StreamPosition()
-            found = False
-            for text, position in self.stream.read(self._position, rank, world):
-                found = True
-                self._add_tokens(self.tokenizer.encode(text, bos=True, eos=True), position)
-                yield from self._pack_full_windows()
-            if from_start and not found:
-                raise ConfigError(f"dataset '{self.name}' has no documents for data split {rank} of {world} "
-                                  f"(fewer documents than data-parallel ranks x dataloader workers)")
-            if not self.infinite:
-                self._rewind(epoch=0)  # the partial last window is dropped; the next iter() is a fresh pass
-                return
-            self._rewind_for_next_epoch()
-
-    def _rewind_for_next_epoch(self) -> None:
-        leftover = self._buffer[self._packed:]
-        self._epoch += 1
-        self._position = StreamPosition()
-        self._buffer, self._packed = leftover, 0
-        logger.info("Dataset %s: starting epoch %d", self.name, self._epoch)
-
-    def _add_tokens(self, tokens: list[int], position: StreamPosition) -> None:
-        del self._buffer[:self._packed]
-        self._packed = 0
-        self._buffer.extend(tokens)
-        self._position = position
-
-    def _pack_full_windows(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def samples(self, state: dict[str, Any] | None = None) -> Iterator[tuple[Sample, dict[str, Any]]]:
+        state = self._checked(state) if state is not None else {"epoch": 0, "position": {}, "buffer": []}
+        epoch, start, buffer = state["epoch"], StreamPosition(**state["position"]), list(state["buffer"])
         window = self.seq_len + 1
-        while len(self._buffer) - self._packed >= window:
-            chunk = torch.tensor(self._buffer[self._packed:self._packed + window], dtype=torch.long)
-            self._packed += window  # before the yield, so state_dict() taken now already counts this sample
-            yield chunk[:-1], chunk[1:]
+        while True:
+            found = False
+            for text, position in self.stream.read(start):
+                found = True
+                buffer.extend(self.tokenizer.encode(text, bos=True, eos=True))
+                while len(buffer) >= window:
+                    chunk, buffer = buffer[:window], buffer[window:]
+                    tokens = torch.tensor(chunk, dtype=torch.long)
+                    yield (tokens[:-1], tokens[1:]), self._state(epoch, position, buffer)
+            if not found and start == StreamPosition():
+                raise ConfigError(f"dataset '{self.name}' has no documents")
+            if not self.infinite:
+                return
+            epoch, start = epoch + 1, StreamPosition()
+            logger.info("Dataset %s: starting epoch %d", self.name, epoch)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self._epoch,
-            "position": dataclasses.asdict(self._position),
-            "buffer": self._buffer[self._packed:],
-            "world": _split_of_this_worker(self.dp_rank, self.dp_world_size)[1],
-            "num_shards": len(self.stream.shards),
-        }
+    def _state(self, epoch: int, position: StreamPosition, buffer: list[int]) -> dict[str, Any]:
+        return {"epoch": epoch, "position": dataclasses.asdict(position), "buffer": list(buffer),
+                "num_shards": len(self.stream.shards)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._check_compatible(state)
-        self._epoch = state["epoch"]
-        self._position = StreamPosition(**state["position"])
-        self._buffer, self._packed = list(state["buffer"]), 0
-
-    def _check_compatible(self, state: dict[str, Any]) -> None:
-        world = _split_of_this_worker(self.dp_rank, self.dp_world_size)[1]
-        if state["world"] != world:
-            raise ConfigError(f"dataloader checkpoint of dataset '{self.name}' was split {state['world']} ways "
-                              f"(data-parallel ranks x workers), now {world}; resuming would repeat or skip data")
+    def _checked(self, state: dict[str, Any]) -> dict[str, Any]:
         if state["num_shards"] != len(self.stream.shards):
-            raise ConfigError(f"dataloader checkpoint of dataset '{self.name}' was made with {state['num_shards']} "
-                              f"shards, now there are {len(self.stream.shards)}; the data changed")
+            raise ConfigError(f"data position of dataset '{self.name}' was saved with {state['num_shards']} shards, "
+                              f"now there are {len(self.stream.shards)}; the data changed")
+        return state
 
 
-def build_packed_dataset(dataset: str, dataset_path: str | None, tokenizer: TokenizerLike, seq_len: int,
-                         dp_rank: int, dp_world_size: int, infinite: bool = True,
-                         key_prefix: str = "training") -> PackedDataset:
-    """The packed, rank-split dataset named `dataset` (see known_datasets())."""
-    if not 0 <= dp_rank < dp_world_size:
-        raise ConfigError(f"data-parallel rank {dp_rank} is outside 0..{dp_world_size - 1}")
+def build_packed_source(dataset: str, dataset_path: str | None, tokenizer: TokenizerLike, seq_len: int,
+                        infinite: bool = True, key_prefix: str = "training") -> PackedSource:
+    """The packed source named `dataset` (see known_datasets())."""
     stream = DocumentStream(resolve_shards(dataset, dataset_path, key_prefix))
-    return PackedDataset(dataset, stream, tokenizer, seq_len, dp_rank, dp_world_size, infinite)
+    return PackedSource(dataset, stream, tokenizer, seq_len, infinite)

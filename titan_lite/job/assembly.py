@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from titan_lite.checkpoint.hf import load_hf_weights
-from titan_lite.data.datasets import build_packed_dataset
+from titan_lite.data.datasets import build_packed_source
 from titan_lite.job.plan import JobPlan
 from titan_lite.loss import build_loss_fn
 from titan_lite.models.llama import Llama
@@ -102,8 +102,8 @@ def calibration_source(plan: JobPlan, device: torch.device):
 
     def batches(dataset: str, path: str | None, nsamples: int, seq_len: int,
                 batch_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        packed = build_packed_dataset(dataset, path, plan.tokenizer, seq_len, 0, 1, infinite=False)
-        windows = list(itertools.islice(packed, nsamples))
+        source = build_packed_source(dataset, path, plan.tokenizer, seq_len, infinite=False)
+        windows = [sample for sample, _ in itertools.islice(source.samples(), nsamples)]
         if dims.dp_degree > 1:
             mesh = dims.submesh("batch")
             windows = windows[mesh.get_local_rank()::mesh.size()]
