@@ -84,6 +84,14 @@ def init_process_group(device: torch.device, timeout_s: int) -> None:
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
 
 
+def set_collective_timeout(seconds: float) -> None:
+    """Every process group of this process (the world, the mesh's groups, the checkpointer's) gives up on a
+    collective after `seconds`; groups made by new_group or a device mesh otherwise wait 30 minutes."""
+    timeout = timedelta(seconds=seconds)
+    for group in list(dist.distributed_c10d._world.pg_map):  # no public list of a process's groups
+        group.set_timeout(timeout)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a single-process group's rendezvous)."""
     with socket.socket() as s:
