@@ -371,11 +371,17 @@ def run(cfg: JobConfig) -> int:
     return 0
 
 
-def stop_with(code: int, message: str) -> int:
-    """End this rank on an error with one line (printed by the launcher when there is one) and its exit code."""
-    report_error(code, message)
-    tl_dist.shutdown_quietly()
-    return code
+def one_line_error(exc: Exception) -> tuple[int, str] | None:
+    """(exit code, line) of an error that ends a run with one line: a user error, a training fault, a collective
+    that timed out. None for anything else (a bug: its traceback is printed)."""
+    if isinstance(exc, ConfigError):
+        return USER_ERROR, str(exc)
+    if isinstance(exc, TrainingFault):
+        return FAULT, str(exc)
+    if is_collective_timeout(exc):
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        return HANG, timeout_line(exc, rank, world)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -386,15 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     init_logger()
     try:
         return run(parse_args(argv))
-    except ConfigError as exc:
-        return stop_with(USER_ERROR, str(exc))
-    except TrainingFault as exc:
-        return stop_with(FAULT, str(exc))
     except Exception as exc:
-        if is_collective_timeout(exc):
-            rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-            return stop_with(HANG, timeout_line(exc, rank, world))
         tl_dist.shutdown_quietly()
+        known = one_line_error(exc)
+        if known is not None:
+            report_error(*known)  # to the launcher, which prints it once; else to stderr
+            return known[0]
         if another_rank_failed():  # a consequence of the error that rank reported: the launcher prints that one
             return 1
         raise

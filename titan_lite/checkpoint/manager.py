@@ -220,10 +220,11 @@ class CheckpointManager:
         try:
             yield
         except (CheckpointException, OSError) as exc:
+            tmp = ckpt.tmp_folder(self.root, step)
             if self.rank == 0:
-                shutil.rmtree(ckpt.tmp_folder(self.root, step), ignore_errors=True)
-            raise TrainingFault(f"checkpoint step {step} could not be written to '{ckpt.tmp_folder(self.root, step)}'"
-                                f": {root_cause(exc)}; {self.newest_note()}") from None
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise TrainingFault(f"checkpoint step {step} could not be written to '{tmp}' ({free_space(self.root)}): "
+                                f"{write_failure(exc)}; {self.newest_note()}") from None
 
     def _commit(self, step: int) -> None:
         """Every rank has written step-N.tmp: rank 0 renames it to step-N, which makes it loadable."""
@@ -354,6 +355,22 @@ def root_cause(exc: BaseException) -> str:
     if failures:
         exc = failures[min(failures)][0]
     return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
+def write_failure(exc: BaseException) -> str:
+    """root_cause of a failed save; torch.save into a file whose write failed (a full disk, a file-size limit)
+    reports only a position mismatch of its zip writer, so that is said in words."""
+    cause = root_cause(exc)
+    if "unexpected pos" in cause:
+        return f"a write stopped short, as on a full disk ({cause})"
+    return cause
+
+
+def free_space(folder: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(folder).free / 2**30:.1f} GiB free there"
+    except OSError:
+        return "free space unknown"
 
 
 # ------------------------------------------------------------------------------ before launch
