@@ -193,7 +193,8 @@ def test_shapes_that_do_not_divide_exit_2(c4_shard, config, ngpu, nnodes, extra,
 def test_plan_before_downloading_lists_what_is_missing_and_exits_5(tmp_path, c4_shard):
     """A laptop without the tokenizer or the data: the plan and its verdict still print (the flavor gives the
     vocabulary), with a checklist; exit 5 says the real run could not start yet."""
-    missing = ("--model.hf_assets_path", str(tmp_path / "Llama-3.1-8B"), "--training.dataset_path", str(tmp_path / "c4"))
+    missing = ("--model.hf_assets_path", str(tmp_path / "Llama-3.1-8B"),
+               "--training.dataset_path", str(tmp_path / "c4"))
     run = dry_run("llama3_8b.toml", c4_shard, ngpu=8, extra=missing)
     assert run.returncode == 5, run.stdout + run.stderr
     out = run.stdout

@@ -17,6 +17,11 @@ _FR_DUMP_ON_TIMEOUT = ("TORCH_NCCL_DUMP_ON_TIMEOUT",)
 _FR_DUMP_FILE = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 
 
+def device_type() -> str:
+    """'cuda' (or another accelerator's type) when one is visible, else 'cpu'; initialises no device."""
+    return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
+
+
 def local_device() -> torch.device:
     """This process's device: the accelerator at LOCAL_RANK when one is visible, else the CPU."""
     if torch.accelerator.is_available():

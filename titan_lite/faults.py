@@ -54,14 +54,21 @@ class StopSignals:
                 signal.signal(sig, handler)
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
+def any_rank(flag: bool) -> bool:
     """True on every rank when `flag` is true on one of them (e.g. a stop request: all ranks stop after the same
-    step)."""
+    step). A collective of the default process group."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return flag
-    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    value = torch.tensor([1.0 if flag else 0.0], device=collective_device())
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
+
+
+def collective_device() -> torch.device:
+    """Where the default process group reduces: the CPU for gloo, the current accelerator for nccl/xccl."""
+    if dist.get_backend() == "gloo" or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
 
 
 # ------------------------------------------------------------------------------------------ non-finite values

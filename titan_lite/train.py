@@ -268,7 +268,7 @@ class Trainer:
 
     def stop_requested(self, stop: StopSignals | None) -> bool:
         ACTIVITY.now(f"agreeing on a stop after step {self.train_state.step}")
-        return any_rank(stop is not None and stop.requested, self.device)
+        return any_rank(stop is not None and stop.requested)
 
     def stop_at_step_boundary(self, stop: StopSignals | None, start: int) -> None:
         """A graceful stop: save this step (unless nothing changed since the checkpoint the run started from)."""
@@ -364,8 +364,8 @@ def run(cfg: JobConfig) -> int:
     check_data(cfg)
     save_config(cfg)
     logger.info(f"job: {cfg.job.description}")
-    register_rank()
     with StopSignals().installed() as stop:
+        register_rank()  # after the handlers: the launcher signals registered ranks
         Trainer(cfg).train(stop)
     tl_dist.shutdown()
     return 0

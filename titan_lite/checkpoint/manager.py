@@ -159,14 +159,10 @@ class CheckpointManager:
     def _check_finite(self, step: int) -> None:
         params = ((name, p) for part in self.model_parts for name, p in part.named_parameters())
         bad = nonfinite_parameter(params)
-        if any_rank(bad is not None, self._device()):
+        if any_rank(bad is not None):
             where = f"parameter '{bad}'" if bad else "a parameter on another rank"
             raise TrainingFault(f"step {step}: {where} holds NaN or infinity, so checkpoint step-{step} is not "
                                 f"saved; {self.newest_note()}")
-
-    def _device(self) -> torch.device:
-        param = next((p for part in self.model_parts for p in part.parameters()), None)
-        return param.device if param is not None else torch.device("cpu")
 
     def newest_note(self) -> str:
         """Where the run can continue from, for messages about a step that was not saved."""

@@ -15,7 +15,7 @@ from titan_lite.config.schema import JobConfig
 from titan_lite.config.validate import validate
 from titan_lite.data.datasets import check_dataset
 from titan_lite.data.tokenizer import Tokenizer, build_tokenizer
-from titan_lite.distributed import choose_backend, local_device
+from titan_lite.distributed import choose_backend, device_type
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama import Llama, LlamaArgs, flavor_args
 from titan_lite.models.llama.hf import args_from_hf_config, check_args_against_hf_config, read_hf_config
@@ -160,6 +160,8 @@ def check_initial_weights(cfg: JobConfig) -> None:
     kind, path = source
     if kind == "hf":
         weight_files(path)
+    elif not path.exists():
+        raise ConfigError(f"'checkpoint.initial_load_path' = '{path}' does not exist")
     elif not (path / ".metadata").is_file():
         raise ConfigError(f"'checkpoint.initial_load_path' = '{path}' is not a DCP checkpoint (no .metadata file)")
 
@@ -205,7 +207,7 @@ def check_output_folders(cfg: JobConfig) -> None:
 def check_before_launch(cfg: JobConfig, world_size: int) -> JobPlan:
     """Everything run_train.sh checks in one quick process before torchrun starts: a user error is one line."""
     validate(cfg)
-    choose_backend(local_device())
+    choose_backend(torch.device(device_type()))
     tokenizer, problems = gather_assets(cfg)
     if problems:
         raise ConfigError(problems[0])
