@@ -80,23 +80,39 @@ def test_sigterm_saves_on_every_rank_exits_0_and_the_run_continues(tmp_path, ref
     assert_close(tb(tmp_path / "tb_resume"), reference_1p, range(step + 1, 21), atol=1e-5)
 
 
-def test_a_rank_killed_mid_run_is_restarted_and_finishes_like_an_uninterrupted_run(tmp_path, reference_1p):
-    log = tmp_path / "killed.log"
-    proc = start_train(steps(20) + CKPT, tmp_path, log, env={"MAX_RESTARTS": "1"})
+def test_a_killed_rank_restarts_and_a_finished_run_with_a_model_only_final_save_is_extended(tmp_path, reference_1p):
+    """Run A (10 steps, final save model-only, MAX_RESTARTS=1): its rank is SIGKILLed after step 5 was saved;
+    torchrun restarts it, it continues from step-5 and ends with the losses of an uninterrupted run. Run B (the same
+    job with 20 steps): step-10 holds the model only, so it continues from step-5 with a note, to the uninterrupted
+    losses; keep_latest_k = 1 never removes step-5, the checkpoint it resumed from."""
+    root, log = tmp_path / "checkpoint", tmp_path / "killed.log"
+    model_only = ["--checkpoint.last_save_model_only", "true"]
+    proc = start_train(steps(10) + CKPT + model_only, tmp_path, log, env={"MAX_RESTARTS": "1"})
     wait_for_line(proc, log, r"checkpoint step 5 saved")
     (rank,) = trainer_pids(proc.pid)
     os.kill(rank, signal.SIGKILL)
     assert finish(proc) == 0, log.read_text()[-3000:]
     text = log.read_text()
-    assert f"loaded checkpoint {tmp_path / 'checkpoint' / 'step-5'}" in text  # the restarted attempt resumed
-    assert "training finished after 20 steps" in text
+    assert f"loaded checkpoint {root / 'step-5'}" in text  # the restarted attempt resumed
+    assert "training finished after 10 steps" in text
     losses = tb(tmp_path / "tb")
-    assert losses[20] == reference_1p[20]  # fp32 on CPU: the same operations in the same order, bit for bit
-    assert_close(losses, reference_1p, range(1, 21), atol=0)
-    assert folders(tmp_path / "checkpoint") == ["step-10", "step-15", "step-20", "step-5"]
+    assert losses[10] == reference_1p[10]  # fp32 on CPU: the same operations in the same order, bit for bit
+    assert_close(losses, reference_1p, range(1, 11), atol=0)
+    assert folders(root) == ["step-10", "step-5"]
+    step_5 = digest(root / "step-5")
+
+    extended = run_train(steps(20) + CKPT + model_only + ["--checkpoint.keep_latest_k", "1",
+                                                          "--metrics.save_tb_folder", "tb_resume"], tmp_path)
+    assert extended.returncode == 0, extended.output[-3000:]
+    assert (f"WARNING '{root / 'step-10'}' holds model weights only (a final save with "
+            f"'checkpoint.last_save_model_only' = true), so the run continues from '{root / 'step-5'}', its newest "
+            "checkpoint with the training state: steps 6-10 run again") in extended.output
+    assert f"loaded checkpoint {root / 'step-5'}" in extended.output
+    assert_close(tb(tmp_path / "tb_resume"), reference_1p, range(6, 21), atol=0)
+    assert folders(root) == ["step-20", "step-5"] and digest(root / "step-5") == step_5
 
 
-def test_nan_stops_a_full_disk_stops_and_skip_continues_with_checkpoints_intact(tmp_path):
+def test_nan_stops_then_skip_continues_until_the_disk_fills_up_with_checkpoints_intact(tmp_path):
     root = tmp_path / "checkpoint"
     six_steps = steps(6) + CKPT + ["--checkpoint.interval", "2"]
 
@@ -111,8 +127,12 @@ def test_nan_stops_a_full_disk_stops_and_skip_continues_with_checkpoints_intact(
     assert folders(root) == ["step-2"] and sorted(tb(tmp_path / "tb1")) == [1, 2]
     step_2 = digest(root / "step-2")
 
-    # 2. The same run continued while the disk fills up (files may not grow past 1 MB): the save of step 4 fails.
-    full = run_train(six_steps + ["--metrics.save_tb_folder", "tb2"], tmp_path, max_file_bytes=1_000_000)
+    # 2. Continued with on_nonfinite = skip: step 3 is skipped, step 4 trains, and its save meets a full disk (no file
+    # may grow past 1 MB): one line, its unfinished folder removed, step-2 untouched.
+    full = run_train(six_steps + ["--metrics.save_tb_folder", "tb2", "--training.on_nonfinite", "skip"], tmp_path,
+                     env={NAN_STEP_ENV: "3"}, max_file_bytes=1_000_000)
+    assert f"loaded checkpoint {root / 'step-2'}" in full.output
+    assert "WARNING step 3: the gradient norm is nan: step skipped ('training.on_nonfinite' = 'skip')" in full.output
     assert full.returncode == 3, full.output[-3000:]
     (line,) = error_lines(full.output)
     assert re.fullmatch(rf"error: checkpoint step 4 could not be written to '{root / 'step-4.tmp'}' \([\d.]+ GiB free "
@@ -120,38 +140,10 @@ def test_nan_stops_a_full_disk_stops_and_skip_continues_with_checkpoints_intact(
                         rf"\(.*unexpected pos.*\)); the newest complete checkpoint is '{root / 'step-2'}'", line), line
     assert "Traceback" not in full.output
     assert folders(root) == ["step-2"] and digest(root / "step-2") == step_2
-
-    # 3. Continued again with on_nonfinite = skip and the same NaN: step 3 is skipped and the run finishes.
-    skip = run_train(six_steps + ["--metrics.save_tb_folder", "tb3", "--training.on_nonfinite", "skip"], tmp_path,
-                     env={NAN_STEP_ENV: "3"})
-    assert skip.returncode == 0, skip.output[-3000:]
-    assert "WARNING step 3: the gradient norm is nan: step skipped ('training.on_nonfinite' = 'skip')" in skip.output
-    assert folders(root) == ["step-2", "step-4", "step-6"] and digest(root / "step-2") == step_2
-    assert sorted(tb(tmp_path / "tb3")) == [3, 4, 5, 6]
-    dcp_to_torch_save(root / "step-6", tmp_path / "step-6.pt")
-    weights = torch.load(tmp_path / "step-6.pt", weights_only=False)["model"]
+    assert sorted(tb(tmp_path / "tb2")) == [3, 4]
+    dcp_to_torch_save(root / "step-2", tmp_path / "step-2.pt")
+    weights = torch.load(tmp_path / "step-2.pt", weights_only=False)["model"]
     assert len(weights) == 39 and all(torch.isfinite(w).all() for w in weights.values())
-
-
-def test_extending_a_run_whose_final_save_holds_the_model_only(tmp_path, reference_1p):
-    """With last_save_model_only the newest checkpoint cannot continue the run: the newest full one does, with a
-    note; keep_latest_k = 1 never removes the checkpoint the run resumed from."""
-    model_only = ["--checkpoint.last_save_model_only", "true"]
-    first = run_train(steps(10) + CKPT + model_only, tmp_path)
-    assert first.returncode == 0, first.output[-3000:]
-    root = tmp_path / "checkpoint"
-    assert folders(root) == ["step-10", "step-5"]
-    step_5 = digest(root / "step-5")
-
-    second = run_train(steps(20) + CKPT + model_only + ["--checkpoint.keep_latest_k", "1",
-                                                        "--metrics.save_tb_folder", "tb_resume"], tmp_path)
-    assert second.returncode == 0, second.output[-3000:]
-    assert (f"WARNING '{root / 'step-10'}' holds model weights only (a final save with "
-            f"'checkpoint.last_save_model_only' = true), so the run continues from '{root / 'step-5'}', its newest "
-            "checkpoint with the training state: steps 6-10 run again") in second.output
-    assert f"loaded checkpoint {root / 'step-5'}" in second.output
-    assert_close(tb(tmp_path / "tb_resume"), reference_1p, range(6, 21), atol=0)
-    assert folders(root) == ["step-20", "step-5"] and digest(root / "step-5") == step_5
 
 
 def test_a_user_error_inside_a_rank_is_one_line_and_not_restarted(tmp_path):
@@ -163,35 +155,12 @@ def test_a_user_error_inside_a_rank_is_one_line_and_not_restarted(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(lines) + "\n")
     run = run_train(["--training.steps", "20", "--training.dataset", "jsonl", "--training.dataset_path", str(data),
-                     "--training.local_batch_size", "4"], tmp_path / "out", ngpu=2, env={"MAX_RESTARTS": "2"})
+                     "--training.local_batch_size", "4"], tmp_path / "out", env={"MAX_RESTARTS": "2"})
     assert run.returncode == 2, run.output[-3000:]
     assert error_lines(run.output) == [f'error: {data}:7: not valid JSON; each line must be an object with a "text" '
                                        'string']
     assert "Traceback" not in run.output
-    assert len(re.findall(r"\[rank0\]:.* training 20 steps from step 0", run.output)) == 1
-
-
-def test_launcher_checks_config_file_and_backend(tmp_path):
-    other = tmp_path / "other.toml"
-    other.write_text(BASE_TOML.read_text().replace("steps = 5", "steps = 0"))
-    env = {**os.environ, "NGPU": "1"}
-    env.pop("CONFIG_FILE", None)
-
-    def launch(*args: str, **extra_env: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(REPO / "run_train.sh"), "--job.dump_folder", str(tmp_path / "out"), *args],
-                              cwd=REPO, env={**env, **extra_env}, capture_output=True, text=True, timeout=300)
-
-    # --job.config_file on the command line is the config (its steps = 0 is what is refused).
-    honoured = launch("--job.config_file", str(other))
-    assert (honoured.returncode, honoured.stderr.strip()) == (2, "error: 'training.steps' must be at least 1, got 0")
-    # CONFIG_FILE naming another file as well: refused before anything starts.
-    both = launch("--job.config_file", str(other), CONFIG_FILE=str(BASE_TOML))
-    assert (both.returncode, both.stderr.strip()) == (
-        2, f"error: CONFIG_FILE={BASE_TOML} and --job.config_file {other} name different configs; give one")
-    backend = launch(CONFIG_FILE=str(BASE_TOML), COMM_BACKEND="mpi")
-    assert backend.returncode == 2 and "Traceback" not in backend.stdout + backend.stderr
-    assert backend.stderr.strip() == ("error: COMM_BACKEND=mpi is not available in this torch build on device 'cpu'; "
-                                      "use gloo")
+    assert len(re.findall(r"\[rank0\]:.* training 20 steps from step 0", run.output)) == 1  # no restart
 
 
 def without_permission_override() -> tuple[str, ...]:
@@ -203,19 +172,35 @@ def without_permission_override() -> tuple[str, ...]:
     return ("setpriv", "--bounding-set=-dac_override,-dac_read_search")
 
 
-def test_output_folder_without_write_permission_and_unreadable_tokenizer(tmp_path):
-    read_only = tmp_path / "read_only"
-    read_only.mkdir()
-    read_only.chmod(0o555)
-    run = run_train([], read_only, prefix=without_permission_override())
-    assert run.returncode == 2 and "Traceback" not in run.output
-    assert error_lines(run.output) == [f"error: 'job.dump_folder': cannot write to '{read_only}' (Permission denied)"]
-
+def test_config_file_option_unreadable_tokenizer_and_output_folder_without_permission(tmp_path):
+    """--job.config_file alone is the config (its unreadable tokenizer is what is refused); with a different
+    CONFIG_FILE it is refused; an output folder without write permission is one line."""
     assets = tmp_path / "assets"
     assets.mkdir()
     shutil.copy(REPO / "assets" / "tokenizer" / "tokenizer.model", assets / "tokenizer.model")
     (assets / "tokenizer.model").chmod(0o000)
-    run = run_train(["--model.hf_assets_path", str(assets)], tmp_path / "out", prefix=without_permission_override())
-    assert run.returncode == 2 and "Traceback" not in run.output
-    assert error_lines(run.output) == [f"error: tokenizer file '{assets / 'tokenizer.model'}' cannot be read "
-                                       "(Permission denied)"]
+    other = tmp_path / "other.toml"
+    other.write_text(BASE_TOML.read_text().replace('hf_assets_path = "./assets/tokenizer"',
+                                                   f'hf_assets_path = "{assets}"'))
+    env = {**os.environ, "NGPU": "1"}
+    env.pop("CONFIG_FILE", None)
+    prefix = without_permission_override()
+
+    def launch(dump_folder: Path, *args: str, **extra_env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*prefix, str(REPO / "run_train.sh"), "--job.dump_folder", str(dump_folder), *args],
+                              cwd=REPO, env={**env, **extra_env}, capture_output=True, text=True, timeout=300)
+
+    honoured = launch(tmp_path / "out", "--job.config_file", str(other))
+    assert (honoured.returncode, honoured.stderr.strip()) == (
+        2, f"error: tokenizer file '{assets / 'tokenizer.model'}' cannot be read (Permission denied)")
+    both = launch(tmp_path / "out", "--job.config_file", str(other), CONFIG_FILE=str(BASE_TOML))
+    assert (both.returncode, both.stderr.strip()) == (
+        2, f"error: CONFIG_FILE={BASE_TOML} and --job.config_file {other} name different configs; give one")
+
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    denied = launch(read_only, CONFIG_FILE=str(BASE_TOML))
+    assert (denied.returncode, denied.stderr.strip()) == (
+        2, f"error: 'job.dump_folder': cannot write to '{read_only}' (Permission denied)")
+    assert "Traceback" not in honoured.stdout + both.stdout + denied.stdout
