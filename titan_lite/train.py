@@ -241,7 +241,6 @@ class Trainer:
                         f"global batch {self.plan.global_batch_size} x {cfg.training.seq_len} tokens")
             gc.disable()
             stopped = self.loop(iter(self.dataloader), stop)
-            gc.enable()
             if stopped:
                 self.stop_at_step_boundary(stop, start)
                 return
@@ -249,6 +248,7 @@ class Trainer:
             self.export()
             logger.info(f"training finished after {self.train_state.step} steps")
         finally:
+            gc.enable()
             self.metrics.close()
 
     def loop(self, data_iter, stop: StopSignals | None) -> bool:
