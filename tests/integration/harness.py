@@ -30,10 +30,15 @@ class Run:
 
     def tb_losses(self, rank_folder: str = "") -> dict[int, float]:
         """Per-step global loss as written to TensorBoard (float32, exact enough for 1e-6 comparisons)."""
-        folder = self.dump_folder / "tb" / rank_folder
-        acc = EventAccumulator(str(folder))
-        acc.Reload()
-        return {e.step: e.value for e in acc.Scalars("loss/global_avg")}
+        return tb_losses(self.dump_folder / "tb" / rank_folder)
+
+
+def tb_losses(folder: Path) -> dict[int, float]:
+    """Per-step global loss in a TensorBoard folder; a restarted run's events replace the steps its killed attempt had
+    logged after the checkpoint it resumed from."""
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars("loss/global_avg")}
 
 
 def steps(n: int) -> list[str]:

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.integration.harness import (
@@ -24,17 +23,11 @@ from tests.integration.harness import (
     run_train,
     start_train,
     steps,
+    tb_losses,
     trainer_pids,
     wait_for_line,
 )
 from titan_lite.train import NAN_STEP_ENV
-
-
-def tb(folder: Path) -> dict[int, float]:
-    """loss per step; a restarted run's events replace the steps its killed attempt had logged after the resume."""
-    acc = EventAccumulator(str(folder))
-    acc.Reload()
-    return {e.step: e.value for e in acc.Scalars("loss/global_avg")}
 
 
 def folders(root: Path) -> list[str]:
@@ -72,12 +65,12 @@ def test_sigterm_saves_on_every_rank_exits_0_and_the_run_continues(tmp_path, ref
     step = int(stops[0][1])
     assert 3 <= step < 20 and "Traceback" not in text
     assert folders(tmp_path / "checkpoint") == [f"step-{step}"]
-    assert_close(tb(tmp_path / "tb_first"), reference_1p, range(1, step + 1), atol=1e-5)
+    assert_close(tb_losses(tmp_path / "tb_first"), reference_1p, range(1, step + 1), atol=1e-5)
 
     resumed = run_train(steps(20) + CKPT + ["--metrics.save_tb_folder", "tb_resume"], tmp_path)
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert f"loaded checkpoint {tmp_path / 'checkpoint' / f'step-{step}'}" in resumed.output
-    assert_close(tb(tmp_path / "tb_resume"), reference_1p, range(step + 1, 21), atol=1e-5)
+    assert_close(tb_losses(tmp_path / "tb_resume"), reference_1p, range(step + 1, 21), atol=1e-5)
 
 
 def test_a_killed_rank_restarts_and_a_finished_run_with_a_model_only_final_save_is_extended(tmp_path, reference_1p):
@@ -95,7 +88,7 @@ def test_a_killed_rank_restarts_and_a_finished_run_with_a_model_only_final_save_
     text = log.read_text()
     assert f"loaded checkpoint {root / 'step-5'}" in text  # the restarted attempt resumed
     assert "training finished after 10 steps" in text
-    losses = tb(tmp_path / "tb")
+    losses = tb_losses(tmp_path / "tb")
     assert losses[10] == reference_1p[10]  # fp32 on CPU: the same operations in the same order, bit for bit
     assert_close(losses, reference_1p, range(1, 11), atol=0)
     assert folders(root) == ["step-10", "step-5"]
@@ -108,7 +101,7 @@ def test_a_killed_rank_restarts_and_a_finished_run_with_a_model_only_final_save_
             f"'checkpoint.last_save_model_only' = true), so the run continues from '{root / 'step-5'}', its newest "
             "checkpoint with the training state: steps 6-10 run again") in extended.output
     assert f"loaded checkpoint {root / 'step-5'}" in extended.output
-    assert_close(tb(tmp_path / "tb_resume"), reference_1p, range(6, 21), atol=0)
+    assert_close(tb_losses(tmp_path / "tb_resume"), reference_1p, range(6, 21), atol=0)
     assert folders(root) == ["step-20", "step-5"] and digest(root / "step-5") == step_5
 
 
@@ -124,7 +117,7 @@ def test_nan_stops_then_skip_continues_until_the_disk_fills_up_with_checkpoints_
         f"'stop'), so no checkpoint holds it; the newest complete checkpoint is '{root / 'step-2'}'; lower "
         f"'optimizer.lr' or set 'training.on_nonfinite' = 'skip' to skip such steps"]
     assert "Traceback" not in nan.output
-    assert folders(root) == ["step-2"] and sorted(tb(tmp_path / "tb1")) == [1, 2]
+    assert folders(root) == ["step-2"] and sorted(tb_losses(tmp_path / "tb1")) == [1, 2]
     step_2 = digest(root / "step-2")
 
     # 2. Continued with on_nonfinite = skip: step 3 is skipped, step 4 trains, and its save meets a full disk (no file
@@ -140,7 +133,7 @@ def test_nan_stops_then_skip_continues_until_the_disk_fills_up_with_checkpoints_
                         rf"\(.*unexpected pos.*\)); the newest complete checkpoint is '{root / 'step-2'}'", line), line
     assert "Traceback" not in full.output
     assert folders(root) == ["step-2"] and digest(root / "step-2") == step_2
-    assert sorted(tb(tmp_path / "tb2")) == [3, 4]
+    assert sorted(tb_losses(tmp_path / "tb2")) == [3, 4]
     dcp_to_torch_save(root / "step-2", tmp_path / "step-2.pt")
     weights = torch.load(tmp_path / "step-2.pt", weights_only=False)["model"]
     assert len(weights) == 39 and all(torch.isfinite(w).all() for w in weights.values())

@@ -13,18 +13,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-from tests.integration.harness import CKPT, run_train, start_train, steps
+from tests.integration.harness import CKPT, run_train, start_train, steps, tb_losses
 from titan_lite.checkpoint.manager import STALL_SECONDS_ENV, STALL_STEP_ENV, holds_training_state
 
 RESUME_TB = ["--metrics.save_tb_folder", "tb_resume"]  # the resumed run's losses, apart from the first run's
-
-
-def tb_losses(folder: Path) -> dict[int, float]:
-    acc = EventAccumulator(str(folder))
-    acc.Reload()
-    return {e.step: e.value for e in acc.Scalars("loss/global_avg")}
 
 
 def assert_ok(run) -> None:
