@@ -1,19 +1,36 @@
 #!/usr/bin/env bash
 # titan_lite launcher. Environment variables:
-#   CONFIG_FILE   TOML config (default: train_configs/debug_model.toml)
+#   CONFIG_FILE   TOML config (default: train_configs/debug_model.toml; --job.config_file FILE does the same)
 #   NGPU          processes per node (default: visible GPUs, else 1)
 #   LOG_RANK      comma list of local ranks whose output is shown (default: 0)
 #   COMM_BACKEND  nccl (default on CUDA) or gloo (default on CPU)
 #   DRY_RUN=1     validate and plan the job in one CPU process for NGPU x NNODES ranks; train nothing
+#   MAX_RESTARTS  torchrun --max_restarts: restart every rank of a node after a rank dies (default 0); with
+#                 checkpoint.enable the restarted run continues from the newest complete checkpoint
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT or RDZV_ENDPOINT   multi-node torchrun
 # Every other argument is a config override: --section.key value or --section.key=value.
+# SIGTERM or Ctrl-C: every rank saves a checkpoint after its current step and the run exits 0; a second one stops
+# at once. Exit codes: 0 done (or stopped and saved), 2 user error, 3 training fault, 4 hung collective (one line
+# each), 5 DRY_RUN plan fine but files missing.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # titan_lite is importable from the checkout even when the python is not the project's .venv.
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 PYTHON="$("$root/scripts/setup_env.sh")"
 
-CONFIG_FILE="${CONFIG_FILE:-$root/train_configs/debug_model.toml}"
+# The config: CONFIG_FILE or --job.config_file (the same file given both ways is fine, two different ones are not).
+cli_config=""
+for ((i = 1; i <= $#; i++)); do
+  case "${!i}" in
+    --job.config_file) j=$((i + 1)); cli_config="${!j:-}" ;;
+    --job.config_file=*) cli_config="${!i#--job.config_file=}" ;;
+  esac
+done
+if [ -n "$cli_config" ] && [ -n "${CONFIG_FILE:-}" ] && [ "$cli_config" != "$CONFIG_FILE" ]; then
+  echo "error: CONFIG_FILE=$CONFIG_FILE and --job.config_file $cli_config name different configs; give one" >&2
+  exit 2
+fi
+CONFIG_FILE="${cli_config:-${CONFIG_FILE:-$root/train_configs/debug_model.toml}}"
 if [ -z "${NGPU:-}" ]; then
   NGPU="$("$PYTHON" -c 'import torch; print(max(1, torch.cuda.device_count()))' 2>/dev/null || echo 1)"
 fi
@@ -47,6 +64,7 @@ else
   launch=(--standalone)
 fi
 
-exec "$PYTHON" -m torch.distributed.run --nproc_per_node "$NGPU" "${launch[@]}" \
+# The launcher runs torchrun: stop signals reach the ranks once, and a rank's user error ends the run in one line.
+exec "$PYTHON" -m titan_lite.launcher --nproc_per_node "$NGPU" "${launch[@]}" --max_restarts "${MAX_RESTARTS:-0}" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   -m titan_lite.train --job.config_file "$CONFIG_FILE" "$@"

@@ -1,8 +1,10 @@
 """Unit tests of CheckpointManager on a stand-in trainer: retention, load_step, exclusions, errors, resharding."""
 
+import contextlib
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,9 +16,9 @@ from torch.distributed.fsdp import fully_shard
 
 from tests.helpers import free_port
 from titan_lite.checkpoint import dcp as ckpt
-from titan_lite.checkpoint.manager import CheckpointManager, RankLocal
+from titan_lite.checkpoint.manager import CheckpointManager, RankLocal, choose_resume
 from titan_lite.config import JobConfig
-from titan_lite.errors import ConfigError
+from titan_lite.errors import ConfigError, TrainingFault
 from titan_lite.models.llama import Llama, flavor_args
 from titan_lite.optim.lr_scheduler import LRSchedule
 from titan_lite.parallel.parallel_dims import ParallelDims
@@ -253,17 +255,137 @@ def test_last_save_model_only_is_cast_and_loads_model_only(single_process_group,
     t = make_trainer(cfg)
     train_one_step(t, 1)
     manager_of(cfg, t).save(1, last=True)
-    metadata = ckpt.read_metadata(tmp_path / "checkpoint" / "step-1")
+    folder = tmp_path / "checkpoint" / "step-1"
+    metadata = ckpt.read_metadata(folder)
     dtypes = {md.properties.dtype for md in metadata.state_dict_metadata.values()}
     assert dtypes == {torch.bfloat16}
     assert all(k.startswith("model.") for k in metadata.state_dict_metadata)
 
-    t2 = make_trainer(cfg)
-    manager_of(cfg, t2).load()
+    # It cannot continue the run (that would start again at step 0 over this run's folder): one line says what to do.
+    with pytest.raises(ConfigError) as err:
+        manager_of(cfg, make_trainer(cfg)).load()
+    assert str(err.value) == (
+        f"the newest checkpoint '{folder}' holds model weights only ('checkpoint.last_save_model_only' = true) and "
+        f"cannot continue a run; to train from these weights without touching the checkpoints in "
+        f"'{tmp_path / 'checkpoint'}', set --checkpoint.initial_load_path {folder} and another --job.dump_folder")
+
+    # As the initial weights of another run, it loads (cast back to the model's dtype).
+    cfg2 = make_cfg(tmp_path / "new", initial_load_path=str(folder))
+    t2 = make_trainer(cfg2)
+    manager_of(cfg2, t2).load()
     assert t2.train_state.step == 0 and not t2.optimizer.state
     for (name, p), p2 in zip(t.model_parts[0].named_parameters(), t2.model_parts[0].parameters(), strict=True):
         assert p2.dtype == torch.float32
         assert torch.equal(p2.detach(), p.detach().to(torch.bfloat16).float()), name
+
+
+def test_model_only_final_save_continues_from_the_newest_full_checkpoint(single_process_group, tmp_path):
+    cfg = make_cfg(tmp_path, interval=2, last_save_model_only=True)
+    t = make_trainer(cfg)
+    manager = manager_of(cfg, t)
+    for step in range(1, 4):
+        train_one_step(t, step)
+        manager.save(step, last=step == 3)
+        if step == 2:
+            at_2 = snapshot(t)
+    root = tmp_path / "checkpoint"
+    choice = choose_resume(cfg.checkpoint, root)
+    assert choice.folder == root / "step-2"
+    assert choice.note == (f"'{root / 'step-3'}' holds model weights only (a final save with "
+                           f"'checkpoint.last_save_model_only' = true), so the run continues from '{root / 'step-2'}', "
+                           "its newest checkpoint with the training state: steps 3-3 run again")
+    t2 = make_trainer(cfg)
+    manager_of(cfg, t2).load()
+    assert t2.train_state.step == 2
+    assert all(torch.equal(v, at_2[k]) for k, v in snapshot(t2).items())
+
+
+def test_keep_latest_k_never_removes_the_checkpoint_resumed_from(single_process_group, tmp_path):
+    cfg = make_cfg(tmp_path, keep_latest_k=0)
+    t = make_trainer(cfg)
+    manager = manager_of(cfg, t)
+    for step in range(1, 5):
+        train_one_step(t, step)
+        manager.save(step)
+    # Rewind to step 2 with keep_latest_k = 1: steps 3 and 4 of the earlier future go, 2 (resumed from) stays.
+    cfg2 = make_cfg(tmp_path, keep_latest_k=1, load_step=2)
+    t2 = make_trainer(cfg2)
+    manager2 = manager_of(cfg2, t2)
+    manager2.load()
+    for step in (3, 4, 5):
+        train_one_step(t2, step)
+        manager2.save(step)
+    assert steps_on_disk(tmp_path / "checkpoint") == [2, 5]
+
+
+def test_a_save_is_never_written_with_nan_parameters(single_process_group, tmp_path):
+    cfg = make_cfg(tmp_path)
+    t = make_trainer(cfg)
+    manager = manager_of(cfg, t)
+    train_one_step(t, 1)
+    manager.save(1)
+    with torch.no_grad():
+        t.model_parts[0].layers["1"].ffn_norm.weight[3] = float("nan")
+    with pytest.raises(TrainingFault) as err:
+        manager.save(2)
+    newest = tmp_path / "checkpoint" / "step-1"
+    assert str(err.value) == ("step 2: parameter 'layers.1.ffn_norm.weight' holds NaN or infinity, so checkpoint "
+                              f"step-2 is not saved; the newest complete checkpoint is '{newest}'")
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-1"]
+
+
+def test_a_save_that_cannot_be_written_is_one_line_and_leaves_earlier_checkpoints(single_process_group, tmp_path,
+                                                                                 monkeypatch):
+    cfg = make_cfg(tmp_path)
+    t = make_trainer(cfg)
+    manager = manager_of(cfg, t)
+    train_one_step(t, 1)
+    manager.save(1)
+    before = {p.name: p.stat().st_size for p in (tmp_path / "checkpoint" / "step-1").iterdir()}
+
+    def disk_full(self, path, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(torch.distributed.checkpoint.filesystem.FileSystem, "create_stream",
+                        contextlib.contextmanager(disk_full))
+    train_one_step(t, 2)
+    with pytest.raises(TrainingFault) as err:
+        manager.save(2)
+    tmp = tmp_path / "checkpoint" / "step-2.tmp"
+    assert re.fullmatch(
+        rf"checkpoint step 2 could not be written to '{tmp}' \([\d.]+ GiB free there\): OSError: \[Errno 28\] No space "
+        rf"left on device; the newest complete checkpoint is '{tmp_path / 'checkpoint' / 'step-1'}'", str(err.value))
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-1"]
+    assert {p.name: p.stat().st_size for p in (tmp_path / "checkpoint" / "step-1").iterdir()} == before
+
+
+def test_truncated_or_missing_data_file_is_refused_before_loading(single_process_group, tmp_path):
+    cfg = make_cfg(tmp_path)
+    t = make_trainer(cfg)
+    train_one_step(t, 1)
+    manager_of(cfg, t).save(1)
+    folder = tmp_path / "checkpoint" / "step-1"
+    shard = folder / "__0_0.distcp"
+    size = shard.stat().st_size
+    os.truncate(shard, size // 2)
+    with pytest.raises(ConfigError) as err:
+        manager_of(cfg, make_trainer(cfg)).load()
+    assert str(err.value) == (f"checkpoint '{folder}' is truncated: '__0_0.distcp' has {size // 2:,} bytes, its "
+                              f"metadata needs {size:,}")
+    shard.unlink()
+    with pytest.raises(ConfigError, match="is incomplete: its data file '__0_0.distcp' is missing"):
+        manager_of(cfg, make_trainer(cfg)).load()
+
+
+def test_seed_checkpoint_refuses_a_folder_with_checkpoints(single_process_group, tmp_path):
+    cfg = make_cfg(tmp_path)
+    t = make_trainer(cfg)
+    train_one_step(t, 1)
+    manager_of(cfg, t).save(1)
+    seed = make_cfg(tmp_path, create_seed_checkpoint=True)
+    with pytest.raises(ConfigError) as err:
+        manager_of(seed, make_trainer(seed)).save_seed()
+    assert str(err.value) == (f"'checkpoint.create_seed_checkpoint' = true but '{tmp_path / 'checkpoint'}' already "
+                              "holds checkpoints (steps 1); use an empty 'checkpoint.folder' or 'job.dump_folder'")
 
 
 def test_first_step_interval_and_load_only(single_process_group, tmp_path):

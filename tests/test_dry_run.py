@@ -188,3 +188,29 @@ def test_shapes_that_do_not_divide_exit_2(c4_shard, config, ngpu, nnodes, extra,
     run = dry_run(config, c4_shard, ngpu=ngpu, nnodes=nnodes, extra=extra)
     assert run.returncode == 2
     assert message in run.stderr and "Traceback" not in run.stderr
+
+
+def test_plan_before_downloading_lists_what_is_missing_and_exits_5(tmp_path, monkeypatch, capsys):
+    """In-process (run_train.sh's DRY_RUN=1 runs exactly this): a laptop without the tokenizer or the data. The plan
+    and its verdict still print (the flavor gives the vocabulary), with a checklist; exit 5 says the real run could
+    not start yet."""
+    from titan_lite.train import main
+
+    monkeypatch.setenv("DRY_RUN", "1")
+    monkeypatch.setenv("NGPU", "8")
+    monkeypatch.setenv("NNODES", "1")
+    monkeypatch.chdir(REPO)
+    code = main(["--job.config_file", "train_configs/llama3_8b.toml", "--job.dump_folder", str(tmp_path / "out"),
+                 "--model.hf_assets_path", str(tmp_path / "Llama-3.1-8B"),
+                 "--training.dataset_path", str(tmp_path / "c4")])
+    out, err = capsys.readouterr()
+    assert code == 5, out + err
+    assert f"tokenizer: not there yet ('{tmp_path / 'Llama-3.1-8B'}'); vocabulary 128,256 from flavor '8B'\n" in out
+    assert ("before the real run can start (2 missing or unreadable):\n"
+            f"  [ ] tokenizer path '{tmp_path / 'Llama-3.1-8B'}' does not exist (expected a tokenizer.json or "
+            "tokenizer.model file, or a folder holding one)\n"
+            f"  [ ] 'training.dataset_path' = '{tmp_path / 'c4'}' does not exist\n") in out
+    assert "8,030,261,248 parameters" in out and "verdict: fits: peak" in out and "dry run OK: 8 ranks" in out
+    assert out.rstrip().splitlines()[-1] == ("the real run cannot start yet: 2 file(s) of the checklist above are "
+                                             "missing (exit 5)")
+    assert err == "" and not (tmp_path / "out").exists()

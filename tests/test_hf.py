@@ -307,6 +307,30 @@ def test_build_model_args_checks_assets_config(tmp_path):
         build_model_args(cfg, vocab_size=2048)
 
 
+def test_float32_rounded_settings_agree_within_a_relative_tolerance(tmp_path):
+    """Converted checkpoints store rms_norm_eps 1e-5 as float32 (9.999999747378752e-06): that is the same model."""
+    path = tmp_path / "config.json"
+    config = args_to_hf_config(flavor_args("tiny"), torch.float32)
+    path.write_text(json.dumps({**config, "rms_norm_eps": 9.999999747378752e-06,
+                                "rope_theta": float(torch.tensor(10000.0, dtype=torch.float32))}))
+    check_args_against_hf_config(flavor_args("tiny"), str(path))
+    path.write_text(json.dumps({**config, "rms_norm_eps": 1.1e-05}))
+    with pytest.raises(ConfigError, match=r"norm_eps is 1e-05 in the model but 1.1e-05 in config.json"):
+        check_args_against_hf_config(flavor_args("tiny"), str(path))
+
+
+def test_flavor_hf_takes_the_shape_from_config_json(tmp_path):
+    pruned = replace(flavor_args("tiny"), n_layers=3, ffn_dim=128, rope_theta=20000.0, norm_eps=1e-6)
+    (tmp_path / "config.json").write_text(json.dumps(args_to_hf_config(pruned, torch.float32)))
+    cfg = JobConfig()
+    cfg.model.flavor, cfg.model.hf_assets_path, cfg.training.seq_len = "hf", str(tmp_path), 64
+    assert build_model_args(cfg, vocab_size=2048) == replace(pruned, max_seq_len=64)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(ConfigError, match=r"'model.flavor' = 'hf' takes the model shape from a Hugging Face "
+                                          r"config.json, but '.*config.json' does not exist"):
+        build_model_args(cfg, vocab_size=2048)
+
+
 # ------------------------------------------------------------------------------- offline conversion
 
 

@@ -11,8 +11,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "titan_lite"
 # own layer or above. The README's architecture section draws the same picture.
 LAYERS = [
     ["titan_lite.errors"],
-    ["titan_lite.config"],
-    ["titan_lite.distributed", "titan_lite.dtensor", "titan_lite.loss"],
+    ["titan_lite.config", "titan_lite.launcher"],
+    ["titan_lite.distributed", "titan_lite.dtensor", "titan_lite.loss", "titan_lite.faults"],
     ["titan_lite.models", "titan_lite.data", "titan_lite.optim", "titan_lite.metrics"],
     ["titan_lite.parallel"],
     ["titan_lite.checkpoint"],

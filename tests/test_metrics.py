@@ -11,6 +11,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from titan_lite.config import parse_args
+from titan_lite.launcher import STDOUT_IS_TTY_ENV
 from titan_lite.metrics import flops as flops_mod
 from titan_lite.metrics import logger as logger_mod
 from titan_lite.metrics import profiler as profiler_mod
@@ -210,7 +211,8 @@ def test_console_line_plain(tmp_path, clock, fixed_hw, records):
     assert records.messages[-1] == "validate step: 10  loss:  4.5679"
 
 
-def test_console_line_coloured_and_extras(tmp_path, clock, fixed_hw, records):
+def test_console_line_coloured_and_extras(tmp_path, clock, fixed_hw, records, monkeypatch):
+    monkeypatch.setenv(STDOUT_IS_TTY_ENV, "1")  # the launcher says its output is a terminal
     mp = MetricsProcessor(make_cfg(tmp_path), 0, CPU, num_flops_per_token=6e6)
     mp.add_tokens(1000)
     clock.now = 101.0
@@ -219,6 +221,23 @@ def test_console_line_coloured_and_extras(tmp_path, clock, fixed_hw, records):
     assert "\033[" in line
     assert ANSI.sub("", line) == ("step:  1  loss:  2.5000  grad_norm:  0.5000  lr: 1.0e-04  tps: 1,000  "
                                   "tflops: 0.01  mfu: 0.60%  memory: 0.45GiB  loss/ntokens: 1000")
+
+
+@pytest.mark.parametrize("told, isatty, disabled, coloured", [
+    ("0", True, False, False),  # a launched rank whose launcher writes to a file or pipe
+    ("1", False, False, True),  # a launched rank whose launcher writes to a terminal
+    ("1", False, True, False),  # metrics.disable_color_printing
+    (None, False, False, False),  # a plain process writing to a file
+    (None, True, False, True),  # a plain process on a terminal
+])
+def test_colours_only_on_a_terminal(tmp_path, monkeypatch, told, isatty, disabled, coloured):
+    if told is None:
+        monkeypatch.delenv(STDOUT_IS_TTY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(STDOUT_IS_TTY_ENV, told)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: isatty, raising=False)
+    cfg = make_cfg(tmp_path, *(["--metrics.disable_color_printing"] if disabled else []))
+    assert (logger_mod.colors_for(cfg) != logger_mod.NO_COLORS) == coloured
 
 
 def test_console_line_shows_memory_share_on_accelerators(tmp_path, clock, fixed_hw, records, monkeypatch):

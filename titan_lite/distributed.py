@@ -17,6 +17,11 @@ _FR_DUMP_ON_TIMEOUT = ("TORCH_NCCL_DUMP_ON_TIMEOUT",)
 _FR_DUMP_FILE = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 
 
+def device_type() -> str:
+    """'cuda' (or another accelerator's type) when one is visible, else 'cpu'; initialises no device."""
+    return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
+
+
 def local_device() -> torch.device:
     """This process's device: the accelerator at LOCAL_RANK when one is visible, else the CPU."""
     if torch.accelerator.is_available():
@@ -82,6 +87,14 @@ def init_process_group(device: torch.device, timeout_s: int) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     kwargs = {"device_id": device} if device.type != "cpu" else {}
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Every process group of this process (the world, the mesh's groups, the checkpointer's) gives up on a
+    collective after `seconds`; groups made by new_group or a device mesh otherwise wait 30 minutes."""
+    timeout = timedelta(seconds=seconds)
+    for group in list(dist.distributed_c10d._world.pg_map):  # no public list of a process's groups
+        group.set_timeout(timeout)
 
 
 def free_port() -> int:

@@ -19,9 +19,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from titan_lite.config.schema import JobConfig
 from titan_lite.distributed import compute_dtype
 from titan_lite.dtensor import local_tensor
-from titan_lite.errors import ConfigError
+from titan_lite.errors import MISSING_FILES, ConfigError
 from titan_lite.job.assembly import build_parts
-from titan_lite.job.plan import JobPlan, check_data, plan_job, tokenizer_path
+from titan_lite.job.plan import JobPlan, gather_assets, plan_with_tokenizer
 from titan_lite.loss import cross_entropy_sum
 from titan_lite.metrics.memory import device_capacity_gib
 from titan_lite.models.llama import LlamaArgs
@@ -282,7 +282,7 @@ def summary_lines(plan: JobPlan) -> list[str]:
         f"model: {cfg.model.name} {cfg.model.flavor}, {plan.full_param_count():,} parameters, "
         f"{plan.model_args.n_layers} layers" + (f"; transforms: {', '.join(cfg.model.converters)}"
                                                  if cfg.model.converters else ""),
-        f"tokenizer: '{tokenizer_path(cfg)}', {plan.tokenizer.vocab_size:,} tokens",
+        tokenizer_line(plan),
         f"data: {t.dataset}" + (f" from '{t.dataset_path}'" if t.dataset_path else ""),
         f"batch: local {t.local_batch_size} x data-parallel {dims.dp_degree} x accumulation {plan.grad_accum} "
         f"= global {global_batch} sequences x {t.seq_len} tokens = {global_batch * t.seq_len:,} tokens per step",
@@ -290,14 +290,31 @@ def summary_lines(plan: JobPlan) -> list[str]:
     ]
 
 
+def tokenizer_line(plan: JobPlan) -> str:
+    path = plan.cfg.model.tokenizer_path or plan.cfg.model.hf_assets_path
+    if plan.tokenizer is None:
+        return (f"tokenizer: not there yet ('{path}'); vocabulary {plan.model_args.vocab_size:,} from flavor "
+                f"'{plan.cfg.model.flavor}'")
+    return f"tokenizer: '{path}', {plan.tokenizer.vocab_size:,} tokens"
+
+
+def checklist_lines(missing: list[str]) -> list[str]:
+    if not missing:
+        return []
+    return [f"before the real run can start ({len(missing)} missing or unreadable):",
+            *(f"  [ ] {problem}" for problem in missing)]
+
+
 def dry_run(cfg: JobConfig) -> int:
     """Check degrees, shapes and data; build every distinct rank's plan (or DRY_RUN_RANK's) with the trainer's
-    code; estimate its memory against the device. Raises ConfigError (exit 2) when the plan cannot run or does
-    not fit."""
-    check_data(cfg)
-    plan = plan_job(cfg, planned_world_size())
+    code; estimate its memory against the device. Files not downloaded yet (tokenizer, data, weights) become a
+    checklist: the plan still prints (the flavor gives the vocabulary size). Returns 0 when the real run could
+    start, MISSING_FILES (5) when only files are missing; raises ConfigError (exit 2) when the plan cannot run or
+    does not fit."""
+    tokenizer, missing = gather_assets(cfg)
+    plan = plan_with_tokenizer(cfg, planned_world_size(), tokenizer)
     capacity = device_memory_gib(cfg)
-    for line in summary_lines(plan):
+    for line in summary_lines(plan) + checklist_lines(missing):
         print(line, flush=True)
     print(f"memory per device, estimated against {capacity:.2f} GiB:", flush=True)
     roles = []
@@ -309,6 +326,10 @@ def dry_run(cfg: JobConfig) -> int:
     peak = worst.estimate.total / me.GIB
     print(f"dry run OK: {plan.parallel_dims.world_size} ranks; largest peak {peak:.2f} GiB on rank {worst.rank}, "
           f"head-room {capacity - peak:.2f} GiB of {capacity:.2f} GiB", flush=True)
+    if missing:
+        print(f"the real run cannot start yet: {len(missing)} file(s) of the checklist above are missing "
+              f"(exit {MISSING_FILES})", flush=True)
+        return MISSING_FILES
     return 0
 
 

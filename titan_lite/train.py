@@ -6,7 +6,6 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -18,9 +17,9 @@ from titan_lite.checkpoint.manager import (
     CheckpointManager,
     RankLocal,
     RNGState,
+    choose_resume,
     holds_model,
     initial_source,
-    resume_folder,
     warn_incomplete_saves,
     weights_only_loader,
 )
@@ -28,10 +27,12 @@ from titan_lite.config import JobConfig, help_text, parse_args, to_toml, validat
 from titan_lite.data.dataloader import BatchLayout, DataLoader, build_dataloader, loader_options
 from titan_lite.dry_run import dry_run, planned_world_size
 from titan_lite.dtensor import full_tensor
-from titan_lite.errors import ConfigError
+from titan_lite.errors import FAULT, HANG, USER_ERROR, ConfigError, TrainingFault
 from titan_lite.eval.validate import Validator
+from titan_lite.faults import ACTIVITY, StopSignals, any_rank, is_collective_timeout, nonfinite_message, timeout_line
 from titan_lite.job.assembly import BuiltModel, WeightLoader, assemble_model, hf_weight_loader
 from titan_lite.job.plan import check_before_launch, check_data, plan_job
+from titan_lite.launcher import another_rank_failed, register_rank, report_error
 from titan_lite.loss import IGNORE_INDEX
 from titan_lite.metrics.flops import num_flops_per_token
 from titan_lite.metrics.logger import MetricsProcessor, init_logger
@@ -44,6 +45,8 @@ logger = logging.getLogger("titan_lite")
 # Known, harmless warnings from torch and torchdata that would otherwise print on every rank at start.
 warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+# Test hook: the gradients of this step become NaN (a numerical fault on a chosen step).
+NAN_STEP_ENV = "TITAN_LITE_TEST_NAN_STEP"
 
 
 @dataclass
@@ -67,6 +70,8 @@ class Trainer:
         self.cfg = cfg
         self.device = tl_dist.local_device()
         tl_dist.configure_flight_recorder(cfg.comm, cfg.job.dump_folder)
+        ACTIVITY.timeout("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
+        ACTIVITY.now("joining the process group")
         tl_dist.init_process_group(self.device, cfg.comm.init_timeout_seconds)
         self.rank = dist.get_rank()
         self.plan = plan_job(cfg, dist.get_world_size())
@@ -76,6 +81,7 @@ class Trainer:
         tl_dist.set_seed(self.seed, cfg.debug.deterministic, cfg.debug.deterministic_warn_only)
         self.transforms = self.plan.transforms
         self.train_state = TrainState()
+        ACTIVITY.now("building the model")
         self.model = self.build_model()
         self.model_parts = self.model.parts
         self.optimizer = build_optimizer(cfg.optimizer, self.model_parts, self.device,
@@ -85,15 +91,19 @@ class Trainer:
         self.checkpointer = self.build_checkpointer()
         self.validator = self.build_validator()
         self.metrics = self.build_metrics()
+        self.set_collective_timeout("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
 
     # -------------------------------------------------------------------------------- building
 
     def build_model(self) -> BuiltModel:
         """Assembled parts started from the initial weights, unless this run's checkpoint holds the whole model
         (adapter-only checkpoints do not: then the initial weights come first and train() loads the rest)."""
+        choice = choose_resume(self.cfg.checkpoint, self.checkpoint_folder())
         if self.rank == 0:
             warn_incomplete_saves(self.cfg.checkpoint, self.checkpoint_folder())
-        self.resume_folder = resume_folder(self.cfg.checkpoint, self.checkpoint_folder())
+            if choice.note:
+                logger.warning(choice.note)
+        self.resume_folder = choice.folder
         built = assemble_model(self.plan, self.device, seed=self.seed, resuming=self.resume_folder is not None,
                                load=self.initial_weight_loader())
         logger.info(f"model {self.cfg.model.name} {self.cfg.model.flavor}: {self.plan.full_param_count():,} parameters "
@@ -175,13 +185,35 @@ class Trainer:
         for inputs, labels in microbatches:
             loss_sum += self.model.runner.forward_backward(inputs, labels, scale).to(torch.float64)
         self.add_transform_loss(step)
+        self.maybe_poison_gradients_for_test(step)
         grad_norm = self.clip_gradients()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.transforms.after_optimizer_step(self.model_parts, step)
         loss = (self.model.runner.global_sum(loss_sum, loss_values=True) / global_tokens).item()
-        self.lr_schedule.step(loss)
+        # Both are global values, so every rank takes the same branch.
+        fault = nonfinite_message(step, loss, grad_norm)
+        if fault is None:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if fault is None:
+            self.transforms.after_optimizer_step(self.model_parts, step)
+        else:
+            self.handle_nonfinite(fault)
+        self.lr_schedule.step(loss if fault is None else None)
         return loss, grad_norm
+
+    def handle_nonfinite(self, fault: str) -> None:
+        """training.on_nonfinite: stop with one line (nothing of this step is applied or saved), or skip the step."""
+        if self.cfg.training.on_nonfinite == "stop":
+            raise TrainingFault(f"{fault}; stopped before the optimizer step ('training.on_nonfinite' = 'stop'), so "
+                                f"no checkpoint holds it; {self.checkpointer.newest_note()}; lower 'optimizer.lr' or "
+                                f"set 'training.on_nonfinite' = 'skip' to skip such steps")
+        logger.warning(f"{fault}: step skipped ('training.on_nonfinite' = 'skip'): no update is applied; the LR "
+                       f"schedule and the data move on")
+
+    def maybe_poison_gradients_for_test(self, step: int) -> None:
+        if os.environ.get(NAN_STEP_ENV) == str(step):
+            grads = [p.grad for m in self.model_parts for p in m.parameters() if p.grad is not None]
+            if grads:
+                grads[0].fill_(float("nan"))
 
     def add_transform_loss(self, step: int) -> None:
         """A transform's extra loss term, backpropagated once per optimizer step."""
@@ -196,34 +228,67 @@ class Trainer:
 
     # -------------------------------------------------------------------------------- the loop
 
-    def train(self) -> None:
+    def train(self, stop: StopSignals | None = None) -> None:
+        """Train to training.steps, or until a stop signal (then save at the step boundary and return)."""
         cfg = self.cfg
-        if cfg.checkpoint.create_seed_checkpoint:
-            self.checkpointer.save_seed()
+        try:
+            if cfg.checkpoint.create_seed_checkpoint:
+                self.checkpointer.save_seed()
+                return
+            self.resume()
+            start = self.train_state.step
+            logger.info(f"training {cfg.training.steps} steps from step {start}; "
+                        f"global batch {self.plan.global_batch_size} x {cfg.training.seq_len} tokens")
+            gc.disable()
+            stopped = self.loop(iter(self.dataloader), stop)
+            if stopped:
+                self.stop_at_step_boundary(stop, start)
+                return
+            self.checkpointer.finish()
+            self.export()
+            logger.info(f"training finished after {self.train_state.step} steps")
+        finally:
+            gc.enable()
             self.metrics.close()
-            return
-        self.resume()
-        data_iter = iter(self.dataloader)
-        gc.disable()
-        logger.info(f"training {cfg.training.steps} steps from step {self.train_state.step}; "
-                    f"global batch {self.plan.global_batch_size} x {cfg.training.seq_len} tokens")
+
+    def loop(self, data_iter, stop: StopSignals | None) -> bool:
+        """The steps; True when a stop request ended them early (every rank agrees on the step)."""
+        cfg = self.cfg
         with maybe_enable_profiling(cfg, self.train_state.step) as profiler, \
                 maybe_enable_memory_snapshot(cfg, self.train_state.step) as snapshot:
             while self.train_state.step < cfg.training.steps:
+                if self.stop_requested(stop):
+                    return True
                 self.train_state.step += 1
                 self.run_step(self.train_state.step, data_iter)
                 for tracer in (profiler, snapshot):
                     if tracer is not None:
                         tracer.step()
-        gc.enable()
+        return False
+
+    def stop_requested(self, stop: StopSignals | None) -> bool:
+        ACTIVITY.now(f"agreeing on a stop after step {self.train_state.step}")
+        return any_rank(stop is not None and stop.requested)
+
+    def stop_at_step_boundary(self, stop: StopSignals | None, start: int) -> None:
+        """A graceful stop: save this step (unless nothing changed since the checkpoint the run started from)."""
+        step = self.train_state.step
+        ACTIVITY.now(f"saving checkpoint step-{step} for a stop")
+        saved = step > start and self.checkpointer.save(step, force=True)
         self.checkpointer.finish()
-        self.export()
-        self.metrics.close()
-        logger.info(f"training finished after {self.train_state.step} steps")
+        cause = f"{stop.name} on this rank" if stop is not None and stop.requested else "another rank's request"
+        if saved:
+            outcome = f"checkpoint step-{step} saved in '{self.checkpoint_folder()}'; run the same command to continue"
+        elif step == start:
+            outcome = "no step ran since the run started, nothing to save"
+        else:
+            outcome = "nothing saved ('checkpoint.enable' is false or 'checkpoint.load_only' is true)"
+        logger.info(f"stopped after step {step} ({cause}): {outcome}")
 
     def resume(self) -> None:
         """Load this run's checkpoint, if any, on top of the assembled model (or a full initial DCP checkpoint)."""
         c = self.cfg.checkpoint
+        ACTIVITY.now("loading the checkpoint")
         if self.resume_folder is not None:
             self.checkpointer.load_folder(self.resume_folder, model_only=False)
             logger.info(f"resuming after step {self.train_state.step}")
@@ -237,14 +302,17 @@ class Trainer:
         self.train_state.ntokens_seen += ntokens
         self.metrics.add_tokens(ntokens)
         lr = self.lr_schedule.last_lr()  # the LR this step uses; train_step advances the schedule
+        ACTIVITY.now(f"in step {step} (forward, backward, gradient reductions)")
         loss, grad_norm = self.train_step(microbatches, step)
         if self.metrics.should_log(step) or step == cfg.training.steps:
             self.metrics.log(step, loss, grad_norm, lr, extra=self.transforms.metrics(self.model_parts))
         if self.validator is not None and step % cfg.validation.freq == 0:
+            ACTIVITY.now(f"validating after step {step}")
             self.metrics.log_validation(step, self.validator.validate(self.model_parts))
+        ACTIVITY.now(f"saving checkpoint step-{step}")
         self.checkpointer.save(step, last=step == cfg.training.steps)
         if step == 1:
-            self.set_train_timeout()
+            self.set_collective_timeout("comm.train_timeout_seconds", cfg.comm.train_timeout_seconds)
         if cfg.training.gc_debug or step % cfg.training.gc_freq == 0:
             gc.collect(1)
 
@@ -264,11 +332,12 @@ class Trainer:
     def hf_conversion(self):
         return self.transforms.export_state_dict if list(self.transforms) else None
 
-    def set_train_timeout(self) -> None:
-        """Shorten the collective timeout once the slow first step (compile, warm-up) is done."""
-        group = dist.group.WORLD
-        if hasattr(group, "_set_default_timeout"):
-            group._set_default_timeout(timedelta(seconds=self.cfg.comm.train_timeout_seconds))
+    @staticmethod
+    def set_collective_timeout(key: str, seconds: int) -> None:
+        """Bound every collective of every process group (the init timeout until step 1 ends: compile and warm-up
+        are slow; then the train timeout); a rank that waits longer stops with one line (see faults.timeout_line)."""
+        tl_dist.set_collective_timeout(seconds)
+        ACTIVITY.timeout(key, seconds)
 
 
 # ------------------------------------------------------------------------------------------ entry
@@ -288,15 +357,31 @@ def run(cfg: JobConfig) -> int:
     if os.environ.get("TITAN_LITE_CHECK_ONLY") == "1":
         check_before_launch(cfg, planned_world_size())
         return 0
-    validate(cfg)
     if cfg.comm.mode != "default" or os.environ.get("DRY_RUN") == "1":
+        validate(cfg, files=False)
         return dry_run(cfg)
+    validate(cfg)
     check_data(cfg)
     save_config(cfg)
     logger.info(f"job: {cfg.job.description}")
-    trainer = Trainer(cfg)
-    trainer.train()
+    with StopSignals().installed() as stop:
+        register_rank()  # after the handlers: the launcher signals registered ranks
+        Trainer(cfg).train(stop)
+    tl_dist.shutdown()
     return 0
+
+
+def one_line_error(exc: Exception) -> tuple[int, str] | None:
+    """(exit code, line) of an error that ends a run with one line: a user error, a training fault, a collective
+    that timed out. None for anything else (a bug: its traceback is printed)."""
+    if isinstance(exc, ConfigError):
+        return USER_ERROR, str(exc)
+    if isinstance(exc, TrainingFault):
+        return FAULT, str(exc)
+    if is_collective_timeout(exc):
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        return HANG, timeout_line(exc, rank, world)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,16 +391,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     init_logger()
     try:
-        code = run(parse_args(argv))
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return run(parse_args(argv))
+    except Exception as exc:
         tl_dist.shutdown_quietly()
-        return 2
+        known = one_line_error(exc)
+        if known is not None:
+            report_error(*known)  # to the launcher, which prints it once; else to stderr
+            return known[0]
+        if another_rank_failed():  # a consequence of the error that rank reported: the launcher prints that one
+            return 1
+        raise
     except BaseException:
         tl_dist.shutdown_quietly()  # no barrier: the other ranks may never get there
         raise
-    tl_dist.shutdown()
-    return code
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +16,9 @@ REPO = Path(__file__).resolve().parents[2]
 BASE_TOML = REPO / "tests" / "integration" / "base.toml"
 STEP_LINE = re.compile(r"(?<!validate )step:\s*(\d+)\s+loss:\s*([0-9.]+)")  # training lines, not validation
 ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+# Every resume test runs the same 20-step LR schedule, so a shorter run's checkpoint continues it exactly.
+SCHEDULE = ["--lr_scheduler.total_steps", "20", "--checkpoint.interval", "5"]
+CKPT = ["--checkpoint.enable"]
 
 
 @dataclass
@@ -25,22 +30,44 @@ class Run:
 
     def tb_losses(self, rank_folder: str = "") -> dict[int, float]:
         """Per-step global loss as written to TensorBoard (float32, exact enough for 1e-6 comparisons)."""
-        folder = self.dump_folder / "tb" / rank_folder
-        acc = EventAccumulator(str(folder))
-        acc.Reload()
-        return {e.step: e.value for e in acc.Scalars("loss/global_avg")}
+        return tb_losses(self.dump_folder / "tb" / rank_folder)
 
 
-def run_train(overrides: list[str], dump_folder: Path, ngpu: int = 1, config: Path = BASE_TOML,
-              env: dict | None = None, timeout: int = 600) -> Run:
-    """CONFIG_FILE=config NGPU=ngpu ./run_train.sh --job.dump_folder dump_folder <overrides>."""
+def tb_losses(folder: Path) -> dict[int, float]:
+    """Per-step global loss in a TensorBoard folder; a restarted run's events replace the steps its killed attempt had
+    logged after the checkpoint it resumed from."""
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars("loss/global_avg")}
+
+
+def steps(n: int) -> list[str]:
+    """n steps of the shared 20-step schedule."""
+    return ["--training.steps", str(n), *SCHEDULE]
+
+
+def train_env(ngpu: int, config: Path, env: dict | None) -> dict:
     full_env = {**os.environ, "CONFIG_FILE": str(config), "NGPU": str(ngpu), "OMP_NUM_THREADS": "1",
                 "LOG_RANK": ",".join(str(r) for r in range(ngpu)), **(env or {})}
     full_env.pop("DRY_RUN", None) if not (env and "DRY_RUN" in env) else None
-    cmd = [str(REPO / "run_train.sh"), "--job.dump_folder", str(dump_folder), *overrides]
+    return full_env
+
+
+def file_size_limit(max_bytes: int):
+    """A preexec_fn: writing a file past max_bytes fails with EFBIG (a disk that fills up, for one process tree)."""
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+
+
+def run_train(overrides: list[str], dump_folder: Path, ngpu: int = 1, config: Path = BASE_TOML,
+              env: dict | None = None, timeout: int = 600, prefix: tuple[str, ...] = (),
+              max_file_bytes: int | None = None) -> Run:
+    """CONFIG_FILE=config NGPU=ngpu [prefix] ./run_train.sh --job.dump_folder dump_folder <overrides>."""
+    full_env = train_env(ngpu, config, env)
+    cmd = [*prefix, str(REPO / "run_train.sh"), "--job.dump_folder", str(dump_folder), *overrides]
     # A new session, so a timeout kills torchrun's workers too, not just the launcher.
     proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=file_size_limit(max_file_bytes) if max_file_bytes else None)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -51,6 +78,56 @@ def run_train(overrides: list[str], dump_folder: Path, ngpu: int = 1, config: Pa
     output = stdout + stderr
     losses = {int(s): float(v) for s, v in STEP_LINE.findall(ANSI_COLOUR.sub("", output))}
     return Run(proc.returncode, output, Path(dump_folder), losses)
+
+
+def start_train(overrides: list[str], dump_folder: Path, log: Path, ngpu: int = 1,
+                env: dict | None = None) -> subprocess.Popen:
+    """run_train.sh in the background (its own session), output to `log`; proc.pid is the launcher's."""
+    cmd = [str(REPO / "run_train.sh"), "--job.dump_folder", str(dump_folder), *overrides]
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=REPO, env=train_env(ngpu, BASE_TOML, env), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_line(proc: subprocess.Popen, log: Path, pattern: str, timeout: float = 300) -> re.Match:
+    """The first match of `pattern` in the log once it appears; fails if the run ends or the time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = re.search(pattern, log.read_text())
+        if m:
+            return m
+        assert proc.poll() is None, f"the run ended before {pattern!r}:\n{log.read_text()[-3000:]}"
+        time.sleep(0.1)
+    raise AssertionError(f"no {pattern!r} after {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> int:
+    """The run's exit code; a run still going after `timeout` is killed with its whole session."""
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def trainer_pids(launcher_pid: int) -> list[int]:
+    """The ranks (python -m titan_lite.train) started under a launcher, found through /proc."""
+    parents, commands = {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                commands[int(entry.name)] = (entry / "cmdline").read_bytes().split(b"\0")
+            except (OSError, IndexError, ValueError):
+                continue  # a process that just exited
+    def under(pid: int) -> bool:
+        while pid in parents and pid != launcher_pid:
+            pid = parents[pid]
+        return pid == launcher_pid
+    def is_rank(cmd: list[bytes]) -> bool:  # the first module run (torchrun's own command line names it later)
+        return b"-m" in cmd and cmd[cmd.index(b"-m") + 1:cmd.index(b"-m") + 2] == [b"titan_lite.train"]
+    return sorted(p for p, cmd in commands.items() if is_rank(cmd) and under(p))
 
 
 def assert_losses_close(run: Run, reference: dict[int, float], atol: float, rank_folder: str = "") -> None:

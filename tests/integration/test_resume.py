@@ -1,8 +1,8 @@
-"""Exact resume through ./run_train.sh: 1 process, 2 FSDP processes, 2 -> 1 resharding (data position included), and
-a save killed midway.
+"""Exact resume through ./run_train.sh: 1 process (a finished run extended with more steps), 2 FSDP processes,
+2 -> 1 resharding (data position included), and a save killed midway.
 
-Every run uses `lr_scheduler.total_steps 20`, so a 10-step run follows the same LR schedule as the first 10
-steps of a 20-step run and its checkpoint can be continued to step 20.
+Every run uses `lr_scheduler.total_steps 20` (harness.SCHEDULE), so a 10-step run follows the same LR schedule as
+the first 10 steps of a 20-step run and its checkpoint can be continued to step 20.
 """
 
 import os
@@ -13,46 +13,23 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tests.integration.harness import CKPT, run_train, start_train, steps, tb_losses
+from titan_lite.checkpoint.manager import STALL_SECONDS_ENV, STALL_STEP_ENV, holds_training_state
 
-from tests.integration.harness import BASE_TOML, REPO, run_train
-from titan_lite.checkpoint.manager import STALL_SECONDS_ENV, STALL_STEP_ENV
-
-SCHEDULE = ["--lr_scheduler.total_steps", "20", "--checkpoint.interval", "5",
-            "--checkpoint.last_save_model_only", "false"]
-CKPT = ["--checkpoint.enable"]
 RESUME_TB = ["--metrics.save_tb_folder", "tb_resume"]  # the resumed run's losses, apart from the first run's
-
-
-def steps(n: int) -> list[str]:
-    return ["--training.steps", str(n), *SCHEDULE]
-
-
-def tb_losses(folder: Path) -> dict[int, float]:
-    acc = EventAccumulator(str(folder))
-    acc.Reload()
-    return {e.step: e.value for e in acc.Scalars("loss/global_avg")}
 
 
 def assert_ok(run) -> None:
     assert run.returncode == 0, run.output[-3000:]
 
 
-@pytest.fixture(scope="module")
-def reference_1p(tmp_path_factory) -> dict[int, float]:
-    """20 uninterrupted steps on 1 process, no checkpointing."""
-    run = run_train(steps(20), tmp_path_factory.mktemp("ref1"))
-    assert_ok(run)
-    losses = run.tb_losses()
-    assert sorted(losses) == list(range(1, 21))
-    return losses
-
-
 def test_one_process_resume_is_exact(tmp_path, reference_1p):
+    """A finished 10-step run re-run with --training.steps 20 continues from its final save (which keeps the
+    training state by default) exactly as if it had never stopped."""
     first = run_train(steps(10) + CKPT, tmp_path)
     assert_ok(first)
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-10", "step-5"]
+    assert holds_training_state(tmp_path / "checkpoint" / "step-10")
     second = run_train(steps(20) + CKPT + RESUME_TB, tmp_path)
     assert_ok(second)
     assert f"loaded checkpoint {tmp_path / 'checkpoint' / 'step-10'}" in second.output
@@ -112,16 +89,6 @@ def test_two_fsdp_processes_resume_exactly_and_on_one_process(tmp_path):
         assert abs(got[s] - ref[s]) <= 1e-5, (s, got[s], ref[s])
 
 
-def start_train(overrides: list[str], dump_folder: Path, env: dict, log: Path) -> subprocess.Popen:
-    full_env = {**os.environ, "CONFIG_FILE": str(BASE_TOML), "NGPU": "1", "OMP_NUM_THREADS": "1", "LOG_RANK": "0",
-                **env}
-    full_env.pop("DRY_RUN", None)
-    cmd = [str(REPO / "run_train.sh"), "--job.dump_folder", str(dump_folder), *overrides]
-    with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-
-
 def wait_for_stalled_save(proc: subprocess.Popen, log: Path, tmp_folder: Path, timeout: float = 300) -> int:
     """The pid of the trainer once it stalls inside the save of step 10 with its files written."""
     deadline = time.monotonic() + timeout
@@ -137,7 +104,7 @@ def wait_for_stalled_save(proc: subprocess.Popen, log: Path, tmp_folder: Path, t
 def test_run_killed_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, reference_1p):
     root = tmp_path / "checkpoint"
     log = tmp_path / "killed.log"
-    proc = start_train(steps(20) + CKPT, tmp_path, {STALL_STEP_ENV: "10", STALL_SECONDS_ENV: "600"}, log)
+    proc = start_train(steps(20) + CKPT, tmp_path, log, env={STALL_STEP_ENV: "10", STALL_SECONDS_ENV: "600"})
     try:
         trainer_pid = wait_for_stalled_save(proc, log, root / "step-10.tmp")
         os.kill(trainer_pid, signal.SIGKILL)

@@ -143,6 +143,24 @@ def read_metadata(folder: Path) -> Metadata:
                           f"cannot read its .metadata ({type(exc).__name__})") from None
 
 
+def check_storage_files(folder: Path, metadata: Metadata) -> None:
+    """Every data file the metadata points into exists and is long enough: a truncated or missing shard (a disk that
+    filled up, a copy that stopped) is one line naming it, before any tensor is read."""
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        path = getattr(info, "relative_path", None)
+        if path is not None:
+            needed[path] = max(needed.get(path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = folder / name
+        if not path.is_file():
+            raise ConfigError(f"checkpoint '{folder}' is incomplete: its data file '{name}' is missing")
+        actual = path.stat().st_size
+        if actual < size:
+            raise ConfigError(f"checkpoint '{folder}' is truncated: '{name}' has {actual:,} bytes, its metadata needs "
+                              f"{size:,}")
+
+
 def has_component(metadata: Metadata, name: str) -> bool:
     """Whether the checkpoint holds top-level state `name` (DCP flattens nested keys with dots)."""
     return any(k == name or k.startswith(name + ".") for k in metadata.state_dict_metadata)

@@ -1,13 +1,14 @@
 """CheckpointManager: when and what to save and load (DCP step folders, atomic renames, resume, initial weights)."""
 
+import contextlib
 import logging
 import os
 import random
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -15,11 +16,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_lite.checkpoint import dcp as ckpt
 from titan_lite.checkpoint.hf import check_hf_folder, expected_shapes
 from titan_lite.config.schema import Checkpoint, JobConfig
-from titan_lite.errors import ConfigError
+from titan_lite.errors import ConfigError, TrainingFault
+from titan_lite.faults import any_rank, nonfinite_parameter
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +93,8 @@ class CheckpointManager:
         self.enabled = cfg.enable
         self.pg = self._checkpoint_group()
         self._pending: tuple[Future, int] | None = None
+        self.resumed_step: int | None = None  # keep_latest_k never removes the checkpoint this run resumed from
+        self.last_saved_step: int | None = None
         if self.enabled and cfg.async_mode == "async_with_pinned_mem":
             logger.info("checkpoint.async_mode 'async_with_pinned_mem' saves like 'async' (staging in pinned memory "
                         "is not implemented)")
@@ -134,17 +139,41 @@ class CheckpointManager:
             return False
         return last or step % self.c.interval == 0 or (step == 1 and self.c.enable_first_step_checkpoint)
 
-    def save(self, step: int, last: bool = False) -> None:
-        """Save after `step` when it is due; the final save may hold the model only (last_save_model_only)."""
-        if not self.should_save(step, last):
-            return
-        if last and self.c.last_save_model_only:
+    def save(self, step: int, last: bool = False, force: bool = False) -> bool:
+        """Save after `step` when it is due (or `force`d: a graceful stop); the final save may hold the model only
+        (last_save_model_only). True when this step is saved (now or already). Parameters holding NaN or infinity
+        are never saved: that is a TrainingFault naming the parameter."""
+        if not self.enabled or self.c.load_only:
+            return False
+        if step == self.last_saved_step:
+            return True
+        if not (force or self.should_save(step, last)):
+            return False
+        self._check_finite(step)
+        if last and self.c.last_save_model_only and not force:
             self._save(step, self._model_only_state(getattr(torch, self.c.export_dtype)), asynchronous=False)
         else:
             self._save(step, self._full_state(), asynchronous=self.is_async)
+        return True
+
+    def _check_finite(self, step: int) -> None:
+        params = ((name, p) for part in self.model_parts for name, p in part.named_parameters())
+        bad = nonfinite_parameter(params)
+        if any_rank(bad is not None):
+            where = f"parameter '{bad}'" if bad else "a parameter on another rank"
+            raise TrainingFault(f"step {step}: {where} holds NaN or infinity, so checkpoint step-{step} is not "
+                                f"saved; {self.newest_note()}")
+
+    def newest_note(self) -> str:
+        """Where the run can continue from, for messages about a step that was not saved."""
+        complete = ckpt.complete_steps(self.root)
+        if not complete:
+            return "no checkpoint of this run exists yet"
+        return f"the newest complete checkpoint is '{complete[max(complete)]}'"
 
     def save_seed(self) -> None:
         """create_seed_checkpoint: the freshly initialised model as step-0, then the caller stops."""
+        check_seed_target(self.c, self.root)
         self._save(0, self._model_only_state(), asynchronous=False)
         self.finish()
         logger.info(f"seed checkpoint written to {ckpt.step_folder(self.root, 0)}")
@@ -152,18 +181,21 @@ class CheckpointManager:
     def _save(self, step: int, state: dict[str, Any], asynchronous: bool) -> None:
         self.wait_for_pending_save()
         tmp = ckpt.tmp_folder(self.root, step)
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a killed run
-            tmp.mkdir(parents=True)
-        self._barrier()
-        begin = time.monotonic()
-        if asynchronous:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg)
-            self._pending = (future, step)
-            logger.info(f"checkpoint step {step}: staged in {time.monotonic() - begin:.2f}s, writing in the background")
-            return
-        dcp.save(state, checkpoint_id=str(tmp), process_group=self.pg)
-        self._commit(step)
+        self.last_saved_step = step
+        with self._failing_save(step):
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a killed run
+                tmp.mkdir(parents=True)
+            self._barrier()
+            begin = time.monotonic()
+            if asynchronous:
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg)
+                self._pending = (future, step)
+                logger.info(f"checkpoint step {step}: staged in {time.monotonic() - begin:.2f}s, writing in the "
+                            "background")
+                return
+            dcp.save(state, checkpoint_id=str(tmp), process_group=self.pg)
+            self._commit(step)
         logger.info(f"checkpoint step {step} saved to {ckpt.step_folder(self.root, step)} "
                     f"in {time.monotonic() - begin:.2f}s")
 
@@ -172,9 +204,23 @@ class CheckpointManager:
             return
         future, step = self._pending
         self._pending = None
-        future.result()
-        self._commit(step)
+        with self._failing_save(step):
+            future.result()
+            self._commit(step)
         logger.info(f"checkpoint step {step} saved to {ckpt.step_folder(self.root, step)} (async)")
+
+    @contextlib.contextmanager
+    def _failing_save(self, step: int) -> Iterator[None]:
+        """A save that cannot be written (disk full, no permission) becomes one line; its unfinished folder is
+        removed, and the earlier checkpoints stay as they were."""
+        try:
+            yield
+        except (CheckpointException, OSError) as exc:
+            tmp = ckpt.tmp_folder(self.root, step)
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise TrainingFault(f"checkpoint step {step} could not be written to '{tmp}' ({free_space(self.root)}): "
+                                f"{write_failure(exc)}; {self.newest_note()}") from None
 
     def _commit(self, step: int) -> None:
         """Every rank has written step-N.tmp: rank 0 renames it to step-N, which makes it loadable."""
@@ -185,7 +231,7 @@ class CheckpointManager:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(ckpt.tmp_folder(self.root, step), final)
-            self._purge_old_checkpoints()
+            self._purge_old_checkpoints(step)
             self._remove_older_unfinished_saves(step)
         self._barrier()
 
@@ -194,14 +240,17 @@ class CheckpointManager:
             logger.info(f"test hook: stalling the save of step {step} before its rename (pid {os.getpid()})")
             time.sleep(float(os.environ.get(STALL_SECONDS_ENV, "60")))
 
-    def _purge_old_checkpoints(self) -> None:
+    def _purge_old_checkpoints(self, saved_step: int) -> None:
+        """Keep the newest k, the one just saved and the one this run resumed from (whatever their numbers)."""
         k = self.c.keep_latest_k
         if k <= 0:
             return
         steps = sorted(ckpt.complete_steps(self.root))
-        for step in steps[:-k]:
-            shutil.rmtree(ckpt.step_folder(self.root, step), ignore_errors=True)
-            logger.info(f"removed checkpoint step {step} (keep_latest_k = {k})")
+        keep = {*steps[-k:], saved_step, self.resumed_step}
+        for step in steps:
+            if step not in keep:
+                shutil.rmtree(ckpt.step_folder(self.root, step), ignore_errors=True)
+                logger.info(f"removed checkpoint step {step} (keep_latest_k = {k})")
 
     def _remove_older_unfinished_saves(self, step: int) -> None:
         """Leftovers of killed saves older than a complete checkpoint are never loaded: remove them."""
@@ -234,13 +283,19 @@ class CheckpointManager:
     def load_folder(self, folder: Path, model_only: bool) -> None:
         """Load what the folder holds (minus exclude_from_loading) into the components."""
         metadata = ckpt.read_metadata(folder)
+        ckpt.check_storage_files(folder, metadata)
         wanted = self._components_to_load(metadata, model_only)
         state = self._placeholders(wanted, metadata, folder)
         if not state:
             logger.info(f"nothing loaded from checkpoint {folder}: every part of it is excluded")
             return
-        dcp.load(state, checkpoint_id=str(folder), process_group=self.pg)
+        try:
+            dcp.load(state, checkpoint_id=str(folder), process_group=self.pg)
+        except (CheckpointException, OSError) as exc:
+            raise ConfigError(f"checkpoint '{folder}' cannot be read: {root_cause(exc)}") from None
         self._apply(state)
+        if folder.parent == self.root and ckpt.STEP_FOLDER.match(folder.name):
+            self.resumed_step = int(ckpt.STEP_FOLDER.match(folder.name).group(1))
         logger.info(f"loaded checkpoint {folder} ({', '.join(sorted(state))})")
 
     def _components_to_load(self, metadata, model_only: bool) -> set[str]:
@@ -249,8 +304,8 @@ class CheckpointManager:
             return {"model"} - excluded
         present = {name for name in ("model", "optimizer", *self.states) if self._present(metadata, name)}
         if present == {"model"} and self.rank == 0:
-            logger.warning("this checkpoint holds model weights only (a seed checkpoint, or a final save with "
-                           "last_save_model_only): optimizer, LR schedule, data position and step start fresh")
+            logger.warning("this checkpoint holds model weights only (a seed checkpoint, or a model-only save): "
+                           "optimizer, LR schedule, data position and step start fresh")
         return present - excluded
 
     def _present(self, metadata, name: str) -> bool:
@@ -290,24 +345,107 @@ class CheckpointManager:
                 obj.load_state_dict(ckpt.unpack(state[key]))
 
 
+def root_cause(exc: BaseException) -> str:
+    """The first underlying error of a failed DCP save or load (DCP wraps each rank's), in one line."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        exc = failures[min(failures)][0]
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
+def write_failure(exc: BaseException) -> str:
+    """root_cause of a failed save; torch.save into a file whose write failed (a full disk, a file-size limit)
+    reports only a position mismatch of its zip writer, so that is said in words."""
+    cause = root_cause(exc)
+    if "unexpected pos" in cause:
+        return f"a write stopped short, as on a full disk ({cause})"
+    return cause
+
+
+def free_space(folder: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(folder).free / 2**30:.1f} GiB free there"
+    except OSError:
+        return "free space unknown"
+
+
 # ------------------------------------------------------------------------------ before launch
 
 
-def resume_folder(c: Checkpoint, root: Path) -> Path | None:
-    """This run's checkpoint to resume from: load_step's folder (which must exist and be complete), else the newest
-    complete one; None when there is none or checkpointing is off (incomplete saves are never chosen)."""
+@dataclass
+class ResumeChoice:
+    """The checkpoint a run continues from (None: it starts fresh) and, when it is not the newest, why."""
+
+    folder: Path | None
+    note: str | None = None
+
+
+def holds_training_state(folder: Path) -> bool:
+    """A full checkpoint (step, optimizer, schedule, data position), not a model-only final save or seed."""
+    return ckpt.has_component(ckpt.read_metadata(folder), "train_state")
+
+
+def choose_resume(c: Checkpoint, root: Path) -> ResumeChoice:
+    """This run's checkpoint to continue from: load_step's folder (which must exist and be complete), else the newest
+    complete one; None when there is none or checkpointing is off (incomplete saves are never chosen).
+
+    A model-only checkpoint after step 0 (a final save with last_save_model_only) cannot continue a run: the newest
+    checkpoint with the training state is chosen instead, with a note; with none, the run is refused, so that it
+    never starts again from step 0 over the checkpoints of the run it would not continue. A model-only step 0 is a
+    seed checkpoint: the run starts from its weights."""
     if not c.enable or c.create_seed_checkpoint:
-        return None
+        return ResumeChoice(None)
     if c.load_step != -1:
-        folder = ckpt.step_folder(root, c.load_step)
-        if not folder.is_dir() and ckpt.tmp_folder(root, c.load_step).is_dir():
-            raise ConfigError(f"'checkpoint.load_step' = {c.load_step}: the save of '{folder}' never finished "
-                              f"(only '{ckpt.tmp_folder(root, c.load_step)}' exists)")
-        if not folder.is_dir():
-            raise ConfigError(f"'checkpoint.load_step' = {c.load_step}: checkpoint folder '{folder}' does not exist")
-        return folder
+        folder = _load_step_folder(c, root)
+        _refuse_model_only(folder, root, "'checkpoint.load_step' = " + str(c.load_step))
+        return ResumeChoice(folder)
     complete = ckpt.complete_steps(root)
-    return complete[max(complete)] if complete else None
+    if not complete:
+        return ResumeChoice(None)
+    newest = complete[max(complete)]
+    if max(complete) == 0 or holds_training_state(newest):
+        return ResumeChoice(newest)
+    for step in sorted(complete, reverse=True):
+        if holds_training_state(complete[step]):
+            return ResumeChoice(complete[step], note=(
+                f"'{newest}' holds model weights only (a final save with 'checkpoint.last_save_model_only' = true), "
+                f"so the run continues from '{complete[step]}', its newest checkpoint with the training state: "
+                f"steps {step + 1}-{max(complete)} run again"))
+    _refuse_model_only(newest, root, "the newest checkpoint")
+    return ResumeChoice(newest)
+
+
+def _load_step_folder(c: Checkpoint, root: Path) -> Path:
+    folder = ckpt.step_folder(root, c.load_step)
+    if not folder.is_dir() and ckpt.tmp_folder(root, c.load_step).is_dir():
+        raise ConfigError(f"'checkpoint.load_step' = {c.load_step}: the save of '{folder}' never finished "
+                          f"(only '{ckpt.tmp_folder(root, c.load_step)}' exists)")
+    if not folder.is_dir():
+        raise ConfigError(f"'checkpoint.load_step' = {c.load_step}: checkpoint folder '{folder}' does not exist")
+    return folder
+
+
+def _refuse_model_only(folder: Path, root: Path, which: str) -> None:
+    if folder.name == "step-0" or holds_training_state(folder):
+        return
+    raise ConfigError(f"{which} '{folder}' holds model weights only ('checkpoint.last_save_model_only' = true) and "
+                      f"cannot continue a run; to train from these weights without touching the checkpoints in "
+                      f"'{root}', set --checkpoint.initial_load_path {folder} and another --job.dump_folder")
+
+
+def resume_folder(c: Checkpoint, root: Path) -> Path | None:
+    """The folder of choose_resume (see there)."""
+    return choose_resume(c, root).folder
+
+
+def check_seed_target(c: Checkpoint, root: Path) -> None:
+    """A seed checkpoint goes into an empty checkpoint folder: never next to (or over) another run's checkpoints."""
+    if c.enable and c.create_seed_checkpoint:
+        existing = sorted(ckpt.complete_steps(root))
+        if existing:
+            raise ConfigError(f"'checkpoint.create_seed_checkpoint' = true but '{root}' already holds checkpoints "
+                              f"(steps {', '.join(map(str, existing))}); use an empty 'checkpoint.folder' or "
+                              f"'job.dump_folder'")
 
 
 def warn_incomplete_saves(c: Checkpoint, root: Path) -> None:
@@ -353,9 +491,22 @@ def weights_only_loader(cfg: Checkpoint, folder: Path) -> Callable[[list[nn.Modu
     return load
 
 
+def check_export_target(c: Checkpoint, root: Path) -> None:
+    """A run that does not checkpoint (so continues nothing) writes no HF export next to another run's checkpoints."""
+    if c.last_save_in_hf and not c.enable:
+        existing = sorted(ckpt.complete_steps(root))
+        if existing:
+            raise ConfigError(f"'checkpoint.last_save_in_hf' = true would export into '{root}', which holds the "
+                              f"checkpoints of another run (steps {', '.join(map(str, existing))}) that this run does "
+                              f"not continue ('checkpoint.enable' = false); use another 'job.dump_folder'")
+
+
 def check_source_before_launch(cfg: JobConfig, model_args) -> None:
     """Read only headers and metadata of what the run will load, so a missing, corrupt or mismatched checkpoint is
     one line before any process starts. Transforms may rename or reshape parameters: then the run itself checks."""
+    root = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
+    check_seed_target(cfg.checkpoint, root)
+    check_export_target(cfg.checkpoint, root)
     source = source_to_load(cfg)
     if source is None or cfg.model.converters:
         return
@@ -364,6 +515,7 @@ def check_source_before_launch(cfg: JobConfig, model_args) -> None:
         check_hf_folder(str(path), model_args)
         return
     metadata = ckpt.read_metadata(path)
+    ckpt.check_storage_files(path, metadata)
     if not ckpt.has_component(metadata, "model"):
         raise ConfigError(f"checkpoint '{path}' holds no model weights")
     with torch.device("meta"):

@@ -217,7 +217,11 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     argv = list(sys.argv[1:] if argv is None else argv)
     pairs = _split_cli(argv)
     cfg = JobConfig()
-    config_file = next((v for k, v in pairs if k == "job.config_file"), None)
+    config_files = list(dict.fromkeys(v for k, v in pairs if k == "job.config_file"))
+    if len(config_files) > 1:
+        raise ConfigError(f"'--job.config_file' is given {len(config_files)} different files "
+                          f"({', '.join(map(repr, config_files))}); give one")
+    config_file = config_files[0] if config_files else None
     if config_file:
         _apply_table(cfg, load_toml(config_file), "", config_file)
     _apply_cli(cfg, pairs)

@@ -54,7 +54,8 @@ class Profiling:
 class Metrics:
     log_freq: int = opt(10, "Log metrics every this many steps (step 1 is always logged).")
     enable_tensorboard: bool = opt(False, "Write the logged scalars to TensorBoard event files.")
-    disable_color_printing: bool = opt(False, "Print metrics without ANSI colours.")
+    disable_color_printing: bool = opt(
+        False, "Print metrics without ANSI colours (they are only ever printed when the output is a terminal).")
     save_tb_folder: str = opt("tb", "TensorBoard folder, relative to dump_folder.")
     save_for_all_ranks: bool = opt(
         False, "Write TensorBoard files for every rank (each in its own rank_N folder), not just rank 0.")
@@ -65,7 +66,9 @@ class Metrics:
 @dataclass
 class Model:
     name: Literal["llama3", "llama2", "llama"] = opt("llama3", "Model family.")
-    flavor: str = opt("debugmodel", "Model size preset: debugmodel, smollm2_135M, 1B, 3B, 8B, 70B, 405B, llama2_7B.")
+    flavor: str = opt(
+        "debugmodel", "Model size preset: debugmodel, tiny, smollm2_135M, 1B, 3B, 8B, 70B, 405B, llama2_7B; or 'hf': "
+        "the shape of hf_assets_path/config.json. A preset next to a config.json is checked against it.")
     hf_assets_path: str | None = opt(
         "./assets/tokenizer", "Folder with tokenizer files (tokenizer.model or tokenizer.json) and, optionally, HF "
         "config.json and weights.")
@@ -142,6 +145,10 @@ class Training:
     mixed_precision_reduce: Literal["float32", "bfloat16"] = opt("float32", "FSDP2 gradient reduction dtype.")
     gc_freq: int = opt(50, "Run Python's garbage collector every this many steps (automatic gc is disabled).")
     gc_debug: bool = opt(False, "Collect garbage every step to find reference cycles.")
+    on_nonfinite: Literal["stop", "skip"] = opt(
+        "stop", "A NaN or infinite loss or gradient norm (checked on every step, before the optimizer step): stop "
+        "with one line naming the step (exit 3; the step is not applied and no checkpoint holds it), or skip the "
+        "step (no update, a warning; the LR schedule and the data still advance).")
     dataloader: DataLoader = section(DataLoader, "DataLoader options.")
 
 
@@ -200,7 +207,10 @@ class Checkpoint:
         False, "initial_load_path (default hf_assets_path) is a Hugging Face safetensors folder.")
     initial_load_in_hf_quantized: bool = opt(
         False, "Quantized HF weights.", unsupported="quantized HF checkpoints are not supported")
-    last_save_model_only: bool = opt(True, "The final save holds model weights only (in export_dtype).")
+    last_save_model_only: bool = opt(
+        False, "The final save holds model weights only (in export_dtype). torchtitan's default is true; titan_lite's "
+        "final save keeps the full training state by default so a finished run can be extended (more steps "
+        "continue from the last one). With true, an extended run continues from the newest full checkpoint.")
     last_save_in_hf: bool = opt(False, "At the end of training, also export a Hugging Face folder.")
     export_dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "Dtype of model-only and HF exports.")
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = opt(
@@ -242,8 +252,10 @@ class Compile:
 
 @dataclass
 class Comm:
-    init_timeout_seconds: int = opt(300, "Process-group timeout until the first step ends.")
-    train_timeout_seconds: int = opt(100, "Process-group timeout after the first step.")
+    init_timeout_seconds: int = opt(
+        300, "Collective timeout (every process group) until the first step ends; a rank that waits longer stops "
+        "with one line naming itself and what it was doing (exit 4).")
+    train_timeout_seconds: int = opt(100, "Collective timeout after the first step (see init_timeout_seconds).")
     trace_buf_size: int = opt(20000, "NCCL flight recorder: collectives kept per rank, dumped on a timeout "
                                      "(0 disables; inert on gloo).")
     save_traces_folder: str = opt("comm_traces", "NCCL flight-recorder dump folder, relative to dump_folder.")

@@ -52,7 +52,8 @@ def check_ranges(cfg: JobConfig) -> None:
     """Every per-key range, then the checks that relate keys to each other."""
     check_training(cfg)
     check_optimizer(cfg)
-    for key in ("metrics.log_freq", "profiling.profile_freq"):
+    for key in ("metrics.log_freq", "profiling.profile_freq", "comm.init_timeout_seconds",
+                "comm.train_timeout_seconds"):
         _at_least(cfg, key, 1)
     check_lr_scheduler(cfg)
     check_parallelism(cfg)
@@ -185,8 +186,10 @@ def check_paths(cfg: JobConfig) -> None:
                  f"'checkpoint.initial_load_path' = '{cfg.checkpoint.initial_load_path}' does not exist")
 
 
-def validate(cfg: JobConfig) -> None:
-    """Every value check that needs neither the world size nor the model."""
+def validate(cfg: JobConfig, files: bool = True) -> None:
+    """Every value check that needs neither the world size nor the model; `files` also checks that the paths it
+    names exist (DRY_RUN lists missing files instead)."""
     check_choices_and_unsupported(cfg)
     check_ranges(cfg)
-    check_paths(cfg)
+    if files:
+        check_paths(cfg)

@@ -72,8 +72,14 @@ def resolve_shards(dataset: str, dataset_path: str | None, key_prefix: str = "tr
 
 
 def check_dataset(dataset: str, dataset_path: str | None, key_prefix: str = "training") -> None:
-    """Config-time validation: known name, a path where one is needed, and that the path holds shards."""
-    resolve_shards(dataset, dataset_path, key_prefix)
+    """Config-time validation: known name, a path where one is needed, that the path holds shards, and that they
+    hold a document (reading up to the first one: an empty dataset or a malformed first line is found here; a
+    malformed line further on stops the run when it is read, naming the file and line)."""
+    shards = resolve_shards(dataset, dataset_path, key_prefix)
+    if next(DocumentStream(shards).read(StreamPosition()), None) is None:
+        where = dataset_path if dataset_path is not None else dataset
+        raise ConfigError(f"'{key_prefix}.dataset_path' = '{where}' holds no documents ({len(shards)} file(s), "
+                          "every line blank)")
 
 
 # ---------------------------------------------------------------- reading documents

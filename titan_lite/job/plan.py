@@ -1,19 +1,24 @@
 """The job plan: tokenizer, model args, parallel degrees, accumulation and transforms, derived once from the config."""
 
 import importlib
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
-from titan_lite.checkpoint.manager import check_source_before_launch
+from titan_lite.checkpoint.hf import weight_files
+from titan_lite.checkpoint.manager import check_source_before_launch, initial_source
 from titan_lite.config.schema import JobConfig
 from titan_lite.config.validate import validate
 from titan_lite.data.datasets import check_dataset
 from titan_lite.data.tokenizer import Tokenizer, build_tokenizer
+from titan_lite.distributed import choose_backend, device_type
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama import Llama, LlamaArgs, flavor_args
-from titan_lite.models.llama.hf import check_args_against_hf_config
+from titan_lite.models.llama.hf import args_from_hf_config, check_args_against_hf_config, read_hf_config
 from titan_lite.parallel.context_parallel import check_sequence_lengths
 from titan_lite.parallel.fsdp import check_cpu_offload
 from titan_lite.parallel.parallel_dims import ParallelDims
@@ -27,7 +32,7 @@ class JobPlan:
     """Everything a run derives from its config before any model exists."""
 
     cfg: JobConfig
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None only in DRY_RUN before the tokenizer is downloaded
     model_args: LlamaArgs
     parallel_dims: ParallelDims
     grad_accum: int
@@ -52,19 +57,40 @@ def tokenizer_path(cfg: JobConfig) -> str:
     return path
 
 
-def build_model_args(cfg: JobConfig, vocab_size: int) -> LlamaArgs:
-    """The flavor's args updated from the config (sequence length) and checked against the tokenizer."""
+HF_FLAVOR = "hf"
+
+
+def hf_config_path(cfg: JobConfig) -> Path | None:
+    return Path(cfg.model.hf_assets_path) / "config.json" if cfg.model.hf_assets_path else None
+
+
+def flavor_or_hf_args(cfg: JobConfig) -> LlamaArgs:
+    """The named flavor's args; flavor 'hf' takes the shape from model.hf_assets_path/config.json instead. A named
+    flavor next to a config.json is checked against it (floats within a relative 1e-6)."""
+    config = hf_config_path(cfg)
+    if cfg.model.flavor == HF_FLAVOR:
+        if config is None or not config.is_file():
+            raise ConfigError(f"'model.flavor' = 'hf' takes the model shape from a Hugging Face config.json, but "
+                              f"'{config or 'model.hf_assets_path'}' does not exist (set 'model.hf_assets_path')")
+        return args_from_hf_config(read_hf_config(config), source=str(config))
     try:
         args = flavor_args(cfg.model.flavor)
     except KeyError as exc:
-        raise ConfigError(f"'model.flavor': {exc.args[0]}") from None
+        raise ConfigError(f"'model.flavor': {exc.args[0]} (or 'hf': the shape of model.hf_assets_path/config.json)") \
+            from None
+    if config is not None and config.is_file():
+        check_args_against_hf_config(args, str(config))
+    return args
+
+
+def build_model_args(cfg: JobConfig, vocab_size: int | None) -> LlamaArgs:
+    """The model's args (flavor or config.json) with the config's sequence length, checked against the tokenizer's
+    vocabulary (None: no tokenizer yet, DRY_RUN before the download)."""
+    args = flavor_or_hf_args(cfg)
     args.max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0)
-    if vocab_size > args.vocab_size:
+    if vocab_size is not None and vocab_size > args.vocab_size:
         raise ConfigError(f"the tokenizer at '{tokenizer_path(cfg)}' has {vocab_size} tokens but flavor "
                           f"'{cfg.model.flavor}' has vocab_size {args.vocab_size}")
-    hf_config = Path(cfg.model.hf_assets_path or "") / "config.json"
-    if cfg.model.hf_assets_path and hf_config.is_file():
-        check_args_against_hf_config(args, str(hf_config))
     return args
 
 
@@ -92,8 +118,12 @@ def import_custom_module(cfg: JobConfig) -> None:
 
 def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
     """The job's plan for `world_size` ranks; every impossible combination is one ConfigError line."""
-    tokenizer = build_tokenizer(tokenizer_path(cfg))
-    args = build_model_args(cfg, tokenizer.vocab_size)
+    return plan_with_tokenizer(cfg, world_size, build_tokenizer(tokenizer_path(cfg)))
+
+
+def plan_with_tokenizer(cfg: JobConfig, world_size: int, tokenizer: Tokenizer | None) -> JobPlan:
+    """plan_job with a tokenizer already loaded, or None (the flavor gives the vocabulary size)."""
+    args = build_model_args(cfg, tokenizer.vocab_size if tokenizer is not None else None)
     p = cfg.parallelism
     check_tp_divisibility(args, p.tensor_parallel_degree)
     if p.pipeline_parallel_degree > 1:
@@ -121,10 +151,67 @@ def check_data(cfg: JobConfig) -> None:
         check_dataset(cfg.validation.dataset, cfg.validation.dataset_path, "validation")
 
 
+def check_initial_weights(cfg: JobConfig) -> None:
+    """The initial weights a run starts from (when it does not resume) are there: the HF safetensors files, or a
+    DCP folder with its metadata (their shapes are checked by check_source_before_launch)."""
+    source = initial_source(cfg)
+    if source is None:
+        return
+    kind, path = source
+    if kind == "hf":
+        weight_files(path)
+    elif not path.exists():
+        raise ConfigError(f"'checkpoint.initial_load_path' = '{path}' does not exist")
+    elif not (path / ".metadata").is_file():
+        raise ConfigError(f"'checkpoint.initial_load_path' = '{path}' is not a DCP checkpoint (no .metadata file)")
+
+
+T = TypeVar("T")
+
+
+def _noting(problems: list[str], check: Callable[[], T]) -> T | None:
+    try:
+        return check()
+    except ConfigError as exc:
+        problems.append(str(exc))
+        return None
+
+
+def gather_assets(cfg: JobConfig) -> tuple[Tokenizer | None, list[str]]:
+    """(the tokenizer, one line per missing or unreadable file the run reads: tokenizer, training and validation
+    data, initial weights). The launch refuses the first; DRY_RUN lists them all and plans anyway."""
+    problems: list[str] = []
+    tokenizer = _noting(problems, lambda: build_tokenizer(tokenizer_path(cfg)))
+    _noting(problems, lambda: check_dataset(cfg.training.dataset, cfg.training.dataset_path, "training"))
+    if cfg.validation.enable:
+        _noting(problems, lambda: check_dataset(cfg.validation.dataset, cfg.validation.dataset_path, "validation"))
+    _noting(problems, lambda: check_initial_weights(cfg))
+    return tokenizer, problems
+
+
+def check_output_folders(cfg: JobConfig) -> None:
+    """The run can write its outputs: dump_folder, and the checkpoint folder when it saves (created if needed)."""
+    folders = {"job.dump_folder": Path(cfg.job.dump_folder)}
+    if cfg.checkpoint.enable and not cfg.checkpoint.load_only:
+        folders["checkpoint.folder"] = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
+    for key, folder in folders.items():
+        probe = folder / f".titan_lite_write_test_{os.getpid()}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(f"'{key}': cannot write to '{folder}' ({exc.strerror})") from None
+
+
 def check_before_launch(cfg: JobConfig, world_size: int) -> JobPlan:
     """Everything run_train.sh checks in one quick process before torchrun starts: a user error is one line."""
     validate(cfg)
-    check_data(cfg)
-    plan = plan_job(cfg, world_size)
+    choose_backend(torch.device(device_type()))
+    tokenizer, problems = gather_assets(cfg)
+    if problems:
+        raise ConfigError(problems[0])
+    plan = plan_with_tokenizer(cfg, world_size, tokenizer)
     check_source_before_launch(cfg, plan.model_args)
+    check_output_folders(cfg)
     return plan

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from titan_lite.config import JobConfig
+from titan_lite.launcher import STDOUT_IS_TTY_ENV
 from titan_lite.metrics.flops import peak_flops
 from titan_lite.metrics.memory import device_capacity_gib, peak_memory_gib, reset_peak
 
@@ -56,6 +57,18 @@ class Colors:
 NO_COLORS = Colors(*([""] * 7))
 
 
+def stdout_is_terminal() -> bool:
+    """Whether this process's output reaches a terminal. Under run_train.sh a rank's stdout is torchrun's pipe, so
+    the launcher says whether its own stdout is a terminal."""
+    told = os.environ.get(STDOUT_IS_TTY_ENV)
+    return told == "1" if told is not None else sys.stdout.isatty()
+
+
+def colors_for(cfg: JobConfig) -> Colors:
+    """ANSI colours only on a terminal (never in a log file or pipe) and unless metrics.disable_color_printing."""
+    return Colors() if stdout_is_terminal() and not cfg.metrics.disable_color_printing else NO_COLORS
+
+
 def tensorboard_dir(cfg: JobConfig, rank: int) -> str | None:
     """Where `rank` writes TensorBoard events, or None when it writes none."""
     if not cfg.metrics.enable_tensorboard:
@@ -84,7 +97,7 @@ class MetricsProcessor:
         # so dividing by it makes tokens/s a per-device number, as torchtitan reports it.
         init_logger()
         self.log_freq = cfg.metrics.log_freq
-        self.colors = NO_COLORS if cfg.metrics.disable_color_printing else Colors()
+        self.colors = colors_for(cfg)
         self.device = device
         self.num_flops_per_token = num_flops_per_token
         self.tokens_divisor = tokens_divisor

@@ -282,9 +282,14 @@ _CHECKED_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_
 _SCALING_FIELDS = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
 
 
+# Converted checkpoints often store float settings rounded to float32 (rms_norm_eps 9.999999747378752e-06 for 1e-5):
+# floats agree within a relative 1e-6 (float32 keeps about 7 significant digits).
+FLOAT_REL_TOL = 1e-6
+
+
 def _same(a, b) -> bool:
     if isinstance(a, float) or isinstance(b, float):
-        return a is not None and b is not None and math.isclose(a, b, rel_tol=1e-9)
+        return a is not None and b is not None and math.isclose(a, b, rel_tol=FLOAT_REL_TOL)
     return a == b
 
 
