@@ -14,15 +14,14 @@ import torch.distributed as dist
 
 from titan_lite import distributed as tl_dist
 from titan_lite.checkpoint.hf import export_hf
-from titan_lite.checkpoint.manager import (CheckpointManager, RankLocal, RNGState, holds_model, initial_source,
-                                          resume_folder, warn_incomplete_saves, weights_only_loader)
+from titan_lite.checkpoint.manager import CheckpointManager, RankLocal, RNGState, resume_folder, warn_incomplete_saves
 from titan_lite.config import JobConfig, help_text, parse_args, to_toml, validate
 from titan_lite.data.dataloader import build_dataloader
 from titan_lite.dry_run import dry_run, planned_world_size
 from titan_lite.dtensor import full_tensor
 from titan_lite.errors import ConfigError
 from titan_lite.eval.validate import Validator
-from titan_lite.job.assembly import BuiltModel, WeightLoader, assemble_model, hf_weight_loader
+from titan_lite.job.assembly import BuiltModel, assemble_model, initial_weight_loader
 from titan_lite.job.plan import JobPlan, check_before_launch, check_data, plan_job
 from titan_lite.loss import IGNORE_INDEX
 from titan_lite.metrics.flops import num_flops_per_token
@@ -71,6 +70,7 @@ class Trainer:
         self.model_parts = self.model.parts
         self.optimizer = build_optimizer(cfg.optimizer, self.model_parts, self.device,
                                          self.transforms.param_groups(self.model_parts))
+        self.transforms.bind_optimizer(self.optimizer)
         self.lr_schedule = LRSchedule([self.optimizer], cfg.lr_scheduler, cfg.training.steps)
         self.dataloader = self.build_train_loader()
         self.checkpointer = self.build_checkpointer()
@@ -85,8 +85,8 @@ class Trainer:
         if self.rank == 0:
             warn_incomplete_saves(self.cfg.checkpoint, self.checkpoint_folder())
         self.resume_folder = resume_folder(self.cfg.checkpoint, self.checkpoint_folder())
-        built = assemble_model(self.plan, self.device, seed=self.seed, resuming=self.resume_folder is not None,
-                               load=self.initial_weight_loader())
+        built = assemble_model(self.plan, self.device, seed=self.seed, resume_from=self.resume_folder,
+                               load=initial_weight_loader(self.plan))
         logger.info(f"model {self.cfg.model.name} {self.cfg.model.flavor}: {self.plan.full_param_count():,} parameters "
                     f"({built.param_count():,} held by rank {self.rank}); {self.parallel_dims.describe()}; "
                     f"gradient accumulation {self.plan.grad_accum}")
@@ -94,21 +94,6 @@ class Trainer:
 
     def checkpoint_folder(self) -> Path:
         return Path(self.cfg.job.dump_folder) / self.cfg.checkpoint.folder
-
-    def initial_weight_loader(self) -> WeightLoader | None:
-        """The HF or DCP initial weights, skipped when the resume checkpoint brings every parameter itself."""
-        source = initial_source(self.cfg)
-        if source is None:
-            return None
-        kind, path = source
-        load = hf_weight_loader(self.plan, path) if kind == "hf" else weights_only_loader(self.cfg.checkpoint, path)
-        if self.resume_folder is None:
-            return load
-
-        def load_unless_resumed(parts) -> None:
-            if not holds_model(self.resume_folder, parts):
-                load(parts)
-        return load_unless_resumed
 
     def build_train_loader(self):
         t, batch_mesh = self.cfg.training, self.parallel_dims.submesh("batch")

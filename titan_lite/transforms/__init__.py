@@ -2,6 +2,7 @@
 
 from titan_lite.transforms.base import (Transform, TransformContext, Transforms, build_transforms, register_transform,
                                         registered_transforms)
+from titan_lite.transforms import lora  # noqa: F401  (registers the built-in "lora" transform)
 
 __all__ = ["Transform", "TransformContext", "Transforms", "build_transforms", "register_transform",
            "registered_transforms"]
