@@ -33,13 +33,13 @@ def adapted_modules_of(state: dict[str, torch.Tensor]) -> list[str]:
 
 
 def merge_adapters(state: dict[str, torch.Tensor], specs: dict[str, AdapterSpec]) -> dict[str, torch.Tensor]:
-    """A plain Llama state dict: each adapted weight replaced by its merged weight (float32), adapter tensors
-    dropped. `specs` gives each adapted module's scale."""
+    """A plain Llama state dict: each adapted weight replaced by its merged weight (computed in float32, kept in
+    the weight's dtype), adapter tensors dropped. `specs` gives each adapted module's scale."""
     out = dict(state)
     for module in adapted_modules_of(state):
-        magnitude = out.pop(f"{module}.magnitude", None)
-        out[f"{module}.weight"] = merged_weight(out[f"{module}.weight"], out.pop(f"{module}.lora_a"),
-                                                out.pop(f"{module}.lora_b"), specs[module].scale, magnitude)
+        magnitude, weight = out.pop(f"{module}.magnitude", None), out[f"{module}.weight"]
+        out[f"{module}.weight"] = merged_weight(weight, out.pop(f"{module}.lora_a"), out.pop(f"{module}.lora_b"),
+                                                specs[module].scale, magnitude).to(weight.dtype)
     for name in [n for n in out if module_of(n)[1] in PISSA_INIT_PARAMS]:
         del out[name]
     return out
@@ -169,3 +169,12 @@ def adapter_exported_param(options: LoraOptions, name: str) -> bool:
     module, param = module_of(name)
     return param in ADAPTER_PARAMS or param in PISSA_INIT_PARAMS or options.is_train_module(module)
 
+
+
+def peft_specs(adapter: PeftAdapter, modules: list[str]) -> dict[str, AdapterSpec]:
+    """Each adapted module's rank, alpha and scale by the PEFT config's rules."""
+    specs = {}
+    for module in modules:
+        rank, alpha = adapter.rank_alpha(hf_module(module))
+        specs[module] = AdapterSpec(rank, alpha, adapter.scale(hf_module(module)))
+    return specs
