@@ -129,7 +129,7 @@ class Trainer:
     def build_metrics(self) -> MetricsProcessor:
         a = self.plan.model_args
         flops = num_flops_per_token(self.plan.full_param_count(), a.vocab_size * a.dim, a.n_layers, a.n_heads,
-                                    a.head_dim, self.cfg.training.seq_len)
+                                    a.head_dim, self.cfg.training.seq_len, self.plan.frozen_matmul_param_count())
         return MetricsProcessor(self.cfg, self.rank, self.device, flops, self.parallel_dims.non_data_parallel_size)
 
     # -------------------------------------------------------------------------------- one step

@@ -75,9 +75,10 @@ class LoraTransform(Transform):
                 parent_name = PROJECTIONS[short][0]
                 parent, name = getattr(block, parent_name), f"layers.{key}.{parent_name}.{short}"
                 linear, spec = getattr(parent, short), self.options.spec(name)
-                setattr(parent, short, LoRALinear(linear.in_features, linear.out_features, spec.rank, spec.scale,
-                                                  self.c.dropout, self.c.use_dora, self.c.init,
-                                                  keep_init=self.options.pissa))
+                with torch.device(linear.weight.device):  # the meta device: nothing is allocated
+                    adapted = LoRALinear(linear.in_features, linear.out_features, spec.rank, spec.scale,
+                                         self.c.dropout, self.c.use_dora, self.c.init, keep_init=self.options.pissa)
+                setattr(parent, short, adapted)
         self.freeze_and_cast(model)
 
     def freeze_and_cast(self, model: nn.Module) -> None:
