@@ -16,8 +16,8 @@ from titan_lite.models.llama.model import canonical_name
 from titan_lite.train import Trainer
 from titan_lite.transforms.lora import LoRALinear
 from titan_lite.transforms.lora.adapters import merge_adapters
-from titan_lite.transforms.lora.options import AdapterSpec
 from titan_lite.transforms.lora.module import adapter_scale, balanced_factors, principal_factors
+from titan_lite.transforms.lora.options import AdapterSpec
 from titan_lite.transforms.lora.transform import lora_modules
 from titan_lite.transforms.lora.weights import restart_optimizer_state
 
@@ -201,7 +201,7 @@ def test_refactoring_kept_the_product_and_restarted_the_state(trained):
     (["--model.flavor", "smollm2_135M", "--lora.train_modules", "lm_head"], "ties its embeddings"),
 ])
 def test_refusals_are_one_line(overrides, message):
-    with pytest.raises(ConfigError, match=None) as info:
+    with pytest.raises(ConfigError) as info:
         plan_job(parse_args([*TINY, *LORA, *overrides]), 1)
     assert message in str(info.value) and "\n" not in str(info.value)
 

@@ -12,6 +12,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+import titan_lite.checkpoint.peft as peft_io  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 from titan_lite.checkpoint.hf import write_hf_folder  # noqa: E402
 from titan_lite.checkpoint.peft import ADAPTER_WEIGHTS, PREFIX  # noqa: E402
 from titan_lite.config import parse_args  # noqa: E402
@@ -110,7 +112,6 @@ def test_exported_adapter_loads_in_peft_with_the_same_logits(case, hf_base, tmp_
 
 def test_unpermuted_rotary_rows_would_be_caught(hf_base, tmp_path, monkeypatch):
     """The logit comparison above detects an export that forgets to permute q/k lora_B rows to HF's layout."""
-    import titan_lite.checkpoint.peft as peft_io
     monkeypatch.setattr(peft_io, "_rows_to_hf", lambda module, tensor, args: tensor)
     plan, model = titan_lora(hf_base, *CASES["default"])
     pretend_trained(model)
@@ -154,7 +155,6 @@ def test_adapter_mismatching_the_section_is_refused_before_launch(peft_adapter, 
 
 
 def test_wrong_key_prefix_is_refused(peft_adapter, hf_base, tmp_path):
-    from safetensors.torch import load_file, save_file
     folder, _, _ = peft_adapter
     bad = tmp_path / "bad"
     bad.mkdir()

@@ -97,14 +97,19 @@ class LoraTransform(Transform):
 
     def check(self, model_args: LlamaArgs, parallel_dims: ParallelDims) -> None:
         self.options.check_model(self.cfg, model_args)
-        self.check_base_dtype(parallel_dims)
+        self.check_layout(parallel_dims)
         if self.c.adapter_path is not None:
             check_adapter_matches(self.options, model_args, self.c.adapter_path)
 
-    def check_base_dtype(self, dims: ParallelDims) -> None:
-        """A frozen base in a lower precision than the compute dtype needs something that casts every weight to
-        the compute dtype: FSDP's mixed precision does, and so does autocast (a lower compute dtype)."""
-        compute = compute_dtype(self.cfg.training.mixed_precision_param, local_device().type)
+    def check_layout(self, dims: ParallelDims) -> None:
+        """Gathering full weights needs them on the device; a frozen base in a lower precision than the compute
+        dtype needs something that casts every weight to the compute dtype (FSDP's mixed precision, or autocast)."""
+        device = local_device().type
+        gathers = self.options.pissa or self.c.use_dora or self.c.refactor_freq or self.c.adapter_path
+        if self.cfg.training.enable_cpu_offload and device != "cpu" and gathers:
+            raise ConfigError("'training.enable_cpu_offload' keeps sharded weights on the host, but PiSSA, DoRA, "
+                              "re-factoring and adapter_path gather full weights on the accelerator; turn one off")
+        compute = compute_dtype(self.cfg.training.mixed_precision_param, device)
         if self.c.base_dtype == "float32" or dims.fsdp_enabled or dims.dp_replicate_enabled:
             return
         if compute == torch.float32:
@@ -219,8 +224,9 @@ class LoraTransform(Transform):
             return
         frozen = self.frozen_parameters(model_parts)
         if bits_checksum(frozen) != self.frozen_fingerprint:
-            raise RuntimeError("lora: the frozen weights changed during training")
-        logger.info(f"lora: the {len(frozen)} frozen tensors on this rank are bitwise unchanged since loading")
+            logger.error("lora: the frozen weights on this rank CHANGED during training (a bug: please report it)")
+        else:
+            logger.info(f"lora: the {len(frozen)} frozen tensors on this rank are bitwise unchanged since loading")
 
     def write_adapters(self, state: dict[str, torch.Tensor], folder: Path, step: int) -> None:
         base = self.cfg.checkpoint.initial_load_path or self.cfg.model.hf_assets_path
