@@ -80,7 +80,8 @@ def load_with_peft(base_folder: Path, adapter: Path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = peft.PeftModel.from_pretrained(hf_model(base_folder), str(adapter)).eval()
-    problems = [str(w.message) for w in caught if "missing" in str(w.message).lower() or "unexpected" in str(w.message).lower()]
+    messages = [str(w.message).lower() for w in caught]
+    problems = [m for m in messages if "missing" in m or "unexpected" in m]
     assert not problems, problems
     return model
 

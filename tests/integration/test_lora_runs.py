@@ -1,6 +1,6 @@
-"""LoRA through run_train.sh (PiSSA + rsLoRA + DoRA from an HF folder): 1 process against FSDP 2, TP 2 and PP 2 (losses,
-gradient norms and the trained adapters), the trainable set each rank reports after every parallelism, the frozen
-base bitwise unchanged, and the exact resume of an adapter-only checkpoint."""
+"""LoRA through run_train.sh (PiSSA + rsLoRA + DoRA from an HF folder): 1 process against FSDP 2 (+ AC), TP 2 (+ op AC
++ compile) and PP 2 (losses, gradient norms and the trained adapters), the trainable set each rank reports after every
+parallelism, the frozen base bitwise unchanged, and the exact resume of an adapter-only checkpoint."""
 
 import re
 import shutil
@@ -86,9 +86,10 @@ def test_checkpoints_hold_only_the_adapters(single):
     assert any(k.startswith("optimizer.") for k in keys)
 
 
-LAYOUTS = [
-    ("fsdp2", ["--training.local_batch_size", "2"]),
-    ("tp2", ["--parallelism.tensor_parallel_degree", "2"]),
+LAYOUTS = [  # with activation checkpointing and compile on some: the trainable set must survive them too
+    ("fsdp2", ["--training.local_batch_size", "2", "--activation_checkpoint.mode", "full"]),
+    ("tp2", ["--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--compile.backend", "aot_eager",
+             "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
     ("pp2", ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]),
 ]
 

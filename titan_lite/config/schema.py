@@ -251,8 +251,8 @@ class Lora:
     alpha: float = opt(16.0, "Adapter alpha: the update is scaled by alpha / rank, or alpha / sqrt(rank) with use_rslora.")
     dropout: float = opt(0.0, "Dropout on the adapter's input while training (0 = none).")
     use_rslora: bool = opt(False, "rsLoRA: scale by alpha / sqrt(rank) instead of alpha / rank.")
-    init: str = opt("default", "Adapter initialisation: default (Kaiming-uniform A, zero B), gaussian (A ~ N(0, 1/rank^2), "
-                               "zero B), pissa (exact SVD of the loaded weight; the residual becomes the frozen base), "
+    init: str = opt("default", "Adapter initialisation: default (Kaiming-uniform A, zero B), gaussian (A normal with "
+                               "std 1/rank, zero B), pissa (exact SVD of the loaded weight; the residual becomes the frozen base), "
                                "pissa_niter_N (a seeded randomized SVD with N subspace iterations).")
     use_dora: bool = opt(False, "DoRA: a trained per-output magnitude times the normalised adapted weight.")
     target_modules: list[str] = opt(["all-linear"], "Projections that get adapters: titan_lite names (wq, wk, wv, wo, w1, "

@@ -58,7 +58,8 @@ def _parse_pattern(key: str, entry: str, cast: type) -> tuple[str, float]:
     except re.error as exc:
         raise ConfigError(f"'lora.{key}' entry {entry!r}: invalid regex ({exc})") from None
     except ValueError:
-        raise ConfigError(f"'lora.{key}' entry {entry!r}: '{value}' is not {'an integer' if cast is int else 'a number'}") from None
+        kind = "an integer" if cast is int else "a number"
+        raise ConfigError(f"'lora.{key}' entry {entry!r}: '{value}' is not {kind}") from None
     if number <= 0:
         raise ConfigError(f"'lora.{key}' entry {entry!r}: the value must be positive")
     return pattern, number
