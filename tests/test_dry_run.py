@@ -106,6 +106,30 @@ def test_llama3_8b_fsdp_on_8_ranks(c4_shard):
     assert_plans_fast_and_small(run)
 
 
+LORA_8B_ADAPTER_PARAMS = 32 * 32 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))  # r 32, 7 projections
+
+
+@pytest.mark.parametrize("config, accumulation",
+                         [("llama3_8b_lora_metamath.toml", 4), ("llama3_8b_lora_gsm8k.toml", 2)])
+def test_llama3_8b_lora_configs_on_8_ranks(c4_shard, config, accumulation):
+    run = dry_run(config, c4_shard, ngpu=8)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert LORA_8B_ADAPTER_PARAMS == 83_886_080
+    # the base, the adapters and PiSSA's initial factors (kept for the export to the original base)
+    assert f"{LLAMA_8B_PARAMS + 2 * LORA_8B_ADAPTER_PARAMS:,} parameters, 32 layers; transforms: lora" in run.stdout
+    assert f"x data-parallel 8 x accumulation {accumulation} = global {32 * accumulation} sequences" in run.stdout
+    trainable, frozen = LORA_8B_ADAPTER_PARAMS // 8, (LLAMA_8B_PARAMS + LORA_8B_ADAPTER_PARAMS) // 8
+    assert f"{trainable:,} trainable, sharded like the parameters, float32; {frozen:,} frozen have none" in run.stdout
+    # a bf16 base, fp32 adapters (and initial factors); gradients and AdamW moments for the adapters only
+    params_gib = float(re.search(r"parameters\s+([\d.]+) GiB", run.stdout)[1])
+    optimizer_gib = float(re.search(r"optimizer\s+([\d.]+) GiB", run.stdout)[1])
+    assert params_gib == pytest.approx((LLAMA_8B_PARAMS * 2 + 2 * LORA_8B_ADAPTER_PARAMS * 4) / 8 / GIB, abs=0.005)
+    assert optimizer_gib == pytest.approx(trainable * 8 / GIB, abs=0.005)
+    assert "bfloat16/float32" in run.stdout and len(run.verdicts()) == 1
+    assert_verdict_consistent(run, 80.0)
+    assert_plans_fast_and_small(run)
+
+
 def test_llama3_70b_tp8_pp2_fsdp4_on_64_ranks(c4_shard):
     run = dry_run("llama3_70b.toml", c4_shard, ngpu=8, nnodes=8)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -92,14 +92,15 @@ def fsdp_units(part: nn.Module, reshard: bool, head_reshards: bool) -> list[me.F
     for name, module in groups:
         nested = {id(p) for other_name, other in groups if other is not module and _is_inside(other_name, name)
                   for p in other.parameters()}
-        numel = sum(gathered_numel(p) for p in module.parameters() if id(p) not in nested)
+        own = [p for p in module.parameters() if id(p) not in nested]
+        numel, trainable = sum(map(gathered_numel, own)), sum(gathered_numel(p) for p in own if p.requires_grad)
         if module is part:  # FSDP2 never reshards the root after forward: backward needs it straight away
             resh = False
         elif name in ("norm", "output"):
             resh = head_reshards
         else:
             resh = reshard
-        units.append(me.FsdpUnit(name or "root", numel, resh))
+        units.append(me.FsdpUnit(name or "root", numel, resh, trainable))
     return units
 
 

@@ -18,10 +18,7 @@ from titan_lite.checkpoint.manager import (
     RankLocal,
     RNGState,
     choose_resume,
-    holds_model,
-    initial_source,
     warn_incomplete_saves,
-    weights_only_loader,
 )
 from titan_lite.config import JobConfig, help_text, parse_args, to_toml, validate
 from titan_lite.data.dataloader import BatchLayout, DataLoader, build_dataloader, loader_options
@@ -30,7 +27,7 @@ from titan_lite.dtensor import full_tensor
 from titan_lite.errors import FAULT, HANG, USER_ERROR, ConfigError, TrainingFault
 from titan_lite.eval.validate import Validator
 from titan_lite.faults import ACTIVITY, StopSignals, any_rank, is_collective_timeout, nonfinite_message, timeout_line
-from titan_lite.job.assembly import BuiltModel, WeightLoader, assemble_model, hf_weight_loader
+from titan_lite.job.assembly import BuiltModel, assemble_model, initial_weight_loader
 from titan_lite.job.plan import check_before_launch, check_data, plan_job
 from titan_lite.launcher import another_rank_failed, register_rank, report_error
 from titan_lite.loss import IGNORE_INDEX
@@ -86,6 +83,7 @@ class Trainer:
         self.model_parts = self.model.parts
         self.optimizer = build_optimizer(cfg.optimizer, self.model_parts, self.device,
                                          self.transforms.param_groups(self.model_parts))
+        self.transforms.bind_optimizer(self.optimizer)
         self.lr_schedule = LRSchedule([self.optimizer], cfg.lr_scheduler, cfg.training.steps)
         self.dataloader = self.build_train_loader()
         self.checkpointer = self.build_checkpointer()
@@ -104,8 +102,8 @@ class Trainer:
             if choice.note:
                 logger.warning(choice.note)
         self.resume_folder = choice.folder
-        built = assemble_model(self.plan, self.device, seed=self.seed, resuming=self.resume_folder is not None,
-                               load=self.initial_weight_loader())
+        built = assemble_model(self.plan, self.device, seed=self.seed, resume_from=self.resume_folder,
+                               load=initial_weight_loader(self.plan))
         logger.info(f"model {self.cfg.model.name} {self.cfg.model.flavor}: {self.plan.full_param_count():,} parameters "
                     f"({built.param_count():,} held by rank {self.rank}); {self.parallel_dims.describe()}; "
                     f"gradient accumulation {self.plan.grad_accum}")
@@ -113,21 +111,6 @@ class Trainer:
 
     def checkpoint_folder(self) -> Path:
         return Path(self.cfg.job.dump_folder) / self.cfg.checkpoint.folder
-
-    def initial_weight_loader(self) -> WeightLoader | None:
-        """The HF or DCP initial weights, skipped when the resume checkpoint brings every parameter itself."""
-        source = initial_source(self.cfg)
-        if source is None:
-            return None
-        kind, path = source
-        load = hf_weight_loader(self.plan, path) if kind == "hf" else weights_only_loader(self.cfg.checkpoint, path)
-        if self.resume_folder is None:
-            return load
-
-        def load_unless_resumed(parts) -> None:
-            if not holds_model(self.resume_folder, parts):
-                load(parts)
-        return load_unless_resumed
 
     def build_train_loader(self) -> DataLoader:
         t, batch_mesh = self.cfg.training, self.parallel_dims.submesh("batch")
@@ -156,7 +139,7 @@ class Trainer:
     def build_metrics(self) -> MetricsProcessor:
         a = self.plan.model_args
         flops = num_flops_per_token(self.plan.full_param_count(), a.vocab_size * a.dim, a.n_layers, a.n_heads,
-                                    a.head_dim, self.cfg.training.seq_len)
+                                    a.head_dim, self.cfg.training.seq_len, self.plan.frozen_matmul_param_count())
         return MetricsProcessor(self.cfg, self.rank, self.device, flops, self.parallel_dims.non_data_parallel_size)
 
     # -------------------------------------------------------------------------------- one step

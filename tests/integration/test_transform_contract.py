@@ -129,12 +129,13 @@ LAYOUTS = [
 def test_layout_matches_one_process(name, ngpu, overrides, single, data, hf_start, tmp_path):
     run = run_train([*data, *TOY, *start_overrides(hf_start), "--training.steps", str(STEPS), *overrides], tmp_path,
                     ngpu=ngpu)
-    assert_losses_close(run, single.tb_losses(), atol=1e-5)
+    # single's folder also holds the resumed steps of test_state_resumes_with_the_run: compare the first STEPS
+    assert_losses_close(run, {s: v for s, v in single.tb_losses().items() if s <= STEPS}, atol=1e-5)
     hooks = [h for h, _ in hooks_of(run)]
     assert ("tp_plan" in hooks) == (name == "tp2")
     if name != "pp2":  # a pipeline rank logs the mean of its own stage's gates only
         got, want = toy_scalars(run, "toy/gate_mean"), toy_scalars(single, "toy/gate_mean")
-        assert all(abs(got[s] - want[s]) < 1e-5 for s in want), (got, want)
+        assert sorted(got) == list(range(1, STEPS + 1)) and all(abs(got[s] - want[s]) < 1e-5 for s in got), (got, want)
     # after_load on every rank saw the weights that rank holds, loaded from the HF folder.
     for rank in range(ngpu):
         detail = dict(hooks_of(run, rank))["after_load"]

@@ -289,12 +289,16 @@ def write_hf_folder(sd: dict[str, Tensor], args: LlamaArgs, out_dir: str, dtype:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _full_tensors(model_parts: list[nn.Module], dtype: torch.dtype) -> dict[str, Tensor]:
-    """Every parameter this rank's parts hold, unsharded (a collective for DTensors), on the CPU in `dtype`."""
+def _full_tensors(model_parts: list[nn.Module], dtype: torch.dtype,
+                  keep: Callable[[str], bool] | None = None) -> dict[str, Tensor]:
+    """Every parameter this rank's parts hold (that `keep` accepts), unsharded (a collective for DTensors), on the
+    CPU in `dtype`."""
     out = {}
     for part in model_parts:
         for name, param in part.named_parameters():
-            out[canonical_name(name)] = full_tensor(param).detach().to(dtype=dtype).cpu()
+            name = canonical_name(name)
+            if keep is None or keep(name):
+                out[name] = full_tensor(param).detach().to(dtype=dtype).cpu()
     return out
 
 
@@ -314,6 +318,17 @@ def _gather_pipeline_stages(sd: dict[str, Tensor], parallel_dims) -> dict[str, T
     return merged
 
 
+def gather_full_state_dict(model_parts: list[nn.Module], dtype: torch.dtype, parallel_dims=None,
+                           keep: Callable[[str], bool] | None = None) -> dict[str, Tensor] | None:
+    """The full (unsharded, every pipeline stage) parameters that `keep` accepts, on the CPU of global rank 0; other
+    ranks get None. Collective when distributed: every rank must call it."""
+    distributed = dist.is_available() and dist.is_initialized()
+    sd = _full_tensors(model_parts, dtype, keep)
+    if distributed and parallel_dims is not None and parallel_dims.pp_enabled:
+        return _gather_pipeline_stages(sd, parallel_dims)
+    return sd if not distributed or dist.get_rank() == 0 else None
+
+
 ExportConversion = Callable[[dict[str, Tensor], LlamaArgs], tuple[dict[str, Tensor], LlamaArgs]]
 
 
@@ -326,11 +341,8 @@ def export_hf(model_parts: list[nn.Module], model_args: LlamaArgs, out_dir: str,
     drop masks or materialise a smaller model there); it runs on rank 0 on fp32 tensors.
     """
     distributed = dist.is_available() and dist.is_initialized()
-    sd = _full_tensors(model_parts, torch.float32 if convert else dtype)
-    if distributed and parallel_dims is not None and parallel_dims.pp_enabled:
-        sd = _gather_pipeline_stages(sd, parallel_dims)
-    rank = dist.get_rank() if distributed else 0
-    if rank == 0:
+    sd = gather_full_state_dict(model_parts, torch.float32 if convert else dtype, parallel_dims)
+    if sd is not None:
         if model_args.tie_word_embeddings:
             sd.pop("output.weight", None)  # a pipeline's last stage holds its own copy of the tied head
         if convert is not None:

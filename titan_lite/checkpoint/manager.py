@@ -477,10 +477,13 @@ def source_to_load(cfg: JobConfig) -> tuple[str, Path] | None:
     return ("resume", folder) if folder is not None else initial_source(cfg)
 
 
-def holds_model(folder: Path, model_parts: list[nn.Module]) -> bool:
-    """Whether a checkpoint holds every model parameter of the parts (adapter-only checkpoints do not)."""
+def holds_model(folder: Path, model_parts: list[nn.Module],
+                saves_parameter: Callable[[str], bool] | None = None) -> bool:
+    """Whether loading the checkpoint restores every model parameter of the parts: each is one the run saves
+    (`saves_parameter`) and is in the checkpoint. Adapter-only checkpoints do not."""
     saved = ckpt.read_metadata(folder).state_dict_metadata
-    return all(f"model.{name}" in saved for name in ckpt.model_state_dict(model_parts))
+    saves = saves_parameter or (lambda name: True)
+    return all(saves(name) and f"model.{name}" in saved for name in ckpt.model_state_dict(model_parts))
 
 
 def weights_only_loader(cfg: Checkpoint, folder: Path) -> Callable[[list[nn.Module]], None]:

@@ -311,6 +311,42 @@ class FaultTolerance:
 
 
 @dataclass
+class Lora:
+    rank: int = opt(8, "Adapter rank r (A is [r, in], B is [out, r]).")
+    alpha: float = opt(16.0, "Adapter alpha: the update is scaled by alpha / rank, or alpha / sqrt(rank) with "
+                             "use_rslora.")
+    dropout: float = opt(0.0, "Dropout on the adapter's input while training (0 = none).")
+    use_rslora: bool = opt(False, "rsLoRA: scale by alpha / sqrt(rank) instead of alpha / rank.")
+    init: str = opt("default", "Adapter initialisation: default (Kaiming-uniform A, zero B), gaussian (A normal "
+                               "with std 1/rank, zero B), pissa (exact SVD of the loaded weight; the residual becomes "
+                               "the frozen base), pissa_niter_N (a seeded randomized SVD with N subspace iterations).")
+    use_dora: bool = opt(False, "DoRA: a trained per-output magnitude times the normalised adapted weight.")
+    target_modules: list[str] = opt(["all-linear"], "Projections that get adapters: titan_lite names (wq, wk, wv, "
+                                                    "wo, w1, w2, w3), Hugging Face names (q_proj, k_proj, v_proj, "
+                                                    "o_proj, gate_proj, up_proj, down_proj), or all-linear (all "
+                                                    "seven).")
+    rank_pattern: list[str] = opt([], "Per-module ranks as 'regex=rank' (first match wins); a regex matches the end "
+                                      "of a module's titan_lite or Hugging Face name, as in PEFT (e.g. "
+                                      "'down_proj=16', 'layers\\.0\\..*=64').")
+    alpha_pattern: list[str] = opt([], "Per-module alphas as 'regex=alpha', matched like rank_pattern.")
+    train_modules: list[str] = opt([], "Modules trained in full beside the adapters (PEFT's modules_to_save), by "
+                                       "titan_lite or HF name: e.g. output (lm_head), norm, attention_norm, a "
+                                       "projection without an adapter.")
+    base_dtype: Literal["float32", "bfloat16", "float16"] = opt(
+        "float32", "dtype of the frozen weights (adapters, train_modules and their optimizer state stay float32).")
+    save_adapter_only: bool = opt(True, "Checkpoints hold the adapters and train_modules (plus optimizer, schedule, "
+                                        "data position, RNG); on resume the frozen base is loaded again from the "
+                                        "initial weights (and PiSSA's SVD recomputed, which is deterministic).")
+    adapter_path: str | None = opt(None, "A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to "
+                                         "start the adapters from instead of initialising them; rank, alpha, targets "
+                                         "and options must match this section.")
+    refactor_freq: int = opt(0, "Every this many steps re-factor each adapter's product B A through its SVD into a "
+                                "balanced pair with the same product and restart its optimizer state (0 = never).")
+    max_spectral_norm: float | None = opt(None, "With refactor_freq: cap the largest singular value of each scaled "
+                                                "update (scale x B A) at this value when re-factoring.")
+
+
+@dataclass
 class Experimental:
     custom_import: str = opt("", "Module imported at start, before the transforms are built: e.g. one that registers "
                                  "your own transform with titan_lite.transforms.register_transform.")
@@ -381,5 +417,6 @@ class JobConfig:
     dry_run: DryRun = section(DryRun, "DRY_RUN=1 planning options.")
     memory_estimation: MemoryEstimation = section(MemoryEstimation, "torchtitan memory estimation (see DRY_RUN).")
     fault_tolerance: FaultTolerance = section(FaultTolerance, "torchft (not supported).")
+    lora: Lora = section(Lora, "LoRA adapters (active with model.converters = [\"lora\"]).")
     experimental: Experimental = section(Experimental, "torchtitan experimental hooks (not supported).")
     quantize: Quantize = section(Quantize, "torchtitan quantization converters (not supported).")

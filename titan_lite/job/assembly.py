@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from titan_lite.checkpoint.hf import load_hf_weights
+from titan_lite.checkpoint.manager import holds_model, initial_source, weights_only_loader
 from titan_lite.data.datasets import build_packed_source
 from titan_lite.job.plan import JobPlan
 from titan_lite.loss import build_loss_fn
@@ -68,20 +69,35 @@ def materialise(parts: list[nn.Module], plan: JobPlan, device: torch.device, see
 
 
 def assemble_model(plan: JobPlan, device: torch.device, *, seed: int = 0, load: WeightLoader | None = None,
-                   resuming: bool = False) -> BuiltModel:
+                   resume_from: Path | None = None) -> BuiltModel:
     """Build, materialise and initialise this rank's parts, load the initial weights (if any), then let the
-    transforms work on real weights (`after_load`). The trainer and the scripts come through here."""
+    transforms work on real weights (`after_load`). The trainer and the scripts come through here.
+
+    resume_from: the checkpoint the caller loads afterwards. When it restores every parameter the initial weights
+    are not loaded; when it does not (adapter-only checkpoints) they are, and the rest comes from the checkpoint.
+    """
     loss_fn = loss_function(plan)
     parts, pipeline = build_parts(plan, device, loss_fn)
     materialise(parts, plan, device, seed)
     built = BuiltModel(parts, ModelRunner(parts, plan.parallel_dims, plan.cfg, device, loss_fn, pipeline), pipeline)
-    if load is not None:
+    restores_model = resume_from is not None and holds_model(resume_from, parts, plan.transforms.saves_parameter)
+    if load is not None and not restores_model:
         load(parts)
     plan.transforms.after_load(TransformContext(
         cfg=plan.cfg, model_args=plan.model_args, parallel_dims=plan.parallel_dims, device=device,
         tokenizer=plan.tokenizer, model_parts=parts, runner=built.runner,
-        calibration_batches=calibration_source(plan, device), resuming=resuming))
+        calibration_batches=calibration_source(plan, device), resuming=resume_from is not None,
+        checkpoint_holds_model=restores_model))
     return built
+
+
+def initial_weight_loader(plan: JobPlan) -> WeightLoader | None:
+    """The run's initial weights (checkpoint.initial_load_path / initial_load_in_hf): an HF or DCP loader, or None."""
+    source = initial_source(plan.cfg)
+    if source is None:
+        return None
+    kind, path = source
+    return hf_weight_loader(plan, path) if kind == "hf" else weights_only_loader(plan.cfg.checkpoint, path)
 
 
 def hf_weight_loader(plan: JobPlan, folder: str | Path) -> WeightLoader:

@@ -42,12 +42,22 @@ class JobPlan:
     def global_batch_size(self) -> int:
         return self.cfg.training.local_batch_size * self.parallel_dims.dp_degree * self.grad_accum
 
-    def full_param_count(self) -> int:
-        """Parameters of the whole (converted) model, counted on the meta device."""
+    def meta_model(self) -> Llama:
+        """The whole (converted) model on the meta device."""
         with torch.device("meta"):
             model = Llama(self.model_args)
         self.transforms.convert(model)
-        return model.num_params()
+        return model
+
+    def full_param_count(self) -> int:
+        """Parameters of the whole (converted) model, counted on the meta device."""
+        return self.meta_model().num_params()
+
+    def frozen_matmul_param_count(self) -> int:
+        """Frozen parameters other than the (untied) embedding lookup: they cost no weight gradient."""
+        model = self.meta_model()
+        lookup = "" if self.model_args.tie_word_embeddings else "tok_embeddings.weight"
+        return sum(p.numel() for n, p in model.named_parameters() if not p.requires_grad and n != lookup)
 
 
 def tokenizer_path(cfg: JobConfig) -> str:

@@ -42,7 +42,7 @@ _measured_peaks: dict[tuple[str, int], float] = {}
 
 
 def num_flops_per_token(num_params: int, num_embedding_params: int, n_layers: int, n_heads: int,
-                        head_dim: int, seq_len: int) -> int:
+                        head_dim: int, seq_len: int, frozen_params: int = 0) -> int:
     """Training FLOPs (forward + backward) per token of a decoder-only transformer.
 
     Convention (Chinchilla / PaLM appendix B, as torchtitan reports):
@@ -55,8 +55,11 @@ def num_flops_per_token(num_params: int, num_embedding_params: int, n_layers: in
     Tied embeddings (Llama 3.2 1B/3B): the shared matrix is also the output projection, a real matmul, so
     it must stay in the 6N term; with num_params counting that shared tensor once, pass
     num_embedding_params=0. Untied: pass tok_embeddings.weight.numel().
+
+    frozen_params: parameters (among the 6N ones) that get no gradient (a LoRA base): their backward computes
+    only the input gradient, 4 FLOPs per token instead of 6.
     """
-    dense = 6 * (num_params - num_embedding_params)
+    dense = 6 * (num_params - num_embedding_params) - 2 * frozen_params
     attention = 12 * n_layers * n_heads * head_dim * seq_len
     return dense + attention
 

@@ -130,24 +130,30 @@ def in_flight_microbatches(schedule: str | None, pp: int, pp_rank: int, n_microb
 
 @dataclass(frozen=True)
 class FsdpUnit:
-    """One fully_shard group: its parameter count after the all-gather (still TP-sharded) and whether it
-    frees the gathered parameters after forward."""
+    """One fully_shard group: its parameter count after the all-gather (still TP-sharded), whether it frees the
+    gathered parameters after forward, and how many of them train (only those are reduce-scattered; None = all)."""
 
     name: str
     unsharded_numel: int
     reshards_after_forward: bool
+    trainable_numel: int | None = None
+
+    @property
+    def reduced_numel(self) -> int:
+        return self.unsharded_numel if self.trainable_numel is None else self.trainable_numel
 
 
 def fsdp_buffer_bytes(units: list[FsdpUnit], compute_bytes: int, reduce_bytes: int) -> int:
     """Gathered parameters of groups that stay unsharded, plus the worst pair of neighbouring groups in flight
     together: all-gathers of the current and the prefetched next group (forward), reduce-scatter inputs of the
-    group just finished and the next (backward). `units` are in forward order."""
+    group just finished and the next (backward; gradients of trainable parameters only). `units` are in forward
+    order."""
     if not units:
         return 0
     held = sum(u.unsharded_numel for u in units if not u.reshards_after_forward) * compute_bytes
     resharded = [u.unsharded_numel for u in units if u.reshards_after_forward]
     gathers = _largest_neighbour_pair(resharded) * compute_bytes
-    reduce_scatters = _largest_neighbour_pair([u.unsharded_numel for u in units]) * reduce_bytes
+    reduce_scatters = _largest_neighbour_pair([u.reduced_numel for u in units]) * reduce_bytes
     return held + gathers + reduce_scatters
 
 

@@ -49,13 +49,15 @@ class ParallelDims:
     # ---------------------------------------------------------------- the mesh
 
     def build_mesh(self, device_type: str) -> None:
-        """Build the world mesh over MESH_DIMS (see .mesh) and its flattened views: batch (data loading), loss, fsdp."""
+        """The world mesh over MESH_DIMS plus flattened views: batch (data loading), loss, fsdp, and stage (every rank
+        of one pipeline stage: those holding the same parameters, sharded or not)."""
         shape = tuple(getattr(self, name) for name in MESH_DIMS)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         # Keep the flattened meshes: slicing them back out of the root mesh is deprecated.
         self._flat = {"batch": mesh["dp_replicate", "dp_shard"]._flatten("batch"),
                       "loss": mesh["dp_replicate", "dp_shard", "cp"]._flatten("loss"),
-                      "fsdp": mesh["dp_shard", "cp"]._flatten("fsdp")}
+                      "fsdp": mesh["dp_shard", "cp"]._flatten("fsdp"),
+                      "stage": mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("stage")}
         self._mesh = mesh
 
     @property
@@ -64,7 +66,7 @@ class ParallelDims:
         return self._mesh
 
     def submesh(self, name: str) -> DeviceMesh:
-        """A named sub-mesh: pp, dp_replicate, dp_shard, cp, tp, batch, loss or fsdp."""
+        """A named sub-mesh: pp, dp_replicate, dp_shard, cp, tp, batch, loss, fsdp or stage."""
         return self._flat[name] if name in self._flat else self.mesh[name]
 
     # ---------------------------------------------------------------- derived degrees

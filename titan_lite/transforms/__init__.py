@@ -1,12 +1,13 @@
 """Model transforms ("converters"): the contract, the registry, and the built-in transforms (registered on import)."""
 
+from titan_lite.transforms import lora  # noqa: F401  (registers the built-in "lora" transform)
 from titan_lite.transforms.base import (
-    Transform,
-    TransformContext,
-    Transforms,
-    build_transforms,
-    register_transform,
-    registered_transforms,
+                                        Transform,
+                                        TransformContext,
+                                        Transforms,
+                                        build_transforms,
+                                        register_transform,
+                                        registered_transforms,
 )
 
 __all__ = ["Transform", "TransformContext", "Transforms", "build_transforms", "register_transform",

@@ -9,6 +9,7 @@ calls the hooks of the configured transforms (`[model] converters`) in order and
   hf_names            names the transform adds to the HF name map, or that no HF folder holds
   after_load          work on real weights and data (SVD, calibration), after the initial weights are loaded
   param_groups        optimizer parameter groups with their own hyper-parameters
+  bind_optimizer      the run's optimizer, once built (to check it, or to restart the state of rewritten parameters)
   extra_loss          a term added to the loss once per optimizer step
   after_optimizer_step  e.g. re-apply masks, re-factor adapters
   state               objects checkpointed with the run (state_dict / load_state_dict)
@@ -58,6 +59,10 @@ class TransformContext:
     # True when a checkpoint of this run is loaded after after_load: data-dependent work whose result the
     # checkpoint holds (a mask, say) can be skipped.
     resuming: bool = False
+    # True when that checkpoint also brings every model parameter: the initial weights were not loaded, and work on
+    # them whose result the checkpoint holds (an SVD of the base, say) must be skipped. False for adapter-only
+    # checkpoints: the frozen weights were loaded from the initial weights again and such work must be redone.
+    checkpoint_holds_model: bool = False
 
 
 class Transform:
@@ -87,6 +92,9 @@ class Transform:
     def param_groups(self, model_parts: list[nn.Module]) -> list[dict]:
         """Extra optimizer param groups ({'params': [...], 'lr': ...}); their parameters leave the default group."""
         return []
+
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Receives the run's optimizer once it is built (before any checkpoint is loaded into it)."""
 
     def extra_loss(self, model_parts: list[nn.Module], step: int) -> torch.Tensor | None:
         """A scalar added to the loss (and backpropagated) once per optimizer step, or None."""
@@ -174,6 +182,10 @@ class Transforms:
 
     def param_groups(self, model_parts: list[nn.Module]) -> list[dict]:
         return [g for t in self.items for g in t.param_groups(model_parts)]
+
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        for t in self.items:
+            t.bind_optimizer(optimizer)
 
     def extra_loss(self, model_parts: list[nn.Module], step: int) -> torch.Tensor | None:
         terms = [term for t in self.items if (term := t.extra_loss(model_parts, step)) is not None]

@@ -8,6 +8,7 @@ on import and export (see hf.py).
 
 import math
 import zlib
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -43,15 +44,29 @@ def rope_cache(args: LlamaArgs, device: torch.device | None = None) -> torch.Ten
 
 
 def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of x [batch, seq, heads, head_dim] by the cache rows of its positions."""
+    """Rotate interleaved pairs of x [batch, seq, heads, head_dim] by the cache rows of its positions: [seq, pairs, 2]
+    shared by the batch, or [batch, seq, pairs, 2] with positions of their own per sequence (generation)."""
     pairs = x.float().unflatten(-1, (-1, 2))
-    cos, sin = cache[None, :, None, :, 0], cache[None, :, None, :, 1]
+    rows = cache if cache.dim() == 4 else cache[None]
+    cos, sin = rows[:, :, None, :, 0], rows[:, :, None, :, 1]
     x0, x1 = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
     return rotated.flatten(-2).type_as(x)
 
 
 # ------------------------------------------------------------------------------------- attention
+
+
+class LayerCache(Protocol):
+    """One layer's view of a generation KV cache (titan_lite.eval.generate): rotates q and k at the cached
+    sequence's positions, appends k and v, and attends q [batch, seq, heads, head_dim] to every cached key;
+    returns [batch, heads, seq, head_dim]."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class KVCache(Protocol):
+    def layer(self, layer_id: int) -> LayerCache: ...
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -103,16 +118,19 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
         self.inner_attention = CausalAttention()
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        q, k = apply_rope(q, rope[:seq]), apply_rope(k, rope[:seq])
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        # K/V keep their n_kv_heads: the inner attention expands them, after any gather (context parallel).
-        out = self.inner_attention(q, k, v)
+        if cache is not None:
+            out = cache.attend(q, k, v)
+        else:
+            q, k = apply_rope(q, rope[:seq]), apply_rope(k, rope[:seq])
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            # K/V keep their n_kv_heads: the inner attention expands them, after any gather (context parallel).
+            out = self.inner_attention(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -144,8 +162,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim_of(layer_id))
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -167,11 +185,17 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cache", rope_cache(args), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token ids [batch, seq] (or hidden states on a later pipeline stage) -> logits or hidden states."""
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Token ids [batch, seq] (or hidden states on a later pipeline stage) -> logits or hidden states.
+
+        `cache` (generation only, see titan_lite.eval.generate): attention reads and extends the cache's keys and
+        values at its positions, and only the last position's logits are computed. Training never passes one.
+        """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cache)
+        for key, layer in self.layers.items():
+            h = layer(h, self.rope_cache) if cache is None else layer(h, self.rope_cache, cache.layer(int(key)))
+        if cache is not None:
+            h = h[:, -1:]
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -1,0 +1,158 @@
+"""LoRALinear (a frozen weight with a low-rank adapter beside it: LoRA, rsLoRA, DoRA) and the adapter algebra:
+scales, merging, PiSSA's principal factors, balanced re-factoring."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Parameter names of a LoRALinear. The base keeps the name `weight`, so HF loading and base checkpoints are
+# unchanged; the first three train, the pissa_* copies of the initial factors are frozen (the PiSSA export needs them).
+ADAPTER_PARAMS = ("lora_a", "lora_b", "magnitude")
+PISSA_INIT_PARAMS = ("pissa_a0", "pissa_b0")
+
+
+def adapter_scale(rank: int, alpha: float, rslora: bool) -> float:
+    """alpha / rank, or alpha / sqrt(rank) with rsLoRA."""
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
+def kaiming_uniform_a(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A as nn.Linear initialises its weight (and PEFT its lora_A): uniform within 1 / sqrt(fan_in)."""
+    return nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=generator)
+
+
+def gaussian_a(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """PEFT's "gaussian": A ~ N(0, std 1 / rank)."""
+    return nn.init.normal_(tensor, 0.0, 1.0 / tensor.shape[0], generator=generator)
+
+
+def _zeros(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return tensor.zero_()
+
+
+def _ones(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return tensor.fill_(1.0)
+
+
+class LoRALinear(nn.Module):
+    """y = W x + scale * B A dropout(x), W frozen; with DoRA, y = m / ||W + scale B A||_row * (W + scale B A) x
+    (the norm detached, as in the DoRA paper and PEFT).
+
+    `weight` [out, in] keeps nn.Linear's name; `lora_a` [rank, in], `lora_b` [out, rank] and DoRA's `magnitude`
+    [out] sit beside it as parameters of this module (so tensor parallelism can place each one). PiSSA's initial
+    factors are kept as frozen `pissa_a0` / `pissa_b0` when `keep_init` is set.
+    """
+
+    def __init__(self, in_features: int, out_features: int, rank: int, scale: float, dropout: float = 0.0,
+                 dora: bool = False, init: str = "default", keep_init: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.rank, self.scale, self.init = (
+            in_features, out_features, rank, scale, init)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.lora_a = nn.Parameter(torch.empty(rank, in_features))
+        self.lora_b = nn.Parameter(torch.empty(out_features, rank))
+        self.magnitude = nn.Parameter(torch.empty(out_features)) if dora else None
+        if keep_init:
+            self.pissa_a0 = nn.Parameter(torch.empty(rank, in_features), requires_grad=False)
+            self.pissa_b0 = nn.Parameter(torch.empty(out_features, rank), requires_grad=False)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    @property
+    def dora(self) -> bool:
+        return self.magnitude is not None
+
+    def param_init(self) -> dict:
+        """Per-parameter init (Llama.init_weights seeds each by name). B starts at zero, so the adapted model starts
+        as the base; PiSSA and DoRA's magnitude are set from the loaded weights later (the transform's after_load)."""
+        init_a = gaussian_a if self.init == "gaussian" else kaiming_uniform_a
+        return {"lora_a": init_a, "lora_b": _zeros, "magnitude": _ones, "pissa_a0": _zeros, "pissa_b0": _zeros}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = _like(self.weight, x)
+        base = F.linear(x, weight)
+        dropped = self.dropout(x)
+        update = F.linear(F.linear(dropped, _like(self.lora_a, x)), _like(self.lora_b, x))
+        if self.magnitude is None:
+            return base + self.scale * update
+        gain = (_like(self.magnitude, x) / self.weight_norm().to(base.dtype).detach())
+        if not (self.training and isinstance(self.dropout, nn.Dropout)):
+            return gain * (base + self.scale * update)
+        # With dropout the magnitude rescales the dropped input's base product, as PEFT does.
+        return base + (gain - 1) * F.linear(dropped, weight) + gain * self.scale * update
+
+    def weight_norm(self) -> torch.Tensor:
+        """Row norms of W + scale B A in float32."""
+        adapted = self.weight.float() + self.scale * (self.lora_b.float() @ self.lora_a.float())
+        return torch.linalg.vector_norm(adapted, dim=1)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
+                f"scale={self.scale:.6g}, dora={self.dora}")
+
+
+def _like(param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The parameter in the input's dtype: a bf16 frozen base meets fp32 activations when nothing casts (no FSDP
+    mixed precision, no autocast); under autocast the matmul casts both itself."""
+    if param.dtype == x.dtype or torch.is_autocast_enabled(x.device.type):
+        return param
+    return param.to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------ algebra
+
+
+def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
+                  magnitude: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain weight an adapter amounts to (float32): W + scale B A, with DoRA rescaled per output row to m."""
+    adapted = weight.float() + scale * (lora_b.float() @ lora_a.float())
+    if magnitude is None:
+        return adapted
+    return adapted * (magnitude.float() / torch.linalg.vector_norm(adapted, dim=1))[:, None]
+
+
+def dora_magnitude(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+    """DoRA's initial magnitude: the row norms of W + scale B A, so the converted layer starts as the base."""
+    return torch.linalg.vector_norm(weight.float() + scale * (lora_b.float() @ lora_a.float()), dim=1)
+
+
+def randomized_svd(m: torch.Tensor, rank: int, niter: int,
+                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A rank-`rank` SVD by random projection with `niter` subspace iterations (Halko et al., as torch.svd_lowrank
+    without oversampling), from a seeded generator: the same inputs give the same factors."""
+    omega = torch.randn(m.shape[1], rank, generator=generator, device=m.device, dtype=m.dtype)
+    q = torch.linalg.qr(m @ omega).Q
+    for _ in range(niter):
+        q = torch.linalg.qr(m.T @ q).Q
+        q = torch.linalg.qr(m @ q).Q
+    u, s, vh = torch.linalg.svd(q.T @ m, full_matrices=False)
+    return q @ u, s, vh
+
+
+def principal_factors(weight: torch.Tensor, rank: int, scale: float, niter: int | None = None,
+                      generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PiSSA's (A, B) of a weight, in float32: the top singular triplets U_r S_r V_r^T split as
+    B = U_r sqrt(S_r / scale), A = sqrt(S_r / scale) V_r^T, so scale B A is the rank-r truncation of W.
+    niter None: exact SVD; else a seeded randomized SVD."""
+    w = weight.float()
+    if niter is None:
+        u, s, vh = torch.linalg.svd(w, full_matrices=False)
+        u, s, vh = u[:, :rank], s[:rank], vh[:rank]
+    else:
+        u, s, vh = randomized_svd(w, rank, niter, generator)
+    root = (s / scale).sqrt()
+    return (root[:, None] * vh).contiguous(), (u * root).contiguous()
+
+
+def balanced_factors(lora_a: torch.Tensor, lora_b: torch.Tensor,
+                     max_singular_value: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A', B') with B' A' = B A and equal singular values in both (B' = U sqrt(S), A' = sqrt(S) V^T), through QR of
+    each factor and the SVD of the small core; optionally clamping the product's singular values."""
+    qb, rb = torch.linalg.qr(lora_b.float())
+    qa, ra = torch.linalg.qr(lora_a.float().T)
+    u, s, vh = torch.linalg.svd(rb @ ra.T)
+    if max_singular_value is not None:
+        s = s.clamp(max=max_singular_value)
+    root = s.sqrt()
+    return root[:, None] * (vh @ qa.T), (qb @ u) * root

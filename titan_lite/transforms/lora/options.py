@@ -1,0 +1,186 @@
+"""The [lora] section resolved: which projections get adapters, each one's rank, alpha and scale (rank_pattern,
+alpha_pattern), which modules train in full, and the refusals a config can earn before launch."""
+
+import re
+from dataclasses import dataclass
+
+from titan_lite.config.schema import JobConfig, Lora
+from titan_lite.errors import ConfigError
+from titan_lite.models.llama.args import LlamaArgs
+from titan_lite.models.llama.hf import LLAMA_NAMES
+from titan_lite.transforms.lora.module import adapter_scale
+
+# titan_lite projection -> (its parent in a block, the Hugging Face name)
+PROJECTIONS = {
+    "wq": ("attention", "q_proj"), "wk": ("attention", "k_proj"), "wv": ("attention", "v_proj"),
+    "wo": ("attention", "o_proj"), "w1": ("feed_forward", "gate_proj"), "w3": ("feed_forward", "up_proj"),
+    "w2": ("feed_forward", "down_proj"),
+}
+HF_PROJECTIONS = {hf: titan for titan, (_, hf) in PROJECTIONS.items()}
+ALL_LINEAR = "all-linear"
+# Modules train_modules may name besides projections: titan_lite name -> HF name.
+FULL_MODULES = {"output": "lm_head", "tok_embeddings": "embed_tokens", "norm": "norm",
+                "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+HF_FULL_MODULES = {hf: titan for titan, hf in FULL_MODULES.items()}
+TIED_MODULES = ("output", "tok_embeddings")
+PISSA_NITER = re.compile(r"pissa_niter_(\d+)")
+INITS = ("default", "gaussian", "pissa", "pissa_niter_N")
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One adapted projection's rank, alpha and scale."""
+
+    rank: int
+    alpha: float
+    scale: float
+
+
+def hf_module_name(module: str) -> str:
+    """layers.0.attention.wq -> model.layers.0.self_attn.q_proj; output -> lm_head."""
+    return LLAMA_NAMES.to_hf(f"{module}.weight").removesuffix(".weight")
+
+
+def pattern_matches(pattern: str, module: str) -> bool:
+    """PEFT's rule: the regex matches the end of the module name, at a dot boundary; tried on the titan_lite and the
+    Hugging Face name of the module."""
+    regex = re.compile(rf"(.*\.)?({pattern})$")
+    return any(regex.match(name) for name in (module, hf_module_name(module)))
+
+
+def _parse_pattern(key: str, entry: str, cast: type) -> tuple[str, float]:
+    pattern, sep, value = entry.rpartition("=")
+    if not sep or not pattern:
+        raise ConfigError(f"'lora.{key}' entry {entry!r} is not 'regex=value'")
+    try:
+        re.compile(pattern)
+        number = cast(value)
+    except re.error as exc:
+        raise ConfigError(f"'lora.{key}' entry {entry!r}: invalid regex ({exc})") from None
+    except ValueError:
+        kind = "an integer" if cast is int else "a number"
+        raise ConfigError(f"'lora.{key}' entry {entry!r}: '{value}' is not {kind}") from None
+    if number <= 0:
+        raise ConfigError(f"'lora.{key}' entry {entry!r}: the value must be positive")
+    return pattern, number
+
+
+def _short_name(key: str, name: str, hf_map: dict[str, str], known: tuple[str, ...]) -> str:
+    if name in known:
+        return name
+    if name in hf_map:
+        return hf_map[name]
+    raise ConfigError(f"'lora.{key}' has unknown module '{name}'; expected one of: {', '.join(known + tuple(hf_map))}")
+
+
+@dataclass
+class LoraOptions:
+    """The [lora] section checked and resolved (titan_lite short names: wq ... w3, output, norm ...)."""
+
+    section: Lora
+    targets: tuple[str, ...]
+    train_modules: tuple[str, ...]
+    rank_pattern: list[tuple[str, int]]
+    alpha_pattern: list[tuple[str, float]]
+    niter: int | None
+
+    @property
+    def pissa(self) -> bool:
+        return self.section.init.startswith("pissa")
+
+    @classmethod
+    def from_section(cls, c: Lora) -> "LoraOptions":
+        """Every check that needs only the [lora] section; each failure is one ConfigError line naming the key."""
+        if c.rank < 1:
+            raise ConfigError(f"'lora.rank' must be at least 1, got {c.rank}")
+        if c.alpha <= 0:
+            raise ConfigError(f"'lora.alpha' must be positive, got {c.alpha}")
+        if not 0 <= c.dropout < 1:
+            raise ConfigError(f"'lora.dropout' must be in [0, 1), got {c.dropout}")
+        niter = _niter(c.init)
+        if not c.target_modules:
+            raise ConfigError("'lora.target_modules' is empty; name the projections to adapt, or all-linear")
+        targets = []
+        for name in c.target_modules:
+            chosen = list(PROJECTIONS) if name == ALL_LINEAR else [
+                _short_name("target_modules", name, HF_PROJECTIONS, tuple(PROJECTIONS))]
+            targets += [t for t in chosen if t not in targets]
+        full = tuple(PROJECTIONS) + tuple(FULL_MODULES)
+        train = []
+        for name in c.train_modules:
+            short = _short_name("train_modules", name, {**HF_PROJECTIONS, **HF_FULL_MODULES}, full)
+            if short in targets:
+                raise ConfigError(f"'lora.train_modules' has '{name}', which 'lora.target_modules' already adapts")
+            train.append(short)
+        if c.refactor_freq < 0:
+            raise ConfigError(f"'lora.refactor_freq' must be at least 0, got {c.refactor_freq}")
+        if c.max_spectral_norm is not None and (c.max_spectral_norm <= 0 or c.refactor_freq == 0):
+            raise ConfigError(f"'lora.max_spectral_norm' = {c.max_spectral_norm} needs a positive value and "
+                              "'lora.refactor_freq' > 0 (the cap is applied when re-factoring)")
+        if c.adapter_path is not None and c.init.startswith("pissa"):
+            raise ConfigError(f"'lora.adapter_path' starts the adapters from a file, but 'lora.init' = '{c.init}' "
+                              "would compute them from the weights; use init = 'default'")
+        return cls(c, tuple(targets), tuple(train),
+                   [_parse_pattern("rank_pattern", e, int) for e in c.rank_pattern],
+                   [_parse_pattern("alpha_pattern", e, float) for e in c.alpha_pattern], niter)
+
+    # ------------------------------------------------------------------------------ per module
+
+    def spec(self, module: str) -> AdapterSpec:
+        """Rank, alpha and scale of one adapted projection (e.g. layers.3.attention.wq): the first matching pattern
+        entry, else the section's rank and alpha."""
+        rank = next((r for p, r in self.rank_pattern if pattern_matches(p, module)), self.section.rank)
+        alpha = next((a for p, a in self.alpha_pattern if pattern_matches(p, module)), self.section.alpha)
+        return AdapterSpec(int(rank), float(alpha), adapter_scale(int(rank), float(alpha), self.section.use_rslora))
+
+    def is_train_module(self, module: str) -> bool:
+        """Whether a module (canonical name) trains in full: its last name is one of train_modules (the final norm
+        is the top-level 'norm' only)."""
+        return module.rsplit(".", 1)[-1] in self.train_modules
+
+    def adapted_modules(self, args: LlamaArgs) -> dict[str, tuple[int, int]]:
+        """Adapted module name -> (in_features, out_features), over every layer of the model."""
+        out = {}
+        for i in range(args.n_layers):
+            heads, kv_heads = args.heads_of(i)
+            q, kv, ffn = heads * args.head_dim, kv_heads * args.head_dim, args.ffn_dim_of(i)
+            dims = {"wq": (args.dim, q), "wk": (args.dim, kv), "wv": (args.dim, kv), "wo": (q, args.dim),
+                    "w1": (args.dim, ffn), "w3": (args.dim, ffn), "w2": (ffn, args.dim)}
+            for short in self.targets:
+                out[f"layers.{i}.{PROJECTIONS[short][0]}.{short}"] = dims[short]
+        return out
+
+    # ------------------------------------------------------------------------------ checks with the model
+
+    def check_model(self, cfg: JobConfig, args: LlamaArgs) -> None:
+        """Refusals that need the model or the rest of the job config."""
+        modules = self.adapted_modules(args)
+        for key, entries in (("rank_pattern", self.rank_pattern), ("alpha_pattern", self.alpha_pattern)):
+            for pattern, value in entries:
+                if not any(pattern_matches(pattern, m) for m in modules):
+                    raise ConfigError(f"'lora.{key}' entry '{pattern}={value:g}' matches no adapted module "
+                                      f"(e.g. '{next(iter(modules))}' or '{hf_module_name(next(iter(modules)))}')")
+        if self.pissa:
+            for module, (fan_in, fan_out) in modules.items():
+                rank = self.spec(module).rank
+                if rank > min(fan_in, fan_out):
+                    raise ConfigError(f"'lora.init' = '{self.section.init}' needs rank <= min(in, out) of every "
+                                      f"adapted weight; {module} is {fan_out} x {fan_in} with rank {rank}")
+        tied = [m for m in self.train_modules if m in TIED_MODULES]
+        if args.tie_word_embeddings and tied:
+            raise ConfigError(f"'lora.train_modules' has '{tied[0]}', but this model ties its embeddings to its output "
+                              "head: a PEFT adapter cannot carry one trained copy of a tied weight")
+        ac = cfg.activation_checkpoint
+        if self.section.dropout > 0 and ac.mode != "none" and not ac.preserve_rng_state:
+            raise ConfigError(f"'lora.dropout' = {self.section.dropout} with activation checkpointing needs "
+                              "'activation_checkpoint.preserve_rng_state' = true (the recomputed forward must draw "
+                              "the same dropout masks)")
+
+
+def _niter(init: str) -> int | None:
+    if init in ("default", "gaussian", "pissa"):
+        return None
+    match = PISSA_NITER.fullmatch(init)
+    if match is None or int(match.group(1)) < 1:
+        raise ConfigError(f"'lora.init' = {init!r} is not one of: {', '.join(INITS)} (N >= 1)")
+    return int(match.group(1))

@@ -1,0 +1,295 @@
+"""The "lora" transform: adapters on the chosen projections ([lora]), everything else frozen, through the hooks of
+the transform contract only (convert, check, tp_plan, hf_names, after_load, bind_optimizer, saves_parameter,
+after_optimizer_step, export_state_dict, export)."""
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titan_lite.checkpoint.hf import export_hf, gather_full_state_dict
+from titan_lite.checkpoint.peft import (
+    PeftAdapter,
+    from_peft_tensors,
+    read_peft_adapter,
+    to_peft_tensors,
+    write_peft_adapter,
+)
+from titan_lite.config.schema import JobConfig
+from titan_lite.distributed import compute_dtype, local_device
+from titan_lite.errors import ConfigError
+from titan_lite.models.llama.args import LlamaArgs
+from titan_lite.models.llama.hf import HFNames
+from titan_lite.models.llama.model import canonical_name
+from titan_lite.parallel.parallel_dims import ParallelDims
+from titan_lite.transforms.base import Transform, TransformContext, register_transform
+from titan_lite.transforms.lora.adapters import (
+    adapter_exported_param,
+    check_adapter_matches,
+    expected_adapter_shapes,
+    merge_adapters,
+    module_of,
+    peft_config,
+    pissa_as_lora,
+    without_pissa_init,
+)
+from titan_lite.transforms.lora.module import ADAPTER_PARAMS, PISSA_INIT_PARAMS, LoRALinear
+from titan_lite.transforms.lora.options import PROJECTIONS, LoraOptions
+from titan_lite.transforms.lora.tp import lora_style
+from titan_lite.transforms.lora.weights import (
+    bits_checksum,
+    init_dora_magnitudes,
+    load_adapter_tensors,
+    pissa_initialise,
+    refactor_adapters,
+    restart_optimizer_state,
+)
+
+logger = logging.getLogger("titan_lite")
+NOT_IN_HF = r"\.(lora_a|lora_b|magnitude|pissa_a0|pissa_b0)$"
+
+
+def lora_modules(model_parts: list[nn.Module]) -> list[tuple[str, LoRALinear]]:
+    """(canonical name, module) of every LoRALinear this rank holds, in a fixed order."""
+    return [(canonical_name(n), m) for part in model_parts for n, m in part.named_modules()
+            if isinstance(m, LoRALinear)]
+
+
+def is_main_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+@register_transform("lora")
+class LoraTransform(Transform):
+    name = "lora"
+
+    def __init__(self, cfg: JobConfig):
+        super().__init__(cfg)
+        self.options = LoraOptions.from_section(cfg.lora)
+        self.c = cfg.lora
+        self.parallel_dims: ParallelDims | None = None
+        self.model_args: LlamaArgs | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.frozen_fingerprint: tuple[int, int] | None = None
+        self.model_parts: list[nn.Module] = []
+
+    # ------------------------------------------------------------------------------ which parameters train
+
+    def trains(self, name: str) -> bool:
+        """Adapters and the train_modules' parameters train; every other parameter is frozen."""
+        module, param = module_of(name)
+        return param in ADAPTER_PARAMS or self.options.is_train_module(module)
+
+    def is_base(self, name: str) -> bool:
+        """Frozen weights of the model (held in base_dtype); PiSSA's initial factors are adapter state, not base."""
+        return not self.trains(name) and module_of(name)[1] not in PISSA_INIT_PARAMS
+
+    # ------------------------------------------------------------------------------ hooks
+
+    def convert(self, model: nn.Module) -> None:
+        for key, block in model.layers.items():
+            for short in self.options.targets:
+                parent_name = PROJECTIONS[short][0]
+                parent, name = getattr(block, parent_name), f"layers.{key}.{parent_name}.{short}"
+                linear, spec = getattr(parent, short), self.options.spec(name)
+                with torch.device(linear.weight.device):  # the meta device: nothing is allocated
+                    adapted = LoRALinear(linear.in_features, linear.out_features, spec.rank, spec.scale,
+                                         self.c.dropout, self.c.use_dora, self.c.init, keep_init=self.options.pissa)
+                setattr(parent, short, adapted)
+        self.freeze_and_cast(model)
+
+    def freeze_and_cast(self, model: nn.Module) -> None:
+        """requires_grad from `trains`; frozen base weights in base_dtype (a tied weight is replaced once)."""
+        dtype = getattr(torch, self.c.base_dtype)
+        replaced: dict[int, nn.Parameter] = {}
+        for module_name, module in model.named_modules():
+            for local, param in list(module.named_parameters(recurse=False)):
+                name = f"{module_name}.{local}" if module_name else local
+                if id(param) not in replaced:
+                    new = param
+                    if self.is_base(name) and param.dtype != dtype:
+                        new = nn.Parameter(param.detach().to(dtype))
+                    replaced[id(param)] = new.requires_grad_(self.trains(name))
+                module.register_parameter(local, replaced[id(param)])
+
+    def check(self, model_args: LlamaArgs, parallel_dims: ParallelDims) -> None:
+        self.options.check_model(self.cfg, model_args)
+        self.check_layout(parallel_dims)
+        if self.c.adapter_path is not None:
+            check_adapter_matches(self.options, model_args, self.c.adapter_path)
+
+    def check_layout(self, dims: ParallelDims) -> None:
+        """Gathering full weights needs them on the device; a frozen base in a lower precision than the compute
+        dtype needs something that casts every weight to the compute dtype (FSDP's mixed precision, or autocast)."""
+        device = local_device().type
+        gathers = self.options.pissa or self.c.use_dora or self.c.refactor_freq or self.c.adapter_path
+        if self.cfg.training.enable_cpu_offload and device != "cpu" and gathers:
+            raise ConfigError("'training.enable_cpu_offload' keeps sharded weights on the host, but PiSSA, DoRA, "
+                              "re-factoring and adapter_path gather full weights on the accelerator; turn one off")
+        compute = compute_dtype(self.cfg.training.mixed_precision_param, device)
+        if self.c.base_dtype == "float32" or dims.fsdp_enabled or dims.dp_replicate_enabled:
+            return
+        if compute == torch.float32:
+            raise ConfigError(f"'lora.base_dtype' = '{self.c.base_dtype}' with float32 compute and no data "
+                              "parallelism: nothing casts the frozen embeddings, norms and head to the compute "
+                              "dtype; use FSDP or HSDP (their mixed precision casts), or 'training."
+                              "mixed_precision_param' = 'bfloat16'")
+
+    def tp_plan(self, plan: dict, scope: str) -> dict:
+        if scope == "block":
+            for short in self.options.targets:
+                key = f"{PROJECTIONS[short][0]}.{short}"
+                plan[key] = lora_style(plan[key])
+        return plan
+
+    def hf_names(self, names: HFNames) -> None:
+        names.add_not_in_hf(NOT_IN_HF)
+
+    @torch.no_grad()
+    def after_load(self, ctx: TransformContext) -> None:
+        self.parallel_dims, self.model_args, self.model_parts = ctx.parallel_dims, ctx.model_args, ctx.model_parts
+        modules = lora_modules(ctx.model_parts)
+        fresh = not ctx.checkpoint_holds_model  # else the checkpoint brings adapters, residual base and magnitude
+        if self.c.adapter_path is not None:
+            self.load_adapter(ctx)
+        elif self.options.pissa and fresh:
+            logger.info(f"lora: PiSSA initialisation ({self.c.init}) of {len(modules)} weights on this rank's "
+                        "pipeline stage")
+            seed = self.cfg.debug.seed if self.cfg.debug.seed is not None else 0
+            pissa_initialise(modules, self.options.niter, seed, self.stage_group())
+        if self.c.use_dora and self.c.adapter_path is None and fresh:
+            init_dora_magnitudes(modules)
+        self.log_trainable(ctx.model_parts)
+        if fresh:
+            self.frozen_fingerprint = bits_checksum(self.frozen_parameters(ctx.model_parts))
+
+    def stage_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding this rank's pipeline stage (they share PiSSA's SVDs), or None on one process."""
+        dims = self.parallel_dims
+        if not dist.is_initialized() or dims is None or dims.world_size // dims.pp == 1:
+            return None
+        return dims.submesh("stage").get_group()
+
+    def load_adapter(self, ctx: TransformContext) -> None:
+        path = self.c.adapter_path
+        tensors = from_peft_tensors(read_peft_adapter(path).tensors, ctx.model_args, path)
+        wanted = expected_adapter_shapes(self.options, ctx.model_args)
+        modules = {canonical_name(n): m for part in ctx.model_parts for n, m in part.named_modules()}
+        load_adapter_tensors(modules, {n: t for n, t in tensors.items() if n in wanted})
+        logger.info(f"lora: adapters loaded from the PEFT folder {path}")
+
+    def frozen_parameters(self, model_parts: list[nn.Module]) -> list[nn.Parameter]:
+        return [p for part in model_parts for n, p in part.named_parameters() if self.is_base(canonical_name(n))]
+
+    def log_trainable(self, model_parts: list[nn.Module]) -> None:
+        """Check that exactly the adapters and train_modules have requires_grad after every parallelism was
+        applied, and say so (a distributed parameter defaults to requires_grad=True)."""
+        named = [(canonical_name(n), p) for part in model_parts for n, p in part.named_parameters()]
+        wrong = [n for n, p in named if p.requires_grad != self.trains(n)]
+        if wrong:
+            raise RuntimeError(f"lora: requires_grad is wrong after parallelisation for {wrong[:3]}")
+        adapters = [(n, p) for n, p in named if module_of(n)[1] in ADAPTER_PARAMS]
+        full = [(n, p) for n, p in named if p.requires_grad and module_of(n)[1] not in ADAPTER_PARAMS]
+        frozen = [(n, p) for n, p in named if not p.requires_grad]
+        dtypes = "/".join(sorted({str(p.dtype).removeprefix("torch.") for _, p in frozen})) or "none"
+        logger.info(f"lora: trainable = {len(adapters)} adapter tensors ({_numel(adapters):,} parameters) + "
+                    f"{len(full)} train_modules tensors ({_numel(full):,}); frozen = {len(frozen)} tensors "
+                    f"({_numel(frozen):,} parameters, {dtypes})")
+
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Keep the optimizer (re-factoring restarts adapters' state) and check it holds exactly the trainable set."""
+        self.optimizer = optimizer
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        trainable = {id(p) for m in self.model_parts for p in m.parameters() if p.requires_grad}
+        if held != trainable:
+            raise RuntimeError(f"lora: the optimizer holds {len(held)} tensors but {len(trainable)} are trainable")
+        logger.info(f"lora: the optimizer holds {len(held)} tensors, exactly the trainable ones")
+
+    def saves_parameter(self, name: str) -> bool:
+        return not self.c.save_adapter_only or adapter_exported_param(self.options, name)
+
+    def after_optimizer_step(self, model_parts: list[nn.Module], step: int) -> None:
+        if self.c.refactor_freq and step % self.c.refactor_freq == 0:
+            changed = refactor_adapters(lora_modules(model_parts), self.c.max_spectral_norm)
+            if self.optimizer is not None:
+                restart_optimizer_state(self.optimizer, changed)
+            logger.info(f"lora: re-factored {len(changed) // 2} adapters at step {step} (optimizer state restarted)")
+
+    def export_state_dict(self, state_dict: dict[str, torch.Tensor],
+                          model_args: LlamaArgs) -> tuple[dict[str, torch.Tensor], LlamaArgs]:
+        """The merged model: W + scale B A (DoRA: rescaled rows) for every adapter; PiSSA's W is the residual, so
+        the merge equals the original weight plus the learnt update."""
+        specs = {m: self.options.spec(m) for m in {module_of(n)[0] for n in state_dict if n.endswith(".lora_a")}}
+        return merge_adapters(state_dict, specs), model_args
+
+    def export(self, model_parts: list[nn.Module], folder: Path, step: int) -> None:
+        self.check_frozen_unchanged(model_parts)
+        state = gather_full_state_dict(model_parts, torch.float32, self.parallel_dims,
+                                       keep=lambda n: adapter_exported_param(self.options, n))
+        if state is not None:
+            self.write_adapters(state, folder, step)
+        if self.options.pissa:
+            out = folder / f"step-{step}-pissa-residual-base"
+            export_hf(model_parts, self.model_args, str(out), getattr(torch, self.cfg.checkpoint.export_dtype),
+                      self.cfg.model.hf_assets_path, self.parallel_dims,
+                      convert=lambda sd, args: (without_adapters(sd), args))
+            logger.info(f"lora: PiSSA's residual base (the frozen weights W - s B0 A0) written to {out}; "
+                        f"step-{step}-pissa-adapter applies to it")
+
+    def check_frozen_unchanged(self, model_parts: list[nn.Module]) -> None:
+        if self.frozen_fingerprint is None:
+            return
+        frozen = self.frozen_parameters(model_parts)
+        if bits_checksum(frozen) != self.frozen_fingerprint:
+            logger.error("lora: the frozen weights on this rank CHANGED during training (a bug: please report it)")
+        else:
+            logger.info(f"lora: the {len(frozen)} frozen tensors on this rank are bitwise unchanged since loading")
+
+    def write_adapters(self, state: dict[str, torch.Tensor], folder: Path, step: int) -> None:
+        base = self.cfg.checkpoint.initial_load_path or self.cfg.model.hf_assets_path
+        modules = sorted({module_of(n)[0] for n in state if n.endswith(".lora_a")}, key=_layer_order)
+        args = self.model_args
+        out = folder / f"step-{step}-adapter"
+        if not self.options.pissa:
+            write_peft_adapter(out, PeftAdapter(peft_config(self.options, modules, base),
+                                                to_peft_tensors(state, args)), readme(self.c, "original"))
+            logger.info(f"lora: PEFT adapter of step {step} written to {out}")
+            return
+        write_peft_adapter(out, PeftAdapter(peft_config(self.options, modules, base, doubled=True),
+                                            to_peft_tensors(pissa_as_lora(state), args)), readme(self.c, "converted"))
+        residual = folder / f"step-{step}-pissa-adapter"
+        write_peft_adapter(residual, PeftAdapter(peft_config(self.options, modules, None),
+                                                 to_peft_tensors(without_pissa_init(state), args)),
+                           readme(self.c, "residual", f"step-{step}-pissa-residual-base"))
+        logger.info(f"lora: PiSSA adapters of step {step}: {out} is a plain LoRA of rank {2 * self.c.rank} for the "
+                    f"ORIGINAL base; {residual} (rank {self.c.rank}) applies to the residual base")
+
+
+def without_adapters(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t for n, t in state.items() if not n.endswith((".lora_a", ".lora_b", ".magnitude", ".pissa_a0",
+                                                                ".pissa_b0"))}
+
+
+def _numel(named: list[tuple[str, torch.Tensor]]) -> int:
+    return sum(p.numel() for _, p in named)
+
+
+def _layer_order(module: str) -> tuple:
+    parts = module.split(".")
+    return (int(parts[1]), module) if parts[0] == "layers" else (-1, module)
+
+
+def readme(c, kind: str, residual_folder: str = "") -> str:
+    """What an exported adapter folder is and how to load it."""
+    what = {
+        "original": "A LoRA adapter for the original base model.",
+        "converted": (f"PiSSA, converted: a plain LoRA of rank {2 * c.rank} (the trained adapter and the negated "
+                      "initial one, side by side) for the ORIGINAL base model; it reproduces the trained PiSSA model."),
+        "residual": (f"PiSSA's trained adapter (rank {c.rank}) for the RESIDUAL base in '{residual_folder}' (the "
+                     "original weights minus their top singular directions); it does not apply to the original base."),
+    }[kind]
+    return (f"# titan_lite LoRA adapter\n\n{what}\n\nLoad it with PEFT:\n\n```python\nfrom peft import PeftModel\n"
+            "model = PeftModel.from_pretrained(base_model, this_folder)\n```\n\nor merge it with "
+            "`python scripts/merge_lora.py --base <hf folder> --adapter <this folder> --output_dir <dir>`.\n")
