@@ -57,7 +57,8 @@ def build_model_args(cfg: JobConfig, vocab_size: int) -> LlamaArgs:
         args = flavor_args(cfg.model.flavor)
     except KeyError as exc:
         raise ConfigError(f"'model.flavor': {exc.args[0]}") from None
-    args.max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0)
+    args.max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0,
+                           cfg.pruning.seq_len if "prune" in cfg.model.converters else 0)
     if vocab_size > args.vocab_size:
         raise ConfigError(f"the tokenizer at '{tokenizer_path(cfg)}' has {vocab_size} tokens but flavor "
                           f"'{cfg.model.flavor}' has vocab_size {args.vocab_size}")

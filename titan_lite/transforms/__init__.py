@@ -2,6 +2,7 @@
 
 from titan_lite.transforms.base import (Transform, TransformContext, Transforms, build_transforms, register_transform,
                                         registered_transforms)
+from titan_lite.transforms.pruning import PruneTransform
 
-__all__ = ["Transform", "TransformContext", "Transforms", "build_transforms", "register_transform",
+__all__ = ["PruneTransform", "Transform", "TransformContext", "Transforms", "build_transforms", "register_transform",
            "registered_transforms"]
