@@ -106,7 +106,7 @@ class DataLoader:
 @dataclass
 class Training:
     dataset: str = opt("shakespeare", "Dataset: shakespeare (bundled), c4, c4_test, text, jsonl; c4/text/jsonl read training.dataset_path.")
-    dataset_path: str | None = opt(None, "Local file or folder of .txt, .jsonl, .json.gz shards (one JSON object per line with a 'text' field).")
+    dataset_path: str | None = opt(None, "Local file or folder of .txt, .jsonl, .json.gz shards (one JSON object per line with a 'text' field) or .parquet shards (a 'text' column; needs pyarrow).")
     local_batch_size: int = opt(8, "Sequences per micro-batch on each data-parallel rank.")
     global_batch_size: int = opt(-1, "Sequences per optimizer step over all ranks; -1 = local_batch_size x data-parallel degree (no accumulation).")
     seq_len: int = opt(2048, "Tokens per sequence.")

@@ -1,4 +1,4 @@
-"""Document sources (bundled Shakespeare, local .txt/.jsonl/.json.gz shards), rank sharding and token packing."""
+"""Document sources (bundled Shakespeare, local .txt/.jsonl/.json.gz/.parquet shards), rank sharding and token packing."""
 
 import dataclasses
 import gzip
@@ -21,7 +21,7 @@ BUNDLED_DATASETS = {
     "shakespeare_validation": CORPUS_DIR / "shakespeare" / "validation",
 }
 LOCAL_DATASETS = ("c4", "c4_test", "c4_validation", "jsonl", "text")
-SHARD_SUFFIXES = (".txt", ".jsonl", ".json.gz")
+SHARD_SUFFIXES = (".txt", ".jsonl", ".json.gz", ".parquet")
 
 
 class TokenizerLike(Protocol):
@@ -49,7 +49,7 @@ def _dataset_root(dataset: str, dataset_path: str | None, key_prefix: str) -> Pa
         return BUNDLED_DATASETS[dataset]
     raise ConfigError(
         f"dataset '{dataset}' needs '{key_prefix}.dataset_path': titan_lite reads local shards only "
-        f"(no downloads); set {key_prefix}.dataset_path to a .txt/.jsonl/.json.gz file or a folder of them"
+        f"(no downloads); set {key_prefix}.dataset_path to a .txt/.jsonl/.json.gz/.parquet file or a folder of them"
     )
 
 
@@ -127,8 +127,11 @@ class DocumentStream:
 
     def _read_shard(self, start: StreamPosition, rank: int, world: int) -> Iterator[tuple[str | None, StreamPosition]]:
         """Every document of one shard from `start` on, as text for this split and None for the others."""
-        if self.shards[start.shard].suffix == ".txt":
+        suffix = self.shards[start.shard].suffix
+        if suffix == ".txt":
             return self._read_text_file(start, rank, world)
+        if suffix == ".parquet":
+            return self._read_parquet_rows(start, rank, world)
         return self._read_json_lines(start, rank, world)
 
     def _read_text_file(self, start: StreamPosition, rank: int, world: int) -> Iterator[tuple[str | None, StreamPosition]]:
@@ -153,6 +156,33 @@ class DocumentStream:
                 text = _text_of_json_line(raw, path, line_no) if doc % world == rank else None
                 doc += 1
                 yield text, StreamPosition(start.shard, line_no, byte, doc)
+
+
+    def _read_parquet_rows(self, start: StreamPosition, rank: int, world: int) -> Iterator[tuple[str | None, StreamPosition]]:
+        """One document per row of the 'text' column; `line` counts the rows already read."""
+        path = self.shards[start.shard]
+        row, doc = 0, start.doc
+        for text in _parquet_texts(path):
+            row += 1
+            if row <= start.line:
+                continue
+            if not isinstance(text, str):
+                raise ConfigError(f"{path}: row {row} of the 'text' column is not a string")
+            yield (text if doc % world == rank else None), StreamPosition(start.shard, row, 0, doc + 1)
+            doc += 1
+
+
+def _parquet_texts(path: Path) -> Iterator[object]:
+    """The 'text' column of a parquet file, row by row, read in batches."""
+    try:
+        import pyarrow.parquet as pq  # optional dependency: only .parquet shards need it
+    except ImportError:
+        raise ConfigError(f"{path}: reading .parquet shards needs pyarrow (pip install pyarrow)") from None
+    reader = pq.ParquetFile(path)
+    if "text" not in reader.schema_arrow.names:
+        raise ConfigError(f"{path}: no 'text' column (columns: {', '.join(reader.schema_arrow.names)})")
+    for batch in reader.iter_batches(columns=["text"], batch_size=1024):
+        yield from batch.column(0).to_pylist()
 
 
 # ---------------------------------------------------------------- packing

@@ -112,6 +112,8 @@ class LiveTensorPeak(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.is_view:  # a view shares its input's storage
+            return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 for inner in plain_tensors(t):

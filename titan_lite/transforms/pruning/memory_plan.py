@@ -18,6 +18,12 @@ from titan_lite.transforms.pruning.masks import SORT_CHUNK_ELEMENTS
 from titan_lite.transforms.pruning.methods import build_method
 
 FP32, FP64, INT64, BOOL = 4, 8, 8, 1
+MIB = 1024**2
+
+
+def format_bytes(nbytes: int) -> str:
+    """GiB from one GiB up, else MiB."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -48,8 +54,9 @@ class PruningMemoryPlan:
     def lines(self, capacity_gib: float | None) -> list[str]:
         rows = [("weights", self.weights), ("masks", self.masks), ("calibration cache", self.cache),
                 ("statistics", self.statistics), ("working", self.working)]
-        out = [f"  {name:<18}{b / GIB:9.2f} GiB  {self.notes.get(name, '')}".rstrip() for name, b in rows]
-        out.append(f"  {'peak':<18}{self.peak / GIB:9.2f} GiB")
+        scale, unit = (GIB, "GiB") if self.peak >= GIB else (MIB, "MiB")
+        out = [f"  {name:<18}{b / scale:9.2f} {unit}  {self.notes.get(name, '')}".rstrip() for name, b in rows]
+        out.append(f"  {'peak':<18}{self.peak / scale:9.2f} {unit}")
         if capacity_gib is not None:
             out.append(f"  verdict: {self.verdict(capacity_gib)}")
         return out

@@ -21,7 +21,7 @@ from titan_lite.transforms.base import Transform, TransformContext, register_tra
 from titan_lite.transforms.pruning.calibration import OneShotPruner, PruneResult, find_targets
 from titan_lite.transforms.pruning.masks import (MASK, Pattern, all_kept_like, apply_mask, attach_mask, local_counts,
                                                  mask_gradient, masked_linears)
-from titan_lite.transforms.pruning.memory_plan import PruningMemoryPlan, plan_pruning, precision
+from titan_lite.transforms.pruning.memory_plan import PruningMemoryPlan, format_bytes, plan_pruning, precision
 from titan_lite.transforms.pruning.methods import build_method
 
 logger = logging.getLogger("titan_lite")
@@ -109,8 +109,8 @@ class PruneTransform(Transform):
         total = sum(layer.shape[0] * layer.shape[1] for layer in self.result.layers)
         logger.info(f"prune: {p.method} {p.pattern} pruned {pruned:,} of {total:,} weights "
                     f"({pruned / max(total, 1):.2%}) in {len(self.result.layers)} linears in "
-                    f"{self.result.seconds:.1f}s; peak memory measured {self.measured.bytes / GIB:.2f} GiB "
-                    f"({self.measured.source}), estimated {self.plan.peak / GIB:.2f} GiB")
+                    f"{self.result.seconds:.1f}s; peak memory measured {format_bytes(self.measured.bytes)} "
+                    f"({self.measured.source}), estimated {format_bytes(self.plan.peak)}")
 
     # ------------------------------------------------------------------------------------------ training
 
