@@ -2,6 +2,7 @@
 reference, whole-model pruning through assemble_model (exact zero counts, untouched modules, skip patterns), the
 memory plan against the measured peak on two model sizes, and masks identical on FSDP 2 and TP 2."""
 
+import math
 import os
 import socket
 
@@ -10,12 +11,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from titan_lite.config import parse_args
+from titan_lite.config import parse_args, validate
 from titan_lite.dtensor import full_tensor
+from titan_lite.errors import ConfigError
 from titan_lite.job.assembly import assemble_model
 from titan_lite.job.plan import plan_job
-from titan_lite.transforms.pruning.masks import Pattern, lowest_in_layer, lowest_per_row, masked_linears
+from titan_lite.models.llama import flavor_args
+from titan_lite.parallel.parallel_dims import ParallelDims
+from titan_lite.transforms.pruning.masks import (Pattern, lowest_in_layer, lowest_per_group, lowest_per_row,
+                                                 masked_linears)
 from titan_lite.transforms.pruning.sparsegpt import inverse_hessian_factor, sparsegpt_prune
+from titan_lite.transforms.pruning.transform import check_layout
 
 BASE = "tests/integration/base.toml"
 CALIBRATION = ["--pruning.nsamples", "8", "--pruning.seq_len", "32"]
@@ -48,11 +54,33 @@ def test_lowest_in_layer_counts_exactly_and_breaks_ties_by_position():
 
 @pytest.mark.parametrize("text", ["2:4", "4:8"])
 def test_nm_selection_prunes_n_in_every_group_of_m(text):
-    from titan_lite.transforms.pruning.masks import lowest_per_group
     pattern = Pattern.parse(text)
     scores = torch.rand(8, 32, generator=torch.Generator().manual_seed(2))
     pruned = lowest_per_group(scores, pattern)
     assert (pruned.view(8, -1, pattern.m).sum(-1) == pattern.n).all()
+
+
+def dims(**degrees) -> ParallelDims:
+    d = dict(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1)
+    d.update(degrees)
+    return ParallelDims(**d, world_size=math.prod(d.values()))
+
+
+@pytest.mark.parametrize("overrides, layout, message", [
+    (["--pruning.pattern", "2:4", "--pruning.sparsity", "0.6"], {},
+     "'pruning.sparsity' = 0.6 contradicts 'pruning.pattern' = '2:4'"),
+    (["--pruning.pattern", "4:8", "--pruning.blocksize", "12"], {}, "'pruning.blocksize' = 12 must be a multiple of 8"),
+    ([], {"pp": 2}, "does not run under pipeline parallelism ('parallelism.pipeline_parallel_degree' = 2)"),
+    ([], {"cp": 2}, "does not run under context parallelism"),
+    (["--pruning.nsamples", "9"], {"dp_shard": 2}, "'pruning.nsamples' = 9 must be a multiple of the data-parallel"),
+    (["--pruning.seq_len", "33"], {"tp": 2}, "'pruning.seq_len' = 33 must be divisible by"),
+])
+def test_impossible_settings_are_one_line_errors(overrides, layout, message):
+    cfg = parse_args(["--job.config_file", BASE, *overrides])
+    with pytest.raises(ConfigError) as error:
+        validate(cfg)
+        check_layout(cfg, flavor_args("tiny"), dims(**layout))
+    assert message in str(error.value) and "\n" not in str(error.value)
 
 
 # ------------------------------------------------------------------------------------------ SparseGPT
