@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from titan_lite.config.schema import JobConfig, Pruning
 from titan_lite.distributed import compute_dtype
@@ -201,7 +202,7 @@ def plan_pruning(cfg: Pruning, args: LlamaArgs, dims: ParallelDims, parts: list[
     cache = per_rank * (cfg.seq_len // dims.tp) * args.dim * p.hidden
     tokens = cfg.batch_size * cfg.seq_len
     gathered = dims.fsdp_enabled or dims.dp_replicate_enabled or dims.tp_enabled
-    block_gather = _gathered_block_bytes(model, dims, p) if (dims.fsdp_enabled or dims.dp_replicate_enabled) else 0
+    block_gather, largest_gather = _fsdp_gathers(model, dims, p) if calibrating else (0, 0)
     stats_peak, forward_peak, prune_peak, prune_note = 0, 0, 0, ""
     for layer, layer_targets in targets.items():
         layer_id = int(layer)
@@ -220,11 +221,12 @@ def plan_pruning(cfg: Pruning, args: LlamaArgs, dims: ParallelDims, parts: list[
             if phase > prune_peak:
                 prune_peak, prune_note = phase, f"pruning {members[0].name.split('.', 2)[-1]} and its group"
             remaining -= stats[group]
-    forward_total = stats_peak + forward_peak
-    working = max(forward_total, prune_peak) - stats_peak
-    phase_note = (f"a batch of {tokens:,} tokens through a block with its hooks"
-                  + (" (+ the block's FSDP all-gather)" if block_gather else "")
-                  if forward_total >= prune_peak else prune_note)
+    phases = {f"a batch of {tokens:,} tokens through a block with its hooks"
+              + (" (+ the block's FSDP all-gather)" if block_gather else ""): stats_peak + forward_peak,
+              prune_note: prune_peak,
+              "the largest FSDP all-gather (first forward, embedding)": largest_gather}
+    phase_note = max(phases, key=phases.get)
+    working = phases[phase_note] - stats_peak
     notes = {
         "weights": f"{local_params:,} local parameters x {p.name} (+ buffers)",
         "masks": (f"1 byte per local pruned weight ({len(all_targets)} linears)" if cfg.hold_masks
@@ -245,14 +247,21 @@ def _groups(targets: list[Target]) -> dict[str, list[Target]]:
     return groups
 
 
-def _gathered_block_bytes(model: nn.Module, dims: ParallelDims, p: Precision) -> int:
-    """FSDP's all-gather of the largest block: the gathered (TP-local) parameters and the local copy-in."""
-    largest = 0
-    for block in model.layers.values():
-        numel = sum(_local_numel(w) for w in block.parameters())
-        largest = max(largest, numel)
+def _fsdp_gathers(model: nn.Module, dims: ParallelDims, p: Precision) -> tuple[int, int]:
+    """(largest block's, largest FSDP group's) all-gather: gathered (TP-local) parameters plus the local copy-in.
+    The first forward (FSDP2 picks its root there) and the embedding gather groups other than blocks (the head,
+    the embedding, a tied embedding in the root)."""
+    if not (dims.fsdp_enabled or dims.dp_replicate_enabled):
+        return 0, 0
     shard = dims.dp_shard * dims.cp
-    return largest * shard * p.matmul + largest * p.matmul
+    groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    nested = {id(p) for g in groups if g is not model for p in g.parameters()}
+    sizes = {}
+    for group in groups:
+        owned = [w for w in group.parameters() if group is not model or id(w) not in nested]
+        sizes[id(group)] = sum(_local_numel(w) for w in owned) * (shard + 1) * p.matmul
+    block = max((sizes.get(id(b), 0) for b in model.layers.values()), default=0)
+    return block, max(sizes.values(), default=0)
 
 
 def precision(cfg: JobConfig, dims: ParallelDims, device_type: str, param_dtype: torch.dtype) -> Precision:
