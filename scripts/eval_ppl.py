@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 
 from titan_lite.checkpoint.manager import weights_only_loader
+from titan_lite.distributed import local_device
 from titan_lite.errors import ConfigError
 from titan_lite.eval.perplexity import evaluate_perplexity, read_text, text_windows
 from titan_lite.job.assembly import assemble_model, hf_weight_loader
 from titan_lite.job.script import DTYPES, is_rank0, job_config, resolve_dtype, run_script, start_job
-from titan_lite.distributed import local_device
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

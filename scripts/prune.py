@@ -8,6 +8,8 @@ peak after. Runs on one process or under torchrun (FSDP over the processes, --tp
     torchrun --nproc_per_node 4 scripts/prune.py ...                     # calibration split over 4 GPUs
     python scripts/prune.py --flavor 8B --hf_assets_path assets/tokenizer --estimate_only \\
         --nsamples 128 --seq_len 2048 --device_memory_gib 24            # the plan only, in seconds, no weights
+    python scripts/prune.py --hf_assets_path outputs/merged --remask_from outputs/pruned-1B \\
+        --output_dir outputs/merged-sparse                              # the zeros of a pruned folder, re-applied
 """
 
 import argparse
@@ -25,6 +27,7 @@ from titan_lite.job.plan import plan_job
 from titan_lite.job.script import DTYPES, is_rank0, job_config, resolve_dtype, run_script, start_job
 from titan_lite.parallel.memory_estimate import GIB
 from titan_lite.transforms.pruning.memory_plan import format_bytes
+from titan_lite.transforms.pruning.remask import remask_hf_folder
 from titan_lite.transforms.pruning.transform import REPORT_NAME, sparsity_report, write_report
 
 
@@ -56,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ngpu", type=int, default=1, help="with --estimate_only: devices to plan for")
     parser.add_argument("--device_memory_gib", type=float,
                         help="memory per device for the verdict (default: the visible GPU's, else 80)")
+    parser.add_argument("--remask_from", help="instead of pruning: zero --hf_assets_path's linear weights where this "
+                                              "pruned HF folder has zeros (e.g. after merging a LoRA adapter)")
     opts = parser.parse_args(argv)
     if not opts.estimate_only and not opts.output_dir:
         parser.error("--output_dir is required (or pass --estimate_only)")
@@ -118,8 +123,19 @@ def prune(opts: argparse.Namespace) -> None:
               f"layers are zero ({opts.method} {opts.pattern}); report {out / REPORT_NAME}", flush=True)
 
 
+def remask(opts: argparse.Namespace) -> None:
+    for flag, folder in (("--hf_assets_path", opts.hf_assets_path), ("--remask_from", opts.remask_from)):
+        if not Path(folder).is_dir():
+            raise ConfigError(f"{flag} '{folder}' is not a folder")
+    linears, rezeroed = remask_hf_folder(opts.hf_assets_path, opts.remask_from, opts.output_dir)
+    print(f"re-applied the zeros of {opts.remask_from} to {linears} linear layers of {opts.hf_assets_path}: "
+          f"{rezeroed:,} weights set back to zero; written to {opts.output_dir}")
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
+    if opts.remask_from:
+        return run_script(lambda: remask(opts))
     return run_script(lambda: estimate(opts) if opts.estimate_only else prune(opts))
 
 

@@ -12,14 +12,21 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from titan_lite.config import parse_args, validate
+from titan_lite.checkpoint.hf import read_hf_folder, write_hf_folder
 from titan_lite.dtensor import full_tensor
 from titan_lite.errors import ConfigError
 from titan_lite.job.assembly import assemble_model
 from titan_lite.job.plan import plan_job
-from titan_lite.models.llama import flavor_args
+from titan_lite.models.llama import Llama, flavor_args
 from titan_lite.parallel.parallel_dims import ParallelDims
-from titan_lite.transforms.pruning.masks import (Pattern, lowest_in_layer, lowest_per_group, lowest_per_row,
-                                                 masked_linears)
+from titan_lite.transforms.pruning.masks import (
+    Pattern,
+    lowest_in_layer,
+    lowest_per_group,
+    lowest_per_row,
+    masked_linears,
+)
+from titan_lite.transforms.pruning.remask import remask_hf_folder
 from titan_lite.transforms.pruning.sparsegpt import inverse_hessian_factor, sparsegpt_prune
 from titan_lite.transforms.pruning.transform import check_layout
 
@@ -286,3 +293,18 @@ def test_masks_on_fsdp2_and_tp2_equal_one_process(process_group, tmp_path):
                 assert torch.equal(got[name][0], mask), (layout, method, name)
                 # SparseGPT's updates differ only by the summation order of the all-reduced Hessian.
                 torch.testing.assert_close(got[name][1], weight, rtol=0, atol=1e-5)
+
+
+def test_remask_puts_a_pruned_folders_zeros_back_into_a_dense_one(tmp_path):
+    args = flavor_args("tiny")
+    model = Llama(args)
+    model.init_weights(seed=0)
+    merged = {n: p.detach().clone() for n, p in model.named_parameters()}
+    linear = lambda name: name.split(".")[-2] in ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # noqa: E731
+    pruned = {n: t.masked_fill(t.abs() < t.abs().median(), 0.0) if linear(n) else t for n, t in merged.items()}
+    write_hf_folder(merged, args, str(tmp_path / "merged"), torch.float32)
+    write_hf_folder(pruned, args, str(tmp_path / "pruned"), torch.float32)
+    linears, rezeroed = remask_hf_folder(tmp_path / "merged", tmp_path / "pruned", tmp_path / "out")
+    assert linears == 28 and rezeroed == sum(int((t == 0).sum()) for n, t in pruned.items() if linear(n))
+    out = read_hf_folder(str(tmp_path / "out"), args)
+    assert all(torch.equal(out[n], pruned[n]) for n in out)

@@ -158,7 +158,8 @@ class DocumentStream:
                 yield text, StreamPosition(start.shard, line_no, byte, doc)
 
 
-    def _read_parquet_rows(self, start: StreamPosition, rank: int, world: int) -> Iterator[tuple[str | None, StreamPosition]]:
+    def _read_parquet_rows(self, start: StreamPosition, rank: int,
+                           world: int) -> Iterator[tuple[str | None, StreamPosition]]:
         """One document per row of the 'text' column; `line` counts the rows already read."""
         path = self.shards[start.shard]
         row, doc = 0, start.doc

@@ -102,10 +102,13 @@ def find_targets(model: nn.Module, skip: list[str]) -> tuple[dict[str, list[Targ
             continue
         target = Target(name, module)
         targets.setdefault(target.layer, []).append(target)
+    return targets, skipped
+
+
+def warn_unmatched(skip: list[str], skipped: list[str]) -> None:
     for pattern in skip:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in skipped):
             logger.warning(f"'pruning.skip' pattern '{pattern}' matches no linear layer")
-    return targets, skipped
 
 
 # ------------------------------------------------------------------------------------------ the pass
@@ -126,6 +129,7 @@ class OneShotPruner:
     def run(self, model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> PruneResult:
         begin = time.monotonic()
         targets, skipped = find_targets(model, self.cfg.skip)
+        warn_unmatched(self.cfg.skip, skipped)
         result = PruneResult(skipped=skipped)
         # Compiled blocks run eagerly: the statistics hooks are Python side effects.
         with torch.compiler.set_stance("force_eager"):

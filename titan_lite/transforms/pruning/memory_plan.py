@@ -172,7 +172,8 @@ def linear_pruning_bytes(method: str, cfg: Pruning, out_features: int, in_featur
     per_row = method == "wanda" or structured
     scores = numel * FP32
     # Wanda's |W| lives until |W| x norms exists; the scores then live while the positions are selected.
-    scoring = max(2 * scores if method == "wanda" else scores, scores + selection_bytes(out_features, in_features, per_row))
+    selecting = scores + selection_bytes(out_features, in_features, per_row)
+    scoring = max(2 * scores if method == "wanda" else scores, selecting)
     return full + fp32_copy + max(scoring, keep)
 
 

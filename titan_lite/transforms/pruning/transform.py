@@ -15,12 +15,19 @@ from titan_lite.dtensor import local_tensor
 from titan_lite.errors import ConfigError
 from titan_lite.metrics.memory import PeakReading, device_capacity_gib, measure_peak
 from titan_lite.models.llama.args import LlamaArgs
-from titan_lite.parallel.memory_estimate import GIB
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.transforms.base import Transform, TransformContext, register_transform
 from titan_lite.transforms.pruning.calibration import OneShotPruner, PruneResult, find_targets
-from titan_lite.transforms.pruning.masks import (MASK, Pattern, all_kept_like, apply_mask, attach_mask, local_counts,
-                                                 mask_gradient, masked_linears)
+from titan_lite.transforms.pruning.masks import (
+    MASK,
+    Pattern,
+    all_kept_like,
+    apply_mask,
+    attach_mask,
+    local_counts,
+    mask_gradient,
+    masked_linears,
+)
 from titan_lite.transforms.pruning.memory_plan import PruningMemoryPlan, format_bytes, plan_pruning, precision
 from titan_lite.transforms.pruning.methods import build_method
 
@@ -151,16 +158,20 @@ def log_plan(plan: PruningMemoryPlan, cfg: JobConfig, dims: ParallelDims, capaci
         *plan.lines(capacity_gib)]))
 
 
-def zero_counts(model_parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims | None) -> dict[str, tuple]:
-    """Canonical name -> (shape, zeros) of every block linear, counted on the weights (collective)."""
+def zero_counts(model_parts: list[nn.Module], cfg: JobConfig,
+                dims: ParallelDims | None) -> tuple[dict[str, tuple[list[int], int]], list[str]]:
+    """(canonical name -> (shape, zeros) of every pruned linear, counted on the weights (collective); the names of
+    the linears left dense)."""
     targets, skipped = find_targets(model_parts[0], cfg.pruning.skip)
     modules = {t.name: t.module for ts in targets.values() for t in ts}
     local = torch.tensor([int((local_tensor(m.weight) == 0).sum()) for m in modules.values()], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if modules and dist.is_initialized() and dist.get_world_size() > 1:
         local = local.to(local_tensor(next(iter(modules.values())).weight).device)
-        dist.all_reduce(local)
+        dist.all_reduce(local)  # every element lives on one rank of each replica
     replicas = dims.dp_replicate if dims is not None else 1
-    return {name: (list(m.weight.shape), int(z) // replicas) for (name, m), z in zip(modules.items(), local.tolist())}
+    counts = {name: (list(m.weight.shape), int(z) // replicas)
+              for (name, m), z in zip(modules.items(), local.tolist(), strict=True)}
+    return counts, skipped
 
 
 def sparsity_report(model_parts: list[nn.Module], cfg: JobConfig, dims: ParallelDims | None,
@@ -169,7 +180,7 @@ def sparsity_report(model_parts: list[nn.Module], cfg: JobConfig, dims: Parallel
     """Per-layer and total sparsity of the pruned linears, read from the weights (a collective), with the
     one-shot pass's settings, timing and memory."""
     p = cfg.pruning
-    counts = zero_counts(model_parts, cfg, dims)
+    counts, skipped = zero_counts(model_parts, cfg, dims)
     weights = sum(shape[0] * shape[1] for shape, _ in counts.values())
     zeros = sum(z for _, z in counts.values())
     parameters = sum(param.numel() for part in model_parts for param in part.parameters())
@@ -179,8 +190,8 @@ def sparsity_report(model_parts: list[nn.Module], cfg: JobConfig, dims: Parallel
                         "seq_len": p.seq_len},
         "pruned_linears": {"count": len(counts), "weights": weights, "zeros": zeros,
                            "sparsity": zeros / max(weights, 1)},
-        "model": {"parameters": parameters, "sparsity": zeros / max(parameters, 1)},
-        "skipped": find_targets(model_parts[0], p.skip)[1],
+        "model": {"parameters": parameters, "zeros": zeros, "sparsity": zeros / max(parameters, 1)},
+        "skipped": skipped,
         "layers": {name: {"shape": shape, "zeros": z, "sparsity": z / (shape[0] * shape[1])}
                    for name, (shape, z) in counts.items()},
     }
@@ -188,7 +199,7 @@ def sparsity_report(model_parts: list[nn.Module], cfg: JobConfig, dims: Parallel
         report["seconds"] = round(result.seconds, 3)
         report["calibration"]["windows"] = result.windows
     if plan is not None and measured is not None:
-        report["memory"] = {"estimated_peak_gib": plan.peak / GIB, "measured_peak_gib": measured.bytes / GIB,
+        report["memory"] = {"estimated_peak_bytes": plan.peak, "measured_peak_bytes": measured.bytes,
                             "measured_by": measured.source}
     return report
 
