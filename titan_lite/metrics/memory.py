@@ -114,10 +114,13 @@ class LiveTensorPeak(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func.is_view:  # a view shares its input's storage
             return out
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                for inner in plain_tensors(t):
-                    self._see(inner.untyped_storage())
+        if type(out) is torch.Tensor:  # the common case, without the tree walk
+            self._see(out.untyped_storage())
+        else:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    for inner in plain_tensors(t):
+                        self._see(inner.untyped_storage())
         self.ops += 1
         if self.ops % self.RECOUNT_OPS == 0:
             for ref in list(self.refs.values()):

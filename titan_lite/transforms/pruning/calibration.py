@@ -190,7 +190,8 @@ class OneShotPruner:
 
     def prune_block(self, block: nn.Module, targets: list[Target], hidden: list[torch.Tensor],
                     rope: torch.Tensor) -> list[LayerResult]:
-        stats = self.collect_statistics(block, targets, hidden, rope) if self.method.needs_calibration else {}
+        calibrate = self.method.needs_calibration and targets
+        stats = self.collect_statistics(block, targets, hidden, rope) if calibrate else {}
         results = []
         for group in dict.fromkeys(t.group for t in targets):  # in block order
             prepared = self.method.prepare(stats.pop(group)) if group in stats else None
