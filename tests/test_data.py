@@ -272,7 +272,7 @@ def test_unknown_dataset_lists_known_names():
 def test_missing_or_empty_paths(tmp_path: Path):
     assert "'validation.dataset_path' = " in one_line_error(check_dataset, "c4", str(tmp_path / "nope"), "validation")
     assert "does not exist" in one_line_error(check_dataset, "c4", str(tmp_path / "nope"))
-    assert "holds no .txt, .jsonl, .json.gz files" in one_line_error(check_dataset, "c4", str(tmp_path))
+    assert "holds no .txt, .jsonl, .json.gz, .parquet files" in one_line_error(check_dataset, "c4", str(tmp_path))
     (tmp_path / "data.csv").write_text("a,b")
     assert "must end in one of" in one_line_error(check_dataset, "text", str(tmp_path / "data.csv"))
     check_dataset("shakespeare", None)
@@ -295,3 +295,18 @@ def test_empty_dataset_is_an_error(tmp_path: Path):
     path.write_text("\n  \n")
     assert "dataset 'jsonl' has no documents" in one_line_error(samples_of, build_packed_source(
         "jsonl", str(path), TOK, 4), 1)
+
+
+def test_parquet_shards_read_the_text_column_resumably(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq  # optional: only .parquet shards need it
+
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"text": ["first doc", "second doc", "third doc"], "id": [1, 2, 3]}), path)
+    stream = DocumentStream(resolve_shards("text", str(path)))
+    read = list(stream.read(StreamPosition()))
+    assert [text for text, _ in read] == ["first doc", "second doc", "third doc"]
+    assert [text for text, _ in stream.read(read[0][1])] == ["second doc", "third doc"]
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "bad.parquet")
+    assert "no 'text' column" in one_line_error(lambda: list(DocumentStream([tmp_path / "bad.parquet"]).read(
+        StreamPosition())))

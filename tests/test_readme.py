@@ -45,6 +45,7 @@ def test_readme_command_parses(env, args):
     # Paths to the user's own data (e.g. /data/c4/en) are not here; everything else must validate.
     cfg.training.dataset_path = None
     cfg.checkpoint.initial_load_path = None
+    cfg.pruning.dataset_path = None
     validate(cfg)
 
 

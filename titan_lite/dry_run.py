@@ -29,6 +29,7 @@ from titan_lite.parallel import memory_estimate as me
 from titan_lite.parallel.fsdp import reshard_after_forward
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.parallelize import loss_parallel_enabled
+from titan_lite.transforms.pruning.memory_plan import PruningMemoryPlan, plan_pruning, precision
 
 DEFAULT_DEVICE_MEMORY_GIB = 80.0
 # Mesh dimensions whose shards FSDP gathers; a parameter's other shard dimensions (TP) stay split when gathered.
@@ -228,6 +229,20 @@ def plan_rank(plan: JobPlan, rank: int) -> RolePlan:
                     has_head=any(p.output is not None for p in parts), local_params=local, estimate=estimate)
 
 
+def plan_pruning_pass(plan: JobPlan, rank: int = 0) -> PruningMemoryPlan:
+    """The one-shot pruning pass's memory on rank `rank` (the 'prune' transform), planned on the meta device for
+    an accelerator; every data-parallel rank does the same work."""
+    world = plan.parallel_dims.world_size
+    with fake_process_group(rank, world):
+        dims = ParallelDims.from_config(plan.cfg.parallelism, world)
+        dims.build_mesh("cpu")
+        parts, _ = build_parts(replace(plan, cfg=planning_config(plan.cfg), parallel_dims=dims), torch.device("cpu"),
+                               cross_entropy_sum)
+        param_dtype = next(parts[0].layers.parameters()).dtype
+        return plan_pruning(plan.cfg.pruning, plan.model_args, dims, parts,
+                            precision(plan.cfg, dims, "cuda", param_dtype))
+
+
 def representative_ranks(dims: ParallelDims) -> list[int]:
     """One rank per pipeline rank (the first of its block): ranks of one pp rank differ only by padding."""
     return [pp_rank * (dims.world_size // dims.pp) for pp_rank in range(dims.pp)]
@@ -323,6 +338,15 @@ def dry_run(cfg: JobConfig) -> int:
         roles.append(plan_rank(plan, rank))
         print("\n".join(role_lines(roles[-1], plan.parallel_dims, capacity)), flush=True)
     worst = max(roles, key=lambda role: role.estimate.total)
+    if "prune" in cfg.model.converters:
+        pruning = plan_pruning_pass(plan)
+        print(f"one-shot pruning at the start ({cfg.pruning.method} {cfg.pruning.pattern}, {cfg.pruning.nsamples} x "
+              f"{cfg.pruning.seq_len} calibration tokens), per device:", flush=True)
+        print("\n".join(pruning.lines(capacity)), flush=True)
+        if not pruning.fits(capacity):
+            raise ConfigError(f"the pruning pass does not fit: it needs an estimated {pruning.peak / me.GIB:.2f} GiB "
+                              f"but a device has {capacity:.2f} GiB; lower 'pruning.batch_size' or 'pruning.nsamples', "
+                              "or shard over more devices")
     check_fits(worst, capacity)
     peak = worst.estimate.total / me.GIB
     print(f"dry run OK: {plan.parallel_dims.world_size} ranks; largest peak {peak:.2f} GiB on rank {worst.rank}, "

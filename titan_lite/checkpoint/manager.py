@@ -128,8 +128,8 @@ class CheckpointManager:
 
     def _model_only_state(self, dtype: torch.dtype | None = None) -> dict[str, Any]:
         model = self._model_state()
-        if dtype is not None:
-            model = {k: v.to(dtype) for k, v in model.items()}
+        if dtype is not None:  # weights only: masks and other non-float buffers keep their dtype
+            model = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.items()}
         return {"model": model}
 
     # -------------------------------------------------------------------------------- save

@@ -129,7 +129,8 @@ class Training:
         "shakespeare", "Dataset: shakespeare (bundled), c4, c4_test, text, jsonl; c4/text/jsonl read "
         "training.dataset_path.")
     dataset_path: str | None = opt(
-        None, "Local file or folder of .txt, .jsonl, .json.gz shards (one JSON object per line with a 'text' field).")
+        None, "Local file or folder of .txt, .jsonl, .json.gz shards (one JSON object per line with a 'text' field) "
+        "or .parquet shards (a 'text' column; needs pyarrow).")
     local_batch_size: int = opt(8, "Sequences per micro-batch on each data-parallel rank.")
     global_batch_size: int = opt(
         -1, "Sequences per optimizer step over all ranks; -1 = local_batch_size x data-parallel degree "
@@ -399,6 +400,34 @@ class Quantize:
 
 
 @dataclass
+class Pruning:
+    method: Literal["wanda", "magnitude", "sparsegpt"] = opt(
+        "wanda", "One-shot method of the 'prune' transform: wanda (|W| x input-channel norm, compared per output "
+        "row), magnitude (|W|, one threshold per layer; needs no data), sparsegpt (Hessian-based, updates the kept "
+        "weights).")
+    sparsity: float = opt(0.5, "Fraction of each pruned linear's weights set to zero; an N:M pattern needs exactly "
+                               "N/M.")
+    pattern: Literal["unstructured", "2:4", "4:8"] = opt(
+        "unstructured", "unstructured, or N:M semi-structured: '2:4' / '4:8' zero N of every M consecutive input "
+        "weights of a row.")
+    skip: list[str] = opt([], "Linear layers left dense: glob patterns over module names, e.g. 'layers.0.*' or "
+                              "'*.feed_forward.w2'. Embeddings, norms and the output layer are never pruned.")
+    dataset: str = opt("shakespeare", "Calibration dataset (names as training.dataset).")
+    dataset_path: str | None = opt(None, "Local calibration data: a .txt/.jsonl/.json.gz/.parquet file or a folder "
+                                         "of them.")
+    nsamples: int = opt(128, "Calibration sequences: the first nsamples windows of seq_len tokens, split over "
+                             "data-parallel ranks.")
+    seq_len: int = opt(2048, "Tokens per calibration sequence.")
+    batch_size: int = opt(1, "Calibration sequences per forward: the chunk that bounds the working activations.")
+    blocksize: int = opt(128, "SparseGPT: columns per lazy-update block (and per unstructured mask selection).")
+    percdamp: float = opt(0.01, "SparseGPT: dampening added to the Hessian diagonal, as a fraction of its mean.")
+    hold_masks: bool = opt(True, "Keep a mask buffer per pruned linear (1 byte per weight, sharded and checkpointed "
+                                 "like it) so that training keeps the pruned weights at zero; scripts/prune.py, which "
+                                 "only exports, turns it off.")
+    mask_gradients: bool = opt(True, "While training: zero the gradients of pruned weights (clipping and AdamW see "
+                                     "the sparse model), besides re-applying the masks after every optimizer step.")
+
+@dataclass
 class JobConfig:
     job: Job = section(Job, "The job: where outputs go.")
     profiling: Profiling = section(Profiling, "torch.profiler traces and memory snapshots.")
@@ -415,6 +444,8 @@ class JobConfig:
     validation: Validation = section(Validation, "Held-out loss during training.")
     debug: Debug = section(Debug, "Seeds and determinism.")
     dry_run: DryRun = section(DryRun, "DRY_RUN=1 planning options.")
+    pruning: Pruning = section(Pruning, "One-shot pruning at the start of a run (the 'prune' transform in "
+                                        "model.converters).")
     memory_estimation: MemoryEstimation = section(MemoryEstimation, "torchtitan memory estimation (see DRY_RUN).")
     fault_tolerance: FaultTolerance = section(FaultTolerance, "torchft (not supported).")
     lora: Lora = section(Lora, "LoRA adapters (active with model.converters = [\"lora\"]).")

@@ -62,6 +62,7 @@ def check_ranges(cfg: JobConfig) -> None:
     check_compile(cfg)
     check_checkpoint(cfg)
     check_pipeline(cfg)
+    check_pruning(cfg)
 
 
 def check_training(cfg: JobConfig) -> None:
@@ -160,6 +161,21 @@ def check_pipeline(cfg: JobConfig) -> None:
              "'compile.components' or use another schedule")
 
 
+def check_pruning(cfg: JobConfig) -> None:
+    p = cfg.pruning
+    _require(0 < p.sparsity < 1, f"'pruning.sparsity' must be in (0, 1), got {p.sparsity}")
+    if p.pattern != "unstructured":
+        n, m = (int(v) for v in p.pattern.split(":"))
+        _require(abs(p.sparsity - n / m) < 1e-9,
+                 f"'pruning.sparsity' = {p.sparsity} contradicts 'pruning.pattern' = '{p.pattern}', which zeroes "
+                 f"exactly {n / m:g} of the weights; set sparsity {n / m:g}")
+        _require(p.blocksize % m == 0, f"'pruning.blocksize' = {p.blocksize} must be a multiple of {m} for "
+                                       f"'pruning.pattern' = '{p.pattern}' (a group never straddles two blocks)")
+    for key in ("nsamples", "seq_len", "batch_size", "blocksize"):
+        _require(getattr(p, key) >= 1, f"'pruning.{key}' must be at least 1, got {getattr(p, key)}")
+    _require(p.percdamp > 0, f"'pruning.percdamp' must be positive, got {p.percdamp}")
+
+
 def check_checkpoint(cfg: JobConfig) -> None:
     c = cfg.checkpoint
     _at_least(cfg, "checkpoint.interval", 1)
@@ -181,6 +197,9 @@ def check_paths(cfg: JobConfig) -> None:
     if cfg.validation.enable and cfg.validation.dataset_path is not None:
         _require(Path(cfg.validation.dataset_path).exists(),
                  f"'validation.dataset_path' = '{cfg.validation.dataset_path}' does not exist")
+    if cfg.pruning.dataset_path is not None:
+        _require(Path(cfg.pruning.dataset_path).exists(),
+                 f"'pruning.dataset_path' = '{cfg.pruning.dataset_path}' does not exist")
     if cfg.checkpoint.initial_load_path is not None:
         _require(Path(cfg.checkpoint.initial_load_path).exists(),
                  f"'checkpoint.initial_load_path' = '{cfg.checkpoint.initial_load_path}' does not exist")

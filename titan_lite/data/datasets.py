@@ -1,4 +1,5 @@
-"""Document sources (bundled Shakespeare, local .txt/.jsonl/.json.gz shards) and token packing into a sample stream."""
+"""Document sources (bundled Shakespeare, local .txt/.jsonl/.json.gz/.parquet shards) and token packing into a sample
+stream."""
 
 import dataclasses
 import gzip
@@ -20,7 +21,7 @@ BUNDLED_DATASETS = {
     "shakespeare_validation": CORPUS_DIR / "shakespeare" / "validation",
 }
 LOCAL_DATASETS = ("c4", "c4_test", "c4_validation", "jsonl", "text")
-SHARD_SUFFIXES = (".txt", ".jsonl", ".json.gz")
+SHARD_SUFFIXES = (".txt", ".jsonl", ".json.gz", ".parquet")
 
 
 class TokenizerLike(Protocol):
@@ -49,7 +50,7 @@ def _dataset_root(dataset: str, dataset_path: str | None, key_prefix: str) -> Pa
         return BUNDLED_DATASETS[dataset]
     raise ConfigError(
         f"dataset '{dataset}' needs '{key_prefix}.dataset_path': titan_lite reads local shards only "
-        f"(no downloads); set {key_prefix}.dataset_path to a .txt/.jsonl/.json.gz file or a folder of them"
+        f"(no downloads); set {key_prefix}.dataset_path to a .txt/.jsonl/.json.gz/.parquet file or a folder of them"
     )
 
 
@@ -133,8 +134,11 @@ class DocumentStream:
             position = StreamPosition(shard=position.shard + 1, doc=end.doc)
 
     def _read_shard(self, start: StreamPosition) -> Iterator[tuple[str, StreamPosition]]:
-        if self.shards[start.shard].suffix == ".txt":
+        suffix = self.shards[start.shard].suffix
+        if suffix == ".txt":
             return self._read_text_file(start)
+        if suffix == ".parquet":
+            return self._read_parquet_rows(start)
         return self._read_json_lines(start)
 
     def _read_text_file(self, start: StreamPosition) -> Iterator[tuple[str, StreamPosition]]:
@@ -157,6 +161,32 @@ class DocumentStream:
                     continue
                 doc += 1
                 yield _text_of_json_line(raw, path, line_no), StreamPosition(start.shard, line_no, byte, doc)
+
+    def _read_parquet_rows(self, start: StreamPosition) -> Iterator[tuple[str, StreamPosition]]:
+        """One document per row of the 'text' column; `line` counts the rows already read."""
+        path = self.shards[start.shard]
+        row, doc = 0, start.doc
+        for text in _parquet_texts(path):
+            row += 1
+            if row <= start.line:
+                continue
+            if not isinstance(text, str):
+                raise ConfigError(f"{path}: row {row} of the 'text' column is not a string")
+            yield text, StreamPosition(start.shard, row, 0, doc + 1)
+            doc += 1
+
+
+def _parquet_texts(path: Path) -> Iterator[object]:
+    """The 'text' column of a parquet file, row by row, read in batches."""
+    try:
+        import pyarrow.parquet as pq  # optional dependency: only .parquet shards need it
+    except ImportError:
+        raise ConfigError(f"{path}: reading .parquet shards needs pyarrow (pip install pyarrow)") from None
+    reader = pq.ParquetFile(path)
+    if "text" not in reader.schema_arrow.names:
+        raise ConfigError(f"{path}: no 'text' column (columns: {', '.join(reader.schema_arrow.names)})")
+    for batch in reader.iter_batches(columns=["text"], batch_size=1024):
+        yield from batch.column(0).to_pylist()
 
 
 # ---------------------------------------------------------------- packing

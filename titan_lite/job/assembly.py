@@ -45,6 +45,8 @@ def build_parts(plan: JobPlan, device: torch.device,
     (still on the meta device: DRY_RUN plans from here)."""
     with torch.device("meta"):
         model = Llama(plan.model_args)
+    # Parameters in training.dtype (init_weights rebuilds the fp32 RoPE cache); transforms may choose otherwise.
+    model.to(getattr(torch, plan.cfg.training.dtype))
     plan.transforms.convert(model)
     if plan.cfg.model.print_after_conversion:
         logger.info(f"model after transforms:\n{model}")

@@ -97,7 +97,8 @@ def build_model_args(cfg: JobConfig, vocab_size: int | None) -> LlamaArgs:
     """The model's args (flavor or config.json) with the config's sequence length, checked against the tokenizer's
     vocabulary (None: no tokenizer yet, DRY_RUN before the download)."""
     args = flavor_or_hf_args(cfg)
-    args.max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0)
+    args.max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0,
+                           cfg.pruning.seq_len if "prune" in cfg.model.converters else 0)
     if vocab_size is not None and vocab_size > args.vocab_size:
         raise ConfigError(f"the tokenizer at '{tokenizer_path(cfg)}' has {vocab_size} tokens but flavor "
                           f"'{cfg.model.flavor}' has vocab_size {args.vocab_size}")

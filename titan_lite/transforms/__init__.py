@@ -2,13 +2,14 @@
 
 from titan_lite.transforms import lora  # noqa: F401  (registers the built-in "lora" transform)
 from titan_lite.transforms.base import (
-                                        Transform,
-                                        TransformContext,
-                                        Transforms,
-                                        build_transforms,
-                                        register_transform,
-                                        registered_transforms,
+    Transform,
+    TransformContext,
+    Transforms,
+    build_transforms,
+    register_transform,
+    registered_transforms,
 )
+from titan_lite.transforms.pruning import PruneTransform
 
-__all__ = ["Transform", "TransformContext", "Transforms", "build_transforms", "register_transform",
+__all__ = ["PruneTransform", "Transform", "TransformContext", "Transforms", "build_transforms", "register_transform",
            "registered_transforms"]

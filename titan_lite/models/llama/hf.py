@@ -3,14 +3,14 @@
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama.args import LlamaArgs
+from titan_lite.models.llama.args import FLAVORS, LlamaArgs
 
 # titan_lite name (with {i} for the layer) -> HF name.
 _LAYER_NAMES = {
@@ -304,3 +304,15 @@ def check_args_against_hf_config(args: LlamaArgs, config_path: str) -> None:
             label = "n_kv_heads" if name == "kv_heads" else name
             raise ConfigError(f"model args disagree with {config_path}: {label} is {ours!r} in the model "
                               f"but {theirs!r} in config.json")
+
+
+def flavor_of_hf_config(config_path: str | Path) -> str:
+    """The flavor whose shapes a config.json describes (the first in FLAVORS); ConfigError when none does."""
+    for name, args in FLAVORS.items():
+        try:
+            check_args_against_hf_config(replace(args), str(config_path))
+        except ConfigError:
+            continue
+        return name
+    raise ConfigError(f"{config_path} describes none of titan_lite's flavors ({', '.join(FLAVORS)}); "
+                      "name one that matches it")

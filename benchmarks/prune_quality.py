@@ -1,0 +1,84 @@
+"""Perplexity of magnitude, Wanda and SparseGPT at 50% unstructured and 2:4 against the dense model, measured the
+way a user would: scripts/prune.py for each method and pattern, scripts/eval_ppl.py for each folder, and (with
+--transformers) transformers' LlamaForCausalLM on the same windows as an independent check.
+
+    python benchmarks/prune_quality.py --hf_assets_path outputs/debug/checkpoint/step-300-hf \\
+        --eval_data titan_lite/data/corpus/shakespeare/validation --seq_len 128 --nsamples 64 --out /tmp/prune_quality
+"""
+
+import argparse
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+METHODS = ("magnitude", "wanda", "sparsegpt")
+PATTERNS = ("unstructured", "2:4")
+
+
+def run(script: str, *args: str) -> str:
+    """The script's stdout; its command is echoed first."""
+    command = [sys.executable, str(REPO / "scripts" / script), *args]
+    print("$ " + " ".join(command[1:]), flush=True)
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{script} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return done.stdout
+
+
+def perplexity(folder: Path, opts: argparse.Namespace) -> float:
+    out = run("eval_ppl.py", "--hf_assets_path", str(folder), "--data", opts.eval_data, "--seq_len",
+              str(opts.seq_len), *(["--max_windows", str(opts.max_windows)] if opts.max_windows else []))
+    return float(out.strip().splitlines()[-1].removeprefix("perplexity: "))
+
+
+def transformers_perplexity(folder: Path, opts: argparse.Namespace) -> float:
+    """exp(mean NLL) of LlamaForCausalLM over the same windows (the tokens come from titan_lite's tokenizer)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    sys.path.insert(0, str(REPO))
+    from titan_lite.data.tokenizer import build_tokenizer
+    from titan_lite.eval.perplexity import read_text, text_windows
+
+    ids = build_tokenizer(str(folder)).encode(read_text(opts.eval_data), bos=True, eos=False)
+    windows = text_windows(ids, opts.seq_len, opts.max_windows)
+    model = LlamaForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        losses = [model(input_ids=w[None], labels=w[None]).loss.item() for w in windows]
+    return math.exp(sum(losses) / len(losses))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hf_assets_path", required=True, help="the dense (trained) HF folder")
+    parser.add_argument("--eval_data", required=True, help="text to evaluate on")
+    parser.add_argument("--calib_path", help="calibration text (default: the bundled training plays)")
+    parser.add_argument("--seq_len", type=int, default=128)
+    parser.add_argument("--nsamples", type=int, default=64)
+    parser.add_argument("--max_windows", type=int)
+    parser.add_argument("--out", required=True, help="folder for the pruned models")
+    parser.add_argument("--transformers", action="store_true", help="also compute transformers' perplexity")
+    opts = parser.parse_args()
+    rows = [("dense", "-", Path(opts.hf_assets_path), 0.0)]
+    for pattern in PATTERNS:
+        for method in METHODS:
+            folder = Path(opts.out) / f"{method}-{pattern.replace(':', 'of')}"
+            begin = time.monotonic()
+            run("prune.py", "--hf_assets_path", opts.hf_assets_path, "--output_dir", str(folder), "--method", method,
+                "--pattern", pattern, "--nsamples", str(opts.nsamples), "--seq_len", str(opts.seq_len),
+                *(["--calib_path", opts.calib_path] if opts.calib_path else []))
+            rows.append((method, pattern, folder, time.monotonic() - begin))
+    print(f"\n| method | pattern | perplexity (eval_ppl.py) |{' transformers |' if opts.transformers else ''} "
+          f"prune time |")
+    print(f"| --- | --- | --- |{' --- |' if opts.transformers else ''} --- |")
+    for method, pattern, folder, seconds in rows:
+        ours = perplexity(folder, opts)
+        theirs = f" {transformers_perplexity(folder, opts):.4f} |" if opts.transformers else ""
+        print(f"| {method} | {pattern} | {ours:.4f} |{theirs} {seconds:.1f}s |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""Sequential, block-by-block one-shot pruning on any FSDP/TP layout.
+
+The calibration sequences (this data-parallel rank's share) are embedded once; then, block after block: forward
+hooks on the block's linears accumulate their input statistics (one accumulator per input shared by several
+linears), the statistics are all-reduced over the data-parallel ranks, every linear of the block is pruned, and the
+cached hidden states go through the pruned block to become the next block's inputs. Blocks are called directly, so
+FSDP gathers one block at a time; hooks see each linear's whole input (a tensor-parallel rowwise input is gathered).
+Masks are chosen on the full weight matrix, identically on every rank, and each rank keeps its shard.
+"""
+
+import contextlib
+import fnmatch
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from titan_lite.config.schema import Pruning
+from titan_lite.dtensor import copy_into_shard, full_tensor, local_tensor
+from titan_lite.errors import ConfigError
+from titan_lite.models.llama.model import canonical_name
+from titan_lite.parallel.parallel_dims import ParallelDims
+from titan_lite.transforms.pruning.masks import attach_mask, shard_like
+from titan_lite.transforms.pruning.methods import Method, build_method
+
+logger = logging.getLogger("titan_lite")
+
+# The linears of a block, and the input each reads: linears reading the same input share one accumulator.
+INPUT_GROUPS = {
+    "attention.wq": "attention", "attention.wk": "attention", "attention.wv": "attention",
+    "attention.wo": "attention.wo",
+    "feed_forward.w1": "feed_forward", "feed_forward.w3": "feed_forward",
+    "feed_forward.w2": "feed_forward.w2",
+}
+_BLOCK_LINEAR = re.compile(r"layers\.(\d+)\.(.+)")
+
+
+@dataclass
+class Target:
+    """One linear to prune."""
+
+    name: str  # canonical, e.g. layers.3.attention.wq
+    module: nn.Module
+
+    @property
+    def layer(self) -> str:
+        return _BLOCK_LINEAR.fullmatch(self.name).group(1)
+
+    @property
+    def group(self) -> str:
+        return INPUT_GROUPS[_BLOCK_LINEAR.fullmatch(self.name).group(2)]
+
+    @property
+    def in_features(self) -> int:
+        return self.module.weight.shape[1]
+
+
+@dataclass
+class LayerResult:
+    name: str
+    shape: list[int]
+    pruned: int
+
+    @property
+    def sparsity(self) -> float:
+        return self.pruned / (self.shape[0] * self.shape[1])
+
+
+@dataclass
+class PruneResult:
+    """What the one-shot pass did: per pruned linear, and the linears left dense by `pruning.skip`."""
+
+    layers: list[LayerResult] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    windows: int = 0
+    seconds: float = 0.0
+
+
+def block_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(canonical name, module) of every linear of every transformer block (embeddings, norms, head excluded)."""
+    for name, module in model.named_modules():
+        name = canonical_name(name)
+        match = _BLOCK_LINEAR.fullmatch(name)
+        if match and match.group(2) in INPUT_GROUPS:
+            yield name, module
+
+
+def find_targets(model: nn.Module, skip: list[str]) -> tuple[dict[str, list[Target]], list[str]]:
+    """(layer id -> its linears to prune, names left dense by the skip patterns)."""
+    targets: dict[str, list[Target]] = {}
+    skipped = []
+    for name, module in block_linears(model):
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in skip):
+            skipped.append(name)
+            continue
+        target = Target(name, module)
+        targets.setdefault(target.layer, []).append(target)
+    return targets, skipped
+
+
+def warn_unmatched(skip: list[str], skipped: list[str]) -> None:
+    for pattern in skip:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in skipped):
+            logger.warning(f"'pruning.skip' pattern '{pattern}' matches no linear layer")
+
+
+# ------------------------------------------------------------------------------------------ the pass
+
+
+class OneShotPruner:
+    """Prunes one model part in place (no pipeline parallelism: the part is the whole model)."""
+
+    def __init__(self, cfg: Pruning, parallel_dims: ParallelDims, device: torch.device,
+                 forward_context: Callable[[], contextlib.AbstractContextManager]):
+        self.cfg = cfg
+        self.method: Method = build_method(cfg)
+        self.dims = parallel_dims
+        self.device = device
+        self.forward_context = forward_context
+
+    @torch.no_grad()
+    def run(self, model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> PruneResult:
+        begin = time.monotonic()
+        targets, skipped = find_targets(model, self.cfg.skip)
+        warn_unmatched(self.cfg.skip, skipped)
+        result = PruneResult(skipped=skipped)
+        # Compiled blocks run eagerly: the statistics hooks are Python side effects.
+        with torch.compiler.set_stance("force_eager"):
+            hidden: list[torch.Tensor] = []
+            if self.method.needs_calibration:
+                tokens = self.local_windows(batches)
+                result.windows = sum(t.shape[0] for t in tokens) * self.dims.dp_degree
+                hidden = self.embed(model, tokens)
+            layer_ids = list(model.layers.keys())
+            for position, layer_id in enumerate(layer_ids):
+                block_begin = time.monotonic()
+                block = model.layers[layer_id]
+                block_targets = targets.get(layer_id, [])
+                result.layers += self.prune_block(block, block_targets, hidden, model.rope_cache)
+                if hidden and position < len(layer_ids) - 1:
+                    self.propagate(block, hidden, model.rope_cache)
+                if isinstance(block, FSDPModule):
+                    block.reshard()
+                logger.info(f"prune: block {position + 1}/{len(layer_ids)}: {len(block_targets)} linears "
+                            f"({self.cfg.method}, {self.cfg.pattern}) in {time.monotonic() - block_begin:.1f}s")
+        result.seconds = time.monotonic() - begin
+        return result
+
+    # ---------------------------------------------------------------------------------- calibration data
+
+    def local_windows(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """This rank's calibration token batches; every data-parallel rank must hold its full share, or the
+        collectives inside the block forwards would not line up."""
+        tokens = [inputs for inputs, _ in batches]
+        local = sum(t.shape[0] for t in tokens)
+        wanted = self.cfg.nsamples // self.dims.dp_degree
+        short = torch.tensor([int(local < wanted)], device=self.device)
+        if self.dims.dp_degree > 1:
+            dist.all_reduce(short, group=self.dims.submesh("batch").get_group())
+        if int(short):
+            where = self.cfg.dataset_path or self.cfg.dataset
+            raise ConfigError(f"calibration data '{where}' holds fewer than 'pruning.nsamples' = {self.cfg.nsamples} "
+                              f"windows of 'pruning.seq_len' = {self.cfg.seq_len} tokens; lower either, or add data")
+        return tokens
+
+    def embed(self, model: nn.Module, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The first block's inputs (this rank's sequence shard under TP) for each token batch."""
+        if isinstance(model, FSDPModule):
+            self.initialise_fsdp(model)
+        with self.forward_context(), unsharded(model):
+            return [model.tok_embeddings(t) for t in tokens]
+
+    def initialise_fsdp(self, model: FSDPModule) -> None:
+        """FSDP2 designates its root on the first forward through the root: run one of a few tokens, then free
+        every gathered group (blocks are then called one by one)."""
+        with self.forward_context():
+            model(torch.zeros(1, self.dims.tp, dtype=torch.long, device=self.device))
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    # ---------------------------------------------------------------------------------- one block
+
+    def prune_block(self, block: nn.Module, targets: list[Target], hidden: list[torch.Tensor],
+                    rope: torch.Tensor) -> list[LayerResult]:
+        calibrate = self.method.needs_calibration and targets
+        stats = self.collect_statistics(block, targets, hidden, rope) if calibrate else {}
+        results = []
+        for group in dict.fromkeys(t.group for t in targets):  # in block order
+            prepared = self.method.prepare(stats.pop(group)) if group in stats else None
+            results += [self.prune_linear(t, prepared) for t in targets if t.group == group]
+            del prepared
+        return results
+
+    def collect_statistics(self, block: nn.Module, targets: list[Target], hidden: list[torch.Tensor],
+                           rope: torch.Tensor) -> dict:
+        """One accumulator per input group, filled by a hook on the group's first linear over this rank's
+        calibration batches, then summed over the data-parallel ranks."""
+        stats, handles = {}, []
+        for target in targets:
+            if target.group not in stats:
+                stats[target.group] = self.method.statistics(target.in_features, self.device)
+                handles.append(target.module.register_forward_hook(partial(accumulate, stats[target.group])))
+        try:
+            with self.forward_context():
+                for h in hidden:
+                    block(h, rope)
+        finally:
+            for handle in handles:
+                handle.remove()
+        if self.dims.dp_degree > 1:
+            group = self.dims.submesh("batch").get_group()
+            for accumulator in stats.values():
+                accumulator.all_reduce(group)
+        return stats
+
+    def prune_linear(self, target: Target, prepared) -> LayerResult:
+        """Choose the mask on the full weight (the same on every rank), keep this rank's shard of the mask and,
+        for SparseGPT, of the updated weight."""
+        weight = target.module.weight
+        full = full_tensor(weight.detach())
+        full = full.to(torch.float32, copy=self.method.updates_weights)
+        pruned = self.method.prune(full, prepared)
+        if self.method.updates_weights:
+            copy_into_shard(weight, full.to(weight.dtype))
+        keep = shard_like(weight, ~pruned)
+        local_tensor(weight).mul_(local_tensor(keep))
+        if self.cfg.hold_masks:
+            attach_mask(target.module, keep)
+        return LayerResult(target.name, list(weight.shape), int(pruned.sum()))
+
+    def propagate(self, block: nn.Module, hidden: list[torch.Tensor], rope: torch.Tensor) -> None:
+        """The pruned block's outputs replace its inputs, batch by batch (no second copy of the cache)."""
+        with self.forward_context():
+            for i, h in enumerate(hidden):
+                hidden[i] = block(h, rope)
+
+
+def accumulate(stats, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    """Forward hook: add the linear's whole input (gathered over TP for a rowwise layer) to its accumulator."""
+    x = full_tensor(args[0])
+    stats.add(x.reshape(-1, x.shape[-1]))
+
+
+@contextlib.contextmanager
+def unsharded(model: nn.Module) -> Iterator[None]:
+    """The root FSDP group gathered (a tied embedding lives there) while its modules are called directly."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
