@@ -8,5 +8,5 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 PYTHON="$("$root/scripts/setup_env.sh" test)"
 cd "$root"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-"$PYTHON" -m ruff check titan_lite scripts tests || { echo "ruff check failed: fix the findings above" >&2; exit 1; }
+"$PYTHON" -m ruff check titan_lite scripts tests benchmarks || { echo "ruff check failed: fix the findings above" >&2; exit 1; }
 exec "$PYTHON" -m pytest -q tests "$@"

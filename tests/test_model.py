@@ -5,7 +5,13 @@ import torch
 
 from titan_lite.models.llama import FLAVORS, Llama, flavor_args
 from titan_lite.models.llama import model as llama_model
-from titan_lite.models.llama.model import apply_rope, grouped_attention, rope_cache, rope_frequencies
+from titan_lite.models.llama.model import (
+    apply_rope,
+    apply_rope_real_pairs,
+    grouped_attention,
+    rope_cache,
+    rope_frequencies,
+)
 
 PUBLISHED = {
     "8B": 8_030_261_248,  # Llama 3.1 8B
@@ -47,6 +53,21 @@ def test_rope_rotates_pairs_and_preserves_norm():
     angle = cache[3, 0]
     x0, x1 = x[0, 3, 0, 0], x[0, 3, 0, 1]
     assert torch.allclose(y[0, 3, 0, :2], torch.stack([x0 * angle[0] - x1 * angle[1], x0 * angle[1] + x1 * angle[0]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_complex_rope_equals_real_pairs_forward_and_backward(dtype):
+    """Eager RoPE is one complex multiplication; compiled RoPE the real-pair arithmetic: the same numbers."""
+    cache = rope_cache(flavor_args("tiny"))
+    x = torch.randn(2, 7, 3, 16, dtype=dtype)
+    grad = torch.randn(2, 7, 3, 16, dtype=dtype)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = apply_rope(a, cache[:7]), apply_rope_real_pairs(b, cache[:7])
+    ya.backward(grad)
+    yb.backward(grad)
+    assert ya.dtype == dtype
+    torch.testing.assert_close(ya, yb, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-6)
 
 
 def test_init_depends_only_on_seed_and_name():

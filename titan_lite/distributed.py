@@ -1,8 +1,10 @@
 """Process-group and device set-up: device, compute dtype, backend (COMM_BACKEND), flight recorder, seeds, teardown."""
 
+import ctypes
 import os
 import random
 import socket
+import sys
 from datetime import timedelta
 
 import torch
@@ -102,6 +104,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# glibc mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def keep_freed_memory(device: torch.device) -> bool:
+    """On CPU under glibc, serve large tensors from malloc's heap and keep freed memory there for the next step.
+
+    By default glibc maps every allocation above its mmap threshold (at most 32 MiB) afresh and unmaps it when it is
+    freed, so each training step page-faults its activations, logits and gradients in again and the kernel zeroes
+    every page: on a 512-dim model with a 32k vocabulary about 700 MiB a step, a tenth of the step's CPU time. The
+    process's peak memory is unchanged (it reaches that peak every step anyway). TITAN_LITE_CPU_MALLOC=default keeps
+    glibc's behaviour. Returns whether the setting was applied.
+    """
+    if device.type != "cpu" or not sys.platform.startswith("linux") or \
+            os.environ.get("TITAN_LITE_CPU_MALLOC") == "default":
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc (musl, ...)
+        return False
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def set_seed(seed: int, deterministic: bool, warn_only: bool) -> None:

@@ -2,16 +2,75 @@
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from titan_lite.config.schema import Compile
 
 # Labels with this value carry no loss (padding, prompt tokens of instruction data).
 IGNORE_INDEX = -100
 
+# Elements of the [rows, vocab] block that row-chunked cross entropy works on at a time: 4 MiB of float32, small
+# enough to stay in the cache and below malloc's mmap threshold (no page faults for the temporaries).
+_CHUNK_ELEMENTS = 1 << 20
+
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of token losses, so the caller can normalise by the global token count."""
+    """Sum (not mean) of token losses, so the caller can normalise by the global token count.
+
+    Eager on CPU, plain tensors go through ChunkedCrossEntropySum (the same values in fewer passes over the logits,
+    no [tokens, vocab] temporaries). Accelerators, compiled code (inductor fuses F.cross_entropy itself) and
+    vocab-sharded DTensor logits (loss parallel) use F.cross_entropy.
+    """
+    if logits.device.type == "cpu" and not isinstance(logits, DTensor) and not torch.compiler.is_compiling():
+        return ChunkedCrossEntropySum.apply(logits.flatten(0, 1), labels.flatten())
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+class ChunkedCrossEntropySum(torch.autograd.Function):
+    """sum over rows of logsumexp(logits) - logits[label], for logits [tokens, vocab], in float32 blocks of rows.
+
+    When a gradient is wanted the forward writes softmax(logits) into the gradient's buffer as it goes (one exp per
+    logit, in all), and the backward only scales it and subtracts the one-hot labels in place. Nothing saves the
+    logits: after the forward only that buffer remains, where F.cross_entropy keeps a log-softmax copy and then
+    allocates two more [tokens, vocab] tensors in its backward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        valid = labels != IGNORE_INDEX
+        safe_labels = torch.where(valid, labels, 0)
+        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device) \
+            if ctx.needs_input_grad[0] else None
+        for rows in _row_blocks(logits):
+            block = logits[rows].float()
+            row_max = block.amax(dim=-1, keepdim=True)
+            exp = torch.sub(block, row_max, out=probs[rows] if probs is not None else None).exp_()
+            total = exp.sum(dim=-1, keepdim=True)
+            if probs is not None:
+                exp.div_(total)
+            torch.add(row_max.squeeze(1), total.squeeze(1).log(), out=lse[rows])
+        target = logits.gather(1, safe_labels[:, None]).squeeze(1).float()
+        ctx.save_for_backward(probs, safe_labels, valid)
+        ctx.logits_dtype = logits.dtype
+        ctx.used = False
+        return ((lse - target) * valid).sum()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if ctx.used:  # the gradient is made in place from the saved probabilities: only once
+            raise RuntimeError("ChunkedCrossEntropySum supports one backward pass (no retain_graph)")
+        ctx.used = True
+        probs, safe_labels, valid = ctx.saved_tensors
+        scale = valid * grad_output  # [tokens]: 0 on ignored rows
+        grad = probs.mul_(scale[:, None])
+        grad.scatter_add_(1, safe_labels[:, None], -scale[:, None])
+        return grad.to(ctx.logits_dtype), None
+
+
+def _row_blocks(logits: torch.Tensor) -> list[slice]:
+    rows = max(1, _CHUNK_ELEMENTS // max(1, logits.shape[1]))
+    return [slice(start, start + rows) for start in range(0, logits.shape[0], rows)]
 
 
 def build_loss_fn(compile_cfg: Compile, loss_parallel: bool):

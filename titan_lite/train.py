@@ -66,6 +66,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.device = tl_dist.local_device()
+        tl_dist.keep_freed_memory(self.device)
         tl_dist.configure_flight_recorder(cfg.comm, cfg.job.dump_folder)
         ACTIVITY.timeout("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
         ACTIVITY.now("joining the process group")

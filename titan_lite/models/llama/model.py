@@ -45,7 +45,22 @@ def rope_cache(args: LlamaArgs, device: torch.device | None = None) -> torch.Ten
 
 def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs of x [batch, seq, heads, head_dim] by the cache rows of its positions: [seq, pairs, 2]
-    shared by the batch, or [batch, seq, pairs, 2] with positions of their own per sequence (generation)."""
+    shared by the batch, or [batch, seq, pairs, 2] with positions of their own per sequence (generation).
+
+    Eager: one complex multiplication (the pair (x0, x1) as x0 + i x1, the cache row as cos + i sin), a single
+    kernel forward and backward. Compiled: the same arithmetic on real pairs, which inductor fuses into one kernel
+    (it generates no code for complex numbers).
+    """
+    if torch.compiler.is_compiling():
+        return apply_rope_real_pairs(x, cache)
+    rows = torch.view_as_complex(cache.contiguous())
+    rotation = rows[:, :, None, :] if rows.dim() == 3 else rows[None, :, None, :]
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
+
+
+def apply_rope_real_pairs(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """apply_rope on real pairs: (x0 cos - x1 sin, x0 sin + x1 cos)."""
     pairs = x.float().unflatten(-1, (-1, 2))
     rows = cache if cache.dim() == 4 else cache[None]
     cos, sin = rows[:, :, None, :, 0], rows[:, :, None, :, 1]

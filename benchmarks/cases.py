@@ -1,0 +1,223 @@
+"""The benchmark cases: a registry of named comparisons, each a list of variants run alternately in fresh processes.
+
+A variant knows the command that measures it and how to read that command's output into metrics. A case names
+its variants and the ratios to report. New lines (LoRA against full fine-tuning, Wanda against its floor) plug in
+with `@register_case`, using the variants below or their own.
+"""
+
+import json
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.shapes import SHAPES
+from benchmarks.worker import RESULT_PREFIX
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class RunOutput:
+    """What one measurement printed, how long it took and its own peak RSS (from wait4)."""
+
+    stdout: str
+    returncode: int
+    wall_s: float
+    child_cpu_s: float
+    child_peak_rss_bytes: int
+
+
+@dataclass
+class Settings:
+    """Options of one benchmark invocation that shape the variants' commands."""
+
+    steps: int = 5
+    warmup: int = 2
+    threads: int = 2  # CPU threads in all: one process uses them all, N processes share them
+
+
+@dataclass
+class Variant:
+    """One side of a comparison: a command and a reading of its output."""
+
+    label: str
+
+    def command(self, settings: Settings) -> tuple[list[str], dict[str, str]]:
+        raise NotImplementedError
+
+    def metrics(self, out: RunOutput) -> dict[str, float]:
+        raise NotImplementedError
+
+
+def _worker_results(stdout: str) -> list[dict]:
+    return [json.loads(line[len(RESULT_PREFIX):]) for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+
+
+@dataclass
+class TrainVariant(Variant):
+    """Training steps of titan_lite or transformers on a shape, in 1 process or N FSDP processes (torchrun)."""
+
+    impl: str = "titan_lite"
+    shape: str = "debug"
+    compile: bool = False
+    nproc: int = 1
+    optimizer: str | None = None  # titan_lite's optimizer.implementation; None = the config default
+    env: dict[str, str] = field(default_factory=dict)  # extra environment (A/B of a switch)
+
+    def command(self, settings: Settings) -> tuple[list[str], dict[str, str]]:
+        args = ["-m", "benchmarks.worker", "--impl", self.impl, "--shape", self.shape,
+                "--steps", str(settings.steps), "--warmup", str(settings.warmup + (2 if self.compile else 0))]
+        args += ["--compile"] if self.compile else []
+        args += ["--optimizer", self.optimizer] if self.optimizer else []
+        if self.nproc > 1:
+            args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(self.nproc)] + args[:1] + \
+                ["benchmarks.worker"] + args[2:]
+        env = {"OMP_NUM_THREADS": str(max(1, settings.threads // self.nproc)), **self.env}
+        return [sys.executable, *args], env
+
+    def metrics(self, out: RunOutput) -> dict[str, float]:
+        ranks = sorted(_worker_results(out.stdout), key=lambda r: r["rank"])
+        if out.returncode != 0 or len(ranks) != self.nproc:
+            raise RuntimeError(f"{self.label}: exit code {out.returncode}, {len(ranks)} of {self.nproc} results\n"
+                               + out.stdout[-3000:])
+        first = ranks[0]
+        step_s = statistics.median(first["step_s"])
+        own_cpu = sum(r["own_cpu_s"] for r in ranks)
+        busy = first["machine_busy_s"]
+        return {
+            "tokens_per_s": first["tokens_per_step"] / step_s,
+            "step_s": step_s,
+            "step_spread": max(first["step_s"]) / min(first["step_s"]),
+            # CPU seconds of all ranks per step: a measure of the work done that foreign load disturbs less.
+            "cpu_s_per_step": own_cpu / len(first["step_s"]),
+            "sys_s_per_step": sum(r["sys_cpu_s"] for r in ranks) / len(first["step_s"]),
+            "flops_per_token": first["flops_per_token"],
+            "peak_rss_gib": max(r["peak_rss_bytes"] for r in ranks) / 2**30,
+            # Cores busy with other processes over the timed steps, on average.
+            "foreign_cores": (busy - own_cpu) / first["wall_s"] if busy is not None else 0.0,
+            "loss_last": first["losses"][-1],
+        }
+
+
+@dataclass
+class MatmulPeakVariant(Variant):
+    """The fp32 matmul rate of the machine with the benchmark's thread count: the physical limit MFU refers to."""
+
+    def command(self, settings: Settings) -> tuple[list[str], dict[str, str]]:
+        env = {"OMP_NUM_THREADS": str(settings.threads)}
+        return [sys.executable, "-m", "benchmarks.worker", "--impl", "matmul"], env
+
+    def metrics(self, out: RunOutput) -> dict[str, float]:
+        result = _worker_results(out.stdout)
+        if out.returncode != 0 or not result:
+            raise RuntimeError(f"matmul peak: exit code {out.returncode}\n{out.stdout[-3000:]}")
+        return {"gflops": result[0]["flops"] / 1e9, "foreign_cores": result[0]["foreign_cores"]}
+
+
+@dataclass
+class DryRunVariant(Variant):
+    """DRY_RUN=1 planning of a full-size job, as `run_train.sh` runs it: wall time and peak RSS of the process."""
+
+    config: str = "train_configs/llama3_8b.toml"
+    ngpu: int = 8
+    nnodes: int = 1
+    data_dir: str = ""  # any existing folder: DRY_RUN checks the dataset path exists, reads nothing
+
+    def command(self, settings: Settings) -> tuple[list[str], dict[str, str]]:
+        args = [sys.executable, "-m", "titan_lite.train", "--job.config_file", self.config,
+                "--model.hf_assets_path", "assets/tokenizer", "--training.dataset_path", self.data_dir or str(REPO)]
+        return args, {"DRY_RUN": "1", "NGPU": str(self.ngpu), "NNODES": str(self.nnodes), "OMP_NUM_THREADS": "1"}
+
+    def metrics(self, out: RunOutput) -> dict[str, float]:
+        if out.returncode != 0 or "dry run OK" not in out.stdout:
+            raise RuntimeError(f"{self.label}: exit code {out.returncode}\n{out.stdout[-3000:]}")
+        return {"wall_s": out.wall_s, "cpu_s": out.child_cpu_s, "peak_rss_gib": out.child_peak_rss_bytes / 2**30,
+                "foreign_cores": 0.0}
+
+
+@dataclass
+class Ratio:
+    """numerator's metric over denominator's (labels of variants in the same case)."""
+
+    label: str
+    metric: str
+    numerator: str
+    denominator: str
+    target: float | None = None
+    higher_is_better: bool = True
+
+
+@dataclass
+class Case:
+    name: str
+    description: str
+    variants: list[Variant]
+    ratios: list[Ratio] = field(default_factory=list)
+    columns: tuple[str, ...] = ("tokens_per_s", "mfu_pct", "step_s", "peak_rss_gib")
+
+
+CASES: dict[str, Callable[[], Case]] = {}
+
+
+def register_case(name: str) -> Callable:
+    """Register a function that builds a Case under `name` (what `--cases` selects)."""
+    def register(build: Callable[[], Case]) -> Callable[[], Case]:
+        CASES[name] = build
+        return build
+    return register
+
+
+# ------------------------------------------------------------------------------------------ cases
+
+
+def _vs_transformers(shape: str) -> Case:
+    variants = [TrainVariant("titan_lite", impl="titan_lite", shape=shape),
+                TrainVariant("transformers", impl="transformers", shape=shape),
+                TrainVariant("titan_lite compiled", impl="titan_lite", shape=shape, compile=True)]
+    return Case(f"train_{shape}", f"{SHAPES[shape].batch} x {SHAPES[shape].seq_len} tokens, 1 process", variants,
+                [Ratio("titan_lite / transformers", "tokens_per_s", "titan_lite", "transformers", target=1.3),
+                 Ratio("compiled / eager", "tokens_per_s", "titan_lite compiled", "titan_lite")])
+
+
+def _fsdp(shape: str) -> Case:
+    variants = [TrainVariant("1 process", shape=shape), TrainVariant("2 FSDP processes", shape=shape, nproc=2)]
+    return Case(f"fsdp_{shape}", f"titan_lite, {SHAPES[shape].batch} x {SHAPES[shape].seq_len} tokens per rank",
+                variants,
+                [Ratio("peak RSS per rank: 2 / 1 process", "peak_rss_gib", "2 FSDP processes", "1 process",
+                       target=0.6, higher_is_better=False),
+                 Ratio("tokens/s: 2 / 1 process", "tokens_per_s", "2 FSDP processes", "1 process")])
+
+
+for _shape in ("debug", "smollm2_135M", "512d_32k"):
+    register_case(f"train_{_shape}")(lambda s=_shape: _vs_transformers(s))
+for _shape in ("debug", "512d_32k", "smollm2_135M"):
+    register_case(f"fsdp_{_shape}")(lambda s=_shape: _fsdp(s))
+
+
+@register_case("dry_run")
+def _dry_run() -> Case:
+    variants = [DryRunVariant("8B on 8 ranks", config="train_configs/llama3_8b.toml", ngpu=8),
+                DryRunVariant("70B on 64 ranks", config="train_configs/llama3_70b.toml", ngpu=8, nnodes=8)]
+    return Case("dry_run", "DRY_RUN=1 planning, whole process", variants, columns=("wall_s", "cpu_s", "peak_rss_gib"))
+
+
+@register_case("tiny")
+def _tiny() -> Case:
+    """A seconds-long case for smoke tests (not in the default list)."""
+    return Case("tiny", "tiny flavor, titan_lite only", [TrainVariant("titan_lite", shape="tiny")])
+
+
+DEFAULT_CASES = ["train_debug", "train_512d_32k", "train_smollm2_135M", "fsdp_debug", "fsdp_512d_32k",
+                 "fsdp_smollm2_135M", "dry_run"]
+
+
+def environment_of(variant: Variant, settings: Settings) -> tuple[list[str], dict[str, str]]:
+    argv, env = variant.command(settings)
+    full = dict(os.environ, **env)
+    # A variant's own PYTHONPATH (another checkout's titan_lite, say) comes before this checkout.
+    paths = [env.get("PYTHONPATH"), str(REPO), os.environ.get("PYTHONPATH")]
+    full["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    return argv, full

@@ -1,0 +1,208 @@
+"""One measurement in a fresh process: train steps of one implementation on one shape, report one JSON line.
+
+Run by benchmarks/run.py (directly, or under torchrun for FSDP); not meant to be called by hand, but it can be:
+
+    python -m benchmarks.worker --impl titan_lite --shape debug --steps 10 --warmup 3
+
+The line it prints starts with RESULT_PREFIX: per-step seconds of the timed steps, this process's CPU seconds and
+the machine's busy CPU seconds over them (to tell foreign load), peak RSS, tokens per step, FLOPs per token.
+"""
+
+import argparse
+import gc
+import json
+import logging
+import os
+import resource
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.shapes import SHAPES, Shape
+from titan_lite import distributed as tl_dist
+from titan_lite.config import parse_args
+from titan_lite.metrics.flops import num_flops_per_token, peak_flops
+from titan_lite.models.llama import Llama, LlamaArgs
+from titan_lite.models.llama.hf import args_to_hf_config
+from titan_lite.train import Trainer
+
+RESULT_PREFIX = "BENCH_RESULT "
+_LR, _BETAS, _EPS, _WEIGHT_DECAY, _MAX_NORM = 1e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.worker", description=__doc__.splitlines()[0])
+    p.add_argument("--impl", choices=["titan_lite", "transformers", "matmul"], required=True,
+                   help="matmul: the machine's fp32 matmul rate (no shape)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="debug")
+    p.add_argument("--steps", type=int, default=5, help="timed steps")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation, allocator warm-up)")
+    p.add_argument("--compile", action="store_true", help="titan_lite: [compile] enable (model and loss)")
+    p.add_argument("--optimizer", default="fused", help="titan_lite: optimizer.implementation")
+    p.add_argument("--profile", default=None, help="write a torch.profiler table of 2 steps after the timed ones")
+    return p.parse_args(argv)
+
+
+def random_batch(shape: Shape, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, next-token labels) of shape [batch, seq_len], uniform random token ids."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (shape.batch, shape.seq_len + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+# ------------------------------------------------------------------------------------ titan_lite
+
+
+def titan_lite_step(shape: Shape, opts: argparse.Namespace, dump_folder: str) -> Callable[[int], float]:
+    """The trainer's own train_step (token count, forward/backward, clip, optimizer step) on random batches."""
+    overrides = [
+        "--job.config_file", "train_configs/debug_model.toml",  # activation checkpointing off, as in transformers
+        "--model.flavor", shape.flavor, "--model.hf_assets_path", "assets/tokenizer",
+        "--training.seq_len", str(shape.seq_len), "--training.local_batch_size", str(shape.batch),
+        "--training.max_norm", str(_MAX_NORM), "--optimizer.lr", str(_LR), "--optimizer.implementation",
+        opts.optimizer, "--optimizer.weight_decay", str(_WEIGHT_DECAY), "--lr_scheduler.warmup_steps", "0",
+        "--validation.enable=false", "--metrics.enable_tensorboard=false", "--job.dump_folder", dump_folder,
+        f"--compile.enable={str(opts.compile).lower()}",
+    ]
+    trainer = Trainer(parse_args(overrides))
+    vocab = trainer.plan.model_args.vocab_size
+    batches = [random_batch(shape, vocab, seed=trainer.rank * 1000 + i) for i in range(4)]
+
+    def step(i: int) -> float:
+        loss, _ = trainer.train_step([batches[i % len(batches)]], i + 1)
+        return loss
+    return step
+
+
+# ---------------------------------------------------------------------------------- transformers
+
+
+def transformers_step(shape: Shape) -> Callable[[int], float]:
+    """LlamaForCausalLM (sdpa, fp32, random init) with foreach AdamW and grad-norm clipping, as HF's Trainer does."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM  # optional: a test/benchmark-only dependency
+    except ImportError:
+        print("error: transformers is not installed (pip install transformers); it is needed for the "
+              "transformers side of the benchmark", file=sys.stderr)
+        sys.exit(2)
+    args = shape.args()
+    config = LlamaConfig(**args_to_hf_config(args, torch.float32))
+    config.use_cache = False
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=_LR, betas=_BETAS, eps=_EPS, weight_decay=_WEIGHT_DECAY, foreach=True)
+    # HF shifts labels inside the loss: pass the sequence itself as labels.
+    batches = [random_batch(shape, args.vocab_size, seed=i)[0] for i in range(4)]
+
+    def step(i: int) -> float:
+        inputs = batches[i % len(batches)]
+        loss = model(input_ids=inputs, labels=inputs).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, _MAX_NORM, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+    return step
+
+
+# ------------------------------------------------------------------------------------- measuring
+
+
+def machine_busy_seconds() -> float | None:
+    """CPU seconds all cores of the machine spent busy since boot (Linux /proc/stat), or None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def peak_rss_bytes() -> int:
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024
+
+
+def measure(step: Callable[[int], float], steps: int, warmup: int) -> dict:
+    for i in range(warmup):
+        step(i)
+    times, losses = [], []
+    busy0, cpu0, wall0 = machine_busy_seconds(), time.process_time(), time.perf_counter()
+    usage0 = resource.getrusage(resource.RUSAGE_SELF)
+    for i in range(warmup, warmup + steps):
+        start = time.perf_counter()
+        losses.append(step(i))
+        times.append(time.perf_counter() - start)
+    wall, cpu, busy1 = time.perf_counter() - wall0, time.process_time() - cpu0, machine_busy_seconds()
+    usage1 = resource.getrusage(resource.RUSAGE_SELF)
+    return {"step_s": times, "losses": losses, "wall_s": wall, "own_cpu_s": cpu,
+            "sys_cpu_s": usage1.ru_stime - usage0.ru_stime, "minor_faults": usage1.ru_minflt - usage0.ru_minflt,
+            "machine_busy_s": None if busy0 is None or busy1 is None else busy1 - busy0}
+
+
+def profile_table(step: Callable[[int], float], first: int, path: str) -> None:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for i in range(first, first + 2):
+            step(i)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+    shapes = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=40)
+    with open(path, "w") as f:
+        f.write(table + "\n\n" + shapes)
+
+
+def matmul_peak() -> dict:
+    """The fp32 matmul rate with this process's threads: the MFU denominator, as the trainer measures it."""
+    busy0, cpu0, wall0 = machine_busy_seconds(), time.process_time(), time.perf_counter()
+    flops = peak_flops(torch.device("cpu"))
+    wall, cpu, busy1 = time.perf_counter() - wall0, time.process_time() - cpu0, machine_busy_seconds()
+    foreign = (busy1 - busy0 - cpu) / wall if busy0 is not None and busy1 is not None else 0.0
+    return {"flops": flops, "threads": torch.get_num_threads(), "foreign_cores": foreign}
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse(argv)
+    if opts.impl == "matmul":
+        print(RESULT_PREFIX + json.dumps(matmul_peak()), flush=True)
+        return 0
+    shape = SHAPES[opts.shape]
+    shape.args()  # registers the benchmark flavors in this process
+    logging.getLogger("titan_lite").setLevel(logging.WARNING)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    with tempfile.TemporaryDirectory(prefix="titan_lite_bench_") as dump_folder:
+        if opts.impl == "titan_lite":
+            step = titan_lite_step(shape, opts, dump_folder)
+        else:
+            step = transformers_step(shape)
+        gc.collect()
+        gc.disable()  # as the trainer's loop does
+        result = measure(step, opts.steps, opts.warmup)
+        if opts.profile:
+            profile_table(step, opts.warmup + opts.steps, opts.profile)
+        gc.enable()
+    a = shape.args()
+    result.update(
+        impl=opts.impl, shape=shape.name, compile=opts.compile, rank=int(os.environ.get("RANK", "0")), world=world,
+        threads=torch.get_num_threads(), tokens_per_step=shape.batch * shape.seq_len * world,
+        peak_rss_bytes=peak_rss_bytes(),
+        flops_per_token=num_flops_per_token(_param_count(a), 0 if a.tie_word_embeddings else a.vocab_size * a.dim,
+                                            a.n_layers, a.n_heads, a.head_dim, shape.seq_len),
+    )
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    if opts.impl == "titan_lite":
+        tl_dist.shutdown()
+    return 0
+
+
+def _param_count(args: LlamaArgs) -> int:
+    with torch.device("meta"):
+        return Llama(args).num_params()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

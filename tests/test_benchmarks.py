@@ -1,0 +1,35 @@
+"""The benchmark entry point runs a case end to end and writes its JSON; the CPU allocator setting applies once."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from titan_lite.distributed import keep_freed_memory
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_benchmark_runs_a_tiny_case_and_writes_json(tmp_path):
+    out = tmp_path / "results.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--cases", "tiny", "--repeats", "1", "--steps", "1",
+                           "--warmup", "0", "--retries", "0", "--threads", "1", "--json", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().splitlines()[-1].startswith("result: ")
+    assert "load average" in proc.stdout
+    results = json.loads(out.read_text())
+    (variant,) = results["cases"][0]["variants"]
+    run = variant["runs"][0]
+    assert variant["label"] == "titan_lite" and run["tokens_per_s"] > 0 and run["peak_rss_gib"] > 0
+    assert results["matmul_peak_gflops"] > 0 and 0 < run["mfu_pct"]
+
+
+def test_keep_freed_memory_only_on_cpu(monkeypatch):
+    assert not keep_freed_memory(torch.device("meta"))
+    monkeypatch.setenv("TITAN_LITE_CPU_MALLOC", "default")
+    assert not keep_freed_memory(torch.device("cpu"))
