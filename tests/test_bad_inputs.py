@@ -240,7 +240,8 @@ CASES = [
     # data
     Case("dataset path that does not exist", "'training.dataset_path' = '{tmp}/no_data' does not exist",
          build=lambda tmp: ["--training.dataset", "jsonl", "--training.dataset_path", str(tmp / "no_data")]),
-    Case("dataset folder without shards", "'training.dataset_path' = '{tmp}' holds no .txt, .jsonl, .json.gz, .parquet files",
+    Case("dataset folder without shards",
+         "'training.dataset_path' = '{tmp}' holds no .txt, .jsonl, .json.gz, .parquet files",
          build=lambda tmp: ["--training.dataset", "jsonl", "--training.dataset_path", str(tmp)]),
     Case("dataset file of another kind", "must end in one of .txt, .jsonl, .json.gz",
          build=file_in_case("d.csv", b"a,b\n", lambda tmp: ["--training.dataset", "text",
