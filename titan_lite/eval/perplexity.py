@@ -21,7 +21,7 @@ DOCUMENT_SEPARATOR = "\n\n"
 def read_text(path: str) -> str:
     """Every document of a .txt/.jsonl/.json.gz/.parquet file or folder, joined by a blank line."""
     stream = DocumentStream(resolve_shards("text", path, key_prefix="eval"))
-    return DOCUMENT_SEPARATOR.join(text for text, _ in stream.read(StreamPosition(), 0, 1))
+    return DOCUMENT_SEPARATOR.join(text for text, _ in stream.read(StreamPosition()))
 
 
 def text_windows(token_ids: list[int], seq_len: int, max_windows: int | None = None) -> torch.Tensor:
