@@ -53,17 +53,16 @@ CASES = [
     ("hsdp_replicate2_shard2", 4, 2, ["--parallelism.data_parallel_replicate_degree", "2"]),
     ("ddp_replicate2", 2, 4, ["--parallelism.data_parallel_replicate_degree", "2"]),
     ("tp2_loss_parallel", 2, 8, ["--parallelism.tensor_parallel_degree", "2"]),
-    ("tp2_no_loss_parallel", 2, 8,
-     ["--parallelism.tensor_parallel_degree", "2", "--parallelism.disable_loss_parallel"]),
+    ("tp2_no_loss_parallel_ac_selective_op", 2, 8,
+     ["--parallelism.tensor_parallel_degree", "2", "--parallelism.disable_loss_parallel",
+      "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
     ("fsdp2_tp2", 4, 4, ["--parallelism.tensor_parallel_degree", "2"]),
-    ("fsdp2_ac_full", 2, 4, ["--activation_checkpoint.mode", "full"]),
-    ("fsdp2_ac_selective_op", 2, 4, ["--activation_checkpoint.mode", "selective",
-                                     "--activation_checkpoint.selective_ac_option", "op"]),
+    ("fsdp2_ac_full_accumulation2", 2, 2, ["--activation_checkpoint.mode", "full",
+                                           "--training.global_batch_size", "8"]),
     ("fsdp2_compile", 2, 4, ["--compile.enable"]),
     ("fsdp2_cpu_offload_no_reshard", 2, 4, ["--training.enable_cpu_offload",
                                             "--parallelism.fsdp_reshard_after_forward", "never"]),
     ("accumulation_4x2_one_process", 1, 2, ["--training.global_batch_size", "8"]),
-    ("fsdp2_accumulation2", 2, 2, ["--training.global_batch_size", "8"]),
 ]
 
 # What the trainer's start-up line must say for each case, so a silently ignored override cannot pass.
@@ -71,14 +70,12 @@ EXPECTED_LAYOUT = {
     "hsdp_replicate2_shard2": "dp_replicate 2 x dp_shard 2 x cp 1 x tp 1",
     "ddp_replicate2": "dp_replicate 2 x dp_shard 1 x cp 1 x tp 1",
     "tp2_loss_parallel": "dp_replicate 1 x dp_shard 1 x cp 1 x tp 2",
-    "tp2_no_loss_parallel": "dp_replicate 1 x dp_shard 1 x cp 1 x tp 2",
+    "tp2_no_loss_parallel_ac_selective_op": "dp_replicate 1 x dp_shard 1 x cp 1 x tp 2",
     "fsdp2_tp2": "dp_replicate 1 x dp_shard 2 x cp 1 x tp 2",
-    "fsdp2_ac_full": "dp_shard 2",
-    "fsdp2_ac_selective_op": "dp_shard 2",
+    "fsdp2_ac_full_accumulation2": "dp_shard 2 x cp 1 x tp 1 x pp 1; gradient accumulation 2",
     "fsdp2_compile": "dp_shard 2",
     "fsdp2_cpu_offload_no_reshard": "dp_shard 2",
     "accumulation_4x2_one_process": "gradient accumulation 4",
-    "fsdp2_accumulation2": "gradient accumulation 2",
 }
 
 
