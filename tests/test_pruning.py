@@ -81,6 +81,9 @@ def dims(**degrees) -> ParallelDims:
     ([], {"cp": 2}, "does not run under context parallelism"),
     (["--pruning.nsamples", "9"], {"dp_shard": 2}, "'pruning.nsamples' = 9 must be a multiple of the data-parallel"),
     (["--pruning.seq_len", "33"], {"tp": 2}, "'pruning.seq_len' = 33 must be divisible by"),
+    (["--model.converters", "lora,prune"], {}, "list 'prune' before 'lora'"),
+    (["--model.converters", "prune,lora", "--lora.init", "pissa"], {},
+     "'lora.init' = 'pissa' cannot follow 'prune' in 'model.converters'"),
 ])
 def test_impossible_settings_are_one_line_errors(overrides, layout, message):
     cfg = parse_args(["--job.config_file", BASE, *overrides])

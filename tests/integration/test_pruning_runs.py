@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,23 @@ def test_masks_stay_exact_through_fine_tuning_and_a_resume_on_two_ranks(tmp_path
     assert set(scalars(tmp_path, "pruning/mask_violations").values()) == {0.0}
     report = json.loads((tmp_path / "checkpoint" / "sparsity-report-step-4.json").read_text())
     assert report["pruned_linears"]["sparsity"] == 0.5 and report["pattern"] == "2:4"
+
+
+def test_lora_recovery_keeps_the_pruned_base_and_an_adapter_only_resume_is_exact(tmp_path):
+    """converters = ["prune", "lora"]: the frozen base stays 2:4-sparse; a resume from an adapter-only checkpoint
+    prunes the reloaded base again (deterministically) and continues with the uninterrupted run's losses."""
+    prune_lora = [*PRUNE, "--model.converters", "prune,lora", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    whole = run_train([*prune_lora, "--training.steps", "4"], tmp_path / "whole")
+    assert whole.returncode == 0, whole.output[-3000:]
+    assert "frozen tensors on this rank are bitwise unchanged since loading" in whole.output
+    assert set(scalars(tmp_path / "whole", "pruning/mask_violations").values()) == {0.0}
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "whole" / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
+    second = run_train([*prune_lora, "--training.steps", "4"], resumed)
+    assert second.returncode == 0, second.output[-3000:]
+    assert "resuming after step 2" in second.output and "wanda 2:4 pruned" in second.output
+    expected, got = scalars(tmp_path / "whole", "loss/global_avg"), scalars(resumed, "loss/global_avg")
+    assert sorted(got) == [3, 4] and all(abs(got[s] - expected[s]) <= 1e-6 for s in got), (got, expected)
 
 
 def run_script(script: str, *args: str) -> subprocess.CompletedProcess:

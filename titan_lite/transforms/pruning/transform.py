@@ -35,9 +35,24 @@ logger = logging.getLogger("titan_lite")
 REPORT_NAME = "sparsity_report.json"
 
 
+def check_with_lora(cfg: JobConfig) -> None:
+    """LoRA recovery on a pruned base: prune first (the adapters wrap pruned linears), and an adapter init that
+    leaves the base as pruned (PiSSA would replace it with a dense residual that the masks then cut)."""
+    converters = cfg.model.converters
+    if "lora" not in converters:
+        return
+    if converters.index("lora") < converters.index("prune"):
+        raise ConfigError(f"'model.converters' = {converters}: list 'prune' before 'lora' (the adapters recover a "
+                          "pruned base)")
+    if cfg.lora.init.startswith("pissa"):
+        raise ConfigError(f"'lora.init' = '{cfg.lora.init}' cannot follow 'prune' in 'model.converters': PiSSA "
+                          "replaces the pruned base with a dense residual; use init 'default' or 'gaussian'")
+
+
 def check_layout(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims) -> None:
     """What the one-shot pass needs of the layout and the shapes; each refusal is one line naming the key."""
     p = cfg.pruning
+    check_with_lora(cfg)
     if dims.pp_enabled:
         raise ConfigError(f"the 'prune' transform does not run under pipeline parallelism "
                           f"('parallelism.pipeline_parallel_degree' = {dims.pp}): calibration feeds every block the "
@@ -81,15 +96,16 @@ class PruneTransform(Transform):
     def after_load(self, ctx: TransformContext) -> None:
         self.dims = ctx.parallel_dims
         model = ctx.model_parts[0]
-        if ctx.resuming:
+        if ctx.resuming and ctx.checkpoint_holds_model:
             self.attach_placeholders(model)
             logger.info("prune: resuming; the masks and pruned weights come from the checkpoint")
-        else:
+        else:  # a fresh run, or an adapter-only checkpoint: the base is pruned again, deterministically
             self.prune_once(ctx)
         self.masked = [module for _, module in masked_linears(ctx.model_parts)]
         if self.cfg.pruning.mask_gradients:
             for module in self.masked:
-                module.weight.register_post_accumulate_grad_hook(partial(mask_gradient, module=module))
+                if module.weight.requires_grad:  # a frozen base (LoRA) gets no gradient to mask
+                    module.weight.register_post_accumulate_grad_hook(partial(mask_gradient, module=module))
 
     def attach_placeholders(self, model: nn.Module) -> None:
         """Masks of the right shapes and shardings for the checkpoint to fill."""
