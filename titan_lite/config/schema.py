@@ -100,6 +100,9 @@ class LRScheduler:
         "wsd", "Schedule: wsd (linear warmup, optional stable phase, decay) or greedy (warmup, then adapt the LR to "
         "the loss).")
     warmup_steps: int = opt(200, "Steps of linear warmup from near zero to the peak LR.")
+    warmup_ratio: float | None = opt(
+        None, "Warmup as a fraction of the schedule's length (total_steps, else training.steps), rounded to whole "
+        "steps; replaces warmup_steps when set (e.g. 0.1 for 10%).")
     total_steps: int | None = opt(None, "Length of the schedule; defaults to training.steps.")
     decay_ratio: float | None = opt(
         None, "Fraction of steps spent decaying; None decays straight after warmup (no stable phase).")

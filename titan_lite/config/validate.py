@@ -152,6 +152,8 @@ def check_instruct(cfg: JobConfig) -> None:
 def check_lr_scheduler(cfg: JobConfig) -> None:
     s = cfg.lr_scheduler
     _at_least(cfg, "lr_scheduler.warmup_steps", 0)
+    if s.warmup_ratio is not None:
+        _require(0 <= s.warmup_ratio < 1, f"'lr_scheduler.warmup_ratio' must be in [0, 1), got {s.warmup_ratio}")
     if s.total_steps is not None:
         _positive(cfg, "lr_scheduler.total_steps")
     if s.decay_ratio is not None:
