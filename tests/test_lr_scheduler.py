@@ -77,3 +77,10 @@ def test_greedy_respects_floor_and_cooldown():
     got = lrs(s, 8, [5.0] + [6.0 + i for i in range(7)])
     # the first loss sets the baseline; each worse step halves, then one cooldown step; never below 0.25
     assert got == pytest.approx([1, 1, 0.5, 0.5, 0.25, 0.25, 0.25, 0.25])
+
+
+def test_warmup_ratio_is_a_fraction_of_the_schedule_length():
+    by_ratio = lrs(schedule(["--lr_scheduler.warmup_ratio", "0.3"], steps=10), 10)
+    assert by_ratio == lrs(schedule(["--lr_scheduler.warmup_steps", "3"], steps=10), 10)
+    by_total = schedule(["--lr_scheduler.warmup_ratio", "0.1", "--lr_scheduler.total_steps", "50"], steps=10)
+    assert by_total.cfg.warmup_steps == 5

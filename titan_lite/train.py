@@ -21,7 +21,7 @@ from titan_lite.checkpoint.manager import (
     warn_incomplete_saves,
 )
 from titan_lite.config import JobConfig, help_text, parse_args, to_toml, validate
-from titan_lite.data.dataloader import BatchLayout, DataLoader, build_dataloader, loader_options
+from titan_lite.data.dataloader import BatchLayout, DataLoader, build_section_loader
 from titan_lite.dry_run import dry_run, planned_world_size
 from titan_lite.dtensor import full_tensor
 from titan_lite.errors import FAULT, HANG, USER_ERROR, ConfigError, TrainingFault
@@ -116,8 +116,7 @@ class Trainer:
     def build_train_loader(self) -> DataLoader:
         t, batch_mesh = self.cfg.training, self.parallel_dims.submesh("batch")
         layout = BatchLayout(t.local_batch_size, batch_mesh.get_local_rank(), batch_mesh.size(), self.plan.grad_accum)
-        return build_dataloader(t.dataset, t.dataset_path, self.plan.tokenizer, t.seq_len, layout,
-                                loader_options(t.dataloader))
+        return build_section_loader(self.cfg, "training", self.plan.tokenizer, layout)
 
     def build_checkpointer(self) -> CheckpointManager:
         world = dist.get_world_size()
@@ -135,7 +134,7 @@ class Trainer:
     def build_validator(self) -> Validator | None:
         if not self.cfg.validation.enable:
             return None
-        return Validator(self.cfg.validation, self.plan.tokenizer, self.parallel_dims, self.model.runner, self.device)
+        return Validator(self.cfg, self.plan.tokenizer, self.parallel_dims, self.model.runner, self.device)
 
     def build_metrics(self) -> MetricsProcessor:
         a = self.plan.model_args
@@ -292,7 +291,8 @@ class Trainer:
             self.metrics.log(step, loss, grad_norm, lr, extra=self.transforms.metrics(self.model_parts))
         if self.validator is not None and step % cfg.validation.freq == 0:
             ACTIVITY.now(f"validating after step {step}")
-            self.metrics.log_validation(step, self.validator.validate(self.model_parts))
+            results = self.validator.evaluate(self.model_parts, step)
+            self.metrics.log_validation(step, results.pop("loss"), results)
         ACTIVITY.now(f"saving checkpoint step-{step}")
         self.checkpointer.save(step, last=step == cfg.training.steps)
         if step == 1:

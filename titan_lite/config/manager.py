@@ -2,6 +2,7 @@
 
 import dataclasses
 import difflib
+import json
 import sys
 import types
 import typing
@@ -267,7 +268,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return json.dumps(value, ensure_ascii=False)  # JSON's string escapes (\n, \", \uXXXX) are also TOML's
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return repr(value)

@@ -100,6 +100,9 @@ class LRScheduler:
         "wsd", "Schedule: wsd (linear warmup, optional stable phase, decay) or greedy (warmup, then adapt the LR to "
         "the loss).")
     warmup_steps: int = opt(200, "Steps of linear warmup from near zero to the peak LR.")
+    warmup_ratio: float | None = opt(
+        None, "Warmup as a fraction of the schedule's length (total_steps, else training.steps), rounded to whole "
+        "steps; replaces warmup_steps when set (e.g. 0.1 for 10%).")
     total_steps: int | None = opt(None, "Length of the schedule; defaults to training.steps.")
     decay_ratio: float | None = opt(
         None, "Fraction of steps spent decaying; None decays straight after warmup (no stable phase).")
@@ -127,7 +130,8 @@ class DataLoader:
 class Training:
     dataset: str = opt(
         "shakespeare", "Dataset: shakespeare (bundled), c4, c4_test, text, jsonl; c4/text/jsonl read "
-        "training.dataset_path.")
+        "training.dataset_path; instruct: prompt/response examples from training.dataset_path (a .jsonl, .json or "
+        ".parquet file; see [instruct]), loss on response tokens only.")
     dataset_path: str | None = opt(
         None, "Local file or folder of .txt, .jsonl, .json.gz shards (one JSON object per line with a 'text' field) "
         "or .parquet shards (a 'text' column; needs pyarrow).")
@@ -274,7 +278,27 @@ class Validation:
     seq_len: int = opt(2048, "Validation sequence length.")
     freq: int = opt(10, "Validate every this many steps.")
     steps: int = opt(-1, "Validation batches per run; -1 = one full pass of the split.")
+    answer_problems: int = opt(
+        0, "dataset = instruct: also measure answer accuracy on this many held-out problems (the first of the "
+        "validation split) by greedy generation, comparing the final number ('#### N', 'The answer is: N') with the "
+        "reference's; 0 = off. One process or FSDP/HSDP only.")
+    max_new_tokens: int = opt(64, "Answer accuracy: tokens generated per problem at most.")
+    sample_outputs: int = opt(3, "Answer accuracy: completions printed at the first and the last evaluation.")
     dataloader: DataLoader = section(DataLoader, "Validation DataLoader options.")
+
+
+@dataclass
+class Instruct:
+    prompt_field: str = opt("question", "Field (JSON key or parquet column) of the prompt: question for GSM8K, "
+                                        "query for MetaMathQA.")
+    response_field: str = opt("answer", "Field of the response: answer for GSM8K, response for MetaMathQA.")
+    template: str = opt("Question: {prompt}\nAnswer: ", "Text before the response; {prompt} is replaced by the "
+                                                        "prompt field. The response follows, then the eos token.")
+    packing: bool = opt(False, "Pack examples back to back into windows of seq_len tokens (no padding); false = "
+                               "one example per sequence (cut at seq_len), padded to the longest in the batch.")
+    validation_fraction: float = opt(
+        0.05, "With validation.dataset = instruct and no validation.dataset_path: this fraction of the training "
+        "file's examples (evenly spread, the same every run) is held out for validation and never trained on.")
 
 
 @dataclass
@@ -442,6 +466,8 @@ class JobConfig:
     compile: Compile = section(Compile, "torch.compile.")
     comm: Comm = section(Comm, "Communication timeouts and tracing.")
     validation: Validation = section(Validation, "Held-out loss during training.")
+    instruct: Instruct = section(Instruct, "Instruction data (training.dataset / validation.dataset = "
+                                           "\"instruct\"): fields, prompt template, packing, held-out split.")
     debug: Debug = section(Debug, "Seeds and determinism.")
     dry_run: DryRun = section(DryRun, "DRY_RUN=1 planning options.")
     pruning: Pruning = section(Pruning, "One-shot pruning at the start of a run (the 'prune' transform in "

@@ -58,6 +58,7 @@ def check_ranges(cfg: JobConfig) -> None:
     check_lr_scheduler(cfg)
     check_parallelism(cfg)
     check_validation(cfg)
+    check_instruct(cfg)
     check_activation_checkpoint(cfg)
     check_compile(cfg)
     check_checkpoint(cfg)
@@ -109,11 +110,50 @@ def check_validation(cfg: JobConfig) -> None:
     _at_least(cfg, "validation.seq_len", 2)
     _minus_one_or_positive(cfg, "validation.steps")
     check_dataloader(cfg, "validation")
+    for key in ("validation.answer_problems", "validation.sample_outputs"):
+        _at_least(cfg, key, 0)
+    _at_least(cfg, "validation.max_new_tokens", 1)
+
+
+def check_instruct(cfg: JobConfig) -> None:
+    """[instruct] and the datasets that use it: fields, template, held-out split, and where generation runs."""
+    i, v, p = cfg.instruct, cfg.validation, cfg.parallelism
+    uses = cfg.training.dataset == "instruct" or (v.enable and v.dataset == "instruct")
+    if not uses:
+        _require(not (v.enable and v.answer_problems > 0),
+                 f"'validation.answer_problems' = {v.answer_problems} needs 'validation.dataset' = 'instruct' "
+                 "(prompt/response examples to generate answers for)")
+        return
+    for key in ("prompt_field", "response_field"):
+        _require(bool(getattr(i, key).strip()), f"'instruct.{key}' must name a field, got {getattr(i, key)!r}")
+    _require(i.prompt_field != i.response_field,
+             f"'instruct.prompt_field' and 'instruct.response_field' are both {i.prompt_field!r}; they must differ")
+    _require("{prompt}" in i.template, f"'instruct.template' = {i.template!r} has no {{prompt}} placeholder")
+    _require(0 <= i.validation_fraction < 1,
+             f"'instruct.validation_fraction' must be in [0, 1), got {i.validation_fraction}")
+    if v.enable and v.dataset == "instruct" and v.dataset_path is None:
+        _require(cfg.training.dataset == "instruct",
+                 "'validation.dataset' = 'instruct' without 'validation.dataset_path' holds out examples of the "
+                 f"training file, but 'training.dataset' = '{cfg.training.dataset}'; set validation.dataset_path")
+        _require(i.validation_fraction > 0, "'validation.dataset' = 'instruct' without 'validation.dataset_path' "
+                                            "needs 'instruct.validation_fraction' > 0 (the held-out split)")
+    _require(i.packing or p.context_parallel_degree == 1,
+             "dataset 'instruct' with 'parallelism.context_parallel_degree' > 1 needs 'instruct.packing' = true "
+             "(padded batches vary in length; packed ones are seq_len long)")
+    if v.enable and v.dataset == "instruct" and v.answer_problems > 0:
+        split = {"tensor_parallel_degree": p.tensor_parallel_degree, "pipeline_parallel_degree":
+                 p.pipeline_parallel_degree, "context_parallel_degree": p.context_parallel_degree}
+        for name, degree in split.items():
+            _require(degree == 1, f"'validation.answer_problems' = {v.answer_problems} (generation) runs on one "
+                                  f"process or FSDP/HSDP only, not with 'parallelism.{name}' = {degree}; set "
+                                  "validation.answer_problems = 0 (loss and token accuracy still work)")
 
 
 def check_lr_scheduler(cfg: JobConfig) -> None:
     s = cfg.lr_scheduler
     _at_least(cfg, "lr_scheduler.warmup_steps", 0)
+    if s.warmup_ratio is not None:
+        _require(0 <= s.warmup_ratio < 1, f"'lr_scheduler.warmup_ratio' must be in [0, 1), got {s.warmup_ratio}")
     if s.total_steps is not None:
         _positive(cfg, "lr_scheduler.total_steps")
     if s.decay_ratio is not None:

@@ -16,8 +16,11 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titan_lite.config.schema import JobConfig
 from titan_lite.data.datasets import Sample, SampleSource, build_packed_source
+from titan_lite.data.instruct import build_instruction_source
 from titan_lite.errors import ConfigError
+from titan_lite.loss import IGNORE_INDEX
 
 
 @dataclass(frozen=True)
@@ -160,3 +163,17 @@ def build_dataloader(dataset: str, dataset_path: str | None, tokenizer, seq_len:
 def loader_options(cfg) -> LoaderOptions:
     """From a [*.dataloader] config section."""
     return LoaderOptions(cfg.num_workers, cfg.pin_memory, cfg.persistent_workers, cfg.prefetch_factor)
+
+
+def build_section_loader(cfg: JobConfig, section: str, tokenizer, layout: BatchLayout, infinite: bool = True,
+                         length_multiple: int = 1) -> DataLoader:
+    """The loader of [training] or [validation]'s dataset: packed pre-training windows, or instruction examples
+    (dataset 'instruct', padded to the longest of each batch rounded up to length_multiple)."""
+    s = getattr(cfg, section)
+    if s.dataset == "instruct":
+        source = build_instruction_source(cfg, section, tokenizer, infinite)
+        pad_id = tokenizer.pad_id if tokenizer.pad_id >= 0 else tokenizer.eos_id
+        return DataLoader(source, layout, loader_options(s.dataloader),
+                          collate=pad_collate(pad_id, IGNORE_INDEX, length_multiple))
+    return build_dataloader(s.dataset, s.dataset_path, tokenizer, s.seq_len, layout, loader_options(s.dataloader),
+                            infinite, section)

@@ -177,16 +177,25 @@ class DocumentStream:
 
 
 def _parquet_texts(path: Path) -> Iterator[object]:
-    """The 'text' column of a parquet file, row by row, read in batches."""
+    """The 'text' column of a parquet file, row by row."""
+    for (text,) in parquet_columns(path, ["text"]):
+        yield text
+
+
+def parquet_columns(path: Path, columns: list[str], keys: str | None = None) -> Iterator[tuple]:
+    """Rows of some columns of a parquet file, read in batches; `keys` names the config keys that chose them."""
     try:
-        import pyarrow.parquet as pq  # optional dependency: only .parquet shards need it
+        import pyarrow.parquet as pq  # optional dependency: only .parquet files need it
     except ImportError:
-        raise ConfigError(f"{path}: reading .parquet shards needs pyarrow (pip install pyarrow)") from None
+        raise ConfigError(f"{path}: reading .parquet files needs pyarrow (pip install pyarrow)") from None
     reader = pq.ParquetFile(path)
-    if "text" not in reader.schema_arrow.names:
-        raise ConfigError(f"{path}: no 'text' column (columns: {', '.join(reader.schema_arrow.names)})")
-    for batch in reader.iter_batches(columns=["text"], batch_size=1024):
-        yield from batch.column(0).to_pylist()
+    names = reader.schema_arrow.names
+    for column in columns:
+        if column not in names:
+            chosen = f" ({keys})" if keys else ""
+            raise ConfigError(f"{path}: no '{column}' column{chosen}; columns: {', '.join(names)}")
+    for batch in reader.iter_batches(columns=columns, batch_size=1024):
+        yield from zip(*(batch.column(i).to_pylist() for i in range(len(columns))), strict=True)
 
 
 # ---------------------------------------------------------------- packing

@@ -1,28 +1,38 @@
-"""The validator: mean token loss over a held-out split, on any layout, with the same batches every time."""
+"""The validator: mean token loss over a held-out split, on any layout, with the same batches every time; on
+instruction data also token accuracy and answer accuracy by generation."""
 
 import itertools
+import logging
 
 import torch
 from torch import nn
 
-from titan_lite.config.schema import Validation
-from titan_lite.data.dataloader import BatchLayout, build_dataloader, loader_options
+from titan_lite.config.schema import JobConfig
+from titan_lite.data.dataloader import BatchLayout, build_section_loader
+from titan_lite.eval.answer_accuracy import answer_accuracy
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 class Validator:
     """Builds the validation loader once and counts its batches once (the first time)."""
 
-    def __init__(self, cfg: Validation, tokenizer, parallel_dims: ParallelDims, runner: ModelRunner,
+    def __init__(self, cfg: JobConfig, tokenizer, parallel_dims: ParallelDims, runner: ModelRunner,
                  device: torch.device):
-        self.cfg = cfg
+        self.cfg = cfg.validation
+        self.instruct = cfg.instruct
+        self.tokenizer = tokenizer
         self.runner = runner
         self.device = device
         batch_mesh = parallel_dims.submesh("batch")
-        layout = BatchLayout(cfg.local_batch_size, batch_mesh.get_local_rank(), batch_mesh.size())
-        self.loader = build_dataloader(cfg.dataset, cfg.dataset_path, tokenizer, cfg.seq_len, layout,
-                                       loader_options(cfg.dataloader), infinite=False, key_prefix="validation")
+        layout = BatchLayout(self.cfg.local_batch_size, batch_mesh.get_local_rank(), batch_mesh.size())
+        self.loader = build_section_loader(cfg, "validation", tokenizer, layout, infinite=False)
+        self.instruction_data = self.cfg.dataset == "instruct"
+        # The last step that validates: sample completions are printed there and at the first evaluation.
+        self.last_step = cfg.training.steps // self.cfg.freq * self.cfg.freq
+        self.evaluations = 0
         self._batches: int | None = None
 
     def batch_count(self) -> int:
@@ -36,22 +46,49 @@ class Validator:
         self.loader.restart()
         return iter(self.loader)
 
-    @torch.no_grad()
     def validate(self, model_parts: list[nn.Module]) -> float:
         """Mean token loss over the split (the same batches every time)."""
-        count = self.batch_count()
+        return self.evaluate(model_parts, step=0, answers=False)["loss"]
+
+    @torch.no_grad()
+    def evaluate(self, model_parts: list[nn.Module], step: int, answers: bool = True) -> dict[str, float]:
+        """loss; on instruction data token_accuracy (argmax = label on response tokens; not under pipeline
+        parallel) and, with validation.answer_problems, answer_accuracy."""
         for m in model_parts:
             m.eval()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        tokens = torch.zeros((), dtype=torch.float64, device=self.device)
+        results = self._token_metrics()
+        if answers and self.instruction_data and self.cfg.answer_problems > 0:
+            results["answer_accuracy"] = self._answer_accuracy(model_parts[0], step)
+        for m in model_parts:
+            m.train()
+        self.evaluations += 1
+        return results
+
+    def _token_metrics(self) -> dict[str, float]:
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, tokens, correct
+        has_correct = True
+        count = self.batch_count()  # before the pass below: counting runs the loader once itself
         batches = self._batches_from_start()
         for _ in range(count):
             inputs, labels = (t.to(self.device) for t in next(batches))
-            batch_loss, batch_tokens = self.runner.loss_sum(inputs, labels)
-            loss_sum += batch_loss
-            tokens += batch_tokens
-        for m in model_parts:
-            m.train()
-        loss_sum = self.runner.global_sum(loss_sum, loss_values=True)
-        tokens = self.runner.global_sum(tokens, loss_values=False)
-        return (loss_sum / tokens).item()
+            loss, tokens, correct = self.runner.eval_sums(inputs, labels)
+            has_correct = correct is not None
+            sums += torch.stack([loss, tokens, correct if has_correct else torch.zeros_like(tokens)])
+        loss_sum = self.runner.global_sum(sums[:1].clone(), loss_values=True)
+        counts = self.runner.global_sum(sums[1:].clone(), loss_values=False)
+        results = {"loss": (loss_sum[0] / counts[0]).item()}
+        if self.instruction_data and has_correct:
+            results["token_accuracy"] = (counts[1] / counts[0]).item()
+        return results
+
+    def _answer_accuracy(self, model: nn.Module, step: int) -> float:
+        problems = [ex for _, ex in itertools.islice(self.loader.source.examples(), self.cfg.answer_problems)]
+        result = answer_accuracy(model, self.tokenizer, problems, self.instruct.template, self.cfg.max_new_tokens,
+                                 self.device, self.cfg.local_batch_size)
+        if (self.evaluations == 0 or step == self.last_step) and self.cfg.sample_outputs > 0:
+            which = "first" if self.evaluations == 0 else "last"
+            logger.info(f"answer accuracy at step {step} ({which} evaluation): {result.correct}/{result.total}; "
+                        f"sample completions:")
+            for line in result.sample_lines(self.cfg.sample_outputs):
+                logger.info(f"  {line}")
+        return result.accuracy

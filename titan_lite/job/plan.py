@@ -14,6 +14,7 @@ from titan_lite.checkpoint.manager import check_source_before_launch, initial_so
 from titan_lite.config.schema import JobConfig
 from titan_lite.config.validate import validate
 from titan_lite.data.datasets import check_dataset
+from titan_lite.data.instruct import check_instruction_data
 from titan_lite.data.tokenizer import Tokenizer, build_tokenizer
 from titan_lite.distributed import choose_backend, device_type
 from titan_lite.errors import ConfigError
@@ -156,10 +157,19 @@ def check_seed_checkpoint_layout(cfg: JobConfig, dims: ParallelDims) -> None:
                           f"got {dims.describe()}")
 
 
+def check_section_data(cfg: JobConfig, section: str) -> None:
+    """The data of [training] or [validation] is there and its first document or example reads."""
+    s = getattr(cfg, section)
+    if s.dataset == "instruct":
+        check_instruction_data(cfg, section)
+    else:
+        check_dataset(s.dataset, s.dataset_path, section)
+
+
 def check_data(cfg: JobConfig) -> None:
-    check_dataset(cfg.training.dataset, cfg.training.dataset_path, "training")
+    check_section_data(cfg, "training")
     if cfg.validation.enable:
-        check_dataset(cfg.validation.dataset, cfg.validation.dataset_path, "validation")
+        check_section_data(cfg, "validation")
 
 
 def check_initial_weights(cfg: JobConfig) -> None:
@@ -193,9 +203,9 @@ def gather_assets(cfg: JobConfig) -> tuple[Tokenizer | None, list[str]]:
     data, initial weights). The launch refuses the first; DRY_RUN lists them all and plans anyway."""
     problems: list[str] = []
     tokenizer = _noting(problems, lambda: build_tokenizer(tokenizer_path(cfg)))
-    _noting(problems, lambda: check_dataset(cfg.training.dataset, cfg.training.dataset_path, "training"))
+    _noting(problems, lambda: check_section_data(cfg, "training"))
     if cfg.validation.enable:
-        _noting(problems, lambda: check_dataset(cfg.validation.dataset, cfg.validation.dataset_path, "validation"))
+        _noting(problems, lambda: check_section_data(cfg, "validation"))
     _noting(problems, lambda: check_initial_weights(cfg))
     return tokenizer, problems
 

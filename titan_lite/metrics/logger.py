@@ -175,11 +175,14 @@ class MetricsProcessor:
         self._start_window(step)
         return metrics
 
-    def log_validation(self, step: int, loss: float) -> None:
-        """Print and record the validation loss."""
+    def log_validation(self, step: int, loss: float, extra: dict[str, float] | None = None) -> None:
+        """Print and record the validation loss and any further validation metrics (token_accuracy, ...)."""
         c = self.colors
-        logger.info(f"{c.yellow}validate step: {step:2}  {c.green}loss: {float(loss):7.4f}{c.reset}")
-        self._write_scalars(step, {"validation/loss": float(loss)})
+        extra = extra or {}
+        more = "".join(f"  {c.blue}{name}: {value:.4f}" for name, value in extra.items())
+        logger.info(f"{c.yellow}validate step: {step:2}  {c.green}loss: {float(loss):7.4f}{more}{c.reset}")
+        self._write_scalars(step, {"validation/loss": float(loss),
+                                   **{f"validation/{name}": float(value) for name, value in extra.items()}})
 
     def close(self) -> None:
         """Flush and close the TensorBoard writer."""

@@ -1,5 +1,6 @@
 """Learning-rate schedules: warmup-stable-decay (linear, sqrt, cosine) and the adaptive greedy schedule."""
 
+import dataclasses
 import math
 
 import torch
@@ -74,8 +75,10 @@ class LRSchedule:
 
     def __init__(self, optimizers: list[torch.optim.Optimizer], cfg: LRScheduler, training_steps: int):
         self.optimizers = optimizers
-        self.cfg = cfg
         self.total = cfg.total_steps or training_steps
+        if cfg.warmup_ratio is not None:
+            cfg = dataclasses.replace(cfg, warmup_steps=round(cfg.warmup_ratio * self.total))
+        self.cfg = cfg
         self.step_count = 0
         self.greedy = GreedyState(cfg) if cfg.name == "greedy" else None
         for opt in optimizers:

@@ -69,13 +69,23 @@ class ModelRunner:
     @torch.no_grad()
     def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(token-loss sum, tokens with a loss) of one batch on this rank, in float64, without gradients."""
+        loss, tokens, _ = self.eval_sums(inputs, labels)
+        return loss, tokens
+
+    def eval_sums(self, inputs: torch.Tensor, labels: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """loss_sum's two, and the tokens whose argmax prediction equals the label (None under pipeline parallel,
+        where only the loss leaves the last stage)."""
         inputs, labels = self.shard(inputs, labels)
+        correct = None
         with self.context():
             if self.pipeline is not None:
                 loss = self.pipeline.evaluate(inputs, labels)
             else:
-                loss = self.loss_fn(self.model_parts[0](inputs), labels)
-        return full_tensor(loss).double(), (labels != IGNORE_INDEX).sum().double()
+                logits = self.model_parts[0](inputs)
+                loss = self.loss_fn(logits, labels)
+                correct = (full_tensor(logits).argmax(dim=-1) == labels).sum().double()
+        return full_tensor(loss).double(), (labels != IGNORE_INDEX).sum().double(), correct
 
     def global_sum(self, local: torch.Tensor, loss_values: bool) -> torch.Tensor:
         """Sum of a per-rank statistic over the ranks that split a batch (data and context parallel). Loss values
