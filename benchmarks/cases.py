@@ -231,13 +231,16 @@ def _lora() -> Case:
                        higher_is_better=False)])
 
 
-@register_case("wanda_smollm2_135M")
-def _wanda() -> Case:
-    variant = WandaVariant("Wanda 50%, 32 x 512 tokens")
-    return Case("wanda_smollm2_135M", "one-shot pruning against one forward pass over its calibration windows",
+def _wanda(shape: str, nsamples: int) -> Case:
+    variant = WandaVariant(f"Wanda 50%, {nsamples} x {SHAPES[shape].seq_len} tokens", shape=shape, nsamples=nsamples)
+    return Case(f"wanda_{shape}", "one-shot pruning against one forward pass over its calibration windows",
                 [variant], [Ratio("Wanda / floor", "prune_s", variant.label, variant.label, target=2.0,
                                   higher_is_better=False, denominator_metric="floor_s")],
                 columns=("prune_s", "floor_s", "peak_rss_gib"))
+
+
+register_case("wanda_smollm2_135M")(lambda: _wanda("smollm2_135M", 32))
+register_case("wanda_tiny")(lambda: _wanda("tiny", 4))  # smoke tests
 
 
 @register_case("dry_run")
@@ -250,7 +253,9 @@ def _dry_run() -> Case:
 @register_case("tiny")
 def _tiny() -> Case:
     """A seconds-long case for smoke tests (not in the default list)."""
-    return Case("tiny", "tiny flavor, titan_lite only", [TrainVariant("titan_lite", shape="tiny")])
+    return Case("tiny", "tiny flavor, titan_lite only", [TrainVariant("titan_lite", shape="tiny"),
+                                                         TrainVariant("LoRA", shape="tiny", lora="--lora.rank 4")],
+                [Ratio("LoRA / full step time", "step_s", "LoRA", "titan_lite")])
 
 
 DEFAULT_CASES = ["train_debug", "train_512d_32k", "train_smollm2_135M", "fsdp_debug", "fsdp_512d_32k",
