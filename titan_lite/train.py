@@ -28,7 +28,7 @@ from titan_lite.errors import FAULT, HANG, USER_ERROR, ConfigError, TrainingFaul
 from titan_lite.eval.validate import Validator
 from titan_lite.faults import ACTIVITY, StopSignals, any_rank, is_collective_timeout, nonfinite_message, timeout_line
 from titan_lite.job.assembly import BuiltModel, assemble_model, initial_weight_loader
-from titan_lite.job.plan import check_before_launch, plan_job
+from titan_lite.job.plan import JobPlan, check_before_launch, plan_job
 from titan_lite.launcher import another_rank_failed, register_rank, report_error
 from titan_lite.loss import IGNORE_INDEX
 from titan_lite.metrics.flops import num_flops_per_token
@@ -63,7 +63,8 @@ class TrainState:
 class Trainer:
     """One straight path, each step a short method: the design's life of a run (see README, Architecture)."""
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, plan: JobPlan | None = None):
+        """`plan`: the pre-launch check's plan for this world size (its transforms already checked), or None."""
         self.cfg = cfg
         self.device = tl_dist.local_device()
         tl_dist.keep_freed_memory(self.device)
@@ -72,7 +73,9 @@ class Trainer:
         ACTIVITY.now("joining the process group")
         tl_dist.init_process_group(self.device, cfg.comm.init_timeout_seconds)
         self.rank = dist.get_rank()
-        self.plan = plan_job(cfg, dist.get_world_size())
+        if plan is None or plan.parallel_dims.world_size != dist.get_world_size():
+            plan = plan_job(cfg, dist.get_world_size())
+        self.plan = plan
         self.parallel_dims = self.plan.parallel_dims
         self.parallel_dims.build_mesh(self.device.type)
         self.seed = cfg.debug.seed if cfg.debug.seed is not None else 0
@@ -346,12 +349,12 @@ def run(cfg: JobConfig) -> int:
         return dry_run(cfg)
     # Each rank checks what run_train.sh used to check in a separate process before torchrun (one process start
     # less per launch); a user error still ends the run in one line through the launcher.
-    check_before_launch(cfg, int(os.environ.get("WORLD_SIZE", planned_world_size())))
+    plan = check_before_launch(cfg, int(os.environ.get("WORLD_SIZE", planned_world_size())))
     save_config(cfg)
     logger.info(f"job: {cfg.job.description}")
     with StopSignals().installed() as stop:
         register_rank()  # after the handlers: the launcher signals registered ranks
-        Trainer(cfg).train(stop)
+        Trainer(cfg, plan).train(stop)
     tl_dist.shutdown()
     return 0
 
