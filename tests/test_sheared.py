@@ -19,9 +19,11 @@ from titan_lite.models.llama.args import flavor_args
 from titan_lite.models.llama.model import Llama, apply_rope, canonical_name, grouped_attention
 from titan_lite.train import Trainer
 from titan_lite.transforms.sheared import gates
+from titan_lite.transforms.sheared.keep import final_masks, materialize_pruned
 from titan_lite.transforms.sheared.modules import ShearedBlock, convert_model, hand_out_masks
 from titan_lite.transforms.sheared.targets import Targets, targets_from_config
-from titan_lite.transforms.sheared.transform import expected_sparsity, lagrangian
+from titan_lite.transforms.sheared.transform import expected_param_count, expected_sparsity, lagrangian
+from titan_lite.transforms.structured.materialize import param_count
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -301,3 +303,40 @@ def test_hook_hands_every_block_its_layer_mask():
     assert [b.layer_z.item() for b in blocks] == z["layer"].tolist()
     assert blocks[0].input_z is blocks[0].hidden_z and blocks[1].input_z is None
     assert math.isclose(blocks[2].feed_forward.ffn_z.sum().item(), z["intermediate"][2].sum().item(), rel_tol=1e-6)
+
+
+# --------------------------------------------------------------------------- materialisation
+
+MATERIALISE_CASES = {
+    "heads": dict(head_sparsity=0.5),
+    "kv_groups": dict(head_sparsity=0.5, head_mode="kv_group"),
+    "intermediate": dict(intermediate_sparsity=0.5),
+    "hidden": dict(hidden_sparsity=0.25),
+    "layers": dict(layer_sparsity=0.5),
+    "all": dict(layer_sparsity=0.25, head_sparsity=0.5, hidden_sparsity=0.25, intermediate_sparsity=0.5),
+}
+
+
+@pytest.mark.parametrize("case", MATERIALISE_CASES)
+def test_materialised_model_equals_the_masked_model(case):
+    targets = targets_from_config(Sheared(**MATERIALISE_CASES[case]), tiny_args())
+    model = converted(targets)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # trained-looking gates: distinct scores, soft values well below 1
+        for log_alpha in model.sheared_gates.log_alphas().values():
+            log_alpha.copy_(torch.randn(log_alpha.shape, generator=generator) * 2)
+    log_alphas = {k: v.detach() for k, v in model.sheared_gates.log_alphas().items()}
+    model.sheared_gates.fixed = final_masks(log_alphas, targets)
+    inputs, _ = batch()
+    sd = {canonical_name(n): p.detach() for n, p in model.named_parameters()}
+    new_sd, new_args = materialize_pruned(sd, targets.args, targets)
+    small = Llama(new_args)
+    small.load_state_dict(new_sd, strict=True)
+    with torch.no_grad():
+        diff = (model(inputs) - small(inputs)).abs().max().item()
+    assert diff < 1e-5, diff
+    assert (new_args.n_layers, new_args.n_heads, new_args.kv_heads, new_args.dim, new_args.ffn_dim) == (
+        targets.layers, targets.heads, targets.kv_heads, targets.dim, targets.intermediate)
+    assert param_count(new_args) == targets.param_count() == sum(p.numel() for p in small.parameters())
+    binary = {k: (v != 0).float() * 20 - 10 for k, v in model.sheared_gates.fixed.items()}  # P(z>0) ~ 1 or ~ 0
+    assert expected_param_count(binary, targets) == pytest.approx(targets.param_count(), rel=1e-3)

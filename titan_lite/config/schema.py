@@ -480,8 +480,9 @@ class Sheared:
     target_tp_degree: int = opt(1, "Tensor-parallel degree the pruned model must support: it must divide the target "
                                    "query heads, KV heads and intermediate size (checked before launch).")
     materialize_at_end: bool = opt(True, "At the end of the run write the pruned dense model (deterministic gates "
-                                         "with the exact target counts, soft values folded in) as an HF folder "
-                                         "'step-N-pruned-hf' in the checkpoint folder.")
+                                         "with the exact target counts, soft values folded in) as the HF folder "
+                                         "'step-N-pruned-hf' in the checkpoint folder; with "
+                                         "checkpoint.last_save_in_hf the run's 'step-N-hf' export is that model.")
 
 @dataclass
 class JobConfig:

@@ -1,17 +1,25 @@
 """The 'sheared' transform: Sheared-LLaMA targeted structured pruning with hard-concrete gates and a Lagrangian."""
 
+import logging
+from pathlib import Path
+
 import torch
 from torch import nn
 
+from titan_lite.checkpoint.hf import export_hf
 from titan_lite.config.schema import JobConfig
 from titan_lite.dtensor import full_tensor, local_tensor
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama.args import LlamaArgs
+from titan_lite.models.llama.hf import HFNames
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.transforms.base import Transform, TransformContext, register_transform
 from titan_lite.transforms.sheared import gates
+from titan_lite.transforms.sheared.keep import GATE_PREFIX, materialize_pruned
 from titan_lite.transforms.sheared.modules import ShearedGates, convert_model
 from titan_lite.transforms.sheared.targets import KINDS, Targets, expected_params, targets_from_config
+
+logger = logging.getLogger("titan_lite")
 
 
 def gates_of(model_parts: list[nn.Module]) -> ShearedGates:
@@ -67,6 +75,7 @@ class ShearedTransform(Transform):
         super().__init__(cfg)
         self.targets: Targets | None = None
         self.step = 0
+        self.ctx: TransformContext | None = None
 
     def targets_for(self, args: LlamaArgs) -> Targets:
         if self.targets is None:
@@ -93,7 +102,11 @@ class ShearedTransform(Transform):
         seed = self.cfg.debug.seed if self.cfg.debug.seed is not None else 0
         convert_model(model, self.targets_for(model.args), seed)
 
+    def hf_names(self, names: HFNames) -> None:
+        names.add_not_in_hf("^" + GATE_PREFIX.replace(".", r"\."))  # gates start fresh on an HF checkpoint
+
     def after_load(self, ctx: TransformContext) -> None:
+        self.ctx = ctx
         g = gates_of(ctx.model_parts)
         if ctx.parallel_dims.tp_enabled:
             tp_mesh = ctx.parallel_dims.submesh("tp")
@@ -134,3 +147,20 @@ class ShearedTransform(Transform):
         out["sheared/expected_params"] = expected_param_count(log_alphas, self.targets)
         out["sheared/target_params"] = float(self.targets.param_count())
         return out
+
+    def export_state_dict(self, state_dict: dict[str, torch.Tensor],
+                          model_args: LlamaArgs) -> tuple[dict[str, torch.Tensor], LlamaArgs]:
+        """The pruned dense model: deterministic gates with the exact target counts, soft values folded in."""
+        return materialize_pruned(state_dict, model_args, self.targets_for(model_args))
+
+    def export(self, model_parts: list[nn.Module], folder: Path, step: int) -> None:
+        """sheared.materialize_at_end: the pruned model as an HF folder (unless the run's own HF export, which goes
+        through export_state_dict, already wrote it)."""
+        c = self.cfg.checkpoint
+        if not self.cfg.sheared.materialize_at_end or c.last_save_in_hf:
+            return
+        out = folder / f"step-{step}-pruned-hf"
+        export_hf(model_parts, self.ctx.model_args, str(out), getattr(torch, c.export_dtype),
+                  self.cfg.model.hf_assets_path, self.ctx.parallel_dims, convert=self.export_state_dict)
+        logger.info(f"sheared: pruned model of step {step} written to {out} (continue training it with "
+                    f"model.flavor = \"hf\", model.hf_assets_path = that folder, checkpoint.initial_load_in_hf = true)")
