@@ -84,6 +84,9 @@ def targets_from_config(s: Sheared, args: LlamaArgs) -> Targets:
     if s.head_mode == "per_group_query":
         heads = s.target_heads if s.target_heads is not None else n_kv * _count(None, s.head_sparsity, n_rep)
         kv_heads = n_kv
+        if n_rep == 1 and (s.target_heads is not None or s.head_sparsity > 0):
+            raise ConfigError("'sheared.head_mode' = 'per_group_query' cannot prune heads of a model without GQA "
+                              "(one query head per KV head); set 'sheared.head_mode' = 'kv_group'")
         if heads % n_kv:
             raise ConfigError(f"'sheared.target_heads' = {heads} must be a multiple of the model's {n_kv} KV heads "
                               "with 'sheared.head_mode' = 'per_group_query' (every KV head keeps as many query heads)")

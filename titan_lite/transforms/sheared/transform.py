@@ -1,6 +1,7 @@
 """The 'sheared' transform: Sheared-LLaMA targeted structured pruning with hard-concrete gates and a Lagrangian."""
 
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -164,3 +165,12 @@ class ShearedTransform(Transform):
                   self.cfg.model.hf_assets_path, self.ctx.parallel_dims, convert=self.export_state_dict)
         logger.info(f"sheared: pruned model of step {step} written to {out} (continue training it with "
                     f"model.flavor = \"hf\", model.hf_assets_path = that folder, checkpoint.initial_load_in_hf = true)")
+
+    def plan_line(self, model_args: LlamaArgs) -> str:
+        """DRY_RUN's summary: the target architecture and the gate parameters the memory plan counts."""
+        t = self.targets_for(model_args)
+        n_gates = sum(math.prod(t.gate_shape(kind)) for kind in t.pruned)
+        return (f"sheared: target {t.layers} layers, {t.heads} heads / {t.kv_heads} KV heads, dim {t.dim}, "
+                f"intermediate {t.intermediate} = {t.param_count():,} parameters; {n_gates:,} gate logits + "
+                f"{2 * len(KINDS)} multipliers (float32, counted in the parameters, gradients and optimizer state "
+                "below)")
