@@ -14,14 +14,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from titan_lite.checkpoint.dcp import read_dcp_model
 from titan_lite.checkpoint.hf import check_state_dict, read_hf_folder, write_hf_folder
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama.args import LlamaArgs, flavor_args
 from titan_lite.models.llama.hf import args_from_hf_config, read_hf_config
-from titan_lite.models.llama.model import canonical_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The checkpoint manager saves {"model": model.state_dict(), ...}; DCP flattens that to "model.<fqn>".
@@ -74,23 +72,6 @@ def model_args(opts: argparse.Namespace) -> LlamaArgs:
 
 
 # --------------------------------------------------------------------------------------------- DCP
-
-
-def read_dcp_model(folder: str, prefix: str) -> dict[str, torch.Tensor]:
-    """The model tensors of a DCP checkpoint (keys under `prefix`, prefix removed), read without a process group."""
-    if not (Path(folder) / ".metadata").exists():
-        raise ConfigError(f"{folder}: no .metadata file; expected a DCP checkpoint step folder")
-    reader = FileSystemReader(folder)
-    entries = reader.read_metadata().state_dict_metadata
-    wanted = {key: meta for key, meta in entries.items()
-              if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
-    if not wanted:
-        sample = next(iter(entries), "(none)")
-        raise ConfigError(f"{folder}: no tensors under key prefix '{prefix}' (e.g. found '{sample}'); "
-                          "set --key-prefix")
-    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in wanted.items()}
-    dcp.load(state, storage_reader=reader, no_dist=True)
-    return {canonical_name(key[len(prefix):]): tensor for key, tensor in state.items()}
 
 
 def write_dcp_model(sd: dict[str, torch.Tensor], folder: str, prefix: str) -> None:

@@ -283,8 +283,17 @@ def test_unsupported_config_is_rejected():
     config = args_to_hf_config(small_args(), torch.float32)
     with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
         args_from_hf_config({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
-    with pytest.raises(ConfigError, match="head_dim 32 x num_attention_heads 4 != hidden_size 64"):
-        args_from_hf_config({**config, "head_dim": 32})
+    with pytest.raises(ConfigError, match="head_dim 7 is odd"):
+        args_from_hf_config({**config, "head_dim": 7})
+
+
+def test_explicit_head_dim_round_trips():
+    """A structurally pruned model keeps its head_dim while hidden_size / num_attention_heads changes."""
+    args = small_args(dim=48, explicit_head_dim=16)
+    config = args_to_hf_config(args, torch.float32)
+    assert config["head_dim"] == 16 and config["hidden_size"] == 48
+    assert args_from_hf_config(config).head_dim == 16
+    assert args_from_hf_config(args_to_hf_config(small_args(), torch.float32)).explicit_head_dim is None
 
 
 def test_config_mismatch_names_field_and_both_values(tmp_path):

@@ -103,6 +103,9 @@ class ToyGateTransform(Transform):
         self.log_first("param_groups")
         return [{"params": gates(model_parts), "lr": 0.05, "weight_decay": 0.0}]
 
+    def before_step(self, model_parts: list[nn.Module], step: int) -> None:
+        self.log_first("before_step", f": step {step}")
+
     def extra_loss(self, model_parts: list[nn.Module], step: int) -> torch.Tensor | None:
         self.log_first("extra_loss")
         return PENALTY * sum(((g - 1) ** 2).sum() for g in gates(model_parts))

@@ -30,6 +30,7 @@ from titan_lite.parallel.fsdp import reshard_after_forward
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.parallelize import loss_parallel_enabled
 from titan_lite.transforms.pruning.memory_plan import PruningMemoryPlan, plan_pruning, precision
+from titan_lite.transforms.sheared import ShearedTransform
 
 DEFAULT_DEVICE_MEMORY_GIB = 80.0
 # Mesh dimensions whose shards FSDP gathers; a parameter's other shard dimensions (TP) stay split when gathered.
@@ -338,7 +339,8 @@ def dry_run(cfg: JobConfig) -> int:
     tokenizer, missing = gather_assets(cfg)
     plan = plan_with_tokenizer(cfg, planned_world_size(), tokenizer, count_epochs=not missing)
     capacity = device_memory_gib(cfg)
-    for line in summary_lines(plan) + checklist_lines(missing):
+    sheared = [t.plan_line(plan.model_args) for t in plan.transforms if isinstance(t, ShearedTransform)]
+    for line in summary_lines(plan) + sheared + checklist_lines(missing):
         print(line, flush=True)
     print(f"memory per device, estimated against {capacity:.2f} GiB:", flush=True)
     roles = []

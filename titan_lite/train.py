@@ -163,6 +163,7 @@ class Trainer:
 
     def train_step(self, microbatches, step: int) -> tuple[float, float]:
         """Accumulate gradients over the microbatches, clip, step; return the global loss and grad norm."""
+        self.transforms.before_step(self.model_parts, step)
         global_tokens = self.global_token_count(microbatches)
         # FSDP/DDP average gradients over the data-parallel ranks; scaling by that degree makes the result the
         # gradient of (sum of every rank's token losses) / (global tokens), identical to one big batch.

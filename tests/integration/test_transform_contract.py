@@ -20,8 +20,8 @@ STEPS = 4
 TOY = ["--model.converters", "toy_gate", "--experimental.custom_import", "tests.toy_transform"]
 HOOK_LINE = re.compile(r"\[rank(\d)\]:.*toy hook: (\w+)(.*)")
 # The order a training rank first calls the hooks (tp_plan comes between convert and after_load under TP).
-ORDER = ["check", "hf_names", "convert", "after_load", "param_groups", "state", "extra_loss", "after_optimizer_step",
-         "metrics", "export_state_dict", "export"]
+ORDER = ["check", "hf_names", "convert", "after_load", "param_groups", "state", "before_step", "extra_loss",
+         "after_optimizer_step", "metrics", "export_state_dict", "export"]
 
 
 def hooks_of(run: Run, rank: int = 0) -> list[tuple[str, str]]:
@@ -83,6 +83,7 @@ def test_hooks_run_in_order_and_after_load_sees_the_loaded_weights(single, hf_st
     names = [h for h, _ in hooks]
     assert names == ORDER, names
     assert "tp_plan" not in names  # no tensor parallelism on one process
+    assert dict(hooks)["before_step"] == ": step 1"  # first called before the first step's forward
     detail = dict(hooks)["after_load"]
     assert "resuming False" in detail
     checksum = float(re.search(r"checksum (-?[0-9.]+)", detail).group(1))

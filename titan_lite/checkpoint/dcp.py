@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -19,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titan_lite.errors import ConfigError
+from titan_lite.models.llama.model import canonical_name
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 TMP_FOLDER = re.compile(r"^step-(\d+)\.tmp$")
@@ -224,3 +226,20 @@ def incomplete_folders(root: Path) -> list[Path]:
         if TMP_FOLDER.match(child.name) or (STEP_FOLDER.match(child.name) and not (child / ".metadata").is_file()):
             bad.append(child)
     return bad
+
+
+def read_dcp_model(folder: str, prefix: str) -> dict[str, torch.Tensor]:
+    """The model tensors of a DCP checkpoint (keys under `prefix`, prefix removed), read without a process group."""
+    if not (Path(folder) / ".metadata").exists():
+        raise ConfigError(f"{folder}: no .metadata file; expected a DCP checkpoint step folder")
+    reader = FileSystemReader(folder)
+    entries = reader.read_metadata().state_dict_metadata
+    wanted = {key: meta for key, meta in entries.items()
+              if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    if not wanted:
+        sample = next(iter(entries), "(none)")
+        raise ConfigError(f"{folder}: no tensors under key prefix '{prefix}' (e.g. found '{sample}'); "
+                          "set --key-prefix")
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in wanted.items()}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return {canonical_name(key[len(prefix):]): tensor for key, tensor in state.items()}

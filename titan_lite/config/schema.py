@@ -455,6 +455,39 @@ class Pruning:
     mask_gradients: bool = opt(True, "While training: zero the gradients of pruned weights (clipping and AdamW see "
                                      "the sparse model), besides re-applying the masks after every optimizer step.")
 
+
+@dataclass
+class Sheared:
+    target_layers: int | None = opt(None, "Target architecture: transformer blocks kept (overrides layer_sparsity).")
+    target_heads: int | None = opt(None, "Target query heads per layer (overrides head_sparsity): a multiple of the "
+                                         "KV heads kept; per_group_query keeps every KV head, kv_group needs "
+                                         "target_heads = target_kv_heads x query heads per KV head.")
+    target_kv_heads: int | None = opt(None, "Target KV heads per layer: kv_group mode only (per_group_query keeps "
+                                            "them all).")
+    target_dim: int | None = opt(None, "Target model (hidden) dimension (overrides hidden_sparsity).")
+    target_intermediate: int | None = opt(None, "Target SwiGLU intermediate size (overrides intermediate_sparsity).")
+    layer_sparsity: float = opt(0.0, "Fraction of blocks removed when target_layers is not given (0 = not pruned).")
+    head_sparsity: float = opt(0.0, "Fraction of query heads removed when target_heads is not given; rounded to "
+                                    "whole query heads per KV group (per_group_query) or whole KV groups (kv_group).")
+    hidden_sparsity: float = opt(0.0, "Fraction of the model dimension removed when target_dim is not given.")
+    intermediate_sparsity: float = opt(0.0, "Fraction of the intermediate size removed when target_intermediate is "
+                                            "not given.")
+    head_mode: Literal["per_group_query", "kv_group"] = opt(
+        "per_group_query", "GQA-aware head gates: per_group_query (one gate per query slot of a KV group, shared by "
+        "every group: each KV head keeps the same query heads, all KV heads stay) or kv_group (one gate per KV head, "
+        "removing it with its query heads; shrinks the KV cache).")
+    warmup_steps: int = opt(0, "Steps over which the target sparsity ramps linearly from 0 to the target (Sheared "
+                               "uses 20% of the pruning steps; too short a ramp fails to converge).")
+    mask_lr: float = opt(1.0, "Learning rate of the gate logits (log_alpha); no weight decay.")
+    lambda_lr: float = opt(1.0, "Learning rate of the Lagrange multipliers, applied as gradient ascent (the "
+                                "optimizer group gets -lambda_lr); no weight decay.")
+    target_tp_degree: int = opt(1, "Tensor-parallel degree the pruned model must support: it must divide the target "
+                                   "query heads, KV heads and intermediate size (checked before launch).")
+    materialize_at_end: bool = opt(True, "At the end of the run write the pruned dense model (deterministic gates "
+                                         "with the exact target counts, soft values folded in) as the HF folder "
+                                         "'step-N-pruned-hf' in the checkpoint folder; with "
+                                         "checkpoint.last_save_in_hf the run's 'step-N-hf' export is that model.")
+
 @dataclass
 class JobConfig:
     job: Job = section(Job, "The job: where outputs go.")
@@ -476,6 +509,9 @@ class JobConfig:
     dry_run: DryRun = section(DryRun, "DRY_RUN=1 planning options.")
     pruning: Pruning = section(Pruning, "One-shot pruning at the start of a run (the 'prune' transform in "
                                         "model.converters).")
+    sheared: Sheared = section(Sheared, "Sheared-LLaMA targeted structured pruning: hard-concrete gates trained with "
+                                        "a Lagrangian towards a target architecture (model.converters = "
+                                        "[\"sheared\"]).")
     memory_estimation: MemoryEstimation = section(MemoryEstimation, "torchtitan memory estimation (see DRY_RUN).")
     fault_tolerance: FaultTolerance = section(FaultTolerance, "torchft (not supported).")
     lora: Lora = section(Lora, "LoRA adapters (active with model.converters = [\"lora\"]).")

@@ -64,6 +64,7 @@ def check_ranges(cfg: JobConfig) -> None:
     check_checkpoint(cfg)
     check_pipeline(cfg)
     check_pruning(cfg)
+    check_sheared(cfg)
 
 
 def check_training(cfg: JobConfig) -> None:
@@ -217,6 +218,27 @@ def check_pruning(cfg: JobConfig) -> None:
     for key in ("nsamples", "seq_len", "batch_size", "blocksize"):
         _require(getattr(p, key) >= 1, f"'pruning.{key}' must be at least 1, got {getattr(p, key)}")
     _require(p.percdamp > 0, f"'pruning.percdamp' must be positive, got {p.percdamp}")
+
+
+def check_sheared(cfg: JobConfig) -> None:
+    s = cfg.sheared
+    for kind, target in (("layer", "target_layers"), ("head", "target_heads"), ("hidden", "target_dim"),
+                         ("intermediate", "target_intermediate")):
+        sparsity = getattr(s, f"{kind}_sparsity")
+        _require(0 <= sparsity < 1, f"'sheared.{kind}_sparsity' must be in [0, 1), got {sparsity}")
+        _require(getattr(s, target) is None or sparsity == 0,
+                 f"'sheared.{kind}_sparsity' = {sparsity} contradicts 'sheared.{target}' = {getattr(s, target)}: "
+                 "give the target either as an architecture or as a sparsity")
+    for key in ("target_layers", "target_heads", "target_kv_heads", "target_dim", "target_intermediate"):
+        value = getattr(s, key)
+        _require(value is None or value >= 1, f"'sheared.{key}' must be at least 1, got {value}")
+    _require(s.target_kv_heads is None or s.head_mode == "kv_group",
+             f"'sheared.target_kv_heads' = {s.target_kv_heads} needs 'sheared.head_mode' = 'kv_group' "
+             "(per_group_query keeps every KV head)")
+    _require(s.warmup_steps >= 0, f"'sheared.warmup_steps' must be at least 0, got {s.warmup_steps}")
+    for key in ("mask_lr", "lambda_lr"):
+        _require(getattr(s, key) > 0, f"'sheared.{key}' must be positive, got {getattr(s, key)}")
+    _require(s.target_tp_degree >= 1, f"'sheared.target_tp_degree' must be at least 1, got {s.target_tp_degree}")
 
 
 def check_checkpoint(cfg: JobConfig) -> None:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from titan_lite import distributed as tl_dist
 from titan_lite.config import JobConfig, parse_args, validate
 from titan_lite.errors import ConfigError
-from titan_lite.job.plan import JobPlan, plan_job
+from titan_lite.job.plan import HF_FLAVOR, JobPlan, plan_job
 from titan_lite.metrics.logger import init_logger
 from titan_lite.models.llama.hf import flavor_of_hf_config
 
@@ -28,13 +28,17 @@ def resolve_dtype(name: str, device_type: str) -> str:
 
 
 def model_flavor(hf_assets_path: str, flavor: str | None) -> str:
-    """--flavor, else the flavor that the folder's config.json describes."""
+    """--flavor, else the flavor that the folder's config.json describes, else 'hf' (the shapes of config.json, e.g.
+    a structurally pruned model)."""
     if flavor:
         return flavor
     config = Path(hf_assets_path) / "config.json"
     if not config.is_file():
         raise ConfigError(f"--hf_assets_path '{hf_assets_path}' has no config.json: pass --flavor")
-    return flavor_of_hf_config(config)
+    try:
+        return flavor_of_hf_config(config)
+    except ConfigError:
+        return HF_FLAVOR
 
 
 def job_config(hf_assets_path: str, flavor: str | None, dtype: str, seq_len: int, tp: int,

@@ -10,6 +10,7 @@ from titan_lite.transforms.base import (
     registered_transforms,
 )
 from titan_lite.transforms.pruning import PruneTransform
+from titan_lite.transforms.sheared import ShearedTransform
 
-__all__ = ["PruneTransform", "Transform", "TransformContext", "Transforms", "build_transforms", "register_transform",
-           "registered_transforms"]
+__all__ = ["PruneTransform", "ShearedTransform", "Transform", "TransformContext", "Transforms", "build_transforms",
+           "register_transform", "registered_transforms"]

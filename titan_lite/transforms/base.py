@@ -10,6 +10,7 @@ calls the hooks of the configured transforms (`[model] converters`) in order and
   after_load          work on real weights and data (SVD, calibration), after the initial weights are loaded
   param_groups        optimizer parameter groups with their own hyper-parameters
   bind_optimizer      the run's optimizer, once built (to check it, or to restart the state of rewritten parameters)
+  before_step         once per optimizer step, before its first forward (draw the step's random masks)
   extra_loss          a term added to the loss once per optimizer step
   after_optimizer_step  e.g. re-apply masks, re-factor adapters
   state               objects checkpointed with the run (state_dict / load_state_dict)
@@ -95,6 +96,9 @@ class Transform:
 
     def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Receives the run's optimizer once it is built (before any checkpoint is loaded into it)."""
+
+    def before_step(self, model_parts: list[nn.Module], step: int) -> None:
+        """Runs once per optimizer step (1-based `step`), before the forward of its first microbatch."""
 
     def extra_loss(self, model_parts: list[nn.Module], step: int) -> torch.Tensor | None:
         """A scalar added to the loss (and backpropagated) once per optimizer step, or None."""
@@ -186,6 +190,10 @@ class Transforms:
     def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         for t in self.items:
             t.bind_optimizer(optimizer)
+
+    def before_step(self, model_parts: list[nn.Module], step: int) -> None:
+        for t in self.items:
+            t.before_step(model_parts, step)
 
     def extra_loss(self, model_parts: list[nn.Module], step: int) -> torch.Tensor | None:
         terms = [term for t in self.items if (term := t.extra_loss(model_parts, step)) is not None]

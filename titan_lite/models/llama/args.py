@@ -24,6 +24,8 @@ class LlamaArgs:
     layer_n_heads: list[int] | None = None
     layer_n_kv_heads: list[int] | None = None
     layer_ffn_dims: list[int] | None = None
+    # Per-head width when it is not dim // n_heads (structured pruning keeps head_dim while dim or n_heads shrink).
+    explicit_head_dim: int | None = None
 
     @property
     def kv_heads(self) -> int:
@@ -31,7 +33,7 @@ class LlamaArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.explicit_head_dim or self.dim // self.n_heads
 
     def heads_of(self, layer: int) -> tuple[int, int]:
         """(query heads, kv heads) of one layer."""

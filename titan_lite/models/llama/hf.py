@@ -243,10 +243,9 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> LlamaArgs:
     _expect(cfg, "attention_bias", (False,), source)
     _expect(cfg, "mlp_bias", (False,), source)
     dim, n_heads = int(_require(cfg, "hidden_size", source)), int(_require(cfg, "num_attention_heads", source))
-    head_dim = cfg.get("head_dim") or dim // n_heads
-    if head_dim * n_heads != dim:
-        raise ConfigError(f"{source}: head_dim {head_dim} x num_attention_heads {n_heads} != hidden_size {dim}; "
-                          "titan_lite needs head_dim = hidden_size / num_attention_heads")
+    head_dim = int(cfg.get("head_dim") or dim // n_heads)
+    if head_dim % 2:
+        raise ConfigError(f"{source}: head_dim {head_dim} is odd; rotary embeddings rotate pairs of channels")
     theta, scaling = _rope_settings(cfg, source)
     args = LlamaArgs(
         dim=dim, n_layers=int(_require(cfg, "num_hidden_layers", source)), n_heads=n_heads,
@@ -255,7 +254,7 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> LlamaArgs:
         rope_theta=theta, max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         layer_n_heads=cfg.get("layer_n_heads"), layer_n_kv_heads=cfg.get("layer_n_kv_heads"),
-        layer_ffn_dims=cfg.get("layer_ffn_dims"))
+        layer_ffn_dims=cfg.get("layer_ffn_dims"), explicit_head_dim=None if head_dim == dim // n_heads else head_dim)
     if scaling is not None:
         args.rope_scaling_factor = float(_require(scaling, "factor", f"{source} rope_scaling"))
         args.rope_low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
@@ -276,9 +275,10 @@ def read_hf_config(config_path: str | Path) -> dict:
 
 
 # Fields compared by check_args_against_hf_config; max_seq_len is left out (training picks its own length).
-_CHECKED_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_dim", "norm_eps", "rope_theta",
-                   "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len",
-                   "tie_word_embeddings", "layer_n_heads", "layer_n_kv_heads", "layer_ffn_dims")
+_CHECKED_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "head_dim", "vocab_size", "ffn_dim", "norm_eps",
+                   "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                   "rope_original_max_seq_len", "tie_word_embeddings", "layer_n_heads", "layer_n_kv_heads",
+                   "layer_ffn_dims")
 _SCALING_FIELDS = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
 
 

@@ -135,6 +135,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
+        return self.wo(self.head_outputs(x, rope, cache).reshape(batch, seq, -1))
+
+    def head_outputs(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """Each head's attention output before wo: [batch, seq, heads, head_dim] (a transform may gate heads)."""
+        batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
@@ -146,7 +151,7 @@ class Attention(nn.Module):
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             # K/V keep their n_kv_heads: the inner attention expands them, after any gather (context parallel).
             out = self.inner_attention(q, k, v)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        return out.transpose(1, 2)
 
 
 # ------------------------------------------------------------------------------------------- MLP

@@ -1,0 +1,76 @@
+"""Materialise a Sheared-pruning checkpoint: the pruned dense Llama (deterministic gates with the exact target
+counts, soft values folded in) as a Hugging Face folder with its new config.json (no process group, no GPU needed).
+
+    python scripts/materialize_pruned.py --checkpoint outputs/llama3_8b_sheared/checkpoint/step-3200 \
+        --config train_configs/llama3_8b_sheared.toml --output_dir outputs/llama3_8b_sheared_pruned
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from titan_lite.checkpoint.dcp import read_dcp_model
+from titan_lite.config import parse_args as parse_job_args
+from titan_lite.config import validate
+from titan_lite.errors import ConfigError
+from titan_lite.job.plan import build_model_args
+from titan_lite.transforms.sheared import ShearedTransform
+from titan_lite.transforms.sheared.keep import GATE_PREFIX, materialize_pruned
+from titan_lite.transforms.structured.materialize import param_count, write_materialized_hf
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", required=True, help="DCP step folder of the pruning run "
+                        "(e.g. <dump_folder>/checkpoint/step-N)")
+    parser.add_argument("--config", required=True, help="the pruning run's TOML (model flavor and [sheared] targets)")
+    parser.add_argument("--output_dir", required=True, help="folder to write the pruned model to (replaced if it "
+                        "exists)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), help="dtype of the written weights (default: the "
+                        "config's checkpoint.export_dtype)")
+    return parser.parse_args(argv)
+
+
+def materialize(opts: argparse.Namespace) -> str:
+    start = time.monotonic()
+    if not Path(opts.config).is_file():
+        raise ConfigError(f"--config '{opts.config}' does not exist")
+    cfg = parse_job_args(["--job.config_file", opts.config])
+    validate(cfg, files=False)
+    if "sheared" not in cfg.model.converters:
+        raise ConfigError(f"--config '{opts.config}': 'model.converters' = {cfg.model.converters} has no 'sheared'; "
+                          "give the pruning run's config")
+    args = build_model_args(cfg, None)
+    targets = ShearedTransform(cfg).targets_for(args)
+    print(f"reading {opts.checkpoint}", flush=True)
+    state = {name: t.float() for name, t in read_dcp_model(opts.checkpoint, "model.").items()}
+    if not any(name.startswith(GATE_PREFIX) for name in state):
+        raise ConfigError(f"--checkpoint '{opts.checkpoint}' holds no Sheared gates ('{GATE_PREFIX}*'): not a "
+                          "checkpoint of a run with model.converters = [\"sheared\"]")
+    pruned, new_args = materialize_pruned(state, args, targets)
+    dtype = DTYPES[opts.dtype or cfg.checkpoint.export_dtype]
+    print(f"writing {opts.output_dir}", flush=True)
+    write_materialized_hf(pruned, new_args, opts.output_dir, dtype, cfg.model.hf_assets_path)
+    return (f"materialised {opts.checkpoint}: {param_count(args):,} -> {param_count(new_args):,} parameters "
+            f"({new_args.n_layers} layers, {new_args.n_heads} heads / {new_args.kv_heads} KV heads, "
+            f"dim {new_args.dim}, intermediate {new_args.ffn_dim}); wrote {opts.output_dir} "
+            f"({str(dtype).removeprefix('torch.')}) in {time.monotonic() - start:.1f}s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args(argv)
+    try:
+        print(materialize(opts))
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
