@@ -259,6 +259,9 @@ class PackedSource:
                 "num_shards": len(self.stream.shards)}
 
     def _checked(self, state: dict[str, Any]) -> dict[str, Any]:
+        if "num_shards" not in state:
+            raise ConfigError(f"the checkpoint's data position is not one of a single dataset (a data mixture's?), "
+                              f"this run reads dataset '{self.name}'; enable the same 'data_mixture' to continue")
         if state["num_shards"] != len(self.stream.shards):
             raise ConfigError(f"data position of dataset '{self.name}' was saved with {state['num_shards']} shards, "
                               f"now there are {len(self.stream.shards)}; the data changed")

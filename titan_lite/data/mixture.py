@@ -69,6 +69,9 @@ class MixtureSource:
                                                             "names": self.names}
 
     def _checked(self, state: dict[str, Any]) -> dict[str, Any]:
+        if "names" not in state:
+            raise ConfigError("the checkpoint's data position is for a single dataset, this run draws from "
+                              "'data_mixture' domains; start a new run (job.dump_folder) or disable data_mixture")
         if state["names"] != self.names:
             raise ConfigError(f"the checkpoint's data position is for the domains {state['names']}, this run has "
                               f"{self.names} ('data_mixture.domains'); the data changed")
