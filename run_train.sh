@@ -43,9 +43,6 @@ if [ "${DRY_RUN:-0}" = "1" ]; then
   DRY_RUN=1 exec "$PYTHON" -m titan_lite.train --job.config_file "$CONFIG_FILE" "$@"
 fi
 
-# Check the config in one quick process first: a user error is one line here, not a torchrun traceback.
-TITAN_LITE_CHECK_ONLY=1 "$PYTHON" -m titan_lite.train --job.config_file "$CONFIG_FILE" "$@"
-
 # On CPU, share the cores among this node's processes instead of oversubscribing them.
 if [ -z "${OMP_NUM_THREADS:-}" ]; then
   cores="$(nproc 2>/dev/null || echo 1)"

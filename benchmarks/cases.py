@@ -65,6 +65,7 @@ class TrainVariant(Variant):
     compile: bool = False
     nproc: int = 1
     optimizer: str | None = None  # titan_lite's optimizer.implementation; None = the config default
+    lora: str | None = None  # [lora] overrides: train LoRA adapters instead of every weight
     env: dict[str, str] = field(default_factory=dict)  # extra environment (A/B of a switch)
 
     def command(self, settings: Settings) -> tuple[list[str], dict[str, str]]:
@@ -72,6 +73,7 @@ class TrainVariant(Variant):
                 "--steps", str(settings.steps), "--warmup", str(settings.warmup + (2 if self.compile else 0))]
         args += ["--compile"] if self.compile else []
         args += ["--optimizer", self.optimizer] if self.optimizer else []
+        args += ["--lora", self.lora] if self.lora else []
         if self.nproc > 1:
             args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(self.nproc)] + args[:1] + \
                 ["benchmarks.worker"] + args[2:]
@@ -118,6 +120,27 @@ class MatmulPeakVariant(Variant):
 
 
 @dataclass
+class WandaVariant(Variant):
+    """One-shot Wanda 50% on a shape (random weights) and its floor: one forward pass over the same windows."""
+
+    shape: str = "smollm2_135M"
+    nsamples: int = 32
+
+    def command(self, settings: Settings) -> tuple[list[str], dict[str, str]]:
+        args = ["-m", "benchmarks.worker", "--impl", "wanda", "--shape", self.shape, "--nsamples", str(self.nsamples)]
+        return [sys.executable, *args], {"OMP_NUM_THREADS": str(settings.threads)}
+
+    def metrics(self, out: RunOutput) -> dict[str, float]:
+        result = _worker_results(out.stdout)
+        if out.returncode != 0 or not result:
+            raise RuntimeError(f"{self.label}: exit code {out.returncode}\n{out.stdout[-3000:]}")
+        r = result[0]
+        busy = r["machine_busy_s"]
+        return {"prune_s": r["prune_s"], "floor_s": r["floor_s"], "peak_rss_gib": r["peak_rss_bytes"] / 2**30,
+                "foreign_cores": (busy - r["own_cpu_s"]) / r["wall_s"] if busy is not None else 0.0}
+
+
+@dataclass
 class DryRunVariant(Variant):
     """DRY_RUN=1 planning of a full-size job, as `run_train.sh` runs it: wall time and peak RSS of the process."""
 
@@ -148,6 +171,7 @@ class Ratio:
     denominator: str
     target: float | None = None
     higher_is_better: bool = True
+    denominator_metric: str | None = None  # the denominator's metric, when not `metric` (e.g. a floor)
 
 
 @dataclass
@@ -197,6 +221,28 @@ for _shape in ("debug", "512d_32k", "smollm2_135M"):
     register_case(f"fsdp_{_shape}")(lambda s=_shape: _fsdp(s))
 
 
+@register_case("lora_smollm2_135M")
+def _lora() -> Case:
+    shape = SHAPES["smollm2_135M"]
+    variants = [TrainVariant("full fine-tuning", shape=shape.name),
+                TrainVariant("LoRA r16, 7 projections", shape=shape.name, lora="--lora.rank 16 --lora.alpha 32")]
+    return Case("lora_smollm2_135M", f"titan_lite, {shape.batch} x {shape.seq_len} tokens, 1 process", variants,
+                [Ratio("LoRA / full step time", "step_s", "LoRA r16, 7 projections", "full fine-tuning", target=0.75,
+                       higher_is_better=False)])
+
+
+def _wanda(shape: str, nsamples: int) -> Case:
+    variant = WandaVariant(f"Wanda 50%, {nsamples} x {SHAPES[shape].seq_len} tokens", shape=shape, nsamples=nsamples)
+    return Case(f"wanda_{shape}", "one-shot pruning against one forward pass over its calibration windows",
+                [variant], [Ratio("Wanda / floor", "prune_s", variant.label, variant.label, target=2.0,
+                                  higher_is_better=False, denominator_metric="floor_s")],
+                columns=("prune_s", "floor_s", "peak_rss_gib"))
+
+
+register_case("wanda_smollm2_135M")(lambda: _wanda("smollm2_135M", 32))
+register_case("wanda_tiny")(lambda: _wanda("tiny", 4))  # smoke tests
+
+
 @register_case("dry_run")
 def _dry_run() -> Case:
     variants = [DryRunVariant("8B on 8 ranks", config="train_configs/llama3_8b.toml", ngpu=8),
@@ -207,11 +253,13 @@ def _dry_run() -> Case:
 @register_case("tiny")
 def _tiny() -> Case:
     """A seconds-long case for smoke tests (not in the default list)."""
-    return Case("tiny", "tiny flavor, titan_lite only", [TrainVariant("titan_lite", shape="tiny")])
+    return Case("tiny", "tiny flavor, titan_lite only", [TrainVariant("titan_lite", shape="tiny"),
+                                                         TrainVariant("LoRA", shape="tiny", lora="--lora.rank 4")],
+                [Ratio("LoRA / full step time", "step_s", "LoRA", "titan_lite")])
 
 
 DEFAULT_CASES = ["train_debug", "train_512d_32k", "train_smollm2_135M", "fsdp_debug", "fsdp_512d_32k",
-                 "fsdp_smollm2_135M", "dry_run"]
+                 "fsdp_smollm2_135M", "lora_smollm2_135M", "wanda_smollm2_135M", "dry_run"]
 
 
 def environment_of(variant: Variant, settings: Settings) -> tuple[list[str], dict[str, str]]:

@@ -35,7 +35,8 @@ from benchmarks.cases import (
 
 _LABELS = {"tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "step_s": "step s", "peak_rss_gib": "peak RSS GiB",
            "wall_s": "wall s", "cpu_s": "CPU s", "gflops": "GFLOP/s", "cpu_s_per_step": "CPU s/step",
-           "sys_s_per_step": "sys s/step"}
+           "sys_s_per_step": "sys s/step",
+           "prune_s": "prune s", "floor_s": "floor s"}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -116,8 +117,8 @@ def measure(variant: Variant, settings: Settings, opts: argparse.Namespace, tag:
 
 
 def _brief(m: dict) -> str:
-    shown = [f"{_fmt(m[k])} {_LABELS[k]}" for k in ("tokens_per_s", "gflops", "wall_s", "cpu_s_per_step",
-                                                     "peak_rss_gib") if k in m]
+    keys = ("tokens_per_s", "gflops", "wall_s", "prune_s", "floor_s", "cpu_s_per_step", "peak_rss_gib")
+    shown = [f"{_fmt(m[k])} {_LABELS[k]}" for k in keys if k in m]
     return ", ".join(shown) + f", foreign load {m['foreign_cores']:.2f} cores"
 
 
@@ -168,9 +169,10 @@ def ratios_of(case: Case, result: dict) -> list[dict]:
     out = []
     for ratio in case.ratios:
         num, den = medians.get(ratio.numerator, {}), medians.get(ratio.denominator, {})
-        if ratio.metric not in num or ratio.metric not in den:
+        den_metric = ratio.denominator_metric or ratio.metric
+        if ratio.metric not in num or den_metric not in den:
             continue
-        value = num[ratio.metric] / den[ratio.metric]
+        value = num[ratio.metric] / den[den_metric]
         met = None if ratio.target is None else (value >= ratio.target if ratio.higher_is_better
                                                  else value <= ratio.target)
         out.append({"label": ratio.label, "value": value, "target": ratio.target, "met": met,

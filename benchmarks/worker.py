@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import resource
+import shlex
 import sys
 import tempfile
 import time
@@ -25,6 +26,8 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.shapes import SHAPES, Shape
 from titan_lite import distributed as tl_dist
 from titan_lite.config import parse_args
+from titan_lite.job.assembly import assemble_model
+from titan_lite.job.script import start_job
 from titan_lite.metrics.flops import num_flops_per_token, peak_flops
 from titan_lite.models.llama import Llama, LlamaArgs
 from titan_lite.models.llama.hf import args_to_hf_config
@@ -36,13 +39,18 @@ _LR, _BETAS, _EPS, _WEIGHT_DECAY, _MAX_NORM = 1e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.worker", description=__doc__.splitlines()[0])
-    p.add_argument("--impl", choices=["titan_lite", "transformers", "matmul"], required=True,
-                   help="matmul: the machine's fp32 matmul rate (no shape)")
+    p.add_argument("--impl", choices=["titan_lite", "transformers", "matmul", "wanda"], required=True,
+                   help="matmul: the machine's fp32 matmul rate (no shape); wanda: one-shot Wanda 50%% on the shape "
+                        "(random weights) against its floor, one forward pass over the same calibration windows")
     p.add_argument("--shape", choices=sorted(SHAPES), default="debug")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation, allocator warm-up)")
     p.add_argument("--compile", action="store_true", help="titan_lite: [compile] enable (model and loss)")
     p.add_argument("--optimizer", default="fused", help="titan_lite: optimizer.implementation")
+    p.add_argument("--lora", default=None,
+                   help="titan_lite: train LoRA adapters on all seven projections with these [lora] overrides "
+                        "(e.g. '--lora.rank 16 --lora.alpha 32') instead of every weight")
+    p.add_argument("--nsamples", type=int, default=32, help="wanda: calibration windows of the shape's seq_len")
     p.add_argument("--profile", default=None, help="write a torch.profiler table of 2 steps after the timed ones")
     return p.parse_args(argv)
 
@@ -68,6 +76,8 @@ def titan_lite_step(shape: Shape, opts: argparse.Namespace, dump_folder: str) ->
         "--validation.enable=false", "--metrics.enable_tensorboard=false", "--job.dump_folder", dump_folder,
         f"--compile.enable={str(opts.compile).lower()}",
     ]
+    if opts.lora:
+        overrides += ["--model.converters", "lora", *shlex.split(opts.lora)]
     trainer = Trainer(parse_args(overrides))
     vocab = trainer.plan.model_args.vocab_size
     batches = [random_batch(shape, vocab, seed=trainer.rank * 1000 + i) for i in range(4)]
@@ -76,6 +86,33 @@ def titan_lite_step(shape: Shape, opts: argparse.Namespace, dump_folder: str) ->
         loss, _ = trainer.train_step([batches[i % len(batches)]], i + 1)
         return loss
     return step
+
+
+# ------------------------------------------------------------------------------------------ wanda
+
+
+def wanda_against_floor(shape: Shape, opts: argparse.Namespace, dump_folder: str) -> dict:
+    """Seconds of the one-shot Wanda pass (50% unstructured, opts.nsamples windows of the shape's seq_len in
+    batches of the shape's batch) and of its floor: one no-grad forward pass over as many windows."""
+    cfg = parse_args([
+        "--model.flavor", shape.flavor, "--model.hf_assets_path", "assets/tokenizer", "--training.seq_len",
+        str(shape.seq_len), "--model.converters", "prune", "--pruning.method", "wanda", "--pruning.sparsity", "0.5",
+        "--pruning.nsamples", str(opts.nsamples), "--pruning.seq_len", str(shape.seq_len), "--pruning.batch_size",
+        str(shape.batch), "--pruning.hold_masks", "false", "--activation_checkpoint.mode", "none",
+        "--job.dump_folder", dump_folder])
+    plan, device = start_job(cfg)
+    built = assemble_model(plan, device)  # random weights; the prune transform's after_load runs the pass
+    prune_s = next(t for t in plan.transforms if t.name == "prune").result.seconds
+    model = built.parts[0]
+    windows = [random_batch(shape, plan.model_args.vocab_size, seed=i)[0] for i in range(opts.nsamples // shape.batch)]
+    busy0, cpu0, start = machine_busy_seconds(), time.process_time(), time.perf_counter()
+    with torch.no_grad():
+        for tokens in windows:
+            model(tokens)
+    floor_s = time.perf_counter() - start
+    cpu, busy1 = time.process_time() - cpu0, machine_busy_seconds()
+    return {"prune_s": prune_s, "floor_s": floor_s, "wall_s": floor_s, "own_cpu_s": cpu, "step_s": [floor_s],
+            "losses": [0.0], "machine_busy_s": None if busy0 is None or busy1 is None else busy1 - busy0}
 
 
 # ---------------------------------------------------------------------------------- transformers
@@ -175,16 +212,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("titan_lite").setLevel(logging.WARNING)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     with tempfile.TemporaryDirectory(prefix="titan_lite_bench_") as dump_folder:
-        if opts.impl == "titan_lite":
-            step = titan_lite_step(shape, opts, dump_folder)
+        if opts.impl == "wanda":
+            result = wanda_against_floor(shape, opts, dump_folder)
         else:
-            step = transformers_step(shape)
-        gc.collect()
-        gc.disable()  # as the trainer's loop does
-        result = measure(step, opts.steps, opts.warmup)
-        if opts.profile:
-            profile_table(step, opts.warmup + opts.steps, opts.profile)
-        gc.enable()
+            step = titan_lite_step(shape, opts, dump_folder) if opts.impl == "titan_lite" else transformers_step(shape)
+            gc.collect()
+            gc.disable()  # as the trainer's loop does
+            result = measure(step, opts.steps, opts.warmup)
+            if opts.profile:
+                profile_table(step, opts.warmup + opts.steps, opts.profile)
+            gc.enable()
     a = shape.args()
     result.update(
         impl=opts.impl, shape=shape.name, compile=opts.compile, rank=int(os.environ.get("RANK", "0")), world=world,
@@ -194,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                                             a.n_layers, a.n_heads, a.head_dim, shape.seq_len),
     )
     print(RESULT_PREFIX + json.dumps(result), flush=True)
-    if opts.impl == "titan_lite":
+    if opts.impl in ("titan_lite", "wanda"):
         tl_dist.shutdown()
     return 0
 

@@ -16,17 +16,24 @@ REPO = Path(__file__).resolve().parents[1]
 def test_benchmark_runs_a_tiny_case_and_writes_json(tmp_path):
     out = tmp_path / "results.json"
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--cases", "tiny", "--repeats", "1", "--steps", "1",
-                           "--warmup", "0", "--retries", "0", "--threads", "1", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--cases", "tiny,wanda_tiny", "--repeats", "1",
+                           "--steps", "1", "--warmup", "0", "--retries", "0", "--threads", "1", "--json", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().splitlines()[-1].startswith("result: ")
     assert "load average" in proc.stdout
     results = json.loads(out.read_text())
-    (variant,) = results["cases"][0]["variants"]
-    run = variant["runs"][0]
-    assert variant["label"] == "titan_lite" and run["tokens_per_s"] > 0 and run["peak_rss_gib"] > 0
+    tiny, wanda = results["cases"]
+    full, lora = tiny["variants"]
+    run = full["runs"][0]
+    assert full["label"] == "titan_lite" and run["tokens_per_s"] > 0 and run["peak_rss_gib"] > 0
     assert results["matmul_peak_gflops"] > 0 and 0 < run["mfu_pct"]
+    assert lora["runs"][0]["step_s"] > 0 and tiny["ratios"][0]["label"] == "LoRA / full step time"
+    (pruned,) = wanda["variants"]
+    assert pruned["runs"][0]["prune_s"] > 0 and pruned["runs"][0]["floor_s"] > 0
+    (ratio,) = wanda["ratios"]
+    assert ratio["value"] == pruned["median"]["prune_s"] / pruned["median"]["floor_s"] and ratio["target"] == 2.0
+    assert "tiny LoRA / full step time" in proc.stdout.strip().splitlines()[-1]
 
 
 def test_keep_freed_memory_only_on_cpu(monkeypatch):

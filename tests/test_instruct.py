@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from titan_lite.config import parse_args, validate
-from titan_lite.data.dataloader import BatchLayout, DataLoader, build_section_loader, pad_collate
+from titan_lite.data.dataloader import BatchLayout, DataLoader, build_section_loader, pad_collate, samples_per_epoch
 from titan_lite.data.instruct import (
     Example,
     InstructionFile,
@@ -20,7 +20,7 @@ from titan_lite.data.instruct import (
 )
 from titan_lite.errors import ConfigError
 from titan_lite.eval.answers import extract_answer
-from titan_lite.job.plan import check_data
+from titan_lite.job.plan import check_data, steps_for_epochs
 from titan_lite.loss import IGNORE_INDEX, cross_entropy_sum
 
 BOS, EOS, OFFSET = 1, 2, 3
@@ -127,6 +127,18 @@ def test_restarting_from_any_state_continues_exactly(tmp_path: Path, packing: bo
         resumed = list(itertools.islice(src.samples(state), 10))
         for (a, _), (b, _) in zip(run[k + 1:k + 11], resumed, strict=True):
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_epochs_give_the_steps_of_that_many_passes(tmp_path: Path, packing: bool):
+    path = write_jsonl(tmp_path / "problems.jsonl", PROBLEMS)
+    cfg = config(path, "--training.epochs", "1.5", "--instruct.packing", str(packing).lower())
+    per_epoch = sum(1 for _ in source(path, packing=packing).samples())
+    assert samples_per_epoch(cfg, "training", TOK) == per_epoch
+    assert per_epoch == 40 if not packing else 0 < per_epoch < 40
+    assert steps_for_epochs(cfg, TOK, global_batch=8) == -(-3 * per_epoch // 16)  # ceil(1.5 x samples / 8)
+    with pytest.raises(ConfigError, match="'training.epochs' must be a positive"):
+        config(path, "--training.epochs", "0")
 
 
 def test_held_out_split_is_an_even_fixed_fraction(tmp_path: Path):

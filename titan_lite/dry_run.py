@@ -302,8 +302,16 @@ def summary_lines(plan: JobPlan) -> list[str]:
         f"data: {t.dataset}" + (f" from '{t.dataset_path}'" if t.dataset_path else ""),
         f"batch: local {t.local_batch_size} x data-parallel {dims.dp_degree} x accumulation {plan.grad_accum} "
         f"= global {global_batch} sequences x {t.seq_len} tokens = {global_batch * t.seq_len:,} tokens per step",
-        f"steps: {t.steps} -> {t.steps * global_batch * t.seq_len:,} tokens",
+        steps_line(plan, global_batch),
     ]
+
+
+def steps_line(plan: JobPlan, global_batch: int) -> str:
+    t = plan.cfg.training
+    if t.epochs is not None and not plan.epochs_counted:
+        return f"steps: from training.epochs = {t.epochs:g}, counted once the tokenizer and data are there"
+    source = f" (training.epochs = {t.epochs:g})" if t.epochs is not None else ""
+    return f"steps: {t.steps:,}{source} -> {t.steps * global_batch * t.seq_len:,} tokens"
 
 
 def tokenizer_line(plan: JobPlan) -> str:
@@ -328,7 +336,7 @@ def dry_run(cfg: JobConfig) -> int:
     start, MISSING_FILES (5) when only files are missing; raises ConfigError (exit 2) when the plan cannot run or
     does not fit."""
     tokenizer, missing = gather_assets(cfg)
-    plan = plan_with_tokenizer(cfg, planned_world_size(), tokenizer)
+    plan = plan_with_tokenizer(cfg, planned_world_size(), tokenizer, count_epochs=not missing)
     capacity = device_memory_gib(cfg)
     for line in summary_lines(plan) + checklist_lines(missing):
         print(line, flush=True)

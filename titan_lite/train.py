@@ -29,7 +29,7 @@ from titan_lite.errors import FAULT, HANG, USER_ERROR, ConfigError, TrainingFaul
 from titan_lite.eval.validate import Validator
 from titan_lite.faults import ACTIVITY, StopSignals, any_rank, is_collective_timeout, nonfinite_message, timeout_line
 from titan_lite.job.assembly import BuiltModel, assemble_model, initial_weight_loader
-from titan_lite.job.plan import check_before_launch, check_data, plan_job
+from titan_lite.job.plan import check_before_launch, plan_job
 from titan_lite.launcher import another_rank_failed, register_rank, report_error
 from titan_lite.loss import IGNORE_INDEX
 from titan_lite.metrics.flops import num_flops_per_token
@@ -355,8 +355,9 @@ def run(cfg: JobConfig) -> int:
     if cfg.comm.mode != "default" or os.environ.get("DRY_RUN") == "1":
         validate(cfg, files=False)
         return dry_run(cfg)
-    validate(cfg)
-    check_data(cfg)
+    # Each rank checks what run_train.sh used to check in a separate process before torchrun (one process start
+    # less per launch); a user error still ends the run in one line through the launcher.
+    check_before_launch(cfg, int(os.environ.get("WORLD_SIZE", planned_world_size())))
     save_config(cfg)
     logger.info(f"job: {cfg.job.description}")
     with StopSignals().installed() as stop:

@@ -142,6 +142,10 @@ class Training:
     seq_len: int = opt(2048, "Tokens per sequence.")
     max_norm: float = opt(1.0, "Clip the global gradient norm to this (0 or less disables clipping).")
     steps: int = opt(10000, "Optimizer steps to train.")
+    epochs: float | None = opt(
+        None, "Passes over the training data, instead of steps: the run trains ceil(epochs x samples per epoch / "
+        "global batch) steps (printed at the start; it replaces training.steps, so the LR schedule, warmup_ratio "
+        "and validation follow it). Counting the samples reads and tokenizes the training data once.")
     enable_cpu_offload: bool = opt(False, "FSDP2 CPU offload of parameters, gradients and optimizer state.")
     dtype: Literal["float32", "bfloat16"] = opt("float32", "Parameter dtype outside FSDP mixed precision.")
     mixed_precision_param: Literal["auto", "float32", "bfloat16", "float16"] = opt(

@@ -72,6 +72,9 @@ def check_training(cfg: JobConfig) -> None:
     for key in ("training.steps", "training.local_batch_size", "training.gc_freq"):
         _at_least(cfg, key, 1)
     _at_least(cfg, "training.seq_len", 2)
+    if cfg.training.epochs is not None and not cfg.training.epochs > 0:
+        raise ConfigError(f"'training.epochs' must be a positive number of passes over the data, got "
+                          f"{cfg.training.epochs}")
     _minus_one_or_positive(cfg, "training.global_batch_size")
     check_dataloader(cfg, "training")
 

@@ -186,10 +186,22 @@ def build_section_loader(cfg: JobConfig, section: str, tokenizer, layout: BatchL
     """The loader of [training] or [validation]'s dataset: packed pre-training windows, or instruction examples
     (dataset 'instruct', padded to the longest of each batch rounded up to length_multiple)."""
     s = getattr(cfg, section)
+    source = build_section_source(cfg, section, tokenizer, infinite)
     if s.dataset == "instruct":
-        source = build_instruction_source(cfg, section, tokenizer, infinite)
         pad_id = tokenizer.pad_id if tokenizer.pad_id >= 0 else tokenizer.eos_id
         return DataLoader(source, layout, loader_options(s.dataloader),
                           collate=pad_collate(pad_id, IGNORE_INDEX, length_multiple))
-    return build_dataloader(s.dataset, s.dataset_path, tokenizer, s.seq_len, layout, loader_options(s.dataloader),
-                            infinite, section)
+    return DataLoader(source, layout, loader_options(s.dataloader))
+
+
+def build_section_source(cfg: JobConfig, section: str, tokenizer, infinite: bool = True) -> SampleSource:
+    """The sample stream of [training] or [validation]'s dataset (instruction examples or packed windows)."""
+    s = getattr(cfg, section)
+    if s.dataset == "instruct":
+        return build_instruction_source(cfg, section, tokenizer, infinite)
+    return build_packed_source(s.dataset, s.dataset_path, tokenizer, s.seq_len, infinite, section)
+
+
+def samples_per_epoch(cfg: JobConfig, section: str, tokenizer) -> int:
+    """Samples (sequences) in one pass over the section's data: what training.epochs counts in."""
+    return sum(1 for _ in build_section_source(cfg, section, tokenizer, infinite=False).samples())

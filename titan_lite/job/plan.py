@@ -1,6 +1,8 @@
 """The job plan: tokenizer, model args, parallel degrees, accumulation and transforms, derived once from the config."""
 
 import importlib
+import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,6 +15,7 @@ from titan_lite.checkpoint.hf import weight_files
 from titan_lite.checkpoint.manager import check_source_before_launch, initial_source
 from titan_lite.config.schema import JobConfig
 from titan_lite.config.validate import validate
+from titan_lite.data.dataloader import samples_per_epoch
 from titan_lite.data.datasets import check_dataset
 from titan_lite.data.instruct import check_instruction_data
 from titan_lite.data.mixture import check_mixture_data
@@ -28,6 +31,8 @@ from titan_lite.parallel.pipeline import check_pipeline_config
 from titan_lite.parallel.tensor_parallel import check_tp_divisibility
 from titan_lite.transforms import Transforms, build_transforms
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class JobPlan:
@@ -39,6 +44,7 @@ class JobPlan:
     parallel_dims: ParallelDims
     grad_accum: int
     transforms: Transforms
+    epochs_counted: bool = False  # training.steps was set from training.epochs
 
     @property
     def global_batch_size(self) -> int:
@@ -134,8 +140,10 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
     return plan_with_tokenizer(cfg, world_size, build_tokenizer(tokenizer_path(cfg)))
 
 
-def plan_with_tokenizer(cfg: JobConfig, world_size: int, tokenizer: Tokenizer | None) -> JobPlan:
-    """plan_job with a tokenizer already loaded, or None (the flavor gives the vocabulary size)."""
+def plan_with_tokenizer(cfg: JobConfig, world_size: int, tokenizer: Tokenizer | None,
+                        count_epochs: bool = True) -> JobPlan:
+    """plan_job with a tokenizer already loaded, or None (the flavor gives the vocabulary size). With
+    training.epochs set (and count_epochs), training.steps becomes the steps those epochs take."""
     args = build_model_args(cfg, tokenizer.vocab_size if tokenizer is not None else None)
     p = cfg.parallelism
     check_tp_divisibility(args, p.tensor_parallel_degree)
@@ -146,10 +154,33 @@ def plan_with_tokenizer(cfg: JobConfig, world_size: int, tokenizer: Tokenizer | 
     check_cpu_offload(cfg, dims)
     check_seed_checkpoint_layout(cfg, dims)
     grad_accum = gradient_accumulation_steps(cfg, dims.dp_degree)
+    epochs_counted = cfg.training.epochs is not None and count_epochs and tokenizer is not None
+    if epochs_counted:
+        cfg.training.steps = steps_for_epochs(cfg, tokenizer, cfg.training.local_batch_size * dims.dp_degree
+                                              * grad_accum)
     import_custom_module(cfg)
     transforms = Transforms(build_transforms(cfg))
     transforms.check(args, dims)
-    return JobPlan(cfg, tokenizer, args, dims, grad_accum, transforms)
+    return JobPlan(cfg, tokenizer, args, dims, grad_accum, transforms, epochs_counted)
+
+
+def steps_for_epochs(cfg: JobConfig, tokenizer: Tokenizer, global_batch: int) -> int:
+    """ceil(training.epochs x samples per epoch / global batch), logged once per process."""
+    samples = _counted_samples(cfg, tokenizer)
+    steps = max(1, math.ceil(cfg.training.epochs * samples / global_batch))
+    if steps != cfg.training.steps:
+        logger.info(f"training.epochs = {cfg.training.epochs:g}: {samples:,} samples per epoch / global batch "
+                    f"{global_batch} -> {steps:,} steps")
+    return steps
+
+
+def _counted_samples(cfg: JobConfig, tokenizer: Tokenizer) -> int:
+    t = cfg.training
+    key = (t.dataset, t.dataset_path, t.seq_len, repr(cfg.instruct), tokenizer_path(cfg))
+    return _SAMPLE_COUNTS.get(key) or _SAMPLE_COUNTS.setdefault(key, samples_per_epoch(cfg, "training", tokenizer))
+
+
+_SAMPLE_COUNTS: dict[tuple, int] = {}  # one count per process: the pre-launch check and the trainer both plan
 
 
 def check_seed_checkpoint_layout(cfg: JobConfig, dims: ParallelDims) -> None:

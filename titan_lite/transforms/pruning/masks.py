@@ -46,10 +46,18 @@ def lowest_per_row(scores: torch.Tensor, count: int) -> torch.Tensor:
         return pruned
     rows_per_chunk = max(1, SORT_CHUNK_ELEMENTS // max(1, scores.shape[1]))
     for start in range(0, scores.shape[0], rows_per_chunk):
-        chunk = scores[start:start + rows_per_chunk]
-        order = torch.sort(chunk, dim=1, stable=True).indices[:, :count]
-        pruned[start:start + rows_per_chunk].scatter_(1, order, True)
+        pruned[start:start + rows_per_chunk] = _lowest_of_rows(scores[start:start + rows_per_chunk], count)
     return pruned
+
+
+def _lowest_of_rows(chunk: torch.Tensor, count: int) -> torch.Tensor:
+    """What a stable sort's first `count` columns per row select, from each row's k-th value (about twice as fast
+    as sorting): every score below it, then the leftmost of those equal to it."""
+    threshold = torch.kthvalue(chunk, count, dim=1, keepdim=True).values
+    below = chunk < threshold
+    equal = chunk == threshold
+    ties_needed = count - below.sum(dim=1, keepdim=True)
+    return below | (equal & (equal.cumsum(dim=1) <= ties_needed))
 
 
 def lowest_in_layer(scores: torch.Tensor, count: int) -> torch.Tensor:
