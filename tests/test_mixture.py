@@ -163,6 +163,7 @@ def checked(tmp_path, *overrides: str) -> None:
     (["--data_mixture.weights", "0,0"], "'data_mixture.weights' are all 0"),
     (["--data_mixture.smoothing", "1.5"], "'data_mixture.smoothing' must be in [0, 1)"),
     (["--data_mixture.weights", "0.5,x"], "--data_mixture.weights: expected a list of numbers"),
+    (["--training.epochs", "1"], "'training.epochs' counts passes over 'training.dataset'"),
 ])
 def test_config_errors_are_one_line(tmp_path, overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -174,3 +175,8 @@ def test_missing_domain_path_is_named(tmp_path):
     cfg = parse_args(["--data_mixture.enable", "--data_mixture.dataset_paths", f"{tmp_path},{tmp_path / 'nope'}"])
     with pytest.raises(ConfigError, match=r"'data_mixture.dataset_paths\[1\]' = '.*nope' does not exist"):
         validate(cfg)
+
+
+def test_a_checkpoint_of_the_other_kind_is_one_line():
+    with pytest.raises(ConfigError, match="position is for a single dataset"):
+        next(mixture([0.5, 0.5]).samples({"epoch": 0, "position": {}, "buffer": [], "num_shards": 1}))

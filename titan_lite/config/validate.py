@@ -177,6 +177,8 @@ def check_data_mixture(cfg: JobConfig) -> None:
     _require(cfg.training.dataset != "instruct",
              "'data_mixture.enable' = true replaces 'training.dataset' with pre-training domains; it does not mix "
              "instruction data ('training.dataset' = 'instruct')")
+    _require(cfg.training.epochs is None, "'training.epochs' counts passes over 'training.dataset'; a data mixture "
+                                          "draws its domains without end: set 'training.steps' instead")
 
 
 def check_lr_scheduler(cfg: JobConfig) -> None:
