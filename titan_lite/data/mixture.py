@@ -2,6 +2,7 @@
 
 import bisect
 import hashlib
+import itertools
 import logging
 import math
 import struct
@@ -52,15 +53,17 @@ class MixtureSource:
         self.version = 0
         self.name = "mixture(" + ",".join(names) + ")"
 
-    def set_weights(self, weights: list[float]) -> None:
-        self.weights = normalised(weights)
+    def set_weights(self, weights: list[float], normalise: bool = True) -> None:
+        """New weights for the next global batch on; a checkpoint's are restored as saved (normalise=False), so a
+        resumed run holds the very floats of an uninterrupted one."""
+        self.weights = normalised(weights) if normalise else list(weights)
         self.version += 1
 
     def samples(self, state: dict[str, Any] | None = None) -> Iterator[tuple[tuple, dict[str, Any]]]:
         state = self._checked(state) if state is not None else {"domains": [None] * len(self.sources), "drawn": 0}
         domain_states, drawn = list(state["domains"]), state["drawn"]
         streams = [source.samples(s) for source, s in zip(self.sources, domain_states, strict=True)]
-        cumulative = list(torch.tensor(self.weights, dtype=torch.float64).cumsum(0).tolist())
+        cumulative = list(itertools.accumulate(self.weights))
         while True:
             domain = draw_domain(self.seed, drawn, cumulative)
             drawn += 1
@@ -148,7 +151,7 @@ class DomainWeights:
         if state["names"] != self.names:
             raise ConfigError(f"the checkpoint's data mixture has the domains {state['names']}, this run has "
                               f"{self.names} ('data_mixture.domains')")
-        self.source.set_weights(state["weights"])
+        self.source.set_weights(state["weights"], normalise=False)
         self.window = torch.tensor(state["window"], dtype=torch.float64)
         self.last_losses = list(state["last_losses"])
 
