@@ -26,17 +26,29 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
 
 
+def cross_entropy_per_sample(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Token-loss sum of every sample: [batch] for logits [batch, seq, vocab]; the same terms as cross_entropy_sum,
+    split by sample (data mixtures measure each domain's loss from them). Used only when a run asks for it."""
+    if logits.device.type == "cpu" and not isinstance(logits, DTensor) and not torch.compiler.is_compiling():
+        token_losses = ChunkedCrossEntropySum.apply(logits.flatten(0, 1), labels.flatten(), True)
+    else:
+        token_losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none",
+                                       ignore_index=IGNORE_INDEX)
+    return token_losses.view(labels.shape[0], -1).sum(dim=1)
+
+
 class ChunkedCrossEntropySum(torch.autograd.Function):
     """sum over rows of logsumexp(logits) - logits[label], for logits [tokens, vocab], in float32 blocks of rows.
 
     When a gradient is wanted the forward writes softmax(logits) into the gradient's buffer as it goes (one exp per
     logit, in all), and the backward only scales it and subtracts the one-hot labels in place. Nothing saves the
     logits: after the forward only that buffer remains, where F.cross_entropy keeps a log-softmax copy and then
-    allocates two more [tokens, vocab] tensors in its backward.
+    allocates two more [tokens, vocab] tensors in its backward. With per_token it returns the [tokens] losses
+    instead of their sum.
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, per_token: bool = False) -> torch.Tensor:
         valid = labels != IGNORE_INDEX
         safe_labels = torch.where(valid, labels, 0)
         lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
@@ -54,18 +66,19 @@ class ChunkedCrossEntropySum(torch.autograd.Function):
         ctx.save_for_backward(probs, safe_labels, valid)
         ctx.logits_dtype = logits.dtype
         ctx.used = False
-        return ((lse - target) * valid).sum()
+        token_losses = (lse - target) * valid
+        return token_losses if per_token else token_losses.sum()
 
     @staticmethod
-    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         if ctx.used:  # the gradient is made in place from the saved probabilities: only once
             raise RuntimeError("ChunkedCrossEntropySum supports one backward pass (no retain_graph)")
         ctx.used = True
         probs, safe_labels, valid = ctx.saved_tensors
-        scale = valid * grad_output  # [tokens]: 0 on ignored rows
+        scale = valid * grad_output  # [tokens]: 0 on ignored rows (grad_output: a scalar, or [tokens] per token)
         grad = probs.mul_(scale[:, None])
         grad.scatter_add_(1, safe_labels[:, None], -scale[:, None])
-        return grad.to(ctx.logits_dtype), None
+        return grad.to(ctx.logits_dtype), None, None
 
 
 def _row_blocks(logits: torch.Tensor) -> list[slice]:
@@ -73,9 +86,11 @@ def _row_blocks(logits: torch.Tensor) -> list[slice]:
     return [slice(start, start + rows) for start in range(0, logits.shape[0], rows)]
 
 
-def build_loss_fn(compile_cfg: Compile, loss_parallel: bool):
-    """cross_entropy_sum, compiled when `compile.components` has 'loss' (and loss parallel is off: compiled, cross
+def build_loss_fn(compile_cfg: Compile, loss_parallel: bool, per_sample: bool = False):
+    """cross_entropy_sum (or cross_entropy_per_sample), compiled when `compile.components` has 'loss' (and loss
+    parallel is off: compiled, cross
     entropy ignores loss_parallel()'s handlers and normalises each vocab shard on its own, a silently wrong loss)."""
+    fn = cross_entropy_per_sample if per_sample else cross_entropy_sum
     if compile_cfg.enable and "loss" in compile_cfg.components and not loss_parallel:
-        return torch.compile(cross_entropy_sum, backend=compile_cfg.backend)
-    return cross_entropy_sum
+        return torch.compile(fn, backend=compile_cfg.backend)
+    return fn

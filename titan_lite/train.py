@@ -21,7 +21,8 @@ from titan_lite.checkpoint.manager import (
     warn_incomplete_saves,
 )
 from titan_lite.config import JobConfig, help_text, parse_args, to_toml, validate
-from titan_lite.data.dataloader import BatchLayout, DataLoader, build_section_loader
+from titan_lite.data.dataloader import BatchLayout, DataLoader, build_section_loader, loader_options
+from titan_lite.data.mixture import DomainWeights, build_domain_weights
 from titan_lite.dry_run import dry_run, planned_world_size
 from titan_lite.dtensor import full_tensor
 from titan_lite.errors import FAULT, HANG, USER_ERROR, ConfigError, TrainingFault
@@ -119,6 +120,10 @@ class Trainer:
     def build_train_loader(self) -> DataLoader:
         t, batch_mesh = self.cfg.training, self.parallel_dims.submesh("batch")
         layout = BatchLayout(t.local_batch_size, batch_mesh.get_local_rank(), batch_mesh.size(), self.plan.grad_accum)
+        self.mixture: DomainWeights | None = None
+        if self.cfg.data_mixture.enable:
+            self.mixture = build_domain_weights(self.cfg.data_mixture, self.plan.tokenizer, t.seq_len, self.seed)
+            return DataLoader(self.mixture.source, layout, loader_options(t.dataloader))
         return build_section_loader(self.cfg, "training", self.plan.tokenizer, layout)
 
     def build_checkpointer(self) -> CheckpointManager:
@@ -130,6 +135,7 @@ class Trainer:
             "rng": RankLocal(RNGState(self.device), f"rank{self.rank}_of_{world}",
                              lambda saved: "holds RNG states of another world size; RNGs keep this run's seeds"),
             **self.transforms.state(),
+            **({"data_mixture": self.mixture} if self.mixture is not None else {}),  # the same on every rank
         }
         return CheckpointManager(self.cfg.checkpoint, self.checkpoint_folder(), self.model_parts, self.optimizer,
                                  states, saves_parameter=self.transforms.saves_parameter)
@@ -147,16 +153,14 @@ class Trainer:
 
     # -------------------------------------------------------------------------------- one step
 
-    def next_microbatches(self, data_iter) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        batches = []
-        for _ in range(self.plan.grad_accum):
-            inputs, labels = next(data_iter)
-            batches.append((inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)))
-        return batches
+    def next_microbatches(self, data_iter) -> list[tuple[torch.Tensor, ...]]:
+        """(input_ids, labels) per microbatch on the device, with domain ids under a data mixture."""
+        return [tuple(t.to(self.device, non_blocking=True) for t in next(data_iter))
+                for _ in range(self.plan.grad_accum)]
 
     def global_token_count(self, microbatches) -> torch.Tensor:
         """Tokens that carry a loss, summed over the microbatches of every data-parallel rank."""
-        local = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches).to(torch.float64)
+        local = sum((labels != IGNORE_INDEX).sum() for _, labels, *_ in microbatches).to(torch.float64)
         if self.parallel_dims.dp_degree > 1:
             dist.all_reduce(local, group=self.parallel_dims.submesh("batch").get_group())
         return local
@@ -169,8 +173,10 @@ class Trainer:
         # gradient of (sum of every rank's token losses) / (global tokens), identical to one big batch.
         scale = (self.parallel_dims.gradient_average_degree / global_tokens).to(torch.float32)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for inputs, labels in microbatches:
-            loss_sum += self.model.runner.forward_backward(inputs, labels, scale).to(torch.float64)
+        domain_sums = self.mixture.new_sums(self.device) if self.mixture is not None else None
+        for inputs, labels, *domains in microbatches:
+            loss_sum += self.model.runner.forward_backward(inputs, labels, scale, *domains,
+                                                           domain_sums=domain_sums).to(torch.float64)
         self.add_transform_loss(step)
         self.maybe_poison_gradients_for_test(step)
         grad_norm = self.clip_gradients()
@@ -184,6 +190,9 @@ class Trainer:
             self.transforms.after_optimizer_step(self.model_parts, step)
         else:
             self.handle_nonfinite(fault)
+        if domain_sums is not None:  # a skipped step's losses are not measured, but its window still ends
+            sums = self.model.runner.global_sum(domain_sums, loss_values=True) if fault is None else domain_sums.zero_()
+            self.mixture.observe(sums, step)
         self.lr_schedule.step(loss if fault is None else None)
         return loss, grad_norm
 
@@ -285,14 +294,16 @@ class Trainer:
     def run_step(self, step: int, data_iter) -> None:
         cfg = self.cfg
         microbatches = self.next_microbatches(data_iter)
-        ntokens = sum(inputs.numel() for inputs, _ in microbatches)
+        ntokens = sum(inputs.numel() for inputs, *_ in microbatches)
         self.train_state.ntokens_seen += ntokens
         self.metrics.add_tokens(ntokens)
         lr = self.lr_schedule.last_lr()  # the LR this step uses; train_step advances the schedule
         ACTIVITY.now(f"in step {step} (forward, backward, gradient reductions)")
         loss, grad_norm = self.train_step(microbatches, step)
         if self.metrics.should_log(step) or step == cfg.training.steps:
-            self.metrics.log(step, loss, grad_norm, lr, extra=self.transforms.metrics(self.model_parts))
+            extra = self.transforms.metrics(self.model_parts)
+            self.metrics.log(step, loss, grad_norm, lr,
+                             extra=extra if self.mixture is None else {**extra, **self.mixture.metrics()})
         if self.validator is not None and step % cfg.validation.freq == 0:
             ACTIVITY.now(f"validating after step {step}")
             results = self.validator.evaluate(self.model_parts, step)

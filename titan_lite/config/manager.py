@@ -75,7 +75,7 @@ def _type_name(tp: Any) -> str:
     if choices:
         name, optional = " | ".join(map(str, choices)), optional and "none" not in choices
     elif typing.get_origin(base) is list:
-        name = "a list of strings"
+        name = "a list of numbers" if _item_type(base) is float else "a list of strings"
     else:
         name = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[base]
     return name + (" (or none)" if optional else "")
@@ -93,7 +93,8 @@ def _from_string(key: str, text: str, tp: Any) -> Any:
     if choices:
         raise ConfigError(not_one_of(key, text, choices))
     if typing.get_origin(base) is list:
-        return [item.strip() for item in text.split(",") if item.strip()]
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        return _numbers(key, items, tp) if _item_type(base) is float else items
     if base is bool:
         lowered = text.lower()
         if lowered in ("true", "1", "yes", "on"):
@@ -107,6 +108,18 @@ def _from_string(key: str, text: str, tp: Any) -> Any:
         raise ConfigError(f"--{key}: expected {_type_name(tp)}, got '{text}'") from None
 
 
+def _item_type(list_type: Any) -> Any:
+    args = typing.get_args(list_type)
+    return args[0] if args else str
+
+
+def _numbers(key: str, items: list[str], tp: Any) -> list[float]:
+    try:
+        return [float(item) for item in items]
+    except ValueError:
+        raise ConfigError(f"--{key}: expected {_type_name(tp)}, got '{','.join(items)}'") from None
+
+
 def _check_toml_value(key: str, value: Any, tp: Any, source: str) -> Any:
     """Check a TOML value against the field's type; ints are accepted where floats are expected."""
     base, optional = _unwrap_optional(tp)
@@ -117,7 +130,10 @@ def _check_toml_value(key: str, value: Any, tp: Any, source: str) -> Any:
         if not any(type(c) is type(value) and c == value for c in choices):
             raise ConfigError(f"{source}: {not_one_of(key, value, choices)}")
         return value
-    if typing.get_origin(base) is list:
+    if typing.get_origin(base) is list and _item_type(base) is float:
+        if isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            return [float(v) for v in value]
+    elif typing.get_origin(base) is list:
         if isinstance(value, str):  # torchtitan users sometimes write "a,b"
             return [v.strip() for v in value.split(",") if v.strip()]
         if isinstance(value, list) and all(isinstance(v, str) for v in value):

@@ -162,6 +162,30 @@ class Training:
 
 
 @dataclass
+class DataMixture:
+    enable: bool = opt(
+        False, "Train on a mixture of data domains instead of training.dataset: every sample of a global batch is "
+        "drawn from one domain with probability = its weight (a seeded draw per sample, the same on every rank).")
+    dataset_paths: list[str] = opt(
+        [], "One local file or folder per domain (.txt/.jsonl/.json.gz/.parquet, as training.dataset_path).")
+    domains: list[str] = opt([], "Domain names for logs and TensorBoard; [] = each path's file or folder name.")
+    weights: list[float] = opt([], "Initial mixture weights, one per domain (>= 0, normalised to sum 1); [] = uniform.")
+    reference_losses: list[float] = opt(
+        [], "Target loss per domain (Sheared-LLaMA dynamic batch loading); [] = the weights stay fixed (per-domain "
+        "losses are still logged).")
+    update_freq: int = opt(
+        50, "Steps between weight updates: w <- (1 - smoothing) x softmax(log w + eta x (loss - reference)) + "
+        "smoothing / domains, from each domain's mean token loss over the training batches of those steps; a domain "
+        "with no tokens in that window keeps its weight.")
+    eta: float = opt(1.0, "Step size of the update (Sheared-LLaMA: 1).")
+    smoothing: float = opt(1e-4, "Share of the weight spread uniformly after each update (Sheared-LLaMA: 1e-4).")
+    clip_excess_loss: bool = opt(
+        False, "Use max(loss - reference, 0), as the Sheared-LLaMA paper; false = the signed difference, as its "
+        "released code.")
+    seed: int | None = opt(None, "Seed of the domain draws; None = debug.seed (0 if unset).")
+
+
+@dataclass
 class Parallelism:
     data_parallel_replicate_degree: int = opt(1, "Replicas of the model (DDP/HSDP replicate dimension).")
     data_parallel_shard_degree: int = opt(
@@ -503,6 +527,8 @@ class JobConfig:
     compile: Compile = section(Compile, "torch.compile.")
     comm: Comm = section(Comm, "Communication timeouts and tracing.")
     validation: Validation = section(Validation, "Held-out loss during training.")
+    data_mixture: DataMixture = section(DataMixture, "Several data domains with mixture weights, optionally "
+                                                     "updated from per-domain losses (dynamic batch loading).")
     instruct: Instruct = section(Instruct, "Instruction data (training.dataset / validation.dataset = "
                                            "\"instruct\"): fields, prompt template, packing, held-out split.")
     debug: Debug = section(Debug, "Seeds and determinism.")

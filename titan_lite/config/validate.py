@@ -1,6 +1,7 @@
 """Checks a parsed JobConfig for impossible values before any heavy work; each failure is one ConfigError line."""
 
 import dataclasses
+import math
 from pathlib import Path
 
 from titan_lite.config.manager import choices_of, iter_options, not_one_of
@@ -59,6 +60,7 @@ def check_ranges(cfg: JobConfig) -> None:
     check_parallelism(cfg)
     check_validation(cfg)
     check_instruct(cfg)
+    check_data_mixture(cfg)
     check_activation_checkpoint(cfg)
     check_compile(cfg)
     check_checkpoint(cfg)
@@ -151,6 +153,33 @@ def check_instruct(cfg: JobConfig) -> None:
             _require(degree == 1, f"'validation.answer_problems' = {v.answer_problems} (generation) runs on one "
                                   f"process or FSDP/HSDP only, not with 'parallelism.{name}' = {degree}; set "
                                   "validation.answer_problems = 0 (loss and token accuracy still work)")
+
+
+def check_data_mixture(cfg: JobConfig) -> None:
+    """[data_mixture]: one path per domain, and per-domain lists of the same length."""
+    m = cfg.data_mixture
+    if not m.enable:
+        return
+    n = len(m.dataset_paths)
+    _require(n >= 1, "'data_mixture.enable' = true needs 'data_mixture.dataset_paths' (one path per domain)")
+    for key in ("domains", "weights", "reference_losses"):
+        given = len(getattr(m, key))
+        _require(given in (0, n), f"'data_mixture.{key}' has {given} entries but 'data_mixture.dataset_paths' has "
+                                  f"{n} domains; give one per domain (or none)")
+    _require(len(set(m.domains)) == len(m.domains), f"'data_mixture.domains' = {m.domains} repeats a name")
+    for i, w in enumerate(m.weights):
+        _require(math.isfinite(w) and w >= 0, f"'data_mixture.weights[{i}]' = {w} must be a number >= 0")
+    _require(not m.weights or sum(m.weights) > 0, "'data_mixture.weights' are all 0; at least one must be positive")
+    for i, loss in enumerate(m.reference_losses):
+        _require(math.isfinite(loss), f"'data_mixture.reference_losses[{i}]' = {loss} must be a finite number")
+    _at_least(cfg, "data_mixture.update_freq", 1)
+    _require(math.isfinite(m.eta) and m.eta > 0, f"'data_mixture.eta' must be positive, got {m.eta}")
+    _require(0 <= m.smoothing < 1, f"'data_mixture.smoothing' must be in [0, 1), got {m.smoothing}")
+    _require(cfg.training.dataset != "instruct",
+             "'data_mixture.enable' = true replaces 'training.dataset' with pre-training domains; it does not mix "
+             "instruction data ('training.dataset' = 'instruct')")
+    _require(cfg.training.epochs is None, "'training.epochs' counts passes over 'training.dataset'; a data mixture "
+                                          "draws its domains without end: set 'training.steps' instead")
 
 
 def check_lr_scheduler(cfg: JobConfig) -> None:
@@ -262,6 +291,9 @@ def check_paths(cfg: JobConfig) -> None:
     if cfg.validation.enable and cfg.validation.dataset_path is not None:
         _require(Path(cfg.validation.dataset_path).exists(),
                  f"'validation.dataset_path' = '{cfg.validation.dataset_path}' does not exist")
+    if cfg.data_mixture.enable:
+        for i, path in enumerate(cfg.data_mixture.dataset_paths):
+            _require(Path(path).exists(), f"'data_mixture.dataset_paths[{i}]' = '{path}' does not exist")
     if cfg.pruning.dataset_path is not None:
         _require(Path(cfg.pruning.dataset_path).exists(),
                  f"'pruning.dataset_path' = '{cfg.pruning.dataset_path}' does not exist")

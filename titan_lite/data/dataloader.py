@@ -91,9 +91,11 @@ def pad_collate(pad_id: int, ignore_index: int, multiple: int = 1) -> Callable:
     return collate
 
 
-def stack_collate(items: list[tuple[Sample, dict]]) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Stack equal-length (input_ids, labels) samples into ([B, S], [B, S]), with the batch's end state."""
-    return (torch.stack([x for (x, _), _ in items]), torch.stack([y for (_, y), _ in items]), items[-1][1])
+def stack_collate(items: list[tuple[tuple, dict]]) -> tuple:
+    """Stack equal-length samples (input_ids, labels[, domain id]) into ([B, S], [B, S][, [B]]), with the batch's
+    end state last."""
+    columns = zip(*(sample for sample, _ in items), strict=True)
+    return (*(torch.stack(column) for column in columns), items[-1][1])
 
 
 @dataclass
@@ -120,17 +122,31 @@ class DataLoader:
         self.state: dict[str, Any] | None = None  # the source's state at the end of the last global batch consumed
         self.microbatches = 0
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        self.dataset.start_state = self.state
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        """(input_ids, labels) per microbatch, plus a [B] domain-id tensor for a MixtureSource. When the source's
+        sampling changes between steps (a mixture's new weights: its `version`), reading restarts from the end of the
+        last consumed global batch, so batches read ahead (workers, prefetch) with the old weights are dropped."""
+        while True:
+            version = self._source_version()
+            for *tensors, end_state in self._read_from(self.state):
+                self.microbatches += 1
+                if self.microbatches % self.layout.accumulation == 0:
+                    self.state = end_state
+                yield tuple(tensors)
+                if self.microbatches % self.layout.accumulation == 0 and self._source_version() != version:
+                    break
+            else:
+                return
+
+    def _source_version(self) -> int:
+        return getattr(self.source, "version", 0)  # only sources whose sampling can change have one
+
+    def _read_from(self, state: dict[str, Any] | None) -> StatefulDataLoader:
+        self.dataset.start_state = state
         o = self.options
-        loader = StatefulDataLoader(self.dataset, batch_size=self.layout.local_batch, collate_fn=self.collate,
-                                    num_workers=o.num_workers, pin_memory=o.pin_memory,
-                                    persistent_workers=o.persistent_workers, prefetch_factor=o.prefetch_factor)
-        for inputs, labels, end_state in loader:
-            self.microbatches += 1
-            if self.microbatches % self.layout.accumulation == 0:
-                self.state = end_state
-            yield inputs, labels
+        return StatefulDataLoader(self.dataset, batch_size=self.layout.local_batch, collate_fn=self.collate,
+                                  num_workers=o.num_workers, pin_memory=o.pin_memory,
+                                  persistent_workers=o.persistent_workers, prefetch_factor=o.prefetch_factor)
 
     def state_dict(self) -> dict[str, Any]:
         if self.microbatches % self.layout.accumulation:

@@ -54,22 +54,23 @@ def _dataset_root(dataset: str, dataset_path: str | None, key_prefix: str) -> Pa
     )
 
 
-def _shards_in(root: Path, key_prefix: str) -> list[Path]:
+def shards_at(root: Path, key: str) -> list[Path]:
+    """The shard files of a file or folder, sorted; `key` names the config key that gave the path in errors."""
     if not root.exists():
-        raise ConfigError(f"'{key_prefix}.dataset_path' = '{root}' does not exist")
+        raise ConfigError(f"'{key}' = '{root}' does not exist")
     if root.is_file():
         if not _is_shard(root):
-            raise ConfigError(f"'{key_prefix}.dataset_path' = '{root}' must end in one of {', '.join(SHARD_SUFFIXES)}")
+            raise ConfigError(f"'{key}' = '{root}' must end in one of {', '.join(SHARD_SUFFIXES)}")
         return [root]
     shards = sorted(p for p in root.iterdir() if p.is_file() and _is_shard(p))
     if not shards:
-        raise ConfigError(f"'{key_prefix}.dataset_path' = '{root}' holds no {', '.join(SHARD_SUFFIXES)} files")
+        raise ConfigError(f"'{key}' = '{root}' holds no {', '.join(SHARD_SUFFIXES)} files")
     return shards
 
 
 def resolve_shards(dataset: str, dataset_path: str | None, key_prefix: str = "training") -> list[Path]:
     """The shard files of a dataset, in the order their documents are read."""
-    return _shards_in(_dataset_root(dataset, dataset_path, key_prefix), key_prefix)
+    return shards_at(_dataset_root(dataset, dataset_path, key_prefix), f"{key_prefix}.dataset_path")
 
 
 def check_dataset(dataset: str, dataset_path: str | None, key_prefix: str = "training") -> None:
@@ -77,10 +78,13 @@ def check_dataset(dataset: str, dataset_path: str | None, key_prefix: str = "tra
     hold a document (reading up to the first one: an empty dataset or a malformed first line is found here; a
     malformed line further on stops the run when it is read, naming the file and line)."""
     shards = resolve_shards(dataset, dataset_path, key_prefix)
+    check_has_documents(shards, dataset_path if dataset_path is not None else dataset, f"{key_prefix}.dataset_path")
+
+
+def check_has_documents(shards: list[Path], where: str, key: str) -> None:
+    """The shards hold at least one document (their first one reads)."""
     if next(DocumentStream(shards).read(StreamPosition()), None) is None:
-        where = dataset_path if dataset_path is not None else dataset
-        raise ConfigError(f"'{key_prefix}.dataset_path' = '{where}' holds no documents ({len(shards)} file(s), "
-                          "every line blank)")
+        raise ConfigError(f"'{key}' = '{where}' holds no documents ({len(shards)} file(s), every line blank)")
 
 
 # ---------------------------------------------------------------- reading documents
@@ -255,6 +259,9 @@ class PackedSource:
                 "num_shards": len(self.stream.shards)}
 
     def _checked(self, state: dict[str, Any]) -> dict[str, Any]:
+        if "num_shards" not in state:
+            raise ConfigError(f"the checkpoint's data position is not one of a single dataset (a data mixture's?), "
+                              f"this run reads dataset '{self.name}'; enable the same 'data_mixture' to continue")
         if state["num_shards"] != len(self.stream.shards):
             raise ConfigError(f"data position of dataset '{self.name}' was saved with {state['num_shards']} shards, "
                               f"now there are {len(self.stream.shards)}; the data changed")

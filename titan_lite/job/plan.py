@@ -18,6 +18,7 @@ from titan_lite.config.validate import validate
 from titan_lite.data.dataloader import samples_per_epoch
 from titan_lite.data.datasets import check_dataset
 from titan_lite.data.instruct import check_instruction_data
+from titan_lite.data.mixture import check_mixture_data
 from titan_lite.data.tokenizer import Tokenizer, build_tokenizer
 from titan_lite.distributed import choose_backend, device_type
 from titan_lite.errors import ConfigError
@@ -197,8 +198,16 @@ def check_section_data(cfg: JobConfig, section: str) -> None:
         check_dataset(s.dataset, s.dataset_path, section)
 
 
+def check_training_data(cfg: JobConfig) -> None:
+    """[training]'s dataset, or every domain of [data_mixture] when it replaces it."""
+    if cfg.data_mixture.enable:
+        check_mixture_data(cfg.data_mixture)
+    else:
+        check_section_data(cfg, "training")
+
+
 def check_data(cfg: JobConfig) -> None:
-    check_section_data(cfg, "training")
+    check_training_data(cfg)
     if cfg.validation.enable:
         check_section_data(cfg, "validation")
 
@@ -234,7 +243,7 @@ def gather_assets(cfg: JobConfig) -> tuple[Tokenizer | None, list[str]]:
     data, initial weights). The launch refuses the first; DRY_RUN lists them all and plans anyway."""
     problems: list[str] = []
     tokenizer = _noting(problems, lambda: build_tokenizer(tokenizer_path(cfg)))
-    _noting(problems, lambda: check_section_data(cfg, "training"))
+    _noting(problems, lambda: check_training_data(cfg))
     if cfg.validation.enable:
         _noting(problems, lambda: check_section_data(cfg, "validation"))
     _noting(problems, lambda: check_initial_weights(cfg))

@@ -204,6 +204,8 @@ class PipelineRunner:
         self._eval_schedule: _PipelineSchedule | None = None
         self._scale: torch.Tensor | None = None
         self._loss_sums: list[torch.Tensor] = []
+        self._domain_loss: Callable | None = None
+        self._domain_parts: list[torch.Tensor] = []
 
     def attach(self, schedule: _PipelineSchedule) -> None:
         self.schedule = schedule
@@ -214,13 +216,31 @@ class PipelineRunner:
 
     def scaled_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The loss a schedule backpropagates: the microbatch's token-loss sum times the step's scale."""
-        loss_sum = self.loss_fn(output, labels)
+        if self._domain_loss is None:
+            loss_sum = self.loss_fn(output, labels)
+        else:  # the targets carry the domain ids as a last column, so they are split into microbatches with them
+            part = torch.zeros_like(self._domain_parts[0])
+            loss_sum = self._domain_loss(output, labels[:, :-1], labels[:, -1], part)
+            self._domain_parts.append(part)
         self._loss_sums.append(loss_sum.detach())
         return loss_sum * self._scale
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one local batch through the stages; gradients accumulate in the parts."""
-        return self._run(self.schedule.step, inputs, labels, scale)
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, domains: torch.Tensor | None = None,
+             domain_sums: torch.Tensor | None = None, domain_loss: Callable | None = None) -> torch.Tensor:
+        """Forward and backward of one local batch through the stages; gradients accumulate in the parts. With
+        domains, domain_loss(output, labels, domains, sums) is the loss and the last stage adds the real
+        microbatches' per-domain sums to domain_sums (see ModelRunner.forward_backward)."""
+        if domains is None:
+            return self._run(self.schedule.step, inputs, labels, scale)
+        self._domain_loss, self._domain_parts = domain_loss, [torch.zeros_like(domain_sums)]
+        try:
+            loss_sum = self._run(self.schedule.step, inputs, torch.cat([labels, domains[:, None]], dim=1), scale)
+        finally:
+            self._domain_loss = None
+        real = self._domain_parts[1:][-self._real_microbatches:] if self._real_microbatches else []
+        for part in real:
+            domain_sums += part
+        return loss_sum
 
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward only, through a twin schedule sized for validation batches."""
@@ -232,6 +252,7 @@ class PipelineRunner:
         args = (inputs,) if self.has_first_stage else ()
         kwargs = {"target": labels, "losses": losses} if self.has_last_stage else {}
         run(*args, return_outputs=False, **kwargs)
+        self._real_microbatches = len(losses) if self.has_last_stage else 0
         if not self.has_last_stage:
             return torch.zeros((), device=inputs.device)
         # A schedule's first run also calls the loss once on placeholder activations to infer shapes (its value is

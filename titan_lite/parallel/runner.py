@@ -11,7 +11,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from titan_lite.config.schema import JobConfig
 from titan_lite.distributed import compute_dtype
 from titan_lite.dtensor import full_tensor
-from titan_lite.loss import IGNORE_INDEX
+from titan_lite.loss import IGNORE_INDEX, build_loss_fn
 from titan_lite.parallel.context_parallel import shard_batch
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.parallelize import loss_parallel_enabled
@@ -34,6 +34,7 @@ class ModelRunner:
         self.loss_fn = loss_fn
         self.pipeline = pipeline
         self.loss_parallel = loss_parallel_enabled(parallel_dims, cfg)
+        self.sample_loss_fn = build_loss_fn(cfg.compile, self.loss_parallel, per_sample=True)  # data mixtures only
 
     def context(self) -> contextlib.ExitStack:
         """Loss parallel under TP (the loss runs on vocab-sharded logits); autocast when mixed precision is asked
@@ -53,18 +54,35 @@ class ModelRunner:
             return inputs, labels
         return shard_batch((inputs, labels), self.parallel_dims, self.cfg.parallelism.context_parallel_load_balancer)
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one microbatch with loss = token-loss sum x scale; returns the detached sum."""
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor,
+                         domains: torch.Tensor | None = None, domain_sums: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of one microbatch with loss = token-loss sum x scale; returns the detached sum.
+
+        With domains (a [batch] tensor of domain ids, data mixtures) the loss is computed per sample and this
+        rank's per-domain token-loss sums and token counts are added to domain_sums ([2, domains]); under pipeline
+        parallel only the last stage adds to them (callers sum them over the stages, as global_sum does)."""
         inputs, labels = self.shard(inputs, labels)
         with self.context():
             if self.pipeline is not None:
-                loss_sum = self.pipeline.step(inputs, labels, scale)
+                loss_sum = self.pipeline.step(inputs, labels, scale, domains, domain_sums, self.domain_loss)
             else:
                 logits = self.model_parts[0](inputs)
-                loss_sum = self.loss_fn(logits, labels)
+                if domains is None:
+                    loss_sum = self.loss_fn(logits, labels)
+                else:
+                    loss_sum = self.domain_loss(logits, labels, domains, domain_sums)
                 del logits
                 (loss_sum * scale).backward()
         return full_tensor(loss_sum.detach())
+
+    def domain_loss(self, output: torch.Tensor, labels: torch.Tensor, domains: torch.Tensor,
+                    domain_sums: torch.Tensor) -> torch.Tensor:
+        """The token-loss sum, adding each sample's loss and token count to its domain's column of domain_sums."""
+        per_sample = self.sample_loss_fn(output, labels)
+        ids = domains.clamp(0, domain_sums.shape[1] - 1)  # the pipeline's shape-inference call passes placeholders
+        domain_sums[0].index_add_(0, ids, full_tensor(per_sample.detach()).double())
+        domain_sums[1].index_add_(0, ids, (labels != IGNORE_INDEX).sum(dim=1).double())
+        return per_sample.sum()
 
     @torch.no_grad()
     def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
