@@ -32,6 +32,7 @@ from titan_lite.errors import ConfigError
 from titan_lite.job.assembly import assemble_model, calibration_source, hf_weight_loader
 from titan_lite.job.plan import plan_job
 from titan_lite.job.script import DTYPES, is_rank0, job_config, resolve_dtype, run_script, start_job
+from titan_lite.metrics.memory import measure_peak
 from titan_lite.models.llama.args import LlamaArgs
 from titan_lite.parallel.memory_estimate import GIB
 from titan_lite.transforms.pruning.memory_plan import format_bytes
@@ -222,7 +223,12 @@ def prune_structured(opts: argparse.Namespace) -> None:
     dataset, path = ("text", opts.calib_path) if opts.calib_path else ("shakespeare", None)
     windows = calibration_source(plan, device)(dataset, path, opts.nsamples, opts.seq_len, opts.batch_size)
     batches = local_calibration(windows, opts.nsamples, plan.parallel_dims, device, path or dataset)
-    scores, loss = taylor_scores(built.runner, batches, plan.parallel_dims, args, device)
+    baseline = [t for part in built.parts for t in (*part.parameters(), *part.buffers())]
+    with measure_peak(device, baseline) as measured:
+        scores, loss = taylor_scores(built.runner, batches, plan.parallel_dims, args, device)
+    if is_rank0():
+        print(f"importance scored on {opts.nsamples} x {opts.seq_len} calibration tokens (mean loss {loss:.4f}); "
+              f"peak memory per device {format_bytes(measured.bytes)} ({measured.source})", flush=True)
     keep = select_keep(scores, args, opts.head_ratio, opts.ffn_ratio, opts.head_mode)
     dtype = getattr(torch, cfg.training.dtype)
     sd = gather_full_state_dict(built.parts, dtype, plan.parallel_dims)
@@ -232,6 +238,7 @@ def prune_structured(opts: argparse.Namespace) -> None:
         out = Path(opts.output_dir)
         write_materialized_hf(new_sd, new_args, out, dtype, opts.hf_assets_path)
         report = structure_report(opts, args, new_args, keep, loss, time.monotonic() - begin)
+        report["memory"] = {"measured_peak_bytes": measured.bytes, "measured_by": measured.source}
         write_report(report, out / STRUCTURE_REPORT_NAME)
         p = report["parameters"]
         print(f"pruned model written to {out}: {args.n_heads} -> {new_args.n_heads} heads, {args.kv_heads} -> "

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from titan_lite.checkpoint.hf import read_hf_folder, write_hf_folder
 from titan_lite.config import parse_args
 from titan_lite.dtensor import full_tensor
 from titan_lite.errors import ConfigError
-from titan_lite.job.assembly import assemble_model, calibration_source, hf_weight_loader
+from titan_lite.job.assembly import assemble_model, calibration_source, hf_weight_loader, initial_weight_loader
 from titan_lite.job.plan import plan_job
 from titan_lite.models.llama import Llama, flavor_args
 from titan_lite.models.llama.hf import args_from_hf_config, read_hf_config
@@ -168,9 +169,20 @@ def source_folder(folder: Path) -> dict:
     return sd
 
 
+def continued_pretraining_start(folder: Path) -> Llama:
+    """The model a training run starts from with model.flavor 'hf' and the pruned folder as its initial weights."""
+    cfg = parse_args(["--job.config_file", BASE, "--model.flavor", "hf", "--model.hf_assets_path", str(folder),
+                      "--checkpoint.initial_load_in_hf", "true"])
+    plan = plan_job(cfg, 1)
+    plan.parallel_dims.build_mesh("cpu")
+    built = assemble_model(plan, torch.device("cpu"), load=initial_weight_loader(plan))
+    return built.parts[0].eval()
+
+
 def test_prune_script_on_fsdp2_writes_the_model_one_process_selects(process_group, tmp_path):
     """torchrun, 2 processes (FSDP 2): the report's keep-set equals the one selected on one process, and the written
-    model computes what the dense model computes with those heads and channels masked."""
+    model (as a training run loads it) computes what the dense model computes with those heads and channels
+    masked."""
     sd = source_folder(tmp_path / "dense")
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
@@ -198,9 +210,9 @@ def test_prune_script_on_fsdp2_writes_the_model_one_process_selects(process_grou
     assert (new_args.n_heads, new_args.kv_heads, new_args.ffn_dim, new_args.head_dim) == (2, 1, 144, 16)
     pruned_sd = read_hf_folder(str(tmp_path / "pruned"), new_args)
     assert report["parameters"]["after"] == sum(t.numel() for t in pruned_sd.values())
-    pruned_model = Llama(new_args)
-    pruned_model.init_weights()
-    pruned_model.load_state_dict(pruned_sd, strict=False)
+    pruned_model = continued_pretraining_start(tmp_path / "pruned")
+    assert replace(pruned_model.args, max_seq_len=new_args.max_seq_len) == new_args  # the run picks its length
+    assert all(torch.equal(p.detach(), pruned_sd[n]) for n, p in pruned_model.named_parameters())
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got = pruned_model(tokens)
