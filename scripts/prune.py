@@ -249,12 +249,19 @@ def prune_structured(opts: argparse.Namespace) -> None:
         dist.barrier()
 
 
+def refuse_structured_flags(opts: argparse.Namespace) -> None:
+    raise ConfigError(f"--head_ratio, --ffn_ratio, --head_mode and --keep_first_last apply to --method "
+                      f"taylor_structured, not {opts.method}")
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     if opts.remask_from:
         return run_script(lambda: remask(opts))
     if opts.method == "taylor_structured":
         return run_script(lambda: prune_structured(opts))
+    if opts.head_ratio or opts.ffn_ratio or opts.keep_first_last or opts.head_mode != "per_group_query":
+        return run_script(lambda: refuse_structured_flags(opts))
     return run_script(lambda: estimate(opts) if opts.estimate_only else prune(opts))
 
 
