@@ -1,6 +1,6 @@
 """Taylor one-shot structured pruning: importances against autograd on a plain Llama, GQA-consistent selection in
-both head modes, and scripts/prune.py under torchrun (FSDP 2) selecting the keep-set of one process and writing a
-smaller model that equals the masked source."""
+both head modes, and scripts/prune.py under torchrun (FSDP 2, TP 2) selecting the keep-set of one process and
+writing a smaller model that equals the masked source."""
 
 import importlib.util
 import json
@@ -182,9 +182,10 @@ def continued_pretraining_start(folder: Path) -> Llama:
     return built.parts[0].eval()
 
 
-def test_prune_script_on_fsdp2_writes_the_model_one_process_selects(process_group, tmp_path):
-    """torchrun, 2 processes (FSDP 2): the report's keep-set equals the one selected on one process, and the written
-    model (as a training run loads it) computes what the dense model computes with those heads and channels
+@pytest.mark.parametrize("layout", [[], ["--tp", "2"]], ids=["fsdp2", "tp2"])
+def test_prune_script_on_two_processes_writes_the_model_one_process_selects(process_group, tmp_path, layout):
+    """torchrun, 2 processes (FSDP 2 or TP 2): the report's keep-set equals the one selected on one process, and the
+    written model (as a training run loads it) computes what the dense model computes with those heads and channels
     masked."""
     sd = source_folder(tmp_path / "dense")
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
@@ -194,7 +195,7 @@ def test_prune_script_on_fsdp2_writes_the_model_one_process_selects(process_grou
          str(ROOT / "scripts" / "prune.py"), "--hf_assets_path", str(tmp_path / "dense"),
          "--output_dir", str(tmp_path / "pruned"), "--method", "taylor_structured", "--head_ratio", "0.5",
          "--ffn_ratio", "0.25", "--head_mode", "kv_group", "--nsamples", str(NSAMPLES), "--seq_len", str(SEQ),
-         "--batch_size", "2"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+         "--batch_size", "2", *layout], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith(f"pruned model written to {tmp_path / 'pruned'}: 4 -> 2 heads, 2 -> 1 KV heads "
