@@ -25,7 +25,7 @@ from titan_lite.job.assembly import assemble_model, calibration_source, hf_weigh
 from titan_lite.job.plan import plan_job
 from titan_lite.models.llama import Llama, flavor_args
 from titan_lite.models.llama.hf import args_from_hf_config, read_hf_config
-from titan_lite.transforms.structured.materialize import StructureKeep
+from titan_lite.transforms.structured.materialize import StructureKeep, materialize_state_dict, write_materialized_hf
 from titan_lite.transforms.structured.taylor import (
     LayerScores,
     local_calibration,
@@ -172,14 +172,34 @@ def source_folder(folder: Path) -> dict:
     return sd
 
 
-def continued_pretraining_start(folder: Path) -> Llama:
-    """The model a training run starts from with model.flavor 'hf' and the pruned folder as its initial weights."""
+def continued_pretraining_start(folder: Path, initial: list[str] | None = None) -> Llama:
+    """The model a training run starts from with model.flavor 'hf' and the pruned folder (default) as its initial
+    weights."""
+    initial = initial or ["--checkpoint.initial_load_in_hf", "true"]
     cfg = parse_args(["--job.config_file", BASE, "--model.flavor", "hf", "--model.hf_assets_path", str(folder),
-                      "--checkpoint.initial_load_in_hf", "true"])
+                      *initial])
     plan = plan_job(cfg, 1)
     plan.parallel_dims.build_mesh("cpu")
     built = assemble_model(plan, torch.device("cpu"), load=initial_weight_loader(plan))
     return built.parts[0].eval()
+
+
+def test_continued_pretraining_starts_from_the_pruned_folder_or_its_dcp_conversion(process_group, tmp_path):
+    """The materialised model (explicit head_dim) as a run's initial weights: the HF folder itself, or a DCP
+    checkpoint made from it by scripts/convert_checkpoint.py, with model.flavor 'hf'."""
+    args = flavor_args("tiny")
+    model = Llama(args)
+    model.init_weights(seed=2)
+    keep = StructureKeep(layers=[0, 2, 3], q_heads=[[1, 2]] * 3, kv_heads=[[0, 1]] * 3,
+                         ffn=[list(range(0, 192, 2))] * 3, hidden=[i for i in range(64) if i % 8 < 5])
+    new_args, new_sd = materialize_state_dict({n: p.detach() for n, p in model.named_parameters()}, args, keep)
+    write_materialized_hf(new_sd, new_args, tmp_path / "pruned", torch.float32, str(ROOT / "assets" / "tokenizer"))
+    assert load_script("convert_checkpoint").main(["hf-to-dcp", str(tmp_path / "pruned"), str(tmp_path / "dcp")]) == 0
+    for initial in (["--checkpoint.initial_load_in_hf", "true"],
+                    ["--checkpoint.initial_load_path", str(tmp_path / "dcp")]):
+        started = continued_pretraining_start(tmp_path / "pruned", initial)
+        assert (started.args.head_dim, started.args.dim, started.args.n_layers) == (16, 40, 3)
+        assert all(torch.equal(p.detach(), new_sd[n]) for n, p in started.named_parameters()), initial
 
 
 @pytest.mark.parametrize("layout", [[], ["--tp", "2"]], ids=["fsdp2", "tp2"])
