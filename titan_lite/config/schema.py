@@ -67,8 +67,9 @@ class Metrics:
 class Model:
     name: Literal["llama3", "llama2", "llama"] = opt("llama3", "Model family.")
     flavor: str = opt(
-        "debugmodel", "Model size preset: debugmodel, tiny, smollm2_135M, 1B, 3B, 8B, 70B, 405B, llama2_7B; or 'hf': "
-        "the shape of hf_assets_path/config.json. A preset next to a config.json is checked against it.")
+        "debugmodel", "Model size preset: debugmodel, debugmodel_gqa, tiny, smollm2_135M, 1B, 3B, 8B, 70B, 405B, "
+        "llama2_7B; or 'hf': the shape of hf_assets_path/config.json. A preset next to a config.json is checked "
+        "against it.")
     hf_assets_path: str | None = opt(
         "./assets/tokenizer", "Folder with tokenizer files (tokenizer.model or tokenizer.json) and, optionally, HF "
         "config.json and weights.")

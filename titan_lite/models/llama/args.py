@@ -51,6 +51,9 @@ _LLAMA32_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=32.0, rope_origina
 FLAVORS: dict[str, LlamaArgs] = {
     # torchtitan's debug model: ~6M parameters, the bundled 2048-token tokenizer.
     "debugmodel": LlamaArgs(dim=256, n_layers=6, n_heads=16, vocab_size=2048, ffn_dim=768, rope_theta=500000.0),
+    # The debug model with GQA (4 query heads per KV head), for structured-pruning examples on a CPU.
+    "debugmodel_gqa": LlamaArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=4, vocab_size=2048, ffn_dim=768,
+                                rope_theta=500000.0),
     # For tests: small enough for multi-process parity runs on a CPU; GQA, 4 layers for pipeline splits.
     "tiny": LlamaArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=2048, ffn_dim=192, rope_theta=10000.0),
     # Shaped like HuggingFaceTB/SmolLM2-135M.

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from titan_lite.checkpoint.hf import write_hf_folder
 from titan_lite.models.llama.args import LlamaArgs
+from titan_lite.models.llama.hf import read_hf_config
 
 
 @dataclass
@@ -184,6 +185,10 @@ def write_materialized_hf(state_dict: dict[str, Tensor], args: LlamaArgs, out_di
     if args.layer_n_heads or args.layer_n_kv_heads or args.layer_ffn_dims:
         raise ValueError("per-layer widths cannot be written as a Hugging Face folder: transformers' LlamaConfig "
                          "holds one width per kind for every layer")
+    source_config = Path(assets_dir) / "config.json" if assets_dir else None
+    if source_config is not None and source_config.is_file():  # the pruned model keeps its source's context length
+        source_length = int(read_hf_config(source_config).get("max_position_embeddings", 0))
+        args = replace(args, max_seq_len=max(args.max_seq_len, source_length))
     write_hf_folder(state_dict, args, str(out_dir), dtype, assets_dir)
 
 
