@@ -132,6 +132,27 @@ def test_llama3_8b_lora_configs_on_8_ranks(c4_shard, config, accumulation):
     assert_plans_fast_and_small(run)
 
 
+SHEARED_TARGET = "26 layers, 24 heads / 8 KV heads, dim 3686, intermediate 8602 = 4,203,930,918 parameters"
+
+
+def test_llama3_8b_sheared_pruning_and_its_continued_pretraining_on_2_ranks(c4_shard):
+    pruning = dry_run("llama3_8b_sheared.toml", c4_shard, ngpu=2)
+    assert pruning.returncode == 5, pruning.stdout + pruning.stderr  # only the base weights are missing
+    assert f"sheared: target {SHEARED_TARGET}; 463,008 gate logits + 8 multipliers" in pruning.stdout
+    # the gates and multipliers are parameters of the plan: 8B + 463,008 + 8
+    assert f"llama3 8B, {LLAMA_8B_PARAMS + 463_016:,} parameters" in pruning.stdout
+    assert "x data-parallel 2 x accumulation 8 = global 64 sequences x 128 tokens" in pruning.stdout
+    assert_verdict_consistent(pruning, 80.0)
+    # the continued pre-training config's flavor is exactly the architecture the pruning run materialises
+    continued = dry_run("llama3_8b_sheared_continue.toml", c4_shard, ngpu=2)
+    assert continued.returncode == 5, continued.stdout + continued.stderr
+    assert "model: llama3 8B_sheared, 4,203,930,918 parameters, 26 layers" in continued.stdout
+    assert_verdict_consistent(continued, 80.0)
+    for run in (pruning, continued):
+        assert len(run.verdicts()) == 1
+        assert_plans_fast_and_small(run)
+
+
 def test_llama3_70b_tp8_pp2_fsdp4_on_64_ranks(c4_shard):
     run = dry_run("llama3_70b.toml", c4_shard, ngpu=8, nnodes=8)
     assert run.returncode == 0, run.stdout + run.stderr

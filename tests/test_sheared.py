@@ -340,3 +340,30 @@ def test_materialised_model_equals_the_masked_model(case):
     assert param_count(new_args) == targets.param_count() == sum(p.numel() for p in small.parameters())
     binary = {k: (v != 0).float() * 20 - 10 for k, v in model.sheared_gates.fixed.items()}  # P(z>0) ~ 1 or ~ 0
     assert expected_param_count(binary, targets) == pytest.approx(targets.param_count(), rel=1e-3)
+
+
+def test_the_8b_sheared_flavor_is_what_the_8b_sheared_config_materialises(tmp_path):
+    """train_configs/llama3_8b_sheared_continue.toml names flavor 8B_sheared: it must be the shape the pruning
+    config's export writes (uniform keep-set of the target counts), and match that export's config.json."""
+    from titan_lite.models.llama.hf import args_to_hf_config, check_args_against_hf_config, flavor_of_hf_config
+    from titan_lite.transforms.structured.materialize import StructureKeep, materialized_args
+
+    cfg = parse_args(["--job.config_file", "train_configs/llama3_8b_sheared.toml"])
+    base = flavor_args("8B")
+    t = targets_from_config(cfg.sheared, base)
+    per_group = t.heads // t.kv_heads
+    keep = StructureKeep(layers=list(range(t.layers)),
+                         q_heads=[[g * base.n_heads // base.kv_heads + j for g in range(t.kv_heads)
+                                   for j in range(per_group)]] * t.layers,
+                         kv_heads=[list(range(t.kv_heads))] * t.layers,
+                         ffn=[list(range(t.intermediate))] * t.layers, hidden=list(range(t.dim)))
+    args = materialized_args(base, keep)
+    flavor = flavor_args("8B_sheared")
+    for field in ("dim", "n_layers", "n_heads", "kv_heads", "ffn_dim", "head_dim", "vocab_size", "rope_theta",
+                  "rope_scaling_factor", "tie_word_embeddings"):
+        assert getattr(flavor, field) == getattr(args, field), field
+    assert param_count(flavor) == t.param_count() == 4_203_930_918
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(args_to_hf_config(args, torch.bfloat16)))
+    check_args_against_hf_config(flavor, str(config))
+    assert flavor_of_hf_config(config) == "8B_sheared"

@@ -513,6 +513,7 @@ class Sheared:
                                          "'step-N-pruned-hf' in the checkpoint folder; with "
                                          "checkpoint.last_save_in_hf the run's 'step-N-hf' export is that model.")
 
+
 @dataclass
 class JobConfig:
     job: Job = section(Job, "The job: where outputs go.")

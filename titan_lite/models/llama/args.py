@@ -67,6 +67,10 @@ FLAVORS: dict[str, LlamaArgs] = {
     # Llama 3.1
     "8B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336,
                     **_LLAMA31_ROPE),
+    # What train_configs/llama3_8b_sheared.toml materialises (26 layers, 24 query / 8 KV heads of width 128, dim
+    # 3686, intermediate 8602: 4.20B parameters), for continued pre-training of the result.
+    "8B_sheared": LlamaArgs(dim=3686, n_layers=26, n_heads=24, n_kv_heads=8, vocab_size=128256, ffn_dim=8602,
+                            explicit_head_dim=128, **_LLAMA31_ROPE),
     "70B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, ffn_dim=28672,
                      **_LLAMA31_ROPE),
     "405B": LlamaArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256, ffn_dim=53248,
