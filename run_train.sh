@@ -32,7 +32,11 @@ if [ -n "$cli_config" ] && [ -n "${CONFIG_FILE:-}" ] && [ "$cli_config" != "$CON
 fi
 CONFIG_FILE="${cli_config:-${CONFIG_FILE:-$root/train_configs/debug_model.toml}}"
 if [ -z "${NGPU:-}" ]; then
-  NGPU="$("$PYTHON" -c 'import torch; print(max(1, torch.cuda.device_count()))' 2>/dev/null || echo 1)"
+  NGPU=1
+  # Counting GPUs imports torch (seconds): only where an NVIDIA or AMD device node exists.
+  if compgen -G "/dev/nvidia[0-9]*" >/dev/null || [ -e /dev/kfd ]; then
+    NGPU="$("$PYTHON" -c 'import torch; print(max(1, torch.cuda.device_count()))' 2>/dev/null || echo 1)"
+  fi
 fi
 LOG_RANK="${LOG_RANK:-0}"
 NNODES="${NNODES:-1}"
@@ -62,6 +66,10 @@ else
 fi
 
 # The launcher runs torchrun: stop signals reach the ranks once, and a rank's user error ends the run in one line.
+# One process on one node without restarts needs no torchrun: the launcher starts that rank itself.
+if [ "$NGPU" = "1" ] && [ "$NNODES" = "1" ] && [ "${MAX_RESTARTS:-0}" = "0" ]; then
+  exec "$PYTHON" -m titan_lite.launcher --single -m titan_lite.train --job.config_file "$CONFIG_FILE" "$@"
+fi
 exec "$PYTHON" -m titan_lite.launcher --nproc_per_node "$NGPU" "${launch[@]}" --max_restarts "${MAX_RESTARTS:-0}" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   -m titan_lite.train --job.config_file "$CONFIG_FILE" "$@"

@@ -23,7 +23,7 @@ def clean_env(monkeypatch):
 def test_flight_recorder_variables_and_folder(clean_env, tmp_path):
     comm = Comm(trace_buf_size=500, save_traces_folder="fr", save_traces_file_prefix="r_")
     configure_flight_recorder(comm, str(tmp_path))
-    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500"
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "500"
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "fr" / "r_")
     assert (tmp_path / "fr").is_dir()
@@ -31,16 +31,16 @@ def test_flight_recorder_variables_and_folder(clean_env, tmp_path):
 
 def test_zero_buffer_disables_recording_and_dumps(clean_env, tmp_path):
     configure_flight_recorder(Comm(trace_buf_size=0), str(tmp_path))
-    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "0"
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "0"
     assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in os.environ and "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
     assert not (tmp_path / "comm_traces").exists()
 
 
 def test_user_variables_win(clean_env, tmp_path):
-    clean_env.setenv("TORCH_FR_BUFFER_SIZE", "7")
+    clean_env.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "7")
     clean_env.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
     clean_env.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/elsewhere/trace_")
     configure_flight_recorder(Comm(), str(tmp_path))
-    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ and "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
+    assert "TORCH_FR_BUFFER_SIZE" not in os.environ and "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
     assert not (tmp_path / "comm_traces").exists()

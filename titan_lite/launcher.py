@@ -16,6 +16,10 @@ ranks of this node through a folder it creates for the launch (TITAN_LITE_LAUNCH
 Everything else passes through: the ranks' output (torchrun's `[rankN]:` lines) as it comes, torchrun's own lines
 as well unless the run ends in one of the single-line outcomes above. This module imports no torch, so it costs
 nothing at launch; the rank-side functions at the bottom are what the trainer calls.
+
+`python -m titan_lite.launcher --single <python arguments>` (one process on one node, no restarts) starts the rank
+itself instead of torchrun, with the same protocol and the same `[rank0]:` lines: torchrun's own start and shutdown
+cost about 4 s per launch on a CPU and do nothing for a group of one.
 """
 
 import os
@@ -39,6 +43,7 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
 NOT_RESTARTABLE = (USER_ERROR, FAULT)
 POLL_SECONDS = 0.2
+SINGLE_RANK_PREFIX = b"[rank0]:"
 
 
 @dataclass
@@ -54,19 +59,25 @@ class RankError:
 class Launch:
     """One torchrun child, its launch folder, and what the launcher learned while it ran."""
 
-    def __init__(self, torchrun_args: list[str]):
+    def __init__(self, torchrun_args: list[str], single: bool = False):
         self.folder = Path(tempfile.mkdtemp(prefix="titan_lite_launch_"))
         self.signals: list[int] = []
         self.held: list[bytes] = []  # torchrun's own stderr lines, printed at the end unless the run ends in one line
         self.ended_torchrun = False
         self.stopped_before_start = False
+        self.single = single
         env = {**os.environ, LAUNCH_DIR_ENV: str(self.folder), STDOUT_IS_TTY_ENV: "1" if sys.stdout.isatty() else "0",
                "PET_SIGNALS_TO_HANDLE": TORCHRUN_SIGNALS}
+        if single:
+            env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0")
+            env.pop("MASTER_ADDR", None)  # the rank picks a free local port for its group of one
+        command = [sys.executable, *torchrun_args] if single else [sys.executable, "-m", "torch.distributed.run",
+                                                                    *torchrun_args]
         # torchrun and its ranks start with SIGTERM/SIGINT ignored (the ranks install their own handlers).
         for sig in FORWARDED_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
-        self.proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *torchrun_args], env=env,
-                                     stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE,
+                                     stdout=subprocess.PIPE if single else None)
         for sig in FORWARDED_SIGNALS:
             signal.signal(sig, self.forward)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # torchrun gets its own and shuts down; keep relaying its output
@@ -120,18 +131,32 @@ class Launch:
         """Ranks' lines pass through at once; torchrun's own are held back once the run ends in one line."""
         out = sys.stderr.buffer
         for line in iter(self.proc.stderr.readline, b""):
+            if self.single:
+                line = SINGLE_RANK_PREFIX + line
             if line.startswith(b"[rank") or not self.one_line_outcome():
                 out.write(line)
                 out.flush()
             else:
                 self.held.append(line)
 
+    def relay_stdout(self) -> None:
+        """The single rank's stdout, as torchrun would show it."""
+        out = sys.stdout.buffer
+        for line in iter(self.proc.stdout.readline, b""):
+            out.write(SINGLE_RANK_PREFIX + line)
+            out.flush()
+
     def wait(self) -> int:
         watcher = threading.Thread(target=self.watch_errors, daemon=True)
         watcher.start()
+        stdout = threading.Thread(target=self.relay_stdout, daemon=True) if self.single else None
+        if stdout is not None:
+            stdout.start()
         self.relay_stderr()
         code = self.proc.wait()
-        return self.outcome(code)
+        if stdout is not None:
+            stdout.join()
+        return self.outcome(code if code >= 0 else 128 - code)
 
     def outcome(self, torchrun_code: int) -> int:
         errors = self.errors()
@@ -171,7 +196,9 @@ def read_error(path: Path) -> RankError | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    launch = Launch(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    single = bool(argv) and argv[0] == "--single"
+    launch = Launch(argv[1:] if single else argv, single=single)
     try:
         return launch.wait()
     finally:
