@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from tests.helpers import spawn_gloo
 from tests.sheared_parallel import all_targets, batch, parallel_worker, tiny_args
+from titan_lite.checkpoint.hf import write_hf_folder
 from titan_lite.config import parse_args, validate
 from titan_lite.config.schema import Sheared
 from titan_lite.errors import ConfigError
@@ -317,8 +318,8 @@ MATERIALISE_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", MATERIALISE_CASES)
-def test_materialised_model_equals_the_masked_model(case):
+def masked_and_materialised(case: str):
+    """The masked model with trained-looking deterministic gates, and its materialised state dict and args."""
     targets = targets_from_config(Sheared(**MATERIALISE_CASES[case]), tiny_args())
     model = converted(targets)
     generator = torch.Generator().manual_seed(3)
@@ -327,9 +328,15 @@ def test_materialised_model_equals_the_masked_model(case):
             log_alpha.copy_(torch.randn(log_alpha.shape, generator=generator) * 2)
     log_alphas = {k: v.detach() for k, v in model.sheared_gates.log_alphas().items()}
     model.sheared_gates.fixed = final_masks(log_alphas, targets)
-    inputs, _ = batch()
     sd = {canonical_name(n): p.detach() for n, p in model.named_parameters()}
     new_sd, new_args = materialize_pruned(sd, targets.args, targets)
+    return targets, model, new_sd, new_args
+
+
+@pytest.mark.parametrize("case", MATERIALISE_CASES)
+def test_materialised_model_equals_the_masked_model(case):
+    targets, model, new_sd, new_args = masked_and_materialised(case)
+    inputs, _ = batch()
     small = Llama(new_args)
     small.load_state_dict(new_sd, strict=True)
     with torch.no_grad():
@@ -340,6 +347,22 @@ def test_materialised_model_equals_the_masked_model(case):
     assert param_count(new_args) == targets.param_count() == sum(p.numel() for p in small.parameters())
     binary = {k: (v != 0).float() * 20 - 10 for k, v in model.sheared_gates.fixed.items()}  # P(z>0) ~ 1 or ~ 0
     assert expected_param_count(binary, targets) == pytest.approx(targets.param_count(), rel=1e-3)
+
+
+@pytest.mark.parametrize("case", ["kv_groups", "all"])
+def test_the_exported_pruned_folder_gives_the_masked_models_logits_in_transformers(case, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    _, model, new_sd, new_args = masked_and_materialised(case)
+    write_hf_folder(new_sd, new_args, str(tmp_path / "pruned"), torch.float32)
+    config = json.loads((tmp_path / "pruned" / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"],
+            config["hidden_size"], config["intermediate_size"]) == (
+        new_args.n_layers, new_args.n_heads, new_args.kv_heads, new_args.dim, new_args.ffn_dim)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "pruned", torch_dtype=torch.float32).eval()
+    inputs, _ = batch()
+    with torch.no_grad():
+        diff = (hf(inputs).logits - model(inputs)).abs().max().item()
+    assert diff < 1e-4, diff
 
 
 def test_the_8b_sheared_flavor_is_what_the_8b_sheared_config_materialises(tmp_path):
