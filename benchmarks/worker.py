@@ -50,6 +50,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lora", default=None,
                    help="titan_lite: train LoRA adapters on all seven projections with these [lora] overrides "
                         "(e.g. '--lora.rank 16 --lora.alpha 32') instead of every weight")
+    p.add_argument("--overrides", default=None,
+                   help="titan_lite: more config overrides, e.g. '--compile.components model' (A/B of a switch)")
     p.add_argument("--nsamples", type=int, default=32, help="wanda: calibration windows of the shape's seq_len")
     p.add_argument("--profile", default=None, help="write a torch.profiler table of 2 steps after the timed ones")
     return p.parse_args(argv)
@@ -78,6 +80,7 @@ def titan_lite_step(shape: Shape, opts: argparse.Namespace, dump_folder: str) ->
     ]
     if opts.lora:
         overrides += ["--model.converters", "lora", *shlex.split(opts.lora)]
+    overrides += shlex.split(opts.overrides or "")
     trainer = Trainer(parse_args(overrides))
     vocab = trainer.plan.model_args.vocab_size
     batches = [random_batch(shape, vocab, seed=trainer.rank * 1000 + i) for i in range(4)]

@@ -66,6 +66,7 @@ def materialise(parts: list[nn.Module], plan: JobPlan, device: torch.device, see
     offload = plan.cfg.training.enable_cpu_offload
     for part in parts:
         part.to_empty(device="cpu" if offload else device)
+        part.tie_embeddings()  # to_empty untied them; FSDP tracks the embedding's parameter (the first module)
         part.init_weights(seed=seed, buffer_device=device)
         part.train()
 

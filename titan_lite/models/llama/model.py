@@ -201,8 +201,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        self.tie_embeddings()
         self.register_buffer("rope_cache", rope_cache(args), persistent=False)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -218,6 +217,12 @@ class Llama(nn.Module):
             h = h[:, -1:]
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def tie_embeddings(self) -> None:
+        """Where the args tie them, make the output head share the embedding's parameter. Moving a model to real
+        memory (`to_empty`) gives each module a tensor of its own, so materialising calls this again."""
+        if self.args.tie_word_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, buffer_device: torch.device | None = None) -> None:
