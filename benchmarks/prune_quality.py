@@ -1,9 +1,10 @@
-"""Perplexity of magnitude, Wanda and SparseGPT at 50% unstructured and 2:4 against the dense model, measured the
-way a user would: scripts/prune.py for each method and pattern, scripts/eval_ppl.py for each folder, and (with
---transformers) transformers' LlamaForCausalLM on the same windows as an independent check.
+"""Perplexity of magnitude, Wanda and SparseGPT at 50% (or --sparsities) unstructured and 2:4 against the dense
+model, measured the way a user would: scripts/prune.py for each method and pattern, scripts/eval_ppl.py for each
+folder, and (with --transformers) transformers' LlamaForCausalLM on the same windows as an independent check.
 
-    python benchmarks/prune_quality.py --hf_assets_path outputs/debug/checkpoint/step-300-hf \\
-        --eval_data titan_lite/data/corpus/shakespeare/validation --seq_len 128 --nsamples 64 --out /tmp/prune_quality
+    python benchmarks/prune_quality.py --hf_assets_path outputs/debug_tied/checkpoint/step-600-hf \\
+        --eval_data titan_lite/data/corpus/shakespeare/validation/midsummer_nights_dream.txt --seq_len 256 \\
+        --nsamples 64 --sparsities 0.5,0.7 --out outputs/prune_quality --transformers
 """
 
 import argparse
@@ -15,7 +16,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ("magnitude", "wanda", "sparsegpt")
-PATTERNS = ("unstructured", "2:4")
 
 
 def run(script: str, *args: str) -> str:
@@ -61,23 +61,31 @@ def main() -> None:
     parser.add_argument("--max_windows", type=int)
     parser.add_argument("--out", required=True, help="folder for the pruned models")
     parser.add_argument("--transformers", action="store_true", help="also compute transformers' perplexity")
+    parser.add_argument("--sparsities", default="0.5",
+                        help="comma list of unstructured sparsities (2:4 runs as well) (default: %(default)s)")
     opts = parser.parse_args()
+    settings = [("unstructured", float(s)) for s in opts.sparsities.split(",")] + [("2:4", 0.5)]
     rows = [("dense", "-", Path(opts.hf_assets_path), 0.0)]
-    for pattern in PATTERNS:
+    for pattern, sparsity in settings:
+        label = f"{pattern} {sparsity:.0%}" if pattern == "unstructured" else pattern
         for method in METHODS:
-            folder = Path(opts.out) / f"{method}-{pattern.replace(':', 'of')}"
+            folder = Path(opts.out) / f"{method}-{label.replace(':', 'of').replace(' ', '-').replace('%', '')}"
             begin = time.monotonic()
             run("prune.py", "--hf_assets_path", opts.hf_assets_path, "--output_dir", str(folder), "--method", method,
-                "--pattern", pattern, "--nsamples", str(opts.nsamples), "--seq_len", str(opts.seq_len),
-                *(["--calib_path", opts.calib_path] if opts.calib_path else []))
-            rows.append((method, pattern, folder, time.monotonic() - begin))
+                "--pattern", pattern, "--sparsity", str(sparsity), "--nsamples", str(opts.nsamples), "--seq_len",
+                str(opts.seq_len), *(["--calib_path", opts.calib_path] if opts.calib_path else []))
+            rows.append((method, label, folder, time.monotonic() - begin))
     print(f"\n| method | pattern | perplexity (eval_ppl.py) |{' transformers |' if opts.transformers else ''} "
           f"prune time |")
     print(f"| --- | --- | --- |{' --- |' if opts.transformers else ''} --- |")
-    for method, pattern, folder, seconds in rows:
+    by_label: dict[str, list[tuple[float, str]]] = {}
+    for method, label, folder, seconds in rows:
         ours = perplexity(folder, opts)
+        by_label.setdefault(label, []).append((ours, method))
         theirs = f" {transformers_perplexity(folder, opts):.4f} |" if opts.transformers else ""
-        print(f"| {method} | {pattern} | {ours:.4f} |{theirs} {seconds:.1f}s |", flush=True)
+        print(f"| {method} | {label} | {ours:.4f} |{theirs} {seconds:.1f}s |", flush=True)
+    rankings = [f"{label}: " + " < ".join(m for _, m in sorted(v)) for label, v in by_label.items() if label != "-"]
+    print(f"result: dense perplexity {by_label['-'][0][0]:.4f}; lowest perplexity first, " + "; ".join(rankings))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from benchmarks.cases import (
 )
 
 _LABELS = {"tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "step_s": "step s", "peak_rss_gib": "peak RSS GiB",
+           "peak_tensor_gib": "tensors GiB",
            "wall_s": "wall s", "cpu_s": "CPU s", "gflops": "GFLOP/s", "cpu_s_per_step": "CPU s/step",
            "sys_s_per_step": "sys s/step",
            "prune_s": "prune s", "floor_s": "floor s"}
@@ -117,7 +118,8 @@ def measure(variant: Variant, settings: Settings, opts: argparse.Namespace, tag:
 
 
 def _brief(m: dict) -> str:
-    keys = ("tokens_per_s", "gflops", "wall_s", "prune_s", "floor_s", "cpu_s_per_step", "peak_rss_gib")
+    keys = ("tokens_per_s", "gflops", "wall_s", "prune_s", "floor_s", "cpu_s_per_step", "peak_rss_gib",
+            "peak_tensor_gib")
     shown = [f"{_fmt(m[k])} {_LABELS[k]}" for k in keys if k in m]
     return ", ".join(shown) + f", foreign load {m['foreign_cores']:.2f} cores"
 

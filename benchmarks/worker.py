@@ -29,6 +29,7 @@ from titan_lite.config import parse_args
 from titan_lite.job.assembly import assemble_model
 from titan_lite.job.script import start_job
 from titan_lite.metrics.flops import num_flops_per_token, peak_flops
+from titan_lite.metrics.memory import measure_peak
 from titan_lite.models.llama import Llama, LlamaArgs
 from titan_lite.models.llama.hf import args_to_hf_config
 from titan_lite.train import Trainer
@@ -52,6 +53,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "(e.g. '--lora.rank 16 --lora.alpha 32') instead of every weight")
     p.add_argument("--overrides", default=None,
                    help="titan_lite: more config overrides, e.g. '--compile.components model' (A/B of a switch)")
+    p.add_argument("--tensor_peak", action="store_true",
+                   help="titan_lite: one more step after the timed ones, reporting the peak bytes of live tensors "
+                        "(parameters and optimizer state throughout, plus everything the step allocates): what an "
+                        "accelerator's allocator peak measures, without the process's own runtime")
     p.add_argument("--nsamples", type=int, default=32, help="wanda: calibration windows of the shape's seq_len")
     p.add_argument("--profile", default=None, help="write a torch.profiler table of 2 steps after the timed ones")
     return p.parse_args(argv)
@@ -67,8 +72,10 @@ def random_batch(shape: Shape, vocab: int, seed: int) -> tuple[torch.Tensor, tor
 # ------------------------------------------------------------------------------------ titan_lite
 
 
-def titan_lite_step(shape: Shape, opts: argparse.Namespace, dump_folder: str) -> Callable[[int], float]:
-    """The trainer's own train_step (token count, forward/backward, clip, optimizer step) on random batches."""
+def titan_lite_step(shape: Shape, opts: argparse.Namespace,
+                    dump_folder: str) -> tuple[Callable[[int], float], Trainer]:
+    """The trainer's own train_step (token count, forward/backward, clip, optimizer step) on random batches, and the
+    trainer (for its state)."""
     overrides = [
         "--job.config_file", "train_configs/debug_model.toml",  # activation checkpointing off, as in transformers
         "--model.flavor", shape.flavor, "--model.hf_assets_path", "assets/tokenizer",
@@ -88,7 +95,15 @@ def titan_lite_step(shape: Shape, opts: argparse.Namespace, dump_folder: str) ->
     def step(i: int) -> float:
         loss, _ = trainer.train_step([batches[i % len(batches)]], i + 1)
         return loss
-    return step
+    return step, trainer
+
+
+def tensor_peak_bytes(trainer: Trainer, step: Callable[[int], float], i: int) -> int:
+    """Peak bytes of live tensors over step i, the parameters and optimizer state counted throughout."""
+    state = [t for s in trainer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    with measure_peak(torch.device("cpu"), [p for m in trainer.model_parts for p in m.parameters()] + state) as peak:
+        step(i)
+    return peak.bytes
 
 
 # ------------------------------------------------------------------------------------------ wanda
@@ -218,12 +233,18 @@ def main(argv: list[str] | None = None) -> int:
         if opts.impl == "wanda":
             result = wanda_against_floor(shape, opts, dump_folder)
         else:
-            step = titan_lite_step(shape, opts, dump_folder) if opts.impl == "titan_lite" else transformers_step(shape)
+            trainer = None
+            if opts.impl == "titan_lite":
+                step, trainer = titan_lite_step(shape, opts, dump_folder)
+            else:
+                step = transformers_step(shape)
             gc.collect()
             gc.disable()  # as the trainer's loop does
             result = measure(step, opts.steps, opts.warmup)
             if opts.profile:
                 profile_table(step, opts.warmup + opts.steps, opts.profile)
+            if opts.tensor_peak and trainer is not None:
+                result["peak_tensor_bytes"] = tensor_peak_bytes(trainer, step, opts.warmup + opts.steps + 2)
             gc.enable()
     a = shape.args()
     result.update(

@@ -54,6 +54,10 @@ FLAVORS: dict[str, LlamaArgs] = {
     # The debug model with GQA (4 query heads per KV head), for structured-pruning examples on a CPU.
     "debugmodel_gqa": LlamaArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=4, vocab_size=2048, ffn_dim=768,
                                 rope_theta=500000.0),
+    # The debug model with tied embeddings, like Llama 3.2 1B/3B and SmolLM2: the embedding's std is dim^-0.5, so the
+    # blocks, not a large embedding, carry the prediction (the pruning-quality example in the README trains it).
+    "debugmodel_tied": LlamaArgs(dim=256, n_layers=6, n_heads=16, vocab_size=2048, ffn_dim=768, rope_theta=500000.0,
+                                 tie_word_embeddings=True),
     # For tests: small enough for multi-process parity runs on a CPU; GQA, 4 layers for pipeline splits.
     "tiny": LlamaArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=2048, ffn_dim=192, rope_theta=10000.0),
     # Shaped like HuggingFaceTB/SmolLM2-135M.
