@@ -31,3 +31,20 @@ def _in_gloo_group(rank: int, world_size: int, port: int, worker: Callable[..., 
         dist.barrier()  # gloo sometimes aborts at exit when a rank leaves early
     finally:
         dist.destroy_process_group()
+
+
+def tied_tiny_assets(folder) -> str:
+    """A copy of the bundled tokenizer folder plus a config.json of the tiny flavor with tied embeddings (flavor hf)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from titan_lite.models.llama.args import flavor_args
+    from titan_lite.models.llama.hf import args_to_hf_config
+
+    folder = Path(folder)
+    shutil.copytree(Path(__file__).resolve().parents[1] / "assets" / "tokenizer", folder)
+    args = flavor_args("tiny")
+    args.tie_word_embeddings = True
+    (folder / "config.json").write_text(json.dumps(args_to_hf_config(args, torch.float32)))
+    return str(folder)

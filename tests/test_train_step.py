@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers import tied_tiny_assets
 from titan_lite.config import parse_args
 from titan_lite.models.llama import Llama
 from titan_lite.models.llama.args import flavor_args
@@ -68,19 +69,13 @@ def test_global_batch_must_divide(tmp_path):
 def test_tied_model_trains_one_shared_parameter_and_exports_what_it_trained(tmp_path):
     """Materialising (to_empty) gives each module a tensor of its own: the embedding and head must be tied again,
     else one process trains two matrices and the HF export (which writes the embedding only) drops the head's."""
-    import json
-    import shutil
-
     from titan_lite.checkpoint.hf import load_hf_weights, write_hf_folder
-    from titan_lite.models.llama.hf import args_to_hf_config
 
-    assets = tmp_path / "assets"
-    shutil.copytree("assets/tokenizer", assets)
+    assets = tied_tiny_assets(tmp_path / "assets")
     args = flavor_args("tiny")
     args.tie_word_embeddings = True
-    (assets / "config.json").write_text(json.dumps(args_to_hf_config(args, torch.float32)))
     cfg = parse_args(["--job.config_file", "tests/integration/base.toml", "--job.dump_folder", str(tmp_path / "run"),
-                      "--model.flavor", "hf", "--model.hf_assets_path", str(assets), "--training.seq_len", "32",
+                      "--model.flavor", "hf", "--model.hf_assets_path", assets, "--training.seq_len", "32",
                       "--metrics.enable_tensorboard=false"])
     trainer = Trainer(cfg)
     model = trainer.model_parts[0]
@@ -92,7 +87,7 @@ def test_tied_model_trains_one_shared_parameter_and_exports_what_it_trained(tmp_
     trainer.train_step(trainer.next_microbatches(iter(trainer.dataloader)), step=1)
     assert not torch.equal(before, model.output.weight) and model.output.weight is model.tok_embeddings.weight
     write_hf_folder({k: v.detach() for k, v in model.state_dict().items()}, args, str(tmp_path / "hf"),
-                    torch.float32, str(assets))
+                    torch.float32, assets)
     with torch.device("meta"):
         reloaded = Llama(args)
     reloaded.to_empty(device="cpu")

@@ -112,3 +112,19 @@ def test_two_nodes_match_one_node(data_overrides, fsdp2_run, tmp_path):
     assert "world 2 = dp_replicate 1 x dp_shard 2" in outputs[0], outputs[0][-3000:]
     two_nodes = Run(0, outputs[0], tmp_path / "node0")
     assert_losses_close(two_nodes, fsdp2_run.tb_losses(), 1e-6)
+
+
+def test_tied_embeddings_fsdp2_matches_one_process(tmp_path):
+    """A tied model (like Llama 3.2 1B) trains one shared embedding/head matrix in one process and under FSDP alike."""
+    from tests.helpers import tied_tiny_assets
+
+    common = ["--model.flavor", "hf", "--model.hf_assets_path", tied_tiny_assets(tmp_path / "assets"),
+              "--training.seq_len", "32", "--training.steps", "3", "--metrics.log_freq", "1",
+              "--validation.enable=false"]
+    one = run_train([*common, "--training.local_batch_size", "8"], tmp_path / "one", ngpu=1)
+    two = run_train([*common, "--training.local_batch_size", "4"], tmp_path / "two", ngpu=2)
+    assert one.returncode == 0 and two.returncode == 0, (one.output + two.output)[-3000:]
+    assert "parameters (328,256 held by rank 0)" in one.output, one.output[-2000:]  # the shared matrix once
+    reference = one.tb_losses()
+    assert sorted(reference) == [1, 2, 3]
+    assert_losses_close(two, reference, ATOL)
