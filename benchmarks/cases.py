@@ -213,7 +213,7 @@ def _vs_transformers(shape: str) -> Case:
 def _fsdp(shape: str) -> Case:
     variants = [TrainVariant("1 process", shape=shape, tensor_peak=True),
                 TrainVariant("2 FSDP processes", shape=shape, nproc=2, tensor_peak=True)]
-    # Peak RSS includes each process's own runtime (torch, Python, gloo: ~0.4 GiB) that no sharding can divide; the
+    # Peak RSS includes each process's own runtime (torch, Python, gloo: ~0.35 GiB) that no sharding can divide; the
     # peak of live tensors is what a GPU's allocator reports, so the target applies to it.
     return Case(f"fsdp_{shape}", f"titan_lite, {SHAPES[shape].batch} x {SHAPES[shape].seq_len} tokens per rank",
                 variants,
