@@ -9,7 +9,6 @@ import torch.distributed as dist
 from tests.helpers import tied_tiny_assets
 from titan_lite.config import parse_args
 from titan_lite.models.llama import Llama
-from titan_lite.models.llama.args import flavor_args
 from titan_lite.train import Trainer
 
 
@@ -72,14 +71,12 @@ def test_tied_model_trains_one_shared_parameter_and_exports_what_it_trained(tmp_
     from titan_lite.checkpoint.hf import load_hf_weights, write_hf_folder
 
     assets = tied_tiny_assets(tmp_path / "assets")
-    args = flavor_args("tiny")
-    args.tie_word_embeddings = True
     cfg = parse_args(["--job.config_file", "tests/integration/base.toml", "--job.dump_folder", str(tmp_path / "run"),
                       "--model.flavor", "hf", "--model.hf_assets_path", assets, "--training.seq_len", "32",
                       "--metrics.enable_tensorboard=false"])
     trainer = Trainer(cfg)
-    model = trainer.model_parts[0]
-    assert model.output.weight is model.tok_embeddings.weight
+    model, args = trainer.model_parts[0], trainer.plan.model_args
+    assert args.tie_word_embeddings and model.output.weight is model.tok_embeddings.weight
     assert model.num_params() == trainer.plan.full_param_count()
     optimized = [id(p) for group in trainer.optimizer.param_groups for p in group["params"]]
     assert sorted(optimized) == sorted(id(p) for p in model.parameters())  # one entry for the shared matrix

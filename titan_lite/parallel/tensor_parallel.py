@@ -99,4 +99,4 @@ def retie_embeddings(model: nn.Module) -> None:
     """
     emb, out = model.tok_embeddings.weight, model.output.weight
     assert emb.placements == out.placements, (emb.placements, out.placements)
-    model.output.weight = emb
+    model.tie_embeddings()
