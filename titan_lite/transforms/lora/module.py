@@ -6,6 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 # Parameter names of a LoRALinear. The base keeps the name `weight`, so HF loading and base checkpoints are
 # unchanged; the first three train, the pissa_* copies of the initial factors are frozen (the PiSSA export needs them).
@@ -71,8 +72,10 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = _like(self.weight, x)
-        base = F.linear(x, weight)
         dropped = self.dropout(x)
+        if self.magnitude is None and not isinstance(weight, DTensor):
+            return self._plain_forward(x, weight, dropped)
+        base = F.linear(x, weight)
         update = F.linear(F.linear(dropped, _like(self.lora_a, x)), _like(self.lora_b, x))
         if self.magnitude is None:
             return base + self.scale * update
@@ -81,6 +84,16 @@ class LoRALinear(nn.Module):
             return gain * (base + self.scale * update)
         # With dropout the magnitude rescales the dropped input's base product, as PEFT does.
         return base + (gain - 1) * F.linear(dropped, weight) + gain * self.scale * update
+
+    def _plain_forward(self, x: torch.Tensor, weight: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
+        """W x + scale B (A x) with the update accumulated into W x by one GEMM (addmm_, alpha = scale): no
+        [tokens, out] temporaries for the scaled update and the sum, and none for the scaled gradient in the
+        backward (the scale rides in the small GEMMs there)."""
+        base = F.linear(x.flatten(0, -2), weight)
+        down = F.linear(dropped.flatten(0, -2), _like(self.lora_a, x))
+        # Under autocast the two products may come out in a dtype other than the fp32 parameters'.
+        base.addmm_(down.to(base.dtype), self.lora_b.to(base.dtype).t(), alpha=self.scale)
+        return base.view(*x.shape[:-1], self.out_features)
 
     def weight_norm(self) -> torch.Tensor:
         """Row norms of W + scale B A in float32."""
