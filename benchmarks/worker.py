@@ -9,6 +9,7 @@ the machine's busy CPU seconds over them (to tell foreign load), peak RSS, token
 """
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -44,6 +45,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="matmul: the machine's fp32 matmul rate (no shape); wanda: one-shot Wanda 50%% on the shape "
                         "(random weights) against its floor, one forward pass over the same calibration windows")
     p.add_argument("--shape", choices=sorted(SHAPES), default="debug")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step on each rank (default: the shape's)")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation, allocator warm-up)")
     p.add_argument("--compile", action="store_true", help="titan_lite: [compile] enable (model and loss)")
@@ -222,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.impl == "matmul":
         print(RESULT_PREFIX + json.dumps(matmul_peak()), flush=True)
         return 0
-    shape = SHAPES[opts.shape]
+    shape = SHAPES[opts.shape] if opts.batch is None else dataclasses.replace(SHAPES[opts.shape], batch=opts.batch)
     shape.args()  # registers the benchmark flavors in this process
     logging.getLogger("titan_lite").setLevel(logging.WARNING)
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -40,3 +40,15 @@ def test_keep_freed_memory_only_on_cpu(monkeypatch):
     assert not keep_freed_memory(torch.device("meta"))
     monkeypatch.setenv("TITAN_LITE_CPU_MALLOC", "default")
     assert not keep_freed_memory(torch.device("cpu"))
+
+
+def test_worker_batch_option_sets_the_sequences_per_rank():
+    """The FSDP cases compare one global batch in 1 and 2 processes: the worker trains the batch it is given."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.worker", "--impl", "titan_lite", "--shape", "tiny",
+                           "--batch", "3", "--steps", "1", "--warmup", "0", "--tensor_peak"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("BENCH_RESULT ")]
+    result = json.loads(line.split(" ", 1)[1])
+    assert result["tokens_per_step"] == 3 * 32 and result["peak_tensor_bytes"] > 0
