@@ -187,6 +187,9 @@ class Case:
     variants: list[Variant]
     ratios: list[Ratio] = field(default_factory=list)
     columns: tuple[str, ...] = ("tokens_per_s", "mfu_pct", "step_s", "peak_rss_gib")
+    # At least this many rounds whatever --repeats says: for cases of seconds-long runs, whose ratios the machine's
+    # minute-to-minute speed changes (up to ~25% between runs of one variant here) would otherwise decide.
+    min_rounds: int = 1
 
 
 CASES: dict[str, Callable[[], Case]] = {}
@@ -209,7 +212,8 @@ def _vs_transformers(shape: str) -> Case:
                 TrainVariant("titan_lite compiled", impl="titan_lite", shape=shape, compile=True)]
     return Case(f"train_{shape}", f"{SHAPES[shape].batch} x {SHAPES[shape].seq_len} tokens, 1 process", variants,
                 [Ratio("titan_lite / transformers", "tokens_per_s", "titan_lite", "transformers", target=1.3),
-                 Ratio("compiled / eager", "tokens_per_s", "titan_lite compiled", "titan_lite")])
+                 Ratio("compiled / eager", "tokens_per_s", "titan_lite compiled", "titan_lite")],
+                min_rounds=5 if shape == "debug" else 1)
 
 
 def _fsdp(shape: str) -> Case:

@@ -133,7 +133,8 @@ def run_case(case: Case, settings: Settings, opts: argparse.Namespace, peaks: li
     runs: dict[str, list[dict]] = {v.label: [] for v in case.variants}
     failed: dict[str, str] = {}
     trains = any("tokens_per_s" in c for c in case.columns)
-    for r in range(opts.repeats):
+    rounds = max(opts.repeats, case.min_rounds)
+    for r in range(rounds):
         if trains:
             peaks.append(measure(MatmulPeakVariant("fp32 matmul peak"), settings, opts, f"[{case.name} {r + 1}]")
                          ["gflops"])
@@ -141,7 +142,7 @@ def run_case(case: Case, settings: Settings, opts: argparse.Namespace, peaks: li
             if variant.label in failed:
                 continue
             try:
-                runs[variant.label].append(measure(variant, settings, opts, f"[{case.name} {r + 1}/{opts.repeats}]"))
+                runs[variant.label].append(measure(variant, settings, opts, f"[{case.name} {r + 1}/{rounds}]"))
             except RuntimeError as exc:
                 failed[variant.label] = str(exc)
                 print(f"  error: {case.name} {variant.label} failed: {str(exc).splitlines()[0]}\n"
@@ -247,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     cases = select_cases([n for n in opts.cases.split(",") if n])
     settings = Settings(steps=opts.steps, warmup=opts.warmup, threads=opts.threads)
     load_before = machine_load()
-    print(f"benchmark: {len(cases)} cases x {opts.repeats} alternating rounds, {opts.threads} threads; "
-          f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    print(f"benchmark: {len(cases)} cases x {opts.repeats} alternating rounds (or a case's minimum), "
+          f"{opts.threads} threads; torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cores")
     print(f"load before: {load_before}", flush=True)
     start, peaks, results = time.perf_counter(), [], []
     for case in cases:

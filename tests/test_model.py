@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from titan_lite.models.llama import FLAVORS, Llama, flavor_args
 from titan_lite.models.llama import model as llama_model
@@ -113,3 +114,26 @@ def test_grouped_attention_shares_each_kv_head_with_consecutive_query_heads(monk
     # The explicit expansion taken where no fused kernel reads GQA (e.g. masked fp32 on CUDA).
     monkeypatch.setattr(llama_model, "_fused_kernel_takes_gqa", lambda *a: False)
     assert torch.equal(grouped_attention(q, k, v, **kwargs), expanded)
+
+
+def test_cpu_rms_norm_matches_torch_values_and_gradients():
+    """The model's eager CPU RMSNorm (a two-pass autograd function) against torch's F.rms_norm, and gradcheck."""
+    from titan_lite.models.llama.model import RMSNorm, _RMSNormFunction
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64, eps=1e-5)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(3, 7, 64, requires_grad=True)
+    grad = torch.randn(3, 7, 64)
+    ours = torch.autograd.grad(norm(x), (x, norm.weight), grad)
+    out_ref = F.rms_norm(x, [64], norm.weight, 1e-5)
+    ref = torch.autograd.grad(out_ref, (x, norm.weight), grad)
+    torch.testing.assert_close(norm(x), out_ref)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b)
+    norm.weight.requires_grad_(False)  # frozen (LoRA): only the input's gradient
+    (dx,) = torch.autograd.grad(norm(x), (x,), grad)
+    torch.testing.assert_close(dx, ref[0])
+    x64 = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    w64 = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: _RMSNormFunction.apply(a, b, 1e-6), (x64, w64))

@@ -21,7 +21,8 @@ class ActivationShape:
     cp: int = 1  # context parallel degree: K/V are all-gathered over it
     loss_parallel: bool = False  # logits stay vocab-sharded over TP
     seq_len: int = 0  # whole sequence length; sizes the attention mask of context parallel
-    # Accelerators run RMSNorm as one fused kernel saving (input, rstd); the CPU composite also saves x * rstd.
+    # RMSNorm saves (input, rstd): accelerators' fused kernel and the model's eager CPU function; torch's composite
+    # (compiled or DTensor inputs on CPU) also saves x * rstd.
     fused_rms_norm: bool = True
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_lite.models.llama.model import Attention, FeedForward, TransformerBlock
+from titan_lite.models.llama.model import Attention, FeedForward, RMSNorm, TransformerBlock
 from titan_lite.transforms.sheared import gates
 from titan_lite.transforms.sheared.targets import KINDS, Targets
 
@@ -32,11 +32,11 @@ def masked_rms(x: torch.Tensor, hidden_z: torch.Tensor, eps: float) -> torch.Ten
     return (xf * torch.rsqrt(var + eps) * z).type_as(x)
 
 
-class MaskedRMSNorm(nn.RMSNorm):
+class MaskedRMSNorm(RMSNorm):
     """RMSNorm over the kept hidden dims, its output masked; the plain RMSNorm while `hidden_z` is None."""
 
     @classmethod
-    def adopt(cls, norm: nn.RMSNorm) -> "MaskedRMSNorm":
+    def adopt(cls, norm: RMSNorm) -> "MaskedRMSNorm":
         norm.__class__ = cls
         norm.register_buffer("hidden_z", None, persistent=False)
         return norm
