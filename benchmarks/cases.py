@@ -53,7 +53,10 @@ class Variant:
 
 
 def _worker_results(stdout: str) -> list[dict]:
-    return [json.loads(line[len(RESULT_PREFIX):]) for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    try:
+        return [json.loads(line[len(RESULT_PREFIX):]) for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    except json.JSONDecodeError as exc:  # a failed run, not a crash of the whole benchmark
+        raise RuntimeError(f"unreadable result line ({exc})\n{stdout[-3000:]}") from exc
 
 
 @dataclass

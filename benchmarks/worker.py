@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.shapes import SHAPES, Shape
@@ -254,10 +255,21 @@ def main(argv: list[str] | None = None) -> int:
         flops_per_token=num_flops_per_token(_param_count(a), 0 if a.tie_word_embeddings else a.vocab_size * a.dim,
                                             a.n_layers, a.n_heads, a.head_dim, shape.seq_len),
     )
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    print_results(result)
     if opts.impl in ("titan_lite", "wanda"):
         tl_dist.shutdown()
     return 0
+
+
+def print_results(result: dict) -> None:
+    """Rank 0 prints every rank's result line: ranks printing their own interleave on the shared pipe."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        return
+    results = [None] * dist.get_world_size()
+    dist.all_gather_object(results, result)
+    if dist.get_rank() == 0:
+        print("\n".join(RESULT_PREFIX + json.dumps(r) for r in results), flush=True)
 
 
 def _param_count(args: LlamaArgs) -> int:
