@@ -160,8 +160,8 @@ class Attention(nn.Module):
 
 class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm (same parameter, same values); eager float32 on CPU runs _RMSNormFunction, since torch's CPU
-    rms_norm is a composite of five ops whose autograd saves and re-reads more (about 2-3x the time of the pair
-    of passes below). Accelerators have a fused kernel and compiled code fuses the composite itself."""
+    rms_norm is a composite of five ops whose autograd saves and re-reads more than the few passes below.
+    Accelerators have a fused kernel and compiled code fuses the composite itself."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plain = not isinstance(x, DTensor) and not isinstance(self.weight, DTensor)
