@@ -49,8 +49,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=None, help="sequences per step on each rank (default: the shape's)")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation, allocator warm-up)")
-    p.add_argument("--compile", action="store_true", help="titan_lite: [compile] enable")
-    p.add_argument("--compile_components", default="model,loss", help="titan_lite: compile.components")
+    p.add_argument("--compile", action="store_true", help="titan_lite: [compile] enable (model and loss)")
     p.add_argument("--optimizer", default="fused", help="titan_lite: optimizer.implementation")
     p.add_argument("--lora", default=None,
                    help="titan_lite: train LoRA adapters on all seven projections with these [lora] overrides "
@@ -85,7 +84,7 @@ def titan_lite_step(shape: Shape, opts: argparse.Namespace,
         "--training.max_norm", str(_MAX_NORM), "--optimizer.lr", str(_LR), "--optimizer.implementation",
         opts.optimizer, "--optimizer.weight_decay", str(_WEIGHT_DECAY), "--lr_scheduler.warmup_steps", "0",
         "--validation.enable=false", "--metrics.enable_tensorboard=false", "--job.dump_folder", dump_folder,
-        f"--compile.enable={str(opts.compile).lower()}", "--compile.components", opts.compile_components,
+        f"--compile.enable={str(opts.compile).lower()}",
     ]
     if opts.lora:
         overrides += ["--model.converters", "lora", *shlex.split(opts.lora)]

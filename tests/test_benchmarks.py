@@ -13,9 +13,15 @@ from titan_lite.distributed import keep_freed_memory
 REPO = Path(__file__).resolve().parents[1]
 
 
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without the rendezvous an in-process trainer of an earlier test left in it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    return env | {"PYTHONPATH": str(REPO)} | extra
+
+
 def test_benchmark_runs_a_tiny_case_and_writes_json(tmp_path):
     out = tmp_path / "results.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = clean_env()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--cases", "tiny,wanda_tiny", "--repeats", "1",
                            "--steps", "1", "--warmup", "0", "--retries", "0", "--threads", "1", "--json", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -44,7 +50,7 @@ def test_keep_freed_memory_only_on_cpu(monkeypatch):
 
 def test_worker_batch_option_sets_the_sequences_per_rank():
     """The FSDP cases compare one global batch in 1 and 2 processes: the worker trains the batch it is given."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = clean_env(OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.worker", "--impl", "titan_lite", "--shape", "tiny",
                            "--batch", "3", "--steps", "1", "--warmup", "0", "--tensor_peak"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -210,3 +210,28 @@ def test_lora_linear_repr_and_shapes():
     module = LoRALinear(16, 8, rank=2, scale=1.0, dora=True)
     assert module.lora_a.shape == (2, 16) and module.lora_b.shape == (8, 2) and module.magnitude.shape == (8,)
     assert "rank=2" in repr(module) and not module.weight.requires_grad
+
+
+def test_lora_linear_equals_w_x_plus_scaled_b_a_x_with_gradients():
+    """The fused forward (the update accumulated into W x by one addmm_) against the formula written out, in fp32 and
+    under CPU bf16 autocast (the products in bf16, the parameters fp32)."""
+    torch.manual_seed(0)
+    module = LoRALinear(32, 24, rank=4, scale=2.5)
+    for p in (module.weight, module.lora_a, module.lora_b):
+        torch.nn.init.normal_(p)
+    x = torch.randn(3, 5, 32, requires_grad=True)
+    grad = torch.randn(3, 5, 24)
+    out = module(x)
+    got = torch.autograd.grad(out, (x, module.lora_a, module.lora_b), grad)
+    expected_out = x @ module.weight.T + 2.5 * (x @ module.lora_a.T) @ module.lora_b.T
+    expected = torch.autograd.grad(expected_out, (x, module.lora_a, module.lora_b), grad)
+    assert out.shape == (3, 5, 24)
+    torch.testing.assert_close(out, expected_out)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = module(x)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), expected_out, atol=0.5, rtol=0.05)
+    low.float().sum().backward()
+    assert module.lora_b.grad.dtype == torch.float32 and module.lora_b.grad.abs().sum() > 0
