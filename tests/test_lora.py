@@ -16,7 +16,7 @@ from titan_lite.models.llama.model import canonical_name
 from titan_lite.train import Trainer
 from titan_lite.transforms.lora import LoRALinear
 from titan_lite.transforms.lora.adapters import merge_adapters
-from titan_lite.transforms.lora.module import adapter_scale, balanced_factors, principal_factors
+from titan_lite.transforms.lora.module import _LoRAProduct, adapter_scale, balanced_factors, principal_factors
 from titan_lite.transforms.lora.options import AdapterSpec
 from titan_lite.transforms.lora.transform import lora_modules
 from titan_lite.transforms.lora.weights import restart_optimizer_state
@@ -210,6 +210,25 @@ def test_lora_linear_repr_and_shapes():
     module = LoRALinear(16, 8, rank=2, scale=1.0, dora=True)
     assert module.lora_a.shape == (2, 16) and module.lora_b.shape == (8, 2) and module.magnitude.shape == (8,)
     assert "rank=2" in repr(module) and not module.weight.requires_grad
+
+
+def test_lora_product_gradients_pass_gradcheck_with_and_without_a_separate_dropout_input():
+    """The one-node forward/backward of the eager path, in float64 against finite differences: every input's
+    gradient (the base weight's too, for a caller that trains it), with the adapter reading x itself or a dropped
+    copy of it, and with x needing no gradient (the first layer of a frozen model)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    dropped = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    lora_a = torch.randn(2, 6, dtype=torch.float64, requires_grad=True)
+    lora_b = torch.randn(5, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *t: _LoRAProduct.apply(*t, 1.5), (x, None, weight, lora_a, lora_b))
+    assert torch.autograd.gradcheck(lambda *t: _LoRAProduct.apply(*t, 1.5), (x, dropped, weight, lora_a, lora_b))
+    out = _LoRAProduct.apply(x.detach(), None, weight.detach(), lora_a, lora_b, 1.5)
+    grad_a, grad_b = torch.autograd.grad(out.sum(), (lora_a, lora_b))
+    expected = x.detach() @ weight.detach().T + 1.5 * (x.detach() @ lora_a.T) @ lora_b.T
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close((grad_a, grad_b), torch.autograd.grad(expected.sum(), (lora_a, lora_b)))
 
 
 def test_lora_linear_equals_w_x_plus_scaled_b_a_x_with_gradients():

@@ -88,11 +88,14 @@ class LoRALinear(nn.Module):
     def _plain_forward(self, x: torch.Tensor, weight: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
         """W x + scale B (A x) with the update accumulated into W x by one GEMM (addmm_, alpha = scale): no
         [tokens, out] temporaries for the scaled update and the sum, and none for the scaled gradient in the
-        backward (the scale rides in the small GEMMs there)."""
+        backward (the scale rides in the small GEMMs there). Eager outside autocast, one autograd node does it all."""
+        lora_a, lora_b = _like(self.lora_a, x), _like(self.lora_b, x)
+        if not torch.is_autocast_enabled(x.device.type) and not torch.compiler.is_compiling():
+            return _LoRAProduct.apply(x, None if dropped is x else dropped, weight, lora_a, lora_b, self.scale)
         base = F.linear(x.flatten(0, -2), weight)
-        down = F.linear(dropped.flatten(0, -2), _like(self.lora_a, x))
+        down = F.linear(dropped.flatten(0, -2), lora_a)
         # Under autocast the two products may come out in a dtype other than the fp32 parameters'.
-        base.addmm_(down.to(base.dtype), self.lora_b.to(base.dtype).t(), alpha=self.scale)
+        base.addmm_(down.to(base.dtype), lora_b.to(base.dtype).t(), alpha=self.scale)
         return base.view(*x.shape[:-1], self.out_features)
 
     def weight_norm(self) -> torch.Tensor:
@@ -103,6 +106,44 @@ class LoRALinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
                 f"scale={self.scale:.6g}, dora={self.dora}")
+
+
+class _LoRAProduct(torch.autograd.Function):
+    """y = x W^T + scale (d A^T) B^T with d = dropout(x) (None: d is x), tensors of one dtype.
+
+    One node instead of autograd's five (two linears, addmm_, views): the backward accumulates the adapter's input
+    gradient into x's by one addmm_ (no [tokens, in] sum of two gradients) and runs each small GEMM once.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dropped: torch.Tensor | None, weight: torch.Tensor, lora_a: torch.Tensor,
+                lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        dropped_rows = rows if dropped is None else dropped.reshape(rows.shape)
+        down = dropped_rows @ lora_a.t()
+        out = (rows @ weight.t()).addmm_(down, lora_b.t(), alpha=scale)
+        ctx.save_for_backward(rows if ctx.needs_input_grad[2] else None, dropped_rows, weight, lora_a, lora_b, down)
+        ctx.scale, ctx.x_shape, ctx.separate_dropped = scale, x.shape, dropped is not None
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        rows, dropped_rows, weight, lora_a, lora_b, down = ctx.saved_tensors
+        need_x, need_dropped, need_w, need_a, need_b, _ = ctx.needs_input_grad
+        grad_rows = grad.reshape(-1, grad.shape[-1])
+        grad_down = (grad_rows @ lora_b).mul_(ctx.scale)  # [tokens, rank]
+        grad_a = grad_down.t() @ dropped_rows if need_a else None
+        grad_b = (grad_rows.t() @ down).mul_(ctx.scale) if need_b else None
+        grad_w = grad_rows.t() @ rows if need_w else None
+        grad_x = grad_rows @ weight if need_x else None
+        grad_dropped = None
+        if ctx.separate_dropped and need_dropped:
+            grad_dropped = (grad_down @ lora_a).view(ctx.x_shape)
+        elif not ctx.separate_dropped and need_x:
+            grad_x.addmm_(grad_down, lora_a)
+        if grad_x is not None:
+            grad_x = grad_x.view(ctx.x_shape)
+        return grad_x, grad_dropped, grad_w, grad_a, grad_b, None
 
 
 def _like(param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
