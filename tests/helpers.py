@@ -9,7 +9,21 @@ import torch.multiprocessing as mp
 
 from titan_lite.distributed import free_port
 
-__all__ = ["free_port", "spawn_gloo"]
+__all__ = ["free_port", "spawn_gloo", "spawn_on_free_port"]
+
+_PORT_TAKEN = ("EADDRINUSE", "address already in use")
+
+
+def spawn_on_free_port(worker: Callable[..., None], nprocs: int, *args) -> None:
+    """mp.spawn(worker, args=(port, *args)) on a port free a moment ago; once more on a new port if another process
+    took it in between (the rendezvous then fails with EADDRINUSE), so a port race is not a test failure."""
+    for attempt in range(2):
+        try:
+            mp.spawn(worker, args=(free_port(), *args), nprocs=nprocs, join=True)
+            return
+        except mp.ProcessRaisedException as error:
+            if attempt or not any(sign in str(error) for sign in _PORT_TAKEN):
+                raise
 
 
 def spawn_gloo(worker: Callable[..., None], world_size: int, *args) -> None:
@@ -19,10 +33,10 @@ def spawn_gloo(worker: Callable[..., None], world_size: int, *args) -> None:
     process is raised here.
     """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_in_gloo_group, args=(world_size, free_port(), worker, args), nprocs=world_size, join=True)
+    spawn_on_free_port(_in_gloo_group, world_size, world_size, worker, args)
 
 
-def _in_gloo_group(rank: int, world_size: int, port: int, worker: Callable[..., None], args: tuple) -> None:
+def _in_gloo_group(rank: int, port: int, world_size: int, worker: Callable[..., None], args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)

@@ -11,10 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 
-from tests.helpers import free_port
+from tests.helpers import free_port, spawn_on_free_port
 from titan_lite.checkpoint import dcp as ckpt
 from titan_lite.checkpoint.manager import CheckpointManager, RankLocal, choose_resume
 from titan_lite.config import JobConfig
@@ -488,7 +487,7 @@ def load_and_compare(folder: Path) -> dict:
             "batches": t.dataloader.batches}
 
 
-def _reshard_worker(rank: int, world: int, port: int, folder: str, phase: str) -> None:
+def _reshard_worker(rank: int, port: int, world: int, folder: str, phase: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -513,7 +512,7 @@ def _reshard_worker(rank: int, world: int, port: int, folder: str, phase: str) -
 
 
 def _spawn(world: int, folder: Path, phase: str) -> None:
-    mp.spawn(_reshard_worker, args=(world, free_port(), str(folder), phase), nprocs=world, join=True)
+    spawn_on_free_port(_reshard_worker, world, world, str(folder), phase)
 
 
 def check_result(result: dict) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import free_port
+from tests.helpers import spawn_on_free_port
 from titan_lite.errors import ConfigError
 from titan_lite.parallel.context_parallel import GlobalRopePositions, shard_positions
 
@@ -165,11 +165,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def cp_errors(tmp_path_factory) -> list[dict]:
     """Both ranks' result tables (errors, gathered shapes) from one spawn of 2 gloo processes."""
-    import torch.multiprocessing as mp
-
     out_dir = tmp_path_factory.mktemp("cp")
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_worker, args=(free_port(), str(out_dir)), nprocs=CP, join=True)
+    spawn_on_free_port(_worker, CP, str(out_dir))
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(CP)]
 
 

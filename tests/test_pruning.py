@@ -4,13 +4,12 @@ memory plan against the measured peak on two model sizes, and masks identical on
 
 import math
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.helpers import free_port, spawn_on_free_port
 from titan_lite.checkpoint.hf import read_hf_folder, write_hf_folder
 from titan_lite.config import parse_args, validate
 from titan_lite.dtensor import full_tensor
@@ -32,12 +31,6 @@ from titan_lite.transforms.pruning.transform import check_layout
 
 BASE = "tests/integration/base.toml"
 CALIBRATION = ["--pruning.nsamples", "8", "--pruning.seq_len", "32"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------ selection
@@ -158,7 +151,7 @@ def test_sparsegpt_update_lowers_the_output_error_of_its_mask():
 
 @pytest.fixture(scope="module")
 def process_group():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")
     yield
     dist.destroy_process_group()
@@ -285,7 +278,7 @@ def _layout_worker(rank: int, port: int, out: str) -> None:
 
 def test_masks_on_fsdp2_and_tp2_equal_one_process(process_group, tmp_path):
     out = tmp_path / "layouts.pt"
-    mp.spawn(_layout_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
+    spawn_on_free_port(_layout_worker, 2, str(out))
     results = torch.load(out)
     for method, pattern in LAYOUT_CASES:
         single = masks_of(["--pruning.method", method, "--pruning.pattern", pattern], 1)
