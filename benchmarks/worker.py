@@ -4,6 +4,9 @@ Run by benchmarks/run.py (directly, or under torchrun for FSDP); not meant to be
 
     python -m benchmarks.worker --impl titan_lite --shape debug --steps 10 --warmup 3
 
+With --impl paired it alternates titan_lite's and transformers' steps in this one process instead and prints their
+ratio (a check on the separate-process comparison, which also measures each process's allocator behaviour).
+
 The line it prints starts with RESULT_PREFIX: per-step seconds of the timed steps, this process's CPU seconds and
 the machine's busy CPU seconds over them (to tell foreign load), peak RSS, tokens per step, FLOPs per token.
 """
@@ -16,6 +19,7 @@ import logging
 import os
 import resource
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -42,9 +46,11 @@ _LR, _BETAS, _EPS, _WEIGHT_DECAY, _MAX_NORM = 1e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.worker", description=__doc__.splitlines()[0])
-    p.add_argument("--impl", choices=["titan_lite", "transformers", "matmul", "wanda"], required=True,
+    p.add_argument("--impl", choices=["titan_lite", "transformers", "paired", "matmul", "wanda"], required=True,
                    help="matmul: the machine's fp32 matmul rate (no shape); wanda: one-shot Wanda 50%% on the shape "
-                        "(random weights) against its floor, one forward pass over the same calibration windows")
+                        "(random weights) against its floor, one forward pass over the same calibration windows; "
+                        "paired: titan_lite's and transformers' steps alternating in this one process (--steps "
+                        "pairs), so both see the same machine state and the same allocator setting")
     p.add_argument("--shape", choices=sorted(SHAPES), default="debug")
     p.add_argument("--batch", type=int, default=None, help="sequences per step on each rank (default: the shape's)")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
@@ -211,6 +217,33 @@ def profile_table(step: Callable[[int], float], first: int, path: str) -> None:
         f.write(table + "\n\n" + shapes)
 
 
+def paired_steps(shape: Shape, opts: argparse.Namespace, dump_folder: str) -> dict:
+    """titan_lite's and transformers' steps alternating in one process, each pair in turn order swapped: drift of the
+    machine's speed then hits both alike. titan_lite's trainer sets the process's allocator (keep_freed_memory), so
+    transformers runs with it too; TITAN_LITE_CPU_MALLOC=default leaves glibc's default to both."""
+    ours, _trainer = titan_lite_step(shape, opts, dump_folder)
+    theirs = transformers_step(shape)
+    gc.collect()
+    gc.disable()
+    for i in range(opts.warmup):
+        ours(i)
+        theirs(i)
+    times: dict[str, list[float]] = {"titan_lite": [], "transformers": []}
+    for i in range(opts.warmup, opts.warmup + opts.steps):
+        order = (("titan_lite", ours), ("transformers", theirs))
+        for name, step in order if i % 2 else order[::-1]:
+            start = time.perf_counter()
+            step(i)
+            times[name].append(time.perf_counter() - start)
+    gc.enable()
+    ours_s, theirs_s = statistics.median(times["titan_lite"]), statistics.median(times["transformers"])
+    allocator = "glibc's default" if os.environ.get("TITAN_LITE_CPU_MALLOC") == "default" else "titan_lite's"
+    print(f"paired in one process ({allocator} allocator setting for both), medians of {opts.steps} alternating "
+          f"steps: titan_lite {ours_s:.3f} s, transformers {theirs_s:.3f} s per step: {theirs_s / ours_s:.2f}x",
+          flush=True)
+    return {"step_s": times["titan_lite"], "transformers_step_s": times["transformers"], "allocator": allocator}
+
+
 def matmul_peak() -> dict:
     """The fp32 matmul rate with this process's threads: the MFU denominator, as the trainer measures it."""
     busy0, cpu0, wall0 = machine_busy_seconds(), time.process_time(), time.perf_counter()
@@ -232,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="titan_lite_bench_") as dump_folder:
         if opts.impl == "wanda":
             result = wanda_against_floor(shape, opts, dump_folder)
+        elif opts.impl == "paired":
+            result = paired_steps(shape, opts, dump_folder)
         else:
             trainer = None
             if opts.impl == "titan_lite":
@@ -255,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                                             a.n_layers, a.n_heads, a.head_dim, shape.seq_len),
     )
     print_results(result)
-    if opts.impl in ("titan_lite", "wanda"):
+    if opts.impl in ("titan_lite", "wanda", "paired"):
         tl_dist.shutdown()
     return 0
 

@@ -58,3 +58,20 @@ def test_worker_batch_option_sets_the_sequences_per_rank():
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("BENCH_RESULT ")]
     result = json.loads(line.split(" ", 1)[1])
     assert result["tokens_per_step"] == 3 * 32 and result["peak_tensor_bytes"] > 0
+
+
+def test_paired_worker_alternates_both_steps_in_one_process():
+    """--impl paired times titan_lite's and transformers' steps in turn in one process and states the ratio."""
+    env = clean_env(OMP_NUM_THREADS="1", TITAN_LITE_CPU_MALLOC="default")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.worker", "--impl", "paired", "--shape", "tiny",
+                           "--steps", "3", "--warmup", "1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (summary,) = [x for x in proc.stdout.splitlines() if x.startswith("paired in one process")]
+    assert "glibc's default allocator" in summary and summary.endswith("x")
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("BENCH_RESULT ")]
+    result = json.loads(line.split(" ", 1)[1])
+    assert len(result["step_s"]) == len(result["transformers_step_s"]) == 3
+    ratio = float(summary.rsplit(": ", 1)[1].rstrip("x"))
+    expected = sorted(result["transformers_step_s"])[1] / sorted(result["step_s"])[1]
+    assert abs(ratio - expected) < 0.006
