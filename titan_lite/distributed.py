@@ -118,9 +118,8 @@ def keep_freed_memory(device: torch.device) -> bool:
     every page: on a 512-dim model with a 32k vocabulary about 700 MiB a step, a tenth of the step's CPU time. One
     arena for all threads: gloo's threads (FSDP's collectives) otherwise allocate from arenas of their own, which
     return memory on their own terms (2 FSDP processes on that model page-faulted 45k-51k times a step, against
-    14k-16k with one arena). The process's peak memory is
-    unchanged (it reaches that peak every step anyway). TITAN_LITE_CPU_MALLOC=default keeps glibc's behaviour.
-    Returns whether the setting was applied.
+    14k-16k with one arena). The process's peak memory is unchanged (it reaches that peak every step anyway).
+    TITAN_LITE_CPU_MALLOC=default keeps glibc's behaviour. Returns whether the setting was applied.
     """
     if device.type != "cpu" or not sys.platform.startswith("linux") or \
             os.environ.get("TITAN_LITE_CPU_MALLOC") == "default":
