@@ -5,7 +5,9 @@ Run by benchmarks/run.py (directly, or under torchrun for FSDP); not meant to be
     python -m benchmarks.worker --impl titan_lite --shape debug --steps 10 --warmup 3
 
 With --impl paired it alternates titan_lite's and transformers' steps in this one process instead and prints their
-ratio (a check on the separate-process comparison, which also measures each process's allocator behaviour).
+ratio (a check on the separate-process comparison, which also measures each process's allocator behaviour), then
+each step's kernel floor (its matmuls and attention kernels replayed alone, benchmarks/kernel_floor.py) and the most
+any step running those kernels could lead transformers' by.
 
 The line it prints starts with RESULT_PREFIX: per-step seconds of the timed steps, this process's CPU seconds and
 the machine's busy CPU seconds over them (to tell foreign load), peak RSS, tokens per step, FLOPs per token.
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.kernel_floor import kernel_floors, record_step
 from benchmarks.shapes import SHAPES, Shape
 from titan_lite import distributed as tl_dist
 from titan_lite.config import parse_args
@@ -65,6 +68,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "(parameters and optimizer state throughout, plus everything the step allocates): what an "
                         "accelerator's allocator peak measures, without the process's own runtime")
     p.add_argument("--nsamples", type=int, default=32, help="wanda: calibration windows of the shape's seq_len")
+    p.add_argument("--floor_repeats", type=int, default=5,
+                   help="paired: replays of each step's recorded matmul and attention kernels (their median is the "
+                        "step's kernel floor)")
     p.add_argument("--profile", default=None, help="write a torch.profiler table of 2 steps after the timed ones")
     return p.parse_args(argv)
 
@@ -235,13 +241,31 @@ def paired_steps(shape: Shape, opts: argparse.Namespace, dump_folder: str) -> di
             start = time.perf_counter()
             step(i)
             times[name].append(time.perf_counter() - start)
-    gc.enable()
     ours_s, theirs_s = statistics.median(times["titan_lite"]), statistics.median(times["transformers"])
     allocator = "glibc's default" if os.environ.get("TITAN_LITE_CPU_MALLOC") == "default" else "titan_lite's"
     print(f"paired in one process ({allocator} allocator setting for both), medians of {opts.steps} alternating "
           f"steps: titan_lite {ours_s:.3f} s, transformers {theirs_s:.3f} s per step: {theirs_s / ours_s:.2f}x",
           flush=True)
-    return {"step_s": times["titan_lite"], "transformers_step_s": times["transformers"], "allocator": allocator}
+    n = opts.warmup + opts.steps
+    floors = kernel_floors({name: record_step(lambda step=step: step(n)) for name, step in
+                            (("titan_lite", ours), ("transformers", theirs))}, repeats=opts.floor_repeats)
+    gc.enable()
+    print_floors(floors, ours_s, theirs_s)
+    return {"step_s": times["titan_lite"], "transformers_step_s": times["transformers"], "allocator": allocator,
+            "kernel_floor": floors}
+
+
+def print_floors(floors: dict[str, dict], ours_s: float, theirs_s: float) -> None:
+    """Each implementation's kernel floor, and the most any implementation of these kernels could lead by."""
+    for name, f in floors.items():
+        step_s = ours_s if name == "titan_lite" else theirs_s
+        print(f"kernel floor of {name}'s step (its {f['matmul_calls']} matmuls, {f['matmul_gflops']:.1f} GFLOP, "
+              f"replayed alone: {f['matmul_s']:.3f} s, {f['matmul_gflops'] / f['matmul_s']:.0f} GFLOP/s; its "
+              f"{f['attention_calls']} attention kernels: {f['attention_s']:.3f} s): {f['floor_s']:.3f} s; the step "
+              f"takes {step_s / f['floor_s']:.2f}x its floor", flush=True)
+    floor = min(f["floor_s"] for f in floors.values())
+    print(f"the most a step running these kernels could lead transformers' step by: {theirs_s / floor:.2f}x "
+          f"(transformers' step / the lower floor)", flush=True)
 
 
 def matmul_peak() -> dict:

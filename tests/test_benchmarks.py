@@ -6,8 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+from benchmarks.kernel_floor import kernel_floors, record_step
+from benchmarks.shapes import SHAPES
 from titan_lite.distributed import keep_freed_memory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,3 +78,32 @@ def test_paired_worker_alternates_both_steps_in_one_process():
     ratio = float(summary.rsplit(": ", 1)[1].rstrip("x"))
     expected = sorted(result["transformers_step_s"])[1] / sorted(result["step_s"])[1]
     assert abs(ratio - expected) < 0.006
+    # Both implementations run the same model: the same matmuls (2*M*N*K summed) and attention calls per step.
+    ours, theirs = result["kernel_floor"]["titan_lite"], result["kernel_floor"]["transformers"]
+    assert ours["matmul_gflops"] == pytest.approx(theirs["matmul_gflops"], rel=1e-6) and ours["matmul_gflops"] > 0
+    assert ours["attention_calls"] == theirs["attention_calls"] == 2 * SHAPES["tiny"].args().n_layers
+    assert all(0 < f["floor_s"] == pytest.approx(f["matmul_s"] + f["attention_s"]) for f in (ours, theirs))
+    bound = [x for x in proc.stdout.splitlines() if x.startswith("the most a step running these kernels")]
+    assert bound and bound[0].split(": ")[1].startswith(f"{expected_bound(result):.2f}x")
+
+
+def expected_bound(result: dict) -> float:
+    floors = result["kernel_floor"]
+    return sorted(result["transformers_step_s"])[1] / min(f["floor_s"] for f in floors.values())
+
+
+def test_kernel_floor_replays_exactly_the_recorded_matmuls_and_attention():
+    """record_step keeps the forward and backward matmul and attention calls of a step, with their FLOPs."""
+    x = torch.randn(2, 4, 8, 16, requires_grad=True)
+    w = torch.randn(16, 32, requires_grad=True)
+
+    def step():
+        q = x @ w[:, :16]  # bmm-free: a 4-D @ 2-D matmul folds into one mm
+        out = torch.nn.functional.scaled_dot_product_attention(q, x, x, is_causal=True)
+        out.sum().backward()
+    calls = record_step(step)
+    # forward: 1 mm (64x16 @ 16x16); backward: the gradients of both of its inputs, 2 mm of the same size
+    assert calls.count("matmul") == 3 and calls.matmul_flops == 3 * 2 * 64 * 16 * 16
+    assert calls.count("attention") == 2  # the flash forward and its backward
+    floor = kernel_floors({"step": calls}, repeats=1)["step"]
+    assert floor["matmul_calls"] == 3 and floor["floor_s"] > 0
