@@ -149,6 +149,34 @@ class WandaVariant(Variant):
 
 
 @dataclass
+class PairedVariant(Variant):
+    """titan_lite's and transformers' steps alternating in one process, with each step's kernel floor (its matmuls
+    and attention kernels replayed alone) measured between them: benchmarks.worker --impl paired."""
+
+    shape: str = "debug"
+    steps: int = 6  # alternating rounds of the two steps and the two floor replays
+    impl: str = "paired"  # needs transformers (select_cases drops it without)
+
+    def command(self, settings: Settings) -> tuple[list[str], dict[str, str]]:
+        args = ["-m", "benchmarks.worker", "--impl", "paired", "--shape", self.shape, "--steps", str(self.steps),
+                "--warmup", str(settings.warmup)]
+        return [sys.executable, *args], {"OMP_NUM_THREADS": str(settings.threads)}
+
+    def metrics(self, out: RunOutput) -> dict[str, float]:
+        result = _worker_results(out.stdout)
+        if out.returncode != 0 or not result:
+            raise RuntimeError(f"{self.label}: exit code {out.returncode}\n{out.stdout[-3000:]}")
+        r = result[0]
+        busy = r["machine_busy_s"]
+        return {"step_s": statistics.median(r["step_s"]),
+                "transformers_step_s": statistics.median(r["transformers_step_s"]),
+                "kernel_floor_s": min(f["floor_s"] for f in r["kernel_floor"].values()),
+                "step_spread": max(r["step_s"]) / min(r["step_s"]),
+                "peak_rss_gib": r["peak_rss_bytes"] / 2**30,
+                "foreign_cores": (busy - r["own_cpu_s"]) / r["wall_s"] if busy is not None else 0.0}
+
+
+@dataclass
 class DryRunVariant(Variant):
     """DRY_RUN=1 planning of a full-size job, as `run_train.sh` runs it: wall time and peak RSS of the process."""
 
@@ -194,6 +222,8 @@ class Case:
     # minute-to-minute speed changes would otherwise decide (see BENCHMARKS.md: the matmul rate measured before each
     # round varies by up to 2x on the development VM).
     min_rounds: int = 1
+    # At most this many rounds (None: --repeats): for cases that alternate their variants inside one run already.
+    max_rounds: int | None = None
 
 
 CASES: dict[str, Callable[[], Case]] = {}
@@ -250,6 +280,26 @@ for _shape in ("debug", "512d_32k", "smollm2_135M"):
     register_case(f"fsdp_{_shape}")(lambda s=_shape: _fsdp(s))
 
 
+def _paired(shape: str, steps: int) -> Case:
+    variant = PairedVariant(f"{steps} alternating rounds", shape=shape, steps=steps)
+    v = variant.label
+    # One run: its steps already alternate with transformers' in the same process and machine state.
+    return Case(f"paired_{shape}", f"titan_lite and transformers in one process, {SHAPES[shape].batch} x "
+                f"{SHAPES[shape].seq_len} tokens; kernel floor: the step's matmuls and attention replayed alone",
+                [variant],
+                [Ratio("transformers / titan_lite step time, one process", "transformers_step_s", v, v,
+                       denominator_metric="step_s"),
+                 Ratio("titan_lite step / kernel floor", "step_s", v, v, higher_is_better=False,
+                       denominator_metric="kernel_floor_s"),
+                 Ratio("transformers step / kernel floor (the most any step could lead by)", "transformers_step_s", v,
+                       v, denominator_metric="kernel_floor_s")],
+                columns=("step_s", "transformers_step_s", "kernel_floor_s", "peak_rss_gib"), max_rounds=1)
+
+
+for _shape, _steps in (("debug", 10), ("512d_32k", 6), ("smollm2_135M", 4)):
+    register_case(f"paired_{_shape}")(lambda s=_shape, n=_steps: _paired(s, n))
+
+
 @register_case("lora_smollm2_135M")
 def _lora() -> Case:
     shape = SHAPES["smollm2_135M"]
@@ -287,7 +337,8 @@ def _tiny() -> Case:
                 [Ratio("LoRA / full step time", "step_s", "LoRA", "titan_lite")])
 
 
-DEFAULT_CASES = ["train_debug", "train_512d_32k", "train_smollm2_135M", "fsdp_debug", "fsdp_512d_32k",
+DEFAULT_CASES = ["train_debug", "train_512d_32k", "train_smollm2_135M", "paired_debug", "paired_512d_32k",
+                 "paired_smollm2_135M", "fsdp_debug", "fsdp_512d_32k",
                  "fsdp_smollm2_135M", "lora_smollm2_135M", "wanda_smollm2_135M", "dry_run"]
 
 

@@ -75,18 +75,9 @@ def record_step(step: Callable[[], object]) -> KernelCalls:
     return calls
 
 
-def kernel_floors(recorded: dict[str, KernelCalls], repeats: int = 3) -> dict[str, dict]:
-    """Per recorded step: medians over repeats of one back-to-back replay of its matmuls, then of its attention
-    kernels. The steps' replays alternate within each repeat, so drift in the machine's speed hits all alike."""
-    times: dict[str, dict[str, list[float]]] = {name: {"matmul": [], "attention": []} for name in recorded}
-    for _ in range(repeats):
-        for name, calls in recorded.items():
-            for kind in ("matmul", "attention"):
-                times[name][kind].append(calls.replay_seconds(kind))
-    floors = {}
-    for name, calls in recorded.items():
-        matmul, attention = (statistics.median(times[name][k]) for k in ("matmul", "attention"))
-        floors[name] = {"matmul_s": matmul, "attention_s": attention, "floor_s": matmul + attention,
-                        "matmul_calls": calls.count("matmul"), "attention_calls": calls.count("attention"),
-                        "matmul_gflops": calls.matmul_flops / 1e9}
-    return floors
+def floor_summary(calls: KernelCalls, matmul_s: list[float], attention_s: list[float]) -> dict:
+    """The kernel floor from timed replays of one recorded step: median matmul + median attention seconds."""
+    matmul, attention = statistics.median(matmul_s), statistics.median(attention_s)
+    return {"matmul_s": matmul, "attention_s": attention, "floor_s": matmul + attention,
+            "matmul_calls": calls.count("matmul"), "attention_calls": calls.count("attention"),
+            "matmul_gflops": calls.matmul_flops / 1e9}

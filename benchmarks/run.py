@@ -37,7 +37,8 @@ _LABELS = {"tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "step_s": "step s", "
            "peak_tensor_gib": "tensors GiB",
            "wall_s": "wall s", "cpu_s": "CPU s", "gflops": "GFLOP/s", "cpu_s_per_step": "CPU s/step",
            "sys_s_per_step": "sys s/step",
-           "prune_s": "prune s", "floor_s": "floor s"}
+           "prune_s": "prune s", "floor_s": "floor s", "transformers_step_s": "HF step s",
+           "kernel_floor_s": "kernels s"}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -118,8 +119,8 @@ def measure(variant: Variant, settings: Settings, opts: argparse.Namespace, tag:
 
 
 def _brief(m: dict) -> str:
-    keys = ("tokens_per_s", "gflops", "wall_s", "prune_s", "floor_s", "cpu_s_per_step", "peak_rss_gib",
-            "peak_tensor_gib")
+    keys = ("tokens_per_s", "gflops", "wall_s", "prune_s", "floor_s", "step_s", "transformers_step_s",
+            "kernel_floor_s", "cpu_s_per_step", "peak_rss_gib", "peak_tensor_gib")
     shown = [f"{_fmt(m[k])} {_LABELS[k]}" for k in keys if k in m]
     return ", ".join(shown) + f", foreign load {m['foreign_cores']:.2f} cores"
 
@@ -134,6 +135,7 @@ def run_case(case: Case, settings: Settings, opts: argparse.Namespace, peaks: li
     failed: dict[str, str] = {}
     trains = any("tokens_per_s" in c for c in case.columns)
     rounds = max(opts.repeats, case.min_rounds)
+    rounds = rounds if case.max_rounds is None else min(rounds, case.max_rounds)
     for r in range(rounds):
         if trains:
             peaks.append(measure(MatmulPeakVariant("fp32 matmul peak"), settings, opts, f"[{case.name} {r + 1}]")
@@ -233,7 +235,7 @@ def select_cases(names: list[str]) -> list[Case]:
     if not transformers_available():
         print("transformers is not installed (pip install transformers): its side of the comparisons is skipped")
         for case in cases:
-            case.variants = [v for v in case.variants if getattr(v, "impl", None) != "transformers"]
+            case.variants = [v for v in case.variants if getattr(v, "impl", None) not in ("transformers", "paired")]
     return cases
 
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.kernel_floor import kernel_floors, record_step
+from benchmarks.kernel_floor import floor_summary, record_step
 from benchmarks.shapes import SHAPES, Shape
 from titan_lite import distributed as tl_dist
 from titan_lite.config import parse_args
@@ -68,9 +68,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "(parameters and optimizer state throughout, plus everything the step allocates): what an "
                         "accelerator's allocator peak measures, without the process's own runtime")
     p.add_argument("--nsamples", type=int, default=32, help="wanda: calibration windows of the shape's seq_len")
-    p.add_argument("--floor_repeats", type=int, default=5,
-                   help="paired: replays of each step's recorded matmul and attention kernels (their median is the "
-                        "step's kernel floor)")
     p.add_argument("--profile", default=None, help="write a torch.profiler table of 2 steps after the timed ones")
     return p.parse_args(argv)
 
@@ -224,35 +221,48 @@ def profile_table(step: Callable[[int], float], first: int, path: str) -> None:
 
 
 def paired_steps(shape: Shape, opts: argparse.Namespace, dump_folder: str) -> dict:
-    """titan_lite's and transformers' steps alternating in one process, each pair in turn order swapped: drift of the
-    machine's speed then hits both alike. titan_lite's trainer sets the process's allocator (keep_freed_memory), so
-    transformers runs with it too; TITAN_LITE_CPU_MALLOC=default leaves glibc's default to both."""
-    ours, _trainer = titan_lite_step(shape, opts, dump_folder)
-    theirs = transformers_step(shape)
+    """titan_lite's and transformers' steps alternating in one process, and between them replays of each step's
+    kernel floor (its matmuls and attention kernels, recorded from one step after the warm-up); each round in turn
+    order reversed, so drift of the machine's speed hits all four alike. titan_lite's trainer sets the process's
+    allocator (keep_freed_memory), so transformers runs with it too; TITAN_LITE_CPU_MALLOC=default leaves glibc's
+    default to both."""
+    steps = {"titan_lite": titan_lite_step(shape, opts, dump_folder)[0], "transformers": transformers_step(shape)}
     gc.collect()
     gc.disable()
     for i in range(opts.warmup):
-        ours(i)
-        theirs(i)
-    times: dict[str, list[float]] = {"titan_lite": [], "transformers": []}
-    for i in range(opts.warmup, opts.warmup + opts.steps):
-        order = (("titan_lite", ours), ("transformers", theirs))
-        for name, step in order if i % 2 else order[::-1]:
-            start = time.perf_counter()
+        for step in steps.values():
             step(i)
-            times[name].append(time.perf_counter() - start)
+    recorded = {name: record_step(lambda step=step: step(opts.warmup)) for name, step in steps.items()}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    replays: dict[str, dict[str, list[float]]] = {name: {"matmul": [], "attention": []} for name in steps}
+
+    def replay(name: str, _i: int) -> None:
+        for kind in ("matmul", "attention"):
+            replays[name][kind].append(recorded[name].replay_seconds(kind))
+
+    def timed_step(name: str, i: int) -> None:
+        start = time.perf_counter()
+        steps[name](i)
+        times[name].append(time.perf_counter() - start)
+
+    busy0, cpu0, wall0 = machine_busy_seconds(), time.process_time(), time.perf_counter()
+    for i in range(opts.warmup + 1, opts.warmup + 1 + opts.steps):
+        work = [(timed_step, "titan_lite"), (timed_step, "transformers"), (replay, "titan_lite"),
+                (replay, "transformers")]
+        for fn, name in work if i % 2 else work[::-1]:
+            fn(name, i)
+    wall, cpu, busy1 = time.perf_counter() - wall0, time.process_time() - cpu0, machine_busy_seconds()
+    gc.enable()
     ours_s, theirs_s = statistics.median(times["titan_lite"]), statistics.median(times["transformers"])
     allocator = "glibc's default" if os.environ.get("TITAN_LITE_CPU_MALLOC") == "default" else "titan_lite's"
     print(f"paired in one process ({allocator} allocator setting for both), medians of {opts.steps} alternating "
           f"steps: titan_lite {ours_s:.3f} s, transformers {theirs_s:.3f} s per step: {theirs_s / ours_s:.2f}x",
           flush=True)
-    n = opts.warmup + opts.steps
-    floors = kernel_floors({name: record_step(lambda step=step: step(n)) for name, step in
-                            (("titan_lite", ours), ("transformers", theirs))}, repeats=opts.floor_repeats)
-    gc.enable()
+    floors = {name: floor_summary(recorded[name], r["matmul"], r["attention"]) for name, r in replays.items()}
     print_floors(floors, ours_s, theirs_s)
     return {"step_s": times["titan_lite"], "transformers_step_s": times["transformers"], "allocator": allocator,
-            "kernel_floor": floors}
+            "kernel_floor": floors, "wall_s": wall, "own_cpu_s": cpu,
+            "machine_busy_s": None if busy0 is None or busy1 is None else busy1 - busy0}
 
 
 def print_floors(floors: dict[str, dict], ours_s: float, theirs_s: float) -> None:

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.kernel_floor import kernel_floors, record_step
+from benchmarks.cases import CASES, RunOutput
+from benchmarks.kernel_floor import floor_summary, record_step
 from benchmarks.shapes import SHAPES
+from benchmarks.worker import RESULT_PREFIX
 from titan_lite.distributed import keep_freed_memory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,5 +107,19 @@ def test_kernel_floor_replays_exactly_the_recorded_matmuls_and_attention():
     # forward: 1 mm (64x16 @ 16x16); backward: the gradients of both of its inputs, 2 mm of the same size
     assert calls.count("matmul") == 3 and calls.matmul_flops == 3 * 2 * 64 * 16 * 16
     assert calls.count("attention") == 2  # the flash forward and its backward
-    floor = kernel_floors({"step": calls}, repeats=1)["step"]
+    floor = floor_summary(calls, [calls.replay_seconds("matmul")], [calls.replay_seconds("attention")])
     assert floor["matmul_calls"] == 3 and floor["floor_s"] > 0
+
+
+def test_paired_case_reads_the_in_process_ratio_and_the_kernel_floor_from_one_run():
+    case = CASES["paired_debug"]()
+    (variant,) = case.variants
+    result = {"step_s": [1.0, 2.0, 3.0], "transformers_step_s": [2.0, 2.4, 9.0], "own_cpu_s": 10.0, "wall_s": 5.0,
+              "machine_busy_s": 10.5, "peak_rss_bytes": 2**30,
+              "kernel_floor": {"titan_lite": {"floor_s": 1.6}, "transformers": {"floor_s": 1.5}}}
+    out = RunOutput(RESULT_PREFIX + json.dumps(result) + "\n", 0, 5.0, 10.0, 2**30)
+    m = variant.metrics(out)
+    assert (m["step_s"], m["transformers_step_s"], m["kernel_floor_s"]) == (2.0, 2.4, 1.5)
+    assert m["foreign_cores"] == pytest.approx(0.1) and m["step_spread"] == 3.0
+    assert case.max_rounds == 1 and [r.metric for r in case.ratios] == ["transformers_step_s", "step_s",
+                                                                         "transformers_step_s"]
