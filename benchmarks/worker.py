@@ -44,16 +44,20 @@ from titan_lite.models.llama.hf import args_to_hf_config
 from titan_lite.train import Trainer
 
 RESULT_PREFIX = "BENCH_RESULT "
+_HF_STEP = "transformers' step"
 _LR, _BETAS, _EPS, _WEIGHT_DECAY, _MAX_NORM = 1e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.worker", description=__doc__.splitlines()[0])
-    p.add_argument("--impl", choices=["titan_lite", "transformers", "paired", "matmul", "wanda"], required=True,
+    p.add_argument("--impl", choices=["titan_lite", "transformers", "paired", "floor", "matmul", "wanda"],
+                   required=True,
                    help="matmul: the machine's fp32 matmul rate (no shape); wanda: one-shot Wanda 50%% on the shape "
                         "(random weights) against its floor, one forward pass over the same calibration windows; "
                         "paired: titan_lite's and transformers' steps alternating in this one process (--steps "
-                        "pairs), so both see the same machine state and the same allocator setting")
+                        "pairs), so both see the same machine state and the same allocator setting; floor: "
+                        "titan_lite's steps (with --lora if given) alternating with replays of the step's kernel "
+                        "floor, its matmuls and attention kernels alone")
     p.add_argument("--shape", choices=sorted(SHAPES), default="debug")
     p.add_argument("--batch", type=int, default=None, help="sequences per step on each rank (default: the shape's)")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
@@ -259,23 +263,46 @@ def paired_steps(shape: Shape, opts: argparse.Namespace, dump_folder: str) -> di
           f"steps: titan_lite {ours_s:.3f} s, transformers {theirs_s:.3f} s per step: {theirs_s / ours_s:.2f}x",
           flush=True)
     floors = {name: floor_summary(recorded[name], r["matmul"], r["attention"]) for name, r in replays.items()}
-    print_floors(floors, ours_s, theirs_s)
+    print_floors({"titan_lite's step": floors["titan_lite"], _HF_STEP: floors["transformers"]},
+                 {"titan_lite's step": ours_s, _HF_STEP: theirs_s})
     return {"step_s": times["titan_lite"], "transformers_step_s": times["transformers"], "allocator": allocator,
             "kernel_floor": floors, "wall_s": wall, "own_cpu_s": cpu,
             "machine_busy_s": None if busy0 is None or busy1 is None else busy1 - busy0}
 
 
-def print_floors(floors: dict[str, dict], ours_s: float, theirs_s: float) -> None:
-    """Each implementation's kernel floor, and the most any implementation of these kernels could lead by."""
+def steps_against_floor(shape: Shape, opts: argparse.Namespace, dump_folder: str) -> dict:
+    """titan_lite's steps (LoRA ones with --lora) alternating with replays of their kernel floor."""
+    step = titan_lite_step(shape, opts, dump_folder)[0]
+    gc.collect()
+    gc.disable()
+    for i in range(opts.warmup):
+        step(i)
+    calls = record_step(lambda: step(opts.warmup))
+    times, matmul_s, attention_s = [], [], []
+    for i in range(opts.warmup + 1, opts.warmup + 1 + opts.steps):
+        start = time.perf_counter()
+        step(i)
+        times.append(time.perf_counter() - start)
+        matmul_s.append(calls.replay_seconds("matmul"))
+        attention_s.append(calls.replay_seconds("attention"))
+    gc.enable()
+    floor = floor_summary(calls, matmul_s, attention_s)
+    what = "titan_lite's LoRA step" if opts.lora else "titan_lite's step"
+    print_floors({what: floor}, {what: statistics.median(times)})
+    return {"step_s": times, "kernel_floor": floor}
+
+
+def print_floors(floors: dict[str, dict], step_s: dict[str, float]) -> None:
+    """Each step's kernel floor; with transformers' among them, the most any step of these kernels could lead by."""
     for name, f in floors.items():
-        step_s = ours_s if name == "titan_lite" else theirs_s
-        print(f"kernel floor of {name}'s step (its {f['matmul_calls']} matmuls, {f['matmul_gflops']:.1f} GFLOP, "
+        print(f"kernel floor of {name} (its {f['matmul_calls']} matmuls, {f['matmul_gflops']:.1f} GFLOP, "
               f"replayed alone: {f['matmul_s']:.3f} s, {f['matmul_gflops'] / f['matmul_s']:.0f} GFLOP/s; its "
               f"{f['attention_calls']} attention kernels: {f['attention_s']:.3f} s): {f['floor_s']:.3f} s; the step "
-              f"takes {step_s / f['floor_s']:.2f}x its floor", flush=True)
-    floor = min(f["floor_s"] for f in floors.values())
-    print(f"the most a step running these kernels could lead transformers' step by: {theirs_s / floor:.2f}x "
-          f"(transformers' step / the lower floor)", flush=True)
+              f"takes {step_s[name]:.3f} s, {step_s[name] / f['floor_s']:.2f}x its floor", flush=True)
+    if _HF_STEP in floors:
+        floor = min(f["floor_s"] for f in floors.values())
+        print(f"the most a step running these kernels could lead transformers' step by: "
+              f"{step_s[_HF_STEP] / floor:.2f}x (transformers' step / the lower floor)", flush=True)
 
 
 def matmul_peak() -> dict:
@@ -301,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
             result = wanda_against_floor(shape, opts, dump_folder)
         elif opts.impl == "paired":
             result = paired_steps(shape, opts, dump_folder)
+        elif opts.impl == "floor":
+            result = steps_against_floor(shape, opts, dump_folder)
         else:
             trainer = None
             if opts.impl == "titan_lite":
@@ -324,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                                             a.n_layers, a.n_heads, a.head_dim, shape.seq_len),
     )
     print_results(result)
-    if opts.impl in ("titan_lite", "wanda", "paired"):
+    if opts.impl in ("titan_lite", "wanda", "paired", "floor"):
         tl_dist.shutdown()
     return 0
 

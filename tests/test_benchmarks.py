@@ -2,6 +2,7 @@
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -123,3 +124,17 @@ def test_paired_case_reads_the_in_process_ratio_and_the_kernel_floor_from_one_ru
     assert m["foreign_cores"] == pytest.approx(0.1) and m["step_spread"] == 3.0
     assert case.max_rounds == 1 and [r.metric for r in case.ratios] == ["transformers_step_s", "step_s",
                                                                          "transformers_step_s"]
+
+
+def test_floor_worker_prints_a_lora_steps_kernel_floor():
+    """--impl floor alternates titan_lite's (here LoRA) steps with replays of their kernel floor."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.worker", "--impl", "floor", "--shape", "tiny",
+                           "--steps", "2", "--warmup", "1", "--lora", "--lora.rank 4"],
+                          cwd=REPO, env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("kernel floor of titan_lite's LoRA step")]
+    result = json.loads([x for x in proc.stdout.splitlines() if x.startswith(RESULT_PREFIX)][0].split(" ", 1)[1])
+    floor = result["kernel_floor"]
+    # per adapted projection: 2 forward matmuls of the adapter beside the frozen one's
+    assert floor["matmul_calls"] > 7 * SHAPES["tiny"].args().n_layers * 3 and len(result["step_s"]) == 2
+    assert line.endswith(f"{statistics.median(result['step_s']) / floor['floor_s']:.2f}x its floor")
