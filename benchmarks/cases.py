@@ -59,6 +59,20 @@ def _worker_results(stdout: str) -> list[dict]:
         raise RuntimeError(f"unreadable result line ({exc})\n{stdout[-3000:]}") from exc
 
 
+def _single_result(label: str, out: RunOutput) -> dict:
+    """The one result line of a single-process worker run; a failed run raises with the end of its output."""
+    result = _worker_results(out.stdout)
+    if out.returncode != 0 or not result:
+        raise RuntimeError(f"{label}: exit code {out.returncode}\n{out.stdout[-3000:]}")
+    return result[0]
+
+
+def _foreign_cores(r: dict) -> float:
+    """Cores busy with other processes over a worker's timed work, on average."""
+    busy = r["machine_busy_s"]
+    return (busy - r["own_cpu_s"]) / r["wall_s"] if busy is not None else 0.0
+
+
 @dataclass
 class TrainVariant(Variant):
     """Training steps of titan_lite or transformers on a shape, in 1 process or N FSDP processes (torchrun)."""
@@ -139,13 +153,9 @@ class WandaVariant(Variant):
         return [sys.executable, *args], {"OMP_NUM_THREADS": str(settings.threads)}
 
     def metrics(self, out: RunOutput) -> dict[str, float]:
-        result = _worker_results(out.stdout)
-        if out.returncode != 0 or not result:
-            raise RuntimeError(f"{self.label}: exit code {out.returncode}\n{out.stdout[-3000:]}")
-        r = result[0]
-        busy = r["machine_busy_s"]
+        r = _single_result(self.label, out)
         return {"prune_s": r["prune_s"], "floor_s": r["floor_s"], "peak_rss_gib": r["peak_rss_bytes"] / 2**30,
-                "foreign_cores": (busy - r["own_cpu_s"]) / r["wall_s"] if busy is not None else 0.0}
+                "foreign_cores": _foreign_cores(r)}
 
 
 @dataclass
@@ -163,17 +173,12 @@ class PairedVariant(Variant):
         return [sys.executable, *args], {"OMP_NUM_THREADS": str(settings.threads)}
 
     def metrics(self, out: RunOutput) -> dict[str, float]:
-        result = _worker_results(out.stdout)
-        if out.returncode != 0 or not result:
-            raise RuntimeError(f"{self.label}: exit code {out.returncode}\n{out.stdout[-3000:]}")
-        r = result[0]
-        busy = r["machine_busy_s"]
+        r = _single_result(self.label, out)
         return {"step_s": statistics.median(r["step_s"]),
                 "transformers_step_s": statistics.median(r["transformers_step_s"]),
                 "kernel_floor_s": min(f["floor_s"] for f in r["kernel_floor"].values()),
                 "step_spread": max(r["step_s"]) / min(r["step_s"]),
-                "peak_rss_gib": r["peak_rss_bytes"] / 2**30,
-                "foreign_cores": (busy - r["own_cpu_s"]) / r["wall_s"] if busy is not None else 0.0}
+                "peak_rss_gib": r["peak_rss_bytes"] / 2**30, "foreign_cores": _foreign_cores(r)}
 
 
 @dataclass

@@ -39,13 +39,16 @@ class KernelCalls:
     def matmul_flops(self) -> int:
         return sum(matmul_flops(f, a) for f, a, _ in self.calls if f in _MATMULS)
 
-    def count(self, kind: str) -> int:
-        return sum(1 for f, _, _ in self.calls if (f in _MATMULS) == (kind == "matmul"))
+    def of_kind(self, kind: str) -> list[tuple[torch._ops.OpOverload, tuple, dict]]:
+        """The "matmul" calls, or the "attention" ones."""
+        return [c for c in self.calls if (c[0] in _MATMULS) == (kind == "matmul")]
 
-    def replay_seconds(self, kind: str | None = None) -> float:
-        """Wall time of one pass over the recorded calls (only matmuls or only attention when kind says so)."""
-        chosen = [(f, a, k) for f, a, k in self.calls
-                  if kind is None or (f in _MATMULS) == (kind == "matmul")]
+    def count(self, kind: str) -> int:
+        return len(self.of_kind(kind))
+
+    def replay_seconds(self, kind: str) -> float:
+        """Wall time of one pass over the recorded calls of one kind."""
+        chosen = self.of_kind(kind)
         start = time.perf_counter()
         for func, args, kwargs in chosen:
             func(*args, **kwargs)

@@ -224,13 +224,10 @@ def profile_table(step: Callable[[int], float], first: int, path: str) -> None:
         f.write(table + "\n\n" + shapes)
 
 
-def paired_steps(shape: Shape, opts: argparse.Namespace, dump_folder: str) -> dict:
-    """titan_lite's and transformers' steps alternating in one process, and between them replays of each step's
-    kernel floor (its matmuls and attention kernels, recorded from one step after the warm-up); each round in turn
-    order reversed, so drift of the machine's speed hits all four alike. titan_lite's trainer sets the process's
-    allocator (keep_freed_memory), so transformers runs with it too; TITAN_LITE_CPU_MALLOC=default leaves glibc's
-    default to both."""
-    steps = {"titan_lite": titan_lite_step(shape, opts, dump_folder)[0], "transformers": transformers_step(shape)}
+def alternate_with_floors(steps: dict[str, Callable[[int], float]], opts: argparse.Namespace) -> dict:
+    """The named steps alternating in this process, and between them replays of each step's kernel floor (its
+    matmuls and attention kernels, recorded from one step after the warm-up); each round in turn order reversed, so
+    drift of the machine's speed hits all alike. Returns per-step times, floors and the usage of the timed rounds."""
     gc.collect()
     gc.disable()
     for i in range(opts.warmup):
@@ -251,45 +248,42 @@ def paired_steps(shape: Shape, opts: argparse.Namespace, dump_folder: str) -> di
 
     busy0, cpu0, wall0 = machine_busy_seconds(), time.process_time(), time.perf_counter()
     for i in range(opts.warmup + 1, opts.warmup + 1 + opts.steps):
-        work = [(timed_step, "titan_lite"), (timed_step, "transformers"), (replay, "titan_lite"),
-                (replay, "transformers")]
+        work = [(timed_step, name) for name in steps] + [(replay, name) for name in steps]
         for fn, name in work if i % 2 else work[::-1]:
             fn(name, i)
     wall, cpu, busy1 = time.perf_counter() - wall0, time.process_time() - cpu0, machine_busy_seconds()
     gc.enable()
+    return {"times": times, "wall_s": wall, "own_cpu_s": cpu,
+            "machine_busy_s": None if busy0 is None or busy1 is None else busy1 - busy0,
+            "floors": {name: floor_summary(recorded[name], r["matmul"], r["attention"])
+                       for name, r in replays.items()}}
+
+
+def paired_steps(shape: Shape, opts: argparse.Namespace, dump_folder: str) -> dict:
+    """titan_lite's and transformers' steps alternating in one process, with their kernel floors between them
+    (alternate_with_floors). titan_lite's trainer sets the process's allocator (keep_freed_memory), so transformers
+    runs with it too; TITAN_LITE_CPU_MALLOC=default leaves glibc's default to both."""
+    run = alternate_with_floors({"titan_lite": titan_lite_step(shape, opts, dump_folder)[0],
+                                 "transformers": transformers_step(shape)}, opts)
+    times, floors = run.pop("times"), run.pop("floors")
     ours_s, theirs_s = statistics.median(times["titan_lite"]), statistics.median(times["transformers"])
     allocator = "glibc's default" if os.environ.get("TITAN_LITE_CPU_MALLOC") == "default" else "titan_lite's"
     print(f"paired in one process ({allocator} allocator setting for both), medians of {opts.steps} alternating "
           f"steps: titan_lite {ours_s:.3f} s, transformers {theirs_s:.3f} s per step: {theirs_s / ours_s:.2f}x",
           flush=True)
-    floors = {name: floor_summary(recorded[name], r["matmul"], r["attention"]) for name, r in replays.items()}
     print_floors({"titan_lite's step": floors["titan_lite"], _HF_STEP: floors["transformers"]},
                  {"titan_lite's step": ours_s, _HF_STEP: theirs_s})
     return {"step_s": times["titan_lite"], "transformers_step_s": times["transformers"], "allocator": allocator,
-            "kernel_floor": floors, "wall_s": wall, "own_cpu_s": cpu,
-            "machine_busy_s": None if busy0 is None or busy1 is None else busy1 - busy0}
+            "kernel_floor": floors} | run
 
 
 def steps_against_floor(shape: Shape, opts: argparse.Namespace, dump_folder: str) -> dict:
     """titan_lite's steps (LoRA ones with --lora) alternating with replays of their kernel floor."""
-    step = titan_lite_step(shape, opts, dump_folder)[0]
-    gc.collect()
-    gc.disable()
-    for i in range(opts.warmup):
-        step(i)
-    calls = record_step(lambda: step(opts.warmup))
-    times, matmul_s, attention_s = [], [], []
-    for i in range(opts.warmup + 1, opts.warmup + 1 + opts.steps):
-        start = time.perf_counter()
-        step(i)
-        times.append(time.perf_counter() - start)
-        matmul_s.append(calls.replay_seconds("matmul"))
-        attention_s.append(calls.replay_seconds("attention"))
-    gc.enable()
-    floor = floor_summary(calls, matmul_s, attention_s)
     what = "titan_lite's LoRA step" if opts.lora else "titan_lite's step"
+    run = alternate_with_floors({what: titan_lite_step(shape, opts, dump_folder)[0]}, opts)
+    times, floor = run.pop("times")[what], run.pop("floors")[what]
     print_floors({what: floor}, {what: statistics.median(times)})
-    return {"step_s": times, "kernel_floor": floor}
+    return {"step_s": times, "kernel_floor": floor} | run
 
 
 def print_floors(floors: dict[str, dict], step_s: dict[str, float]) -> None:
