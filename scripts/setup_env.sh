@@ -9,8 +9,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 extra="${1:-}"
 venv="${TITAN_LITE_VENV:-$root/.venv}"
 system_python="${PYTHON_BIN:-python3}"
-check_runtime='import torch, torchdata, tomli, tensorboard, sentencepiece, tiktoken, safetensors'
-check_test='import pytest, transformers, tokenizers'
+check_runtime='import torch, torchdata, tomli, tensorboard, sentencepiece, tiktoken, safetensors, torchao'
+check_test='import pytest, transformers, tokenizers, peft, lm_eval'
 
 has_deps() {
   local py="$1"
