@@ -122,15 +122,15 @@ class LoraTransform(Transform):
 
     def freeze_and_cast(self, model: nn.Module) -> None:
         """requires_grad from `trains`; frozen base weights in base_dtype (a tied weight is replaced once). An NF4
-        base keeps the run's dtype until after_load quantizes its block linears."""
-        dtype = None if self.nf4 else getattr(torch, self.c.base_dtype)
+        base is held in the run's dtype (training.dtype) until after_load quantizes its block linears."""
+        dtype = getattr(torch, self.cfg.training.dtype if self.nf4 else self.c.base_dtype)
         replaced: dict[int, nn.Parameter] = {}
         for module_name, module in model.named_modules():
             for local, param in list(module.named_parameters(recurse=False)):
                 name = f"{module_name}.{local}" if module_name else local
                 if id(param) not in replaced:
                     new = param
-                    if dtype is not None and self.is_base(name) and param.dtype != dtype:
+                    if self.is_base(name) and param.dtype != dtype:
                         new = nn.Parameter(param.detach().to(dtype))
                     replaced[id(param)] = new.requires_grad_(self.trains(name))
                 module.register_parameter(local, replaced[id(param)])
