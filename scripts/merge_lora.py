@@ -17,6 +17,7 @@ from titan_lite.checkpoint.peft import from_peft_tensors, read_peft_adapter
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama.hf import args_from_hf_config, read_hf_config
 from titan_lite.transforms.lora.adapters import adapted_modules_of, merge_adapters, peft_specs
+from titan_lite.transforms.lora.qlora import nf4_round_trip
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,6 +31,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output_dir", required=True, help="folder to write the merged model to "
                         "(replaced if it exists)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="dtype of the written weights (default: the base's)")
+    parser.add_argument("--base_nf4", action="store_true",
+                        help="merge onto the base a QLoRA run trained on (lora.base_dtype = 'nf4'): every block "
+                             "projection quantized to NF4 and dequantized, from the base's dtype (as a run whose "
+                             "training.dtype is that dtype quantized it); default: onto the base as stored")
     parser.add_argument("--max_shard_gb", type=float, default=5.0, help="largest safetensors file, in GiB")
     return parser.parse_args(argv)
 
@@ -49,6 +54,9 @@ def merge(opts: argparse.Namespace) -> str:
     if missing:
         raise ConfigError(f"{opts.adapter}: '{missing[0]}' is not a parameter of the base model")
     dtype = DTYPES[opts.dtype] if opts.dtype else next(iter(state.values())).dtype
+    if opts.base_nf4:
+        state, count = nf4_round_trip(state)
+        print(f"quantized {count} block projections of the base to NF4 and back (what QLoRA trained on)", flush=True)
     merged = merge_adapters({**state, **tensors}, peft_specs(adapter, modules))
     print(f"writing {opts.output_dir}", flush=True)
     write_hf_folder(merged, args, opts.output_dir, dtype, opts.base, int(opts.max_shard_gb * 2**30))

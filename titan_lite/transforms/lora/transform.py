@@ -43,7 +43,9 @@ from titan_lite.transforms.lora.qlora import (
     block_linear_shapes,
     check_nf4,
     checksum_tensors,
+    dense_state_dict,
     dequantize_memory,
+    init_dora_magnitudes_nf4,
     nf4_param_bytes,
     plan_line,
     quantize_frozen_linears,
@@ -187,7 +189,7 @@ class LoraTransform(Transform):
             count = quantize_frozen_linears(ctx.model_parts, self.nf4_weights(ctx.model_args))
             logger.info(f"lora: {count} frozen block linears on this rank quantized to NF4 (QLoRA)")
         if self.c.use_dora and self.c.adapter_path is None and fresh:
-            init_dora_magnitudes(modules)
+            (init_dora_magnitudes_nf4 if self.nf4 else init_dora_magnitudes)(modules)
         self.log_trainable(ctx.model_parts)
         if fresh:
             self.frozen_fingerprint = bits_checksum(checksum_tensors(self.frozen_parameters(ctx.model_parts)))
@@ -256,6 +258,7 @@ class LoraTransform(Transform):
                           model_args: LlamaArgs) -> tuple[dict[str, torch.Tensor], LlamaArgs]:
         """The merged model: W + scale B A (DoRA: rescaled rows) for every adapter; PiSSA's W is the residual, so
         the merge equals the original weight plus the learnt update."""
+        state_dict = dense_state_dict(state_dict)  # the NF4 base merges as it was trained: dequantized
         specs = {m: self.options.spec(m) for m in {module_of(n)[0] for n in state_dict if n.endswith(".lora_a")}}
         return merge_adapters(state_dict, specs), model_args
 
@@ -269,7 +272,7 @@ class LoraTransform(Transform):
             out = folder / f"step-{step}-pissa-residual-base"
             export_hf(model_parts, self.model_args, str(out), getattr(torch, self.cfg.checkpoint.export_dtype),
                       self.cfg.model.hf_assets_path, self.parallel_dims,
-                      convert=lambda sd, args: (without_adapters(sd), args))
+                      convert=lambda sd, args: (without_adapters(dense_state_dict(sd)), args))
             logger.info(f"lora: PiSSA's residual base (the frozen weights W - s B0 A0) written to {out}; "
                         f"step-{step}-pissa-adapter applies to it")
 
