@@ -1,10 +1,13 @@
 """Generate text with a titan_lite model: from a Hugging Face folder, an HF folder plus a PEFT adapter, or a DCP
 checkpoint of a run (with that run's config); prompts from --prompt, a file (one per line, or JSON lines with a
-"prompt" field), or interactively from stdin (one prompt per line, until end of input).
+"prompt" field), or interactively from stdin (one prompt per line, until end of input). With --config of a run that
+trained on instruction data, each prompt is put into that run's [instruct] template first (--raw_prompts: as given).
+The tokens/s figure counts the time spent generating only (not loading, not waiting for input).
 
-    python scripts/generate.py --hf assets/hf/Llama-3.1-8B --adapter outputs/.../step-586-adapter \
+    .venv/bin/python scripts/generate.py --hf assets/hf/Llama-3.1-8B --adapter outputs/.../step-586-adapter \
         --prompt "Question: Natalia sold 48 clips in April ..." --max_new_tokens 256
-    python scripts/generate.py --checkpoint outputs/lora/checkpoint/step-600 --config train_configs/my_run.toml \
+    .venv/bin/python scripts/generate.py --checkpoint outputs/lora/checkpoint/step-600 \
+        --config train_configs/my_run.toml \
         --prompts_file prompts.txt --output completions.jsonl
 """
 
@@ -21,10 +24,12 @@ from titan_lite import distributed as tl_dist
 from titan_lite.checkpoint.manager import CheckpointManager
 from titan_lite.config import parse_args as parse_job_args
 from titan_lite.config.schema import JobConfig
+from titan_lite.data.instruct import prompt_text
 from titan_lite.errors import ConfigError
 from titan_lite.eval.generate import GenerationConfig, generate_text
 from titan_lite.job.assembly import BuiltModel, assemble_model, initial_weight_loader
 from titan_lite.job.plan import JobPlan, plan_job
+from titan_lite.job.script import ScriptParser, run_script
 from titan_lite.models.llama.args import FLAVORS
 from titan_lite.models.llama.hf import check_args_against_hf_config
 from titan_lite.transforms.lora.adapters import lora_settings_from_peft
@@ -34,9 +39,9 @@ warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mes
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     epilog="Arguments after the options, e.g. --training.seq_len 1024, are titan_lite "
-                                            "config overrides for --config.")
+    parser = ScriptParser(__doc__)
+    parser.epilog += ("\n\nArguments after the options, e.g. --training.seq_len 1024, are titan_lite config overrides "
+                      "for --config.")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", help="Hugging Face model folder (config.json, safetensors, tokenizer)")
     source.add_argument("--checkpoint", help="DCP step folder of a titan_lite run (needs --config)")
@@ -47,13 +52,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     parser.add_argument("--prompts_file", help="prompts, one per line, or JSON lines with a 'prompt' field")
     parser.add_argument("--output", help="also write {'prompt', 'completion'} JSON lines to this file")
-    parser.add_argument("--max_new_tokens", type=int, default=128)
+    parser.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated per prompt at most")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top_k", type=int, help="sample among the k most likely tokens (with --temperature)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (with --temperature)")
     parser.add_argument("--batch_size", type=int, default=8, help="prompts generated together")
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: the accelerator if any, else cpu)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="compute dtype (default float32 on CPU, else bfloat16)")
+    parser.add_argument("--raw_prompts", action="store_true",
+                        help="with --config: pass prompts as given, without the run's [instruct] template")
     return parser.parse_known_args(argv)
 
 
@@ -142,12 +149,20 @@ def run(opts: argparse.Namespace, overrides: list[str]) -> str:
                            seed=opts.seed)
     prompts = opts.prompt + (prompts_from_file(opts.prompts_file) if opts.prompts_file else [])
     interactive = not prompts
+    template = prompt_template(cfg, opts)
     out = open(opts.output, "w") if opts.output else None
-    count, new_tokens, start = 0, 0, time.monotonic()
+    count, new_tokens, elapsed = 0, 0, 0.0
     try:
         batches = ([line.rstrip("\n")] for line in sys.stdin if line.strip()) if interactive else [prompts]
         for batch in batches:
-            for completion in generate_text(model, plan.tokenizer, batch, gen, device, opts.batch_size):
+            completions = iter(generate_text(model, plan.tokenizer, [template(p) for p in batch], gen, device,
+                                             opts.batch_size))
+            while True:
+                start = time.monotonic()
+                completion = next(completions, None)
+                elapsed += time.monotonic() - start
+                if completion is None:
+                    break
                 count, new_tokens = count + 1, new_tokens + len(completion.tokens)
                 print(completion.text if interactive else f"--- [{count}] {completion.prompt}\n{completion.text}",
                       flush=True)
@@ -156,21 +171,21 @@ def run(opts: argparse.Namespace, overrides: list[str]) -> str:
     finally:
         if out is not None:
             out.close()
-    elapsed = time.monotonic() - start
     return (f"generated {count} completions, {new_tokens} new tokens in {elapsed:.1f}s "
             f"({new_tokens / max(elapsed, 1e-9):.1f} tokens/s)" + (f"; written to {opts.output}" if out else ""))
 
 
+def prompt_template(cfg: JobConfig, opts: argparse.Namespace):
+    """The run's instruction template (a --config whose training data is instruction data), else prompts as given."""
+    if not opts.config or opts.raw_prompts or cfg.training.dataset != "instruct":
+        return lambda prompt: prompt
+    print(f"prompts go into the run's template {cfg.instruct.template!r} (--raw_prompts: as given)", flush=True)
+    return lambda prompt: prompt_text(cfg.instruct.template, prompt)
+
+
 def main(argv: list[str] | None = None) -> int:
     opts, overrides = parse_args(argv)
-    try:
-        print(run(opts, overrides), flush=True)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        tl_dist.shutdown()
-    return 0
+    return run_script(lambda: print(run(opts, overrides), flush=True))
 
 
 if __name__ == "__main__":

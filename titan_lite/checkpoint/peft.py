@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from titan_lite.checkpoint.files import save_safetensors
 from titan_lite.checkpoint.hf import SafetensorsReader, open_safetensors
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama.args import LlamaArgs
@@ -145,7 +146,7 @@ def write_peft_adapter(folder: str | Path, adapter: PeftAdapter, readme: str) ->
     tmp.mkdir()
     try:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter.tensors.items()}
-        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        save_safetensors(tensors, tmp / ADAPTER_WEIGHTS)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter.config, indent=2, sort_keys=True) + "\n")
         (tmp / "README.md").write_text(readme)
         if out.exists():

@@ -16,7 +16,7 @@ from titan_lite.checkpoint.manager import check_source_before_launch, initial_so
 from titan_lite.config.schema import JobConfig
 from titan_lite.config.validate import validate
 from titan_lite.data.dataloader import samples_per_epoch
-from titan_lite.data.datasets import check_dataset
+from titan_lite.data.datasets import check_dataset, check_enough_tokens, resolve_shards
 from titan_lite.data.instruct import check_instruction_data
 from titan_lite.data.mixture import check_mixture_data
 from titan_lite.data.tokenizer import Tokenizer, build_tokenizer
@@ -206,6 +206,20 @@ def check_training_data(cfg: JobConfig) -> None:
         check_section_data(cfg, "training")
 
 
+def check_data_volume(cfg: JobConfig, plan: "JobPlan") -> None:
+    """Packed training and validation data hold at least one window per data-parallel rank (instruction data pads
+    each example instead; a data mixture draws windows from whichever domain has them)."""
+    if plan.tokenizer is None:
+        return
+    for section in ("training", "validation") if cfg.validation.enable else ("training",):
+        s = getattr(cfg, section)
+        if s.dataset == "instruct" or (section == "training" and cfg.data_mixture.enable):
+            continue
+        where = s.dataset_path if s.dataset_path is not None else s.dataset
+        check_enough_tokens(resolve_shards(s.dataset, s.dataset_path, section), plan.tokenizer, s.seq_len,
+                            plan.parallel_dims.dp_degree, where, f"{section}.dataset_path")
+
+
 def check_data(cfg: JobConfig) -> None:
     check_training_data(cfg)
     if cfg.validation.enable:
@@ -247,6 +261,8 @@ def gather_assets(cfg: JobConfig) -> tuple[Tokenizer | None, list[str]]:
     if cfg.validation.enable:
         _noting(problems, lambda: check_section_data(cfg, "validation"))
     _noting(problems, lambda: check_initial_weights(cfg))
+    if "prune" in cfg.model.converters and cfg.pruning.dataset_path is not None:
+        _noting(problems, lambda: check_dataset(cfg.pruning.dataset, cfg.pruning.dataset_path, "pruning"))
     return tokenizer, problems
 
 
@@ -273,6 +289,7 @@ def check_before_launch(cfg: JobConfig, world_size: int) -> JobPlan:
     if problems:
         raise ConfigError(problems[0])
     plan = plan_with_tokenizer(cfg, world_size, tokenizer)
+    check_data_volume(cfg, plan)
     check_source_before_launch(cfg, plan.model_args)
     check_output_folders(cfg)
     return plan
