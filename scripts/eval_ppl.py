@@ -12,14 +12,17 @@ import argparse
 import sys
 from pathlib import Path
 
+# The checkout's titan_lite, whichever python runs the script (e.g. `.venv/bin/python scripts/...`).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from titan_lite.checkpoint.manager import weights_only_loader
 from titan_lite.distributed import local_device
 from titan_lite.errors import ConfigError
 from titan_lite.eval.perplexity import evaluate_perplexity, read_text, text_windows
 from titan_lite.job.assembly import assemble_model, hf_weight_loader
+from titan_lite.job.cli import ScriptParser
 from titan_lite.job.script import (
     DTYPES,
-    ScriptParser,
     check_text_data,
     is_rank0,
     job_config,

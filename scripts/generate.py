@@ -20,6 +20,9 @@ from pathlib import Path
 
 import torch
 
+# The checkout's titan_lite, whichever python runs the script (e.g. `.venv/bin/python scripts/...`).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from titan_lite import distributed as tl_dist
 from titan_lite.checkpoint.manager import CheckpointManager
 from titan_lite.config import parse_args as parse_job_args
@@ -28,8 +31,9 @@ from titan_lite.data.instruct import prompt_text
 from titan_lite.errors import ConfigError
 from titan_lite.eval.generate import GenerationConfig, generate_text
 from titan_lite.job.assembly import BuiltModel, assemble_model, initial_weight_loader
+from titan_lite.job.cli import ScriptParser
 from titan_lite.job.plan import JobPlan, plan_job
-from titan_lite.job.script import ScriptParser, run_script
+from titan_lite.job.script import run_script
 from titan_lite.models.llama.args import FLAVORS
 from titan_lite.models.llama.hf import check_args_against_hf_config
 from titan_lite.transforms.lora.adapters import lora_settings_from_peft

@@ -12,10 +12,14 @@ from pathlib import Path
 
 import torch
 
+# The checkout's titan_lite, whichever python runs the script (e.g. `.venv/bin/python scripts/...`).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from titan_lite.checkpoint.dcp import read_dcp_model
 from titan_lite.config import parse_args as parse_job_args
 from titan_lite.config import validate
 from titan_lite.errors import ConfigError
+from titan_lite.job.cli import ScriptParser
 from titan_lite.job.plan import build_model_args
 from titan_lite.transforms.sheared import ShearedTransform
 from titan_lite.transforms.sheared.keep import GATE_PREFIX, materialize_pruned
@@ -25,7 +29,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(__doc__)
     parser.add_argument("--checkpoint", required=True, help="DCP step folder of the pruning run "
                         "(e.g. <dump_folder>/checkpoint/step-N)")
     parser.add_argument("--config", required=True, help="the pruning run's TOML (model flavor and [sheared] targets)")

@@ -15,10 +15,14 @@ from pathlib import Path
 
 import torch
 
+# The checkout's titan_lite, whichever python runs the script (e.g. `.venv/bin/python scripts/...`).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from titan_lite.checkpoint.hf import read_hf_folder, write_hf_folder
 from titan_lite.checkpoint.peft import from_peft_tensors, read_peft_adapter
 from titan_lite.errors import ConfigError
-from titan_lite.job.script import ScriptParser, atomic_folder, check_output_folder, require_folder, run_script
+from titan_lite.job.cli import ScriptParser
+from titan_lite.job.script import atomic_folder, check_output_folder, require_folder, run_script
 from titan_lite.models.llama.hf import args_from_hf_config, read_hf_config
 from titan_lite.transforms.lora.adapters import adapted_modules_of, merge_adapters, peft_specs
 

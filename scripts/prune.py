@@ -25,15 +25,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+# The checkout's titan_lite, whichever python runs the script (e.g. `.venv/bin/python scripts/...`).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from titan_lite.checkpoint.hf import export_hf, gather_full_state_dict
 from titan_lite.config import JobConfig
 from titan_lite.dry_run import device_memory_gib, plan_pruning_pass
 from titan_lite.errors import ConfigError
 from titan_lite.job.assembly import assemble_model, calibration_source, hf_weight_loader
+from titan_lite.job.cli import ScriptParser
 from titan_lite.job.plan import plan_job
 from titan_lite.job.script import (
     DTYPES,
-    ScriptParser,
     atomic_folder,
     check_output_folder,
     check_text_data,
