@@ -32,7 +32,10 @@ class Job:
     description: str = opt("default job", "Free text describing the job, printed at start.")
     print_config: bool = opt(False, "Print the resolved config (TOML + overrides) at start.")
     save_config_file: str | None = opt(
-        None, "If set, write the resolved config as TOML to this file under dump_folder.")
+        "config.toml", "Write the resolved config as TOML to this file under dump_folder (rank 0; '' = do not).")
+    log_file: str = opt(
+        "train.log", "Write the console log (rank 0's lines, no colours) to this file under dump_folder too, line by "
+        "line and appending on resume ('' = do not).")
     custom_config_module: str = opt(
         "", "torchtitan's custom config extension module.",
         unsupported="custom config modules are not supported; every key lives in titan_lite's schema")

@@ -109,9 +109,9 @@ def check_enough_tokens(shards: list[Path], tokenizer: TokenizerLike, seq_len: i
     needed = (seq_len + 1) * ranks
     found = count_tokens(shards, tokenizer, needed)
     if found < needed:
-        split = f" for each of the {ranks} data-parallel ranks" if ranks > 1 else ""
+        split = f" for each of the {ranks} data-parallel ranks ({needed} in all)" if ranks > 1 else ""
         raise ConfigError(f"'{key}' = {quote_path(where)} holds {found} tokens: fewer than one sequence of seq_len + 1 "
-                          f"= {seq_len + 1} tokens{split} ({needed} in all); add data or lower the seq_len")
+                          f"= {seq_len + 1} tokens{split}; add data or lower the seq_len")
 
 
 # ---------------------------------------------------------------- reading documents
