@@ -24,19 +24,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_lite import distributed as tl_dist
-from titan_lite.checkpoint.manager import CheckpointManager
-from titan_lite.config import parse_args as parse_job_args
 from titan_lite.config.schema import JobConfig
 from titan_lite.data.instruct import prompt_text
 from titan_lite.errors import ConfigError
 from titan_lite.eval.generate import GenerationConfig, generate_text
-from titan_lite.job.assembly import BuiltModel, assemble_model, initial_weight_loader
 from titan_lite.job.cli import ScriptParser
-from titan_lite.job.plan import JobPlan, plan_job
+from titan_lite.job.inference import build_model, model_config
 from titan_lite.job.script import run_script
-from titan_lite.models.llama.args import FLAVORS
-from titan_lite.models.llama.hf import check_args_against_hf_config
-from titan_lite.transforms.lora.adapters import lora_settings_from_peft
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
@@ -68,59 +62,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     return parser.parse_known_args(argv)
 
 
-# ------------------------------------------------------------------------------------------ the model
-
-
-def flavor_of(folder: str) -> str:
-    """The flavor whose shapes match an HF folder's config.json."""
-    config = Path(folder) / "config.json"
-    for name, args in FLAVORS.items():
-        try:
-            check_args_against_hf_config(args, str(config))
-            return name
-        except ConfigError as exc:
-            if "no such file" in str(exc) or "not valid JSON" in str(exc):
-                raise
-    raise ConfigError(f"no titan_lite flavor matches {config}; pass --flavor")
-
-
-def job_config(opts: argparse.Namespace, overrides: list[str]) -> JobConfig:
-    """The config the model is assembled from: the run's TOML (--checkpoint), or one describing the HF folder."""
-    if opts.checkpoint:
-        if not opts.config:
-            raise ConfigError("--checkpoint needs --config, the TOML of the run that saved it")
-        cfg = parse_job_args(["--job.config_file", opts.config, *overrides])
-    else:
-        if opts.config or overrides:
-            raise ConfigError("--config and config overrides go with --checkpoint; --hf reads the folder's config.json")
-        cfg = parse_job_args(["--model.flavor", opts.flavor or flavor_of(opts.hf), "--model.hf_assets_path", opts.hf,
-                              "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", opts.hf])
-        if opts.adapter:
-            cfg.model.converters = ["lora"]
-            for key, value in lora_settings_from_peft(opts.adapter).items():
-                setattr(cfg.lora, key, value)
-    if opts.tokenizer:
-        cfg.model.tokenizer_path = opts.tokenizer
-    cfg.parallelism.data_parallel_shard_degree = 1
-    cfg.checkpoint.enable = False
-    return cfg
-
-
-def build_model(cfg: JobConfig, checkpoint: str | None, device: torch.device) -> tuple[JobPlan, BuiltModel]:
-    """The model through the trainer's assembly; a checkpoint's saved parameters on top of the initial weights
-    (an adapter-only checkpoint brings the adapters, the config's initial weights the base)."""
-    plan = plan_job(cfg, 1)
-    plan.parallel_dims.build_mesh(device.type)
-    folder = Path(checkpoint) if checkpoint else None
-    built = assemble_model(plan, device, seed=cfg.debug.seed or 0, load=initial_weight_loader(plan),
-                           resume_from=folder)
-    if folder is not None:
-        manager = CheckpointManager(cfg.checkpoint, folder.parent, built.parts, None, {},
-                                    saves_parameter=plan.transforms.saves_parameter)
-        manager.load_folder(folder, model_only=True)
-    return plan, built
-
-
 # ------------------------------------------------------------------------------------------ prompts
 
 
@@ -142,7 +83,7 @@ def run(opts: argparse.Namespace, overrides: list[str]) -> str:
         raise ConfigError("--adapter goes with --hf (a --checkpoint run's adapters come from its checkpoint)")
     device = torch.device(opts.device) if opts.device else tl_dist.local_device()
     dtype = DTYPES[opts.dtype] if opts.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
-    cfg = job_config(opts, overrides)
+    cfg = model_config(opts.hf, opts.adapter, opts.checkpoint, opts.config, opts.flavor, opts.tokenizer, overrides)
     tl_dist.init_process_group(device, cfg.comm.init_timeout_seconds)
     start = time.monotonic()
     plan, built = build_model(cfg, opts.checkpoint, device)
