@@ -68,6 +68,14 @@ def text_file(text: str, name: str = "d.txt") -> Callable[[Path], list[str]]:
     return build
 
 
+def instruct_file(lines: list[str]) -> Callable[[Path], list[str]]:
+    def build(tmp: Path) -> list[str]:
+        path = tmp / "i.jsonl"
+        path.write_text("".join(line + "\n" for line in lines))
+        return ["--training.dataset", "instruct", "--training.dataset_path", str(path)]
+    return build
+
+
 def hf_folder(tmp: Path, config: dict | None = None, weights: bytes | None = None) -> Path:
     folder = tmp / "hf"
     folder.mkdir(exist_ok=True)
@@ -269,6 +277,12 @@ CASES = [
     Case("validation data too short", "'validation.dataset_path' = '{tmp}/d.txt' holds", build=lambda tmp: [
         "--validation.enable", "--validation.dataset", "text", "--validation.dataset_path",
         text_file("A short play.")(tmp)[-1]]),
+    Case("instruction data with empty responses only", "'training.dataset_path' = '{tmp}/i.jsonl' holds no examples "
+         "with a non-empty response", build=instruct_file(['{"question": "1 + 1?", "answer": ""}'])),
+    Case("instruction validation smaller than one batch", "has 1 examples: fewer than one batch of "
+         "'validation.local_batch_size' = 8 x 1 data-parallel rank(s)",
+         ["--validation.enable", "--validation.dataset", "instruct", "--validation.local_batch_size", "8"],
+         build=instruct_file(['{"question": "1 + 1?", "answer": "#### 2"}'] * 20)),
     Case("unknown converter", "'model.converters' has unknown transform 'lora_' (did you mean 'lora'?)",
          ["--model.converters", "lora_"]),
     Case("unknown dataset close to a known one", "'training.dataset' = 'shakespear' is unknown (did you mean "
