@@ -7,8 +7,6 @@ adapter, so merging the same adapter into it again is refused.
 """
 
 import argparse
-import hashlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -19,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_lite.checkpoint.hf import read_hf_folder, write_hf_folder
-from titan_lite.checkpoint.peft import from_peft_tensors, read_peft_adapter
+from titan_lite.checkpoint.peft import MERGED_KEY, adapter_digest, from_peft_tensors, read_peft_adapter, record_merge
 from titan_lite.errors import ConfigError
 from titan_lite.job.cli import ScriptParser
 from titan_lite.job.script import atomic_folder, check_output_folder, require_folder, run_script
@@ -27,7 +25,6 @@ from titan_lite.models.llama.hf import args_from_hf_config, read_hf_config
 from titan_lite.transforms.lora.adapters import adapted_modules_of, merge_adapters, peft_specs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MERGED_KEY = "titan_lite_merged_adapters"  # config.json: the adapters merged into these weights, oldest first
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,15 +41,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def adapter_digest(folder: str) -> str:
-    """sha256 of the adapter's weights file: the same adapter under another path is still the same adapter."""
-    digest = hashlib.sha256()
-    with open(Path(folder) / "adapter_model.safetensors", "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def merged_before(base_config: dict, digest: str, opts: argparse.Namespace) -> list[dict]:
     """The base's record of merged adapters; ConfigError when this adapter is one of them."""
     record = list(base_config.get(MERGED_KEY, []))
@@ -62,13 +50,6 @@ def merged_before(base_config: dict, digest: str, opts: argparse.Namespace) -> l
                               f"in its config.json '{MERGED_KEY}' as '{entry.get('adapter')}'); merge into the "
                               "original base instead")
     return record
-
-
-def record_merge(folder: Path, record: list[dict]) -> None:
-    config_path = folder / "config.json"
-    config = json.loads(config_path.read_text())
-    config[MERGED_KEY] = record
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def check_fits(tensors: dict[str, torch.Tensor], state: dict[str, torch.Tensor], opts: argparse.Namespace) -> None:
@@ -102,8 +83,7 @@ def merge(opts: argparse.Namespace) -> str:
     check_output_folder("--output_dir", opts.output_dir, {"--base": opts.base, "--adapter": opts.adapter})
     base_config = read_hf_config(Path(opts.base) / "config.json")
     args = args_from_hf_config(base_config, source=f"{opts.base}/config.json")
-    digest = adapter_digest(opts.adapter)
-    record = merged_before(base_config, digest, opts)
+    record = merged_before(base_config, adapter_digest(opts.adapter), opts)
     adapter, tensors = read_adapter_for(args, opts)
     modules = adapted_modules_of(tensors)
     c = adapter.config
@@ -120,7 +100,7 @@ def merge(opts: argparse.Namespace) -> str:
     print(f"writing {opts.output_dir}", flush=True)
     with atomic_folder(opts.output_dir) as partial:
         write_hf_folder(merged, args, str(partial), dtype, opts.base, int(opts.max_shard_gb * 2**30))
-        record_merge(partial, [*record, {"adapter": str(opts.adapter), "sha256": digest}])
+        record_merge(partial, opts.adapter, record)
     return (f"merged {len(modules)} adapters from {opts.adapter} into {opts.base}: wrote {opts.output_dir} "
             f"({str(dtype).removeprefix('torch.')}) in {time.monotonic() - start:.1f}s")
 

@@ -2,6 +2,7 @@
 written whole, never over an input, readable by others (the user's umask), options in one spelling with the dashed
 one as an alias, and every option documented with its default."""
 
+import argparse
 import importlib.util
 import json
 import os
@@ -13,6 +14,7 @@ import torch
 
 from titan_lite.checkpoint.files import save_safetensors
 from titan_lite.checkpoint.hf import expected_shapes, write_hf_folder
+from titan_lite.config import parse_args
 from titan_lite.job.cli import ScriptParser
 from titan_lite.models.llama.args import flavor_args
 
@@ -210,3 +212,13 @@ def test_every_option_has_help_and_a_complete_description(name, capsys):
                     if line.startswith("  --") and len(line.split()) <= 2 and "--help" not in line
                     and not text.splitlines()[i + 1].startswith(" " * 20)]
     assert not undocumented, f"{name}: options without help: {undocumented}"
+
+
+def test_generate_applies_the_run_template_given_its_config():
+    generate = load_script("generate")
+    config = str(REPO / "train_configs" / "lora_synthetic_gsm8k_cpu.toml")
+    cfg = parse_args(["--job.config_file", config])
+    templated = generate.prompt_template(cfg, argparse.Namespace(config=config, raw_prompts=False))
+    assert templated("What is 3 + 4?") == "Question: What is 3 + 4?\nAnswer: "
+    raw = generate.prompt_template(cfg, argparse.Namespace(config=config, raw_prompts=True))
+    assert raw("What is 3 + 4?") == "What is 3 + 4?"

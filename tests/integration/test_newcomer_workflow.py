@@ -21,11 +21,11 @@ def fresh_shell_env() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1"}
 
 
-def sh(command: str) -> str:
-    """Run one README command line with bash from the checkout; its output (it must succeed)."""
+def sh(command: str, code: int = 0) -> str:
+    """Run one README command line with bash from the checkout; its output (it must exit with `code`)."""
     proc = subprocess.run(["bash", "-c", command], cwd=REPO, env=fresh_shell_env(), capture_output=True, text=True,
                           timeout=300)
-    assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    assert proc.returncode == code, f"{command}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
     return proc.stdout + proc.stderr
 
 
@@ -50,6 +50,12 @@ def test_cpu_lora_workflow_as_written(tmp_path):
     assert ours.keys() == exported.keys()
     for name in ours:
         torch.testing.assert_close(ours[name], exported[name], rtol=1e-5, atol=1e-6)
+
+    twice = sh(f".venv/bin/python scripts/merge_lora.py --base {ckpt / 'step-4-hf'} --adapter {adapter} "
+               f"--output_dir {tmp_path / 'twice'}", code=2)
+    assert twice.strip().splitlines() == [f"error: --base '{ckpt / 'step-4-hf'}' already has --adapter '{adapter}' "
+                                          f"merged into it (recorded in its config.json 'titan_lite_merged_adapters' "
+                                          f"as '{adapter}'); merge into the original base instead"]
 
     prompt = "$'Question: What is 3 + 4?\\nAnswer: '"
     generated = sh(f".venv/bin/python scripts/generate.py --hf {base} --adapter {adapter} --prompt {prompt} "

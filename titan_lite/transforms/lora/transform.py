@@ -14,6 +14,7 @@ from titan_lite.checkpoint.peft import (
     PeftAdapter,
     from_peft_tensors,
     read_peft_adapter,
+    record_merge,
     to_peft_tensors,
     write_peft_adapter,
 )
@@ -244,6 +245,9 @@ class LoraTransform(Transform):
                                        keep=lambda n: adapter_exported_param(self.options, n))
         if state is not None:
             self.write_adapters(state, folder, step, base)
+            merged = folder / f"step-{step}-hf"  # the run's merged export, written just before
+            if self.cfg.checkpoint.last_save_in_hf and merged.is_dir():
+                record_merge(merged, folder / f"step-{step}-adapter")
         if self.options.pissa:
             out = folder / f"step-{step}-pissa-residual-base"
             export_hf(model_parts, self.model_args, str(out), getattr(torch, self.cfg.checkpoint.export_dtype),
