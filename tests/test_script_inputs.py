@@ -98,7 +98,8 @@ def test_merge_bad_inputs_are_one_line(base, tmp_path, capsys):
     adapter = write_adapter(tmp_path / "adapter")
     cases = [
         (["--adapter", str(wrong), "--output_dir", str(tmp_path / "o")], "which does not fit the base's"),
-        (["--adapter", str(adapter), "--output_dir", str(base)], f"--output_dir '{base}' is inside --base"),
+        (["--adapter", str(adapter), "--output_dir", str(base)],
+         f"--output_dir '{base}' is --base '{base}': write the output to another folder"),
         (["--adapter", str(adapter), "--output_dir", str(base / "sub")], "is inside --base"),
         (["--adapter", str(tmp_path / "none"), "--output_dir", str(tmp_path / "o")],
          f"--adapter '{tmp_path / 'none'}' is not a folder"),
@@ -154,7 +155,7 @@ def test_convert_keeps_the_checkpoint_dtype_unless_told(base, tmp_path, capsys):
                                               "--assets", str(base), "--dtype", "bfloat16"], capsys)
     assert code == 0 and out.strip().endswith("(bfloat16)"), out
     refused = run("convert_checkpoint", ["hf-to-dcp", str(base), str(base)], capsys)
-    assert_one_line(*refused, f"output '{base}' is inside input '{base}'")
+    assert_one_line(*refused, f"output '{base}' is input '{base}'")
 
 
 # ---------------------------------------------------------------------------------------------- prune, eval
@@ -170,7 +171,7 @@ def test_prune_and_eval_refuse_before_loading(base, tmp_path, capsys):
         ("prune", ["--hf_assets_path", str(base), "--output_dir", out, "--method", "taylor_structured"],
          "--method taylor_structured needs --head_ratio or --ffn_ratio above 0"),
         ("prune", ["--hf_assets_path", str(base), "--output_dir", str(base)],
-         f"--output_dir '{base}' is inside --hf_assets_path"),
+         f"--output_dir '{base}' is --hf_assets_path"),
         ("prune", ["--hf_assets_path", str(base), "--output_dir", out, "--calib_path", str(empty)],
          f"'--calib_path' = '{empty}' holds no text"),
         ("eval_ppl", ["--hf_assets_path", str(base), "--data", str(blank), "--seq_len", "8"],

@@ -1,4 +1,4 @@
-"""What the scripts share: argument parsing (help with defaults, `--a_b` also spelled `--a-b`), a job config for a
+"""What the scripts share (their command line is job/cli.py's ScriptParser): checks of their inputs, a job config for a
 model folder, the process group and job plan, output folders written whole or not at all, and an entry point whose
 user errors are one line (exit 2) and whose Ctrl-C is one line (exit 130)."""
 
@@ -55,7 +55,8 @@ def check_output_folder(flag: str, out: str, inputs: dict[str, str | None]) -> N
             continue
         source = Path(path).resolve()
         if target == source or source in target.parents:
-            raise ConfigError(f"{flag} '{out}' is inside {name} '{path}': write the output to another folder "
+            where = "is" if target == source else "is inside"
+            raise ConfigError(f"{flag} '{out}' {where} {name} '{path}': write the output to another folder "
                               "(it replaces what is there)")
         if target in source.parents:
             raise ConfigError(f"{flag} '{out}' holds {name} '{path}': replacing it would delete the input")
