@@ -14,6 +14,7 @@ from titan_lite.checkpoint.peft import (
     PeftAdapter,
     from_peft_tensors,
     read_peft_adapter,
+    record_merge,
     to_peft_tensors,
     write_peft_adapter,
 )
@@ -262,12 +263,29 @@ class LoraTransform(Transform):
         specs = {m: self.options.spec(m) for m in {module_of(n)[0] for n in state_dict if n.endswith(".lora_a")}}
         return merge_adapters(state_dict, specs), model_args
 
+    def base_folder(self, folder: Path, step: int) -> Path | None:
+        """Where the base the adapters apply to is written as an HF folder: when it is not loaded from one (a seeded
+        initialisation or a DCP checkpoint), the adapter alone could not be merged, served or loaded by PEFT."""
+        if self.cfg.checkpoint.initial_load_in_hf or self.options.pissa:
+            return None  # the HF base folder exists already; PiSSA writes its residual base instead
+        return folder / f"step-{step}-base-hf"
+
     def export(self, model_parts: list[nn.Module], folder: Path, step: int) -> None:
         self.check_frozen_unchanged(model_parts)
+        base = self.base_folder(folder, step)
+        if base is not None:
+            export_hf(model_parts, self.model_args, str(base), getattr(torch, self.cfg.checkpoint.export_dtype),
+                      self.cfg.model.hf_assets_path, self.parallel_dims,
+                      convert=lambda sd, args: (without_adapters(sd), args))
+            logger.info(f"lora: the frozen base (not loaded from a Hugging Face folder) written to {base}; "
+                        f"step-{step}-adapter applies to it")
         state = gather_full_state_dict(model_parts, torch.float32, self.parallel_dims,
                                        keep=lambda n: adapter_exported_param(self.options, n))
         if state is not None:
-            self.write_adapters(state, folder, step)
+            self.write_adapters(state, folder, step, base)
+            merged = folder / f"step-{step}-hf"  # the run's merged export, written just before
+            if self.cfg.checkpoint.last_save_in_hf and merged.is_dir():
+                record_merge(merged, folder / f"step-{step}-adapter")
         if self.options.pissa:
             out = folder / f"step-{step}-pissa-residual-base"
             export_hf(model_parts, self.model_args, str(out), getattr(torch, self.cfg.checkpoint.export_dtype),
@@ -285,8 +303,9 @@ class LoraTransform(Transform):
         else:
             logger.info(f"lora: the {len(frozen)} frozen tensors on this rank are bitwise unchanged since loading")
 
-    def write_adapters(self, state: dict[str, torch.Tensor], folder: Path, step: int) -> None:
-        base = self.cfg.checkpoint.initial_load_path or self.cfg.model.hf_assets_path
+    def write_adapters(self, state: dict[str, torch.Tensor], folder: Path, step: int,
+                       base_folder: Path | None = None) -> None:
+        base = str(base_folder or self.cfg.checkpoint.initial_load_path or self.cfg.model.hf_assets_path)
         modules = sorted({module_of(n)[0] for n in state if n.endswith(".lora_a")}, key=_layer_order)
         args = self.model_args
         out = folder / f"step-{step}-adapter"
