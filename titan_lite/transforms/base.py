@@ -18,6 +18,8 @@ calls the hooks of the configured transforms (`[model] converters`) in order and
   metrics             scalars logged with each training log line
   export_state_dict   turn a full state dict into a plain Llama's before an HF export (merge, drop, materialise)
   export              extra artifacts at the end of a run (adapter folders, reports)
+  after_parallelize   one model part once TP, CP, AC, compile and FSDP are applied (on the meta device, before
+                      materialisation): e.g. install an FSDP custom all-gather
 
 A module a transform adds owns the initialisation of its parameters through `param_init()`, a dict from the
 parameter's local name to `fn(full_tensor, generator)`; Llama.init_weights calls it with the same per-name seeding
@@ -127,6 +129,9 @@ class Transform:
     def export(self, model_parts: list[nn.Module], folder: Path, step: int) -> None:
         """Extra artifacts at the end of a run (collective: every rank calls it)."""
 
+    def after_parallelize(self, model: nn.Module, parallel_dims: ParallelDims) -> None:
+        """One parallelised model part (still on the meta device): e.g. set an FSDP module's custom all-gather."""
+
 
 _REGISTRY: dict[str, Callable[[JobConfig], Transform]] = {}
 
@@ -222,3 +227,7 @@ class Transforms:
     def export(self, model_parts: list[nn.Module], folder: Path, step: int) -> None:
         for t in self.items:
             t.export(model_parts, folder, step)
+
+    def after_parallelize(self, model: nn.Module, parallel_dims: ParallelDims) -> None:
+        for t in self.items:
+            t.after_parallelize(model, parallel_dims)
