@@ -3,6 +3,7 @@ under FSDP/HSDP (float8 all-gather, scale precompute), TP (float8 styles), PP, C
 
 import logging
 
+import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -11,10 +12,11 @@ from titan_lite.distributed import device_type
 from titan_lite.models.llama.args import LlamaArgs
 from titan_lite.models.llama.model import canonical_name
 from titan_lite.parallel.parallel_dims import ParallelDims
-from titan_lite.transforms.base import Transform, register_transform
+from titan_lite.transforms.base import PlanContext, PlanItem, Transform, TransformContext, register_transform
 from titan_lite.transforms.float8.adapters import Float8BaseLinear, takes_base_linear
 from titan_lite.transforms.float8.comms import install_byte_all_gather
 from titan_lite.transforms.float8.options import NAME, Float8Options, check_options
+from titan_lite.transforms.float8.plan import plan_items
 from titan_lite.transforms.float8.tp import float8_block_plan
 
 logger = logging.getLogger("titan_lite")
@@ -31,7 +33,9 @@ class Float8Transform(Transform):
         self.options = Float8Options.from_config(cfg)
         self.device_type = device_type()
         self.model: nn.Module | None = None  # the converted meta model, for the TP plan
-        self.logged = False
+        self.kept: dict[str, str] = {}  # linears left in high precision -> why
+        self.weights: set[str] = set()  # canonical names of the Float8Linear weights
+        self.converted = 0
 
     # ------------------------------------------------------------------------------ hooks
 
@@ -51,8 +55,9 @@ class Float8Transform(Transform):
 
         convert_to_float8_training(model, module_filter_fn=serves, config=self.config)
         bases = self.wire_adapter_bases(model, kept)
-        self.model = model
-        self.log_conversion(model, bases, kept)
+        self.model, self.kept = model, kept
+        self.weights = {canonical_name(f"{fqn}.weight") for fqn, m in model.named_modules() if is_float8(m)}
+        self.converted = len(self.weights) + bases
 
     def reason_kept(self, name: str, out_features: int, in_features: int) -> str | None:
         """Why a linear stays in high precision (filter_fqns, or shapes float8 cannot serve), or None."""
@@ -74,22 +79,21 @@ class Float8Transform(Transform):
                 kept[name] = reason
         return count
 
-    def log_conversion(self, model: nn.Module, bases: int, kept: dict[str, str]) -> None:
-        """One line on what runs in float8; one listing the linears left in high precision and why."""
-        if self.logged:
-            return
-        self.logged = True
-        from torchao.float8.float8_linear import Float8Linear
+    def summary(self) -> list[str]:
+        """What runs in float8, and the linears left in high precision with why."""
+        lines = [f"{NAME}: {self.converted} linear(s) in float8 ({self.options.describe(self.device_type)})"]
+        if self.kept:
+            listed = "; ".join(f"{name} ({why})" for name, why in self.kept.items())
+            lines.append(f"{NAME}: {len(self.kept)} linear(s) left in high precision: {listed}")
+        return lines
 
-        converted = sum(isinstance(m, Float8Linear) for m in model.modules()) + bases
-        logger.info(f"{NAME}: {converted} linear(s) in float8 ({self.options.describe(self.device_type)})")
+    def after_load(self, ctx: TransformContext) -> None:
+        for line in self.summary():
+            logger.info(line)
         if self.device_type == "cpu":
             logger.info(f"{NAME}: on CPU the float8 matmul is emulated (float8 casts, high-precision matmul) "
                         "whatever 'emulate' says: the real one is a reference kernel ~1,000x slower; float8 on CPU "
                         "is for correctness, not speed")
-        if kept:
-            listed = "; ".join(f"{name} ({why})" for name, why in kept.items())
-            logger.info(f"{NAME}: {len(kept)} linear(s) left in high precision: {listed}")
 
     def check(self, model_args: LlamaArgs, parallel_dims: ParallelDims) -> None:
         check_options(self.cfg, self.options, parallel_dims, self.device_type)
@@ -116,3 +120,23 @@ class Float8Transform(Transform):
         for part in model_parts:
             precompute_float8_dynamic_scale_for_fsdp(part)
 
+    # ------------------------------------------------------------------------------ plan hooks
+
+    def plan_lines(self, model_args: LlamaArgs) -> list[str]:
+        planned = self.options.describe("cuda")
+        return [line.replace(self.options.describe(self.device_type), planned) for line in self.summary()]
+
+    def gathered_bytes(self, name: str, param: torch.Tensor) -> float | None:
+        """The float8 all-gather moves and holds float8 weights: 1 byte per element."""
+        return 1.0 if self.options.all_gather and name in self.weights else None
+
+    def plan_memory(self, ctx: PlanContext) -> list[PlanItem]:
+        modules = [(canonical_name(n), m) for part in ctx.model_parts for n, m in part.named_modules()
+                   if is_float8(m) or getattr(m, "base_linear", None) is not None]
+        return plan_items(ctx, modules)
+
+
+def is_float8(module: nn.Module) -> bool:
+    from torchao.float8.float8_linear import Float8Linear
+
+    return isinstance(module, Float8Linear)
