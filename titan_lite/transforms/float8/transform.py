@@ -5,6 +5,7 @@ import logging
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from titan_lite.config.schema import JobConfig
@@ -111,6 +112,7 @@ class Float8Transform(Transform):
         self.wire_adapter_bases(model, {})
         if self.options.all_gather:
             install_byte_all_gather(model)
+            model.register_state_dict_post_hook(plain_state_dict)
 
     def after_optimizer_step(self, model_parts: list[nn.Module], step: int) -> None:
         if not self.options.precompute:
@@ -119,6 +121,11 @@ class Float8Transform(Transform):
 
         for part in model_parts:
             precompute_float8_dynamic_scale_for_fsdp(part)
+
+    def export_state_dict(self, state_dict: dict[str, torch.Tensor],
+                          model_args: LlamaArgs) -> tuple[dict[str, torch.Tensor], LlamaArgs]:
+        """Plain tensors: under the float8 all-gather torchao wraps each weight in a subclass (same values)."""
+        return {name: high_precision(t) for name, t in state_dict.items()}, model_args
 
     # ------------------------------------------------------------------------------ plan hooks
 
@@ -140,3 +147,21 @@ def is_float8(module: nn.Module) -> bool:
     from torchao.float8.float8_linear import Float8Linear
 
     return isinstance(module, Float8Linear)
+
+
+def high_precision(tensor: torch.Tensor) -> torch.Tensor:
+    """The weight itself: under the float8 all-gather torchao wraps each weight (or a DTensor's local shard) in a
+    subclass that casts before the all-gather; the wrapped tensor shares its storage."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    if isinstance(tensor, DTensor) and isinstance(tensor._local_tensor, WeightWithDynamicFloat8CastTensor):
+        return DTensor.from_local(tensor._local_tensor._tensor.detach(), tensor.device_mesh, tensor.placements,
+                                  run_check=False, shape=tensor.shape, stride=tensor.stride())
+    return tensor._tensor.detach() if isinstance(tensor, WeightWithDynamicFloat8CastTensor) else tensor
+
+
+def plain_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """State-dict post-hook: checkpoints (and anything else reading the state dict) get plain high-precision
+    tensors, which load back in place into the wrapped weights."""
+    for name, tensor in state_dict.items():
+        state_dict[name] = high_precision(tensor)
