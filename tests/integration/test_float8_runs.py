@@ -5,7 +5,7 @@ base; an exact resume, high-precision checkpoints and an HF export that transfor
 Tolerances. A layout that sees each activation whole (TP: sequence-parallel gathers before each linear, so torchao's
 tensorwise scale is the global one) matches the 1-process run to summation order: TP_ATOL. Where each rank (FSDP, CP)
 or each microbatch (PP) casts only its own slice of the batch, its activation and gradient scales are those of the
-slice, so float8 rounds differently: measured up to 1.1e-3 over these 5 steps (tiny model, 8 x 64 tokens), so
+slice, so float8 rounds differently: measured up to 1.1e-3 over the first 5 steps (tiny model, 8 x 64 tokens), so
 SLICED_ATOL = 2e-3. For scale, float8 itself moves the step-5 loss by 2.1e-3 against the same run without it.
 """
 
@@ -18,14 +18,16 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.integration.harness import CKPT, Run, assert_losses_close, one_window_dataset, run_train, steps
+from tests.integration.harness import CKPT, Run, assert_losses_close, one_window_dataset, run_train
 from titan_lite.checkpoint.hf import weight_files
 
-SEQ_LEN, GLOBAL_BATCH, STEPS = 64, 8, 5
+SEQ_LEN, GLOBAL_BATCH, STEPS = 64, 8, 6
 TP_ATOL, SLICED_ATOL = 2e-4, 2e-3
 F8 = "quantize.linear.float8"
 FLOAT8 = ["--model.converters", F8]
 ALL_GATHER = [f"--{F8}.enable_fsdp_float8_all_gather", f"--{F8}.precompute_float8_dynamic_scale_for_fsdp"]
+SAVES = [*CKPT, "--checkpoint.interval", "3", "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only",
+         "false"]
 TINY_LINEARS = 4 * 7  # layers x projections; the output head is left out by default
 CONVERTED = f"{F8}: {TINY_LINEARS} linear(s) in float8"
 
@@ -37,14 +39,20 @@ def data(tmp_path_factory) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(data, tmp_path_factory) -> dict[int, float]:
-    """One process, the float8 all-gather and precompute switched on (inert without FSDP), batch 8."""
-    run = run_train([*data, *FLOAT8, *ALL_GATHER, "--training.local_batch_size", "8"],
+def reference_run(data, tmp_path_factory) -> Run:
+    """One process, the float8 all-gather and precompute switched on (inert without FSDP), batch 8; saves at step 3
+    and at the end (training state and an HF export)."""
+    run = run_train([*data, *FLOAT8, *ALL_GATHER, "--training.local_batch_size", "8", *SAVES],
                     tmp_path_factory.mktemp("reference"))
     assert run.returncode == 0, run.output[-3000:]
     assert CONVERTED in run.output and f"{F8}: 1 linear(s) left in high precision: output (filter_fqns)" in run.output
     assert "on CPU the float8 matmul is emulated" in run.output
-    losses = run.tb_losses()
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run) -> dict[int, float]:
+    losses = reference_run.tb_losses()
     assert sorted(losses) == list(range(1, STEPS + 1)) and all(5.0 < v < 9.0 for v in losses.values()), losses
     return losses
 
@@ -92,34 +100,31 @@ def test_lora_on_a_float8_base_under_tp(data, tmp_path):
     assert_losses_close(tp2, one.tb_losses(), TP_ATOL)
 
 
-def test_resume_is_exact_and_checkpoints_and_export_are_high_precision(tmp_path):
-    """10 steps with saves at 5 and 10 (+ HF export); a run from the step-5 save replays steps 6-10 bitwise."""
-    flags = [*FLOAT8, *ALL_GATHER, *CKPT, "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only",
-             "false"]
-    first = run_train([*steps(10), *flags], tmp_path / "first")
-    assert first.returncode == 0, first.output[-3000:]
-    shutil.copytree(tmp_path / "first" / "checkpoint" / "step-5", tmp_path / "second" / "checkpoint" / "step-5")
-    second = run_train([*steps(10), *flags], tmp_path / "second")
-    assert second.returncode == 0, second.output[-3000:]
-    assert "loaded checkpoint" in second.output
-    reference, resumed = first.tb_losses(), second.tb_losses()
-    assert {s: reference[s] for s in range(6, 11)} == {s: resumed[s] for s in range(6, 11)}
+def test_resume_is_exact_and_checkpoints_and_export_are_high_precision(data, reference_run, reference, tmp_path):
+    """A run from the reference's step-3 save replays steps 4-6 bitwise; the saves hold plain fp32 tensors; the HF
+    export is a plain Llama's (transformers loads it, no missing or unexpected keys) with the trained weights."""
+    saves = reference_run.dump_folder / "checkpoint"
+    shutil.copytree(saves / "step-3", tmp_path / "checkpoint" / "step-3")
+    resumed = run_train([*data, *FLOAT8, *ALL_GATHER, "--training.local_batch_size", "8", *SAVES], tmp_path)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert f"loaded checkpoint {tmp_path / 'checkpoint' / 'step-3'}" in resumed.output
+    again = resumed.tb_losses()
+    assert {s: reference[s] for s in range(4, STEPS + 1)} == {s: again[s] for s in range(4, STEPS + 1)}
 
-    saved = tmp_path / "step10.pt"
-    dcp_to_torch_save(tmp_path / "first" / "checkpoint" / "step-10", saved)
+    saved = tmp_path / "final.pt"
+    dcp_to_torch_save(saves / f"step-{STEPS}", saved)
     model = torch.load(saved, weights_only=True)["model"]  # weights_only: plain tensors, no torchao subclass
     assert {type(v) for v in model.values()} == {torch.Tensor}
     assert {v.dtype for v in model.values()} == {torch.float32}, "checkpoints hold high-precision weights"
-    hf = {n: t for path in sorted(set(weight_files(tmp_path / "first" / "checkpoint" / "step-10-hf").values()))
-          for n, t in load_file(str(path)).items()}
+    hf_folder = saves / f"step-{STEPS}-hf"
+    hf = {n: t for path in sorted(set(weight_files(hf_folder).values())) for n, t in load_file(str(path)).items()}
     assert hf["model.layers.0.self_attn.o_proj.weight"].dtype == torch.float32  # q/k are permuted for HF's RoPE
     assert torch.equal(hf["model.layers.0.self_attn.o_proj.weight"], model["layers.0.attention.wo.weight"])
     assert torch.equal(hf["model.layers.3.mlp.down_proj.weight"], model["layers.3.feed_forward.w2.weight"])
 
     from transformers import LlamaForCausalLM
 
-    loaded, info = LlamaForCausalLM.from_pretrained(tmp_path / "first" / "checkpoint" / "step-10-hf",
-                                                    output_loading_info=True)
+    loaded, info = LlamaForCausalLM.from_pretrained(hf_folder, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert sum(p.numel() for p in loaded.parameters()) == sum(v.numel() for v in model.values())
 
