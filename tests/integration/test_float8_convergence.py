@@ -3,7 +3,8 @@ without float8, compared on the mean loss of the last 10 steps.
 
 The issue asks for the debug model; this uses the tiny flavor (every block linear is float8-servable, 28 of them)
 because emulated float8 on the debug model measured 10 s a step on this CPU under load (3 steps in 30 s with
-`--model.flavor debugmodel`), i.e. about 50 minutes for the three 100-step runs, against ~20 s a run here.
+`--model.flavor debugmodel`), i.e. about 50 minutes for the three 100-step runs; these three took 126 s together
+(under the same load), so the test is marked slow.
 """
 
 import pytest
@@ -11,8 +12,9 @@ import pytest
 from tests.integration.harness import run_train
 
 STEPS, LAST = 100, 10
-# Measured: float8 moves the last-10 mean by at most MEASURED below; 2% of a loss near 4 is ~0.08.
-TOLERANCE = 0.05
+# Measured (this test, tiny flavor, 100 steps): last-10 means 6.2618 without float8, 6.2627 tensorwise, 6.2635
+# rowwise, i.e. float8 moved them by under 0.002; the loss fell by ~1.9 over the run. 0.01 leaves 5x that margin.
+TOLERANCE = 0.01
 COMMON = ["--training.steps", str(STEPS), "--lr_scheduler.warmup_steps", "10", "--metrics.log_freq", "1",
           "--optimizer.lr", "3e-3", "--training.local_batch_size", "8"]
 
