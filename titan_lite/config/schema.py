@@ -435,7 +435,8 @@ class MXLinear:
 
 @dataclass
 class QuantizeLinear:
-    float8: Float8Linear = section(Float8Linear, "float8 training of linears (active when model.converters lists quantize.linear.float8).")
+    float8: Float8Linear = section(
+        Float8Linear, "float8 training of linears (active when model.converters lists quantize.linear.float8).")
     mx: MXLinear = section(MXLinear, "torchtitan MX linear options (active only via model.converters).")
 
 

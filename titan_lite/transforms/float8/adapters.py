@@ -9,6 +9,7 @@ class Float8BaseLinear:
     or not), so nothing here holds a weight: a template Float8Linear on the meta device gives the config."""
 
     def __init__(self, in_features: int, out_features: int, config):
+        # lazy: torchao loads only when float8 is used
         from torchao.float8.float8_linear import Float8Linear
 
         with torch.device("meta"):

@@ -44,6 +44,7 @@ class Float8Options:
         return self.emulate or device_type == "cpu"
 
     def torchao_config(self, device_type: str):
+        # lazy: torchao loads only when float8 is used
         from torchao.float8 import Float8LinearConfig
 
         base = Float8LinearConfig.from_recipe_name(self.recipe)

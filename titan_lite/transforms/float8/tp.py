@@ -10,6 +10,7 @@ INPUT_USERS = {"attention": ("attention.wq", "attention.wk", "attention.wv"),
 
 
 def float8_in_every_block(model: nn.Module, path: str) -> bool:
+    # lazy: torchao loads only when float8 is used
     from torchao.float8.float8_linear import Float8Linear
 
     return all(isinstance(block.get_submodule(path), Float8Linear) for block in model.layers.values())
@@ -19,6 +20,7 @@ def float8_block_plan(plan: dict[str, ParallelStyle], model: nn.Module) -> dict[
     """The block plan with float8 styles where every block's linear is a Float8Linear (a linear left in high
     precision, or wrapped by a later transform, keeps its style); an input is prepared in float8 only when every
     linear reading it is float8."""
+    # lazy: torchao loads only when float8 is used
     from torchao.float8.float8_tensor_parallel import (
         Float8ColwiseParallel,
         Float8RowwiseParallel,

@@ -41,6 +41,7 @@ class Float8Transform(Transform):
     # ------------------------------------------------------------------------------ hooks
 
     def convert(self, model: nn.Module) -> None:
+        # lazy: torchao loads only when float8 is used
         from torchao.float8 import convert_to_float8_training
 
         self.config = self.options.torchao_config(self.device_type)
@@ -117,6 +118,7 @@ class Float8Transform(Transform):
     def after_optimizer_step(self, model_parts: list[nn.Module], step: int) -> None:
         if not self.options.precompute:
             return
+        # lazy: torchao loads only when float8 is used
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         for part in model_parts:
@@ -144,6 +146,7 @@ class Float8Transform(Transform):
 
 
 def is_float8(module: nn.Module) -> bool:
+    # lazy: torchao loads only when float8 is used
     from torchao.float8.float8_linear import Float8Linear
 
     return isinstance(module, Float8Linear)
@@ -152,6 +155,7 @@ def is_float8(module: nn.Module) -> bool:
 def high_precision(tensor: torch.Tensor) -> torch.Tensor:
     """The weight itself: under the float8 all-gather torchao wraps each weight (or a DTensor's local shard) in a
     subclass that casts before the all-gather; the wrapped tensor shares its storage."""
+    # lazy: torchao loads only when float8 is used
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     if isinstance(tensor, DTensor) and isinstance(tensor._local_tensor, WeightWithDynamicFloat8CastTensor):
