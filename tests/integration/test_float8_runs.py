@@ -141,3 +141,11 @@ def test_float8_on_a_pruned_base_keeps_the_masks(tmp_path):
     acc.Reload()
     assert {e.value for e in acc.Scalars("pruning/mask_violations")} == {0.0}
     assert {e.value for e in acc.Scalars("pruning/sparsity")} == {0.5}
+
+
+def test_a_combination_torchao_cannot_serve_is_one_line_before_launch(tmp_path):
+    run = run_train([*FLOAT8, f"--{F8}.recipe_name", "rowwise", f"--{F8}.enable_fsdp_float8_all_gather"],
+                    tmp_path, ngpu=2)
+    assert run.returncode == 2
+    assert run.output.strip() == (f"error: '{F8}.enable_fsdp_float8_all_gather' needs recipe_name 'tensorwise' (the "
+                                  "weight is cast with one scale before the all-gather), but recipe_name is 'rowwise'")
