@@ -91,6 +91,7 @@ def test_layout_matches_one_process(ngpu, local_batch, extra, atol, data, refere
     assert_losses_close(run, reference, atol)
 
 
+@pytest.mark.slow
 def test_lora_on_a_float8_base_under_tp(data, tmp_path):
     """LoRA listed before float8: the adapters' frozen bases run float8 matmuls; TP 2 matches 1 process."""
     lora = ["--model.converters", f"lora,{F8}", "--lora.rank", "4"]
