@@ -84,6 +84,7 @@ class TrainVariant(Variant):
     batch: int | None = None  # sequences per step on each rank; None = the shape's
     optimizer: str | None = None  # titan_lite's optimizer.implementation; None = the config default
     lora: str | None = None  # [lora] overrides: train LoRA adapters instead of every weight
+    overrides: str | None = None  # more titan_lite config overrides (e.g. a converter and its section's keys)
     env: dict[str, str] = field(default_factory=dict)  # extra environment (A/B of a switch)
     tensor_peak: bool = False  # one more step measuring the peak of live tensor bytes (peak_tensor_gib)
     plan: bool = False  # DRY_RUN's estimate of the same run (planned_peak_gib), the base's storage against bf16
@@ -95,6 +96,7 @@ class TrainVariant(Variant):
         args += ["--batch", str(self.batch)] if self.batch else []
         args += ["--optimizer", self.optimizer] if self.optimizer else []
         args += ["--lora", self.lora] if self.lora else []
+        args += ["--overrides", self.overrides] if self.overrides else []
         args += ["--tensor_peak"] if self.tensor_peak else []
         args += ["--plan"] if self.plan else []
         if self.nproc > 1:
@@ -353,6 +355,29 @@ def _wanda(shape: str, nsamples: int) -> Case:
 
 register_case("wanda_smollm2_135M")(lambda: _wanda("smollm2_135M", 32))
 register_case("wanda_tiny")(lambda: _wanda("tiny", 4))  # smoke tests
+
+
+FLOAT8 = "--model.converters quantize.linear.float8"
+
+
+def _float8(shape: str) -> Case:
+    """float8 linears (torchao) beside the same training in the compute dtype. On CPU float8 is emulated (casts
+    around a high-precision matmul), so this prints its cost for the record; the GPU lane gives the speed-up."""
+    variants = [TrainVariant("high precision", shape=shape, tensor_peak=True),
+                TrainVariant("float8 tensorwise", shape=shape, overrides=FLOAT8, tensor_peak=True),
+                TrainVariant("float8 rowwise", shape=shape, tensor_peak=True,
+                             overrides=f"{FLOAT8} --quantize.linear.float8.recipe_name rowwise")]
+    return Case(f"float8_{shape}", f"titan_lite, {SHAPES[shape].batch} x {SHAPES[shape].seq_len} tokens, 1 process",
+                variants,
+                [Ratio("float8 tensorwise / high precision step time", "step_s", "float8 tensorwise",
+                       "high precision", higher_is_better=False),
+                 Ratio("float8 tensorwise / high precision peak tensors", "peak_tensor_gib", "float8 tensorwise",
+                       "high precision", higher_is_better=False)],
+                columns=("step_s", "tokens_per_s", "peak_tensor_gib", "peak_rss_gib"))
+
+
+for _shape in ("debug", "tiny"):
+    register_case(f"float8_{_shape}")(lambda s=_shape: _float8(s))
 
 
 @register_case("dry_run")

@@ -72,6 +72,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lora", default=None,
                    help="titan_lite: train LoRA adapters on all seven projections with these [lora] overrides "
                         "(e.g. '--lora.rank 16 --lora.alpha 32') instead of every weight")
+    p.add_argument("--overrides", default=None,
+                   help="titan_lite: more config overrides, e.g. '--model.converters quantize.linear.float8'")
     p.add_argument("--tensor_peak", action="store_true",
                    help="titan_lite: one more step after the timed ones, reporting the peak bytes of live tensors "
                         "(parameters and optimizer state throughout, plus everything the step allocates): what an "
@@ -106,6 +108,7 @@ def titan_lite_overrides(shape: Shape, opts: argparse.Namespace, dump_folder: st
     ]
     if opts.lora:
         overrides += ["--model.converters", "lora", *shlex.split(opts.lora)]
+    overrides += shlex.split(opts.overrides or "")
     return overrides
 
 

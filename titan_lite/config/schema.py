@@ -414,11 +414,21 @@ class Experimental:
 
 @dataclass
 class Float8Linear:
-    enable_fsdp_float8_all_gather: bool = opt(False, "float8 FSDP all-gather (inert: float8 is not implemented).")
-    precompute_float8_dynamic_scale_for_fsdp: bool = opt(False, "float8 scale precompute (inert).")
-    recipe_name: str | None = opt(None, "float8 recipe (inert).")
-    filter_fqns: list[str] = opt([], "Modules left in high precision (inert).")
-    emulate: bool = opt(False, "Emulate float8 (inert).")
+    enable_fsdp_float8_all_gather: bool = opt(
+        False, "Under FSDP/HSDP, cast weights to float8 before the all-gather (half the bytes of bf16); tensorwise "
+               "recipe only.")
+    precompute_float8_dynamic_scale_for_fsdp: bool = opt(
+        False, "With the float8 all-gather: compute every weight's float8 scale in one all-reduce after each "
+               "optimizer step instead of one per weight in the forward.")
+    recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = opt(
+        None, "torchao float8 recipe: tensorwise (one scale per tensor; the default when unset), rowwise (one per "
+              "row, more accurate), rowwise_with_gw_hp (rowwise, weight gradient in high precision).")
+    filter_fqns: list[str] = opt(
+        ["output"], "Linears left in high precision: any whose name contains one of these strings. The default "
+                    "leaves out the output head, as torchtitan does; a list you set replaces it.")
+    emulate: bool = opt(
+        False, "Emulate float8 (float8 casts, high-precision matmul): for CUDA GPUs below compute capability 8.9. "
+               "On CPU the converter always emulates (the real float8 matmul is a slow reference kernel there).")
 
 
 @dataclass
@@ -430,7 +440,8 @@ class MXLinear:
 
 @dataclass
 class QuantizeLinear:
-    float8: Float8Linear = section(Float8Linear, "torchtitan float8 linear options (active only via model.converters).")
+    float8: Float8Linear = section(
+        Float8Linear, "float8 training of linears (active when model.converters lists quantize.linear.float8).")
     mx: MXLinear = section(MXLinear, "torchtitan MX linear options (active only via model.converters).")
 
 
