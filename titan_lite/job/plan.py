@@ -275,8 +275,6 @@ def gather_assets(cfg: JobConfig) -> tuple[Tokenizer | None, list[str]]:
     if cfg.validation.enable:
         _noting(problems, lambda: check_section_data(cfg, "validation"))
     _noting(problems, lambda: check_initial_weights(cfg))
-    if "prune" in cfg.model.converters and cfg.pruning.dataset_path is not None:
-        _noting(problems, lambda: check_dataset(cfg.pruning.dataset, cfg.pruning.dataset_path, "pruning"))
     return tokenizer, problems
 
 
