@@ -155,6 +155,14 @@ def check_adapter_matches(options: LoraOptions, args: LlamaArgs, folder: str) ->
                               f"{ours:.6g}, but the adapter at '{folder}' gives {theirs:.6g}")
 
 
+def apply_peft_adapter(cfg, folder: str | Path) -> None:
+    """Make `cfg` load the PEFT adapter in `folder` on top of its model: the LoRA transform with the adapter's own
+    settings (what the scripts do with --adapter, without a run's config)."""
+    cfg.model.converters = [*cfg.model.converters, "lora"]
+    for key, value in lora_settings_from_peft(folder).items():
+        setattr(cfg.lora, key, value)
+
+
 def lora_settings_from_peft(folder: str | Path) -> dict[str, Any]:
     """[lora] values that reproduce a PEFT adapter (its targets, ranks, alphas, DoRA, modules_to_save), with
     adapter_path pointing at it: what the scripts use to load an adapter without a config."""
@@ -169,13 +177,6 @@ def lora_settings_from_peft(folder: str | Path) -> dict[str, Any]:
             "rank_pattern": [f"{k}={v}" for k, v in (config.get("rank_pattern") or {}).items()],
             "alpha_pattern": [f"{k}={v}" for k, v in (config.get("alpha_pattern") or {}).items()],
             "train_modules": list(config.get("modules_to_save") or []), "adapter_path": str(folder)}
-
-
-def apply_adapter_folder(cfg, folder: str | Path) -> None:
-    """Configure a run to load a PEFT adapter folder on its base: the LoRA transform with the adapter's settings."""
-    cfg.model.converters = ["lora"]
-    for key, value in lora_settings_from_peft(folder).items():
-        setattr(cfg.lora, key, value)
 
 
 def adapter_exported_param(options: LoraOptions, name: str) -> bool:
