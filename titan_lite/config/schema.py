@@ -32,7 +32,10 @@ class Job:
     description: str = opt("default job", "Free text describing the job, printed at start.")
     print_config: bool = opt(False, "Print the resolved config (TOML + overrides) at start.")
     save_config_file: str | None = opt(
-        None, "If set, write the resolved config as TOML to this file under dump_folder.")
+        "config.toml", "Write the resolved config as TOML to this file under dump_folder (rank 0; '' = do not).")
+    log_file: str = opt(
+        "train.log", "Write the console log (rank 0's lines, no colours) to this file under dump_folder too, line by "
+        "line and appending on resume ('' = do not).")
     custom_config_module: str = opt(
         "", "torchtitan's custom config extension module.",
         unsupported="custom config modules are not supported; every key lives in titan_lite's schema")
@@ -67,9 +70,9 @@ class Metrics:
 class Model:
     name: Literal["llama3", "llama2", "llama"] = opt("llama3", "Model family.")
     flavor: str = opt(
-        "debugmodel", "Model size preset: debugmodel, debugmodel_gqa, tiny, smollm2_135M, 1B, 3B, 8B, 70B, 405B, "
-        "llama2_7B; or 'hf': the shape of hf_assets_path/config.json. A preset next to a config.json is checked "
-        "against it.")
+        "debugmodel", "Model size preset: debugmodel, debugmodel_gqa, debugmodel_tied, tiny, smollm2_135M, 1B, 3B, "
+        "8B, 8B_sheared, 70B, 405B, llama2_7B; or 'hf': the shape of hf_assets_path/config.json. A preset next to a "
+        "config.json is checked against it.")
     hf_assets_path: str | None = opt(
         "./assets/tokenizer", "Folder with tokenizer files (tokenizer.model or tokenizer.json) and, optionally, HF "
         "config.json and weights.")
@@ -130,9 +133,9 @@ class DataLoader:
 @dataclass
 class Training:
     dataset: str = opt(
-        "shakespeare", "Dataset: shakespeare (bundled), c4, c4_test, text, jsonl; c4/text/jsonl read "
-        "training.dataset_path; instruct: prompt/response examples from training.dataset_path (a .jsonl, .json or "
-        ".parquet file; see [instruct]), loss on response tokens only.")
+        "shakespeare", "Dataset: shakespeare, shakespeare_validation (bundled), c4, c4_test, c4_validation, text, "
+        "jsonl (read training.dataset_path); instruct: prompt/response examples from training.dataset_path (a "
+        ".jsonl, .json or .parquet file; see [instruct]), loss on response tokens only.")
     dataset_path: str | None = opt(
         None, "Local file or folder of .txt, .jsonl, .json.gz shards (one JSON object per line with a 'text' field) "
         "or .parquet shards (a 'text' column; needs pyarrow).")
@@ -386,8 +389,10 @@ class Lora:
     train_modules: list[str] = opt([], "Modules trained in full beside the adapters (PEFT's modules_to_save), by "
                                        "titan_lite or HF name: e.g. output (lm_head), norm, attention_norm, a "
                                        "projection without an adapter.")
-    base_dtype: Literal["float32", "bfloat16", "float16"] = opt(
-        "float32", "dtype of the frozen weights (adapters, train_modules and their optimizer state stay float32).")
+    base_dtype: Literal["float32", "bfloat16", "float16", "nf4"] = opt(
+        "float32", "dtype of the frozen weights (adapters, train_modules and their optimizer state stay float32); "
+                   "'nf4' (QLoRA) stores every frozen block linear as torchao's 4-bit NormalFloat, quantized once "
+                   "after the initial weights are loaded, on each rank's own shard.")
     save_adapter_only: bool = opt(True, "Checkpoints hold the adapters and train_modules (plus optimizer, schedule, "
                                         "data position, RNG); on resume the frozen base is loaded again from the "
                                         "initial weights (and PiSSA's SVD recomputed, which is deterministic).")

@@ -194,7 +194,9 @@ def estimate_buffers(cfg: JobConfig, dims: ParallelDims, parts: list[nn.Module],
     """FSDP's gathered parameters and collective buffers; without data parallelism, autocast's weight copies."""
     c, c_name = compute_bytes(cfg)
     if not (dims.fsdp_enabled or dims.dp_replicate_enabled):
-        copies = local * c if c < dtype_bytes(cfg.training.dtype) else 0
+        # autocast copies the parameters stored wider than the compute dtype (a transform's packed format is not)
+        transforms = transforms if transforms is not None else Transforms([])
+        copies = sum(local_numel(p) * c for n, p in named_params(parts) if transforms.param_bytes(n, p) > c)
         return copies, (f"autocast {c_name} weight copies" if copies else "none (no data parallelism)")
     policy = cfg.parallelism.fsdp_reshard_after_forward
     units = [u for part in parts for u in fsdp_units(part, reshard_after_forward(policy, dims.pp_enabled),

@@ -52,7 +52,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from titan_lite.config.schema import JobConfig
-from titan_lite.errors import ConfigError
+from titan_lite.errors import ConfigError, did_you_mean
 from titan_lite.models.llama.args import LlamaArgs
 from titan_lite.models.llama.hf import HFNames
 from titan_lite.parallel.parallel_dims import ParallelDims
@@ -231,7 +231,8 @@ def build_transforms(cfg: JobConfig) -> list[Transform]:
     for name in cfg.model.converters:
         if name not in _REGISTRY:
             known = ", ".join(registered_transforms()) or "none"
-            raise ConfigError(f"'model.converters' has unknown transform '{name}'; available: {known}")
+            raise ConfigError(f"'model.converters' has unknown transform '{name}'"
+                              f"{did_you_mean(name, registered_transforms())}; available: {known}")
         transforms.append(_REGISTRY[name](cfg))
     return transforms
 
