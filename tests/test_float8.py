@@ -94,11 +94,13 @@ def test_combinations_torchao_cannot_serve_are_one_line(extra, message):
 
 
 def test_qlora_base_is_refused():
-    cfg = config()
-    cfg.model.converters = ["lora", F8]
-    object.__setattr__(cfg.lora, "base_dtype", "nf4")  # QLoRA's base (its Literal arrives with the QLoRA issue)
-    with pytest.raises(ConfigError, match=r"cannot convert an NF4 base \('lora.base_dtype' = 'nf4', QLoRA\)"):
-        float8_options.check_options(cfg, float8_options.Float8Options.from_config(cfg), None, "cpu")
+    cfg = parse_args(["--model.converters", f"lora,{F8}", "--lora.base_dtype", "nf4"])
+    validate(cfg)
+    (_, transform) = build_transforms(cfg)
+    with pytest.raises(ConfigError) as exc:
+        transform.check(flavor_args("tiny"), ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1))
+    assert str(exc.value) == (f"'{F8}' cannot convert an NF4 base ('lora.base_dtype' = 'nf4', QLoRA): an NF4 weight "
+                              "has no float8 path; use one of the two")
 
 
 def test_gpus_without_float8_are_refused_unless_emulated(monkeypatch):
