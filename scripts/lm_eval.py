@@ -70,7 +70,7 @@ def check_options(opts: argparse.Namespace) -> None:
 
 def evaluate(opts: argparse.Namespace) -> None:
     # torch and the model code load after --help and option errors
-    from titan_lite.eval.harness_model import load_model, parse_model_args
+    from titan_lite.eval.harness_model import load_model, parse_model_args, tokenizer_folder
 
     spec = parse_model_args(opts.model_args)
     check_options(opts)
@@ -81,6 +81,13 @@ def evaluate(opts: argparse.Namespace) -> None:
     from titan_lite.eval.harness import evaluate as run_harness
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    template = None
+    if opts.apply_chat_template:
+        folder = tokenizer_folder(spec)
+        template = ChatTemplate.of_folder(folder)
+        if template is None:
+            raise ConfigError(f"--apply_chat_template: {folder / 'tokenizer_config.json'} has no chat_template "
+                              f"(evaluate without it, or add one)")
     model_args = {k: v for k, v in vars(spec).items() if v is not None}
     opts.include_path = [str(BUNDLED_TASKS)] + ([opts.include_path] if opts.include_path else [])
     cfg, task_manager = evaluator_config(opts, model_args)  # unknown tasks fail before the model loads
@@ -88,15 +95,10 @@ def evaluate(opts: argparse.Namespace) -> None:
     tl_dist.init_process_group(device, 1800)
     start = time.monotonic()
     loaded = load_model(spec, device)
-    template = None
-    if opts.apply_chat_template:
-        template = ChatTemplate.of_folder(loaded.tokenizer_folder)
-        if template is None:
-            raise ConfigError(f"--apply_chat_template: {loaded.tokenizer_folder / 'tokenizer_config.json'} has no "
-                              f"chat_template (evaluate without it, or add one)")
     if is_rank0():
         print(f"model {loaded.description} loaded in {time.monotonic() - start:.1f}s", flush=True)
-    lm = TitanLM(loaded, device, opts.batch_size, seed=opts.seed[0] or 0, chat_template=template)
+    lm = TitanLM(loaded, device, opts.batch_size, seed=opts.seed[0] or 0, chat_template=template,
+                 name=str(tokenizer_folder(spec)))
     start = time.monotonic()
     results = run_harness(lm, cfg, task_manager, model_args)
     if results is not None:

@@ -71,14 +71,14 @@ class TitanLM(TemplateLM):
     rank 0 through the collectives below."""
 
     def __init__(self, loaded: LoadedModel, device: torch.device, batch_size: int = 1, seed: int = 0,
-                 chat_template: ChatTemplate | None = None):
+                 chat_template: ChatTemplate | None = None, name: str = "titan_lite"):
         super().__init__()
         self.model, self.tok = loaded.model, loaded.tokenizer
         self.max_length = loaded.max_length
         self.batch_size = batch_size
         self.seed = seed
         self.template = chat_template
-        self._name = str(loaded.tokenizer_folder).replace("/", "__")
+        self._name = name.replace("/", "__")
         self._device = device
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._world_size = dist.get_world_size() if dist.is_initialized() else 1

@@ -39,7 +39,6 @@ class ModelSpec:
 class LoadedModel:
     model: nn.Module
     tokenizer: Tokenizer
-    tokenizer_folder: Path  # where tokenizer_config.json (and its chat_template) would be
     max_length: int
     description: str
 
@@ -123,6 +122,13 @@ def checkpoint_config(spec: ModelSpec, dtype: str) -> tuple[JobConfig, int]:
     return cfg, max_length
 
 
+def tokenizer_folder(spec: ModelSpec) -> Path:
+    """The folder of the model's tokenizer files (tokenizer_config.json with its chat_template, if any)."""
+    path = Path(spec.pretrained) if spec.pretrained else Path(tokenizer_path(parse_args(["--job.config_file",
+                                                                                           spec.config])))
+    return path if path.is_dir() else path.parent
+
+
 @torch.no_grad()
 def load_model(spec: ModelSpec, device: torch.device) -> LoadedModel:
     """The model in eval mode on `device`, its tokenizer and context length (the process group is up)."""
@@ -139,6 +145,5 @@ def load_model(spec: ModelSpec, device: torch.device) -> LoadedModel:
     what = spec.pretrained or spec.checkpoint
     if spec.adapter:
         what += f" with the adapter {spec.adapter}"
-    tok_path = Path(tokenizer_path(cfg))
-    return LoadedModel(built.parts[0].eval(), plan.tokenizer, tok_path if tok_path.is_dir() else tok_path.parent,
-                       max_length, f"{what} ({cfg.model.flavor}, {dtype}, context {max_length})")
+    return LoadedModel(built.parts[0].eval(), plan.tokenizer, max_length,
+                       f"{what} ({cfg.model.flavor}, {dtype}, context {max_length})")
