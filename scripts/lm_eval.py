@@ -4,10 +4,10 @@ its TOML, its transforms rebuilt: an unmerged LoRA, pruning masks). Prints lm_ev
 writes its JSON. One process, or torchrun (each process evaluates a share of the requests). The bundled offline
 tasks (assets/lm_eval_tasks: shakespeare_choice, shakespeare_rolling, shakespeare_continue) are always available.
 
-    python scripts/lm_eval.py --model_args pretrained=outputs/merged --tasks shakespeare_choice,shakespeare_rolling
-    python scripts/lm_eval.py --model_args checkpoint=outputs/lora/checkpoint/step-600,config=train_configs/my.toml \\
+    .venv/bin/python scripts/lm_eval.py --model_args pretrained=outputs/merged --tasks shakespeare_choice
+    .venv/bin/python scripts/lm_eval.py --model_args checkpoint=outputs/lora/checkpoint/step-600,config=my.toml \\
         --tasks hellaswag,arc_easy,gsm8k --batch_size 16 --output_path results/
-    python -m torch.distributed.run --nproc_per_node 8 scripts/lm_eval.py --model_args ... --tasks ...
+    .venv/bin/torchrun --nproc_per_node 8 scripts/lm_eval.py --model_args ... --tasks ...
 """
 
 import argparse
@@ -19,6 +19,7 @@ from pathlib import Path
 
 from titan_lite import distributed as tl_dist
 from titan_lite.errors import ConfigError
+from titan_lite.job.cli import ScriptParser
 from titan_lite.job.script import is_rank0, run_script
 
 # This file is named lm_eval.py: its folder must not shadow the lm_eval package it runs.
@@ -29,8 +30,7 @@ INSTALL = "scripts/lm_eval.py needs EleutherAI's lm-evaluation-harness: pip inst
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptParser(__doc__)
     parser.add_argument("--model_args", nargs="+", required=True, metavar="KEY=VALUE",
                         help="pretrained=HF_FOLDER[,adapter=PEFT_FOLDER] or checkpoint=STEP_FOLDER,config=TOML; "
                              "optional dtype=auto|float32|bfloat16, max_length=N (default: config.json's context)")

@@ -3,7 +3,7 @@ Dream, the corpus's validation play), one JSONL per task, seeded, so the same co
 shakespeare_choice (multiple choice: the next line among four), shakespeare_rolling (perplexity of speeches) and
 shakespeare_continue (greedy completion of a line).
 
-    python scripts/make_lm_eval_tasks.py --output_dir assets/lm_eval_tasks
+    .venv/bin/python scripts/make_lm_eval_tasks.py --output_dir assets/lm_eval_tasks
 """
 
 import argparse
@@ -11,6 +11,8 @@ import json
 import random
 import sys
 from pathlib import Path
+
+from titan_lite.job.cli import ScriptParser
 
 PLAY = Path(__file__).resolve().parents[1] / "titan_lite/data/corpus/shakespeare/validation/midsummer_nights_dream.txt"
 
@@ -60,12 +62,15 @@ def write_jsonl(path: Path, docs: list[dict]) -> None:
     path.write_text("".join(json.dumps(d) + "\n" for d in docs))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = ScriptParser(__doc__)
     parser.add_argument("--output_dir", default="assets/lm_eval_tasks", help="where the JSONL files go")
-    parser.add_argument("--seed", type=int, default=0)
-    opts = parser.parse_args(argv)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the choice of lines and distractors")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args(argv)
     all_speeches = speeches(PLAY.read_text())
     pairs = [(s[i], s[i + 1]) for s in all_speeches for i in range(len(s) - 1)]
     out = Path(opts.output_dir)
