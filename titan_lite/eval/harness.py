@@ -315,8 +315,11 @@ def name_results(results: dict, tracker: EvaluationTracker, model_args: dict, te
 
 
 def results_file(output_path: str | None) -> str | None:
-    """The results JSON the last run wrote under --output_path (lm_eval names it by model and time)."""
+    """The results JSON the last run wrote under --output_path (lm_eval names it by model and time; a path ending in
+    .json gets the time appended to its stem)."""
     if not output_path:
         return None
-    found = sorted(Path(output_path).rglob("results_*.json"), key=lambda p: p.stat().st_mtime)
+    path = Path(output_path)
+    candidates = path.parent.glob(f"{path.stem}_*.json") if path.suffix == ".json" else path.rglob("results_*.json")
+    found = sorted(candidates, key=lambda p: p.stat().st_mtime)
     return str(found[-1]) if found else None
