@@ -103,6 +103,7 @@ def one_process(hf_folder, tmp_path_factory) -> tuple[dict, dict, str]:
     return written(output)
 
 
+@pytest.mark.slow  # with its fixture, the script's run: about 30 s on the shared 2 cores
 def test_local_tasks_equal_lm_eval_hf_backend(hf_folder, one_process, capsys):
     results, samples = one_process
     want_results, want_samples = reference_samples(f"pretrained={hf_folder}")
