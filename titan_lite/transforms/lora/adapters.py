@@ -171,6 +171,13 @@ def lora_settings_from_peft(folder: str | Path) -> dict[str, Any]:
             "train_modules": list(config.get("modules_to_save") or []), "adapter_path": str(folder)}
 
 
+def apply_adapter_folder(cfg, folder: str | Path) -> None:
+    """Configure a run to load a PEFT adapter folder on its base: the LoRA transform with the adapter's settings."""
+    cfg.model.converters = ["lora"]
+    for key, value in lora_settings_from_peft(folder).items():
+        setattr(cfg.lora, key, value)
+
+
 def adapter_exported_param(options: LoraOptions, name: str) -> bool:
     """Whether a model parameter belongs in an adapter export: adapters, PiSSA's initial factors, train_modules."""
     module, param = module_of(name)

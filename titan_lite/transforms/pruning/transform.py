@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titan_lite.config.schema import JobConfig
+from titan_lite.data.datasets import check_dataset
 from titan_lite.dtensor import local_tensor
 from titan_lite.errors import ConfigError
 from titan_lite.metrics.memory import PeakReading, device_capacity_gib, measure_peak
@@ -160,6 +161,11 @@ class PruneTransform(Transform):
 
     def sequence_length(self) -> int:
         return self.cfg.pruning.seq_len
+
+    def check_inputs(self) -> None:
+        p = self.cfg.pruning
+        if p.dataset_path is not None:
+            check_dataset(p.dataset, p.dataset_path, "pruning")
 
     def pass_plan(self, ctx: PlanContext) -> PassPlan:
         """The one-shot pass's memory on this rank, planned for an accelerator (every data-parallel rank does the
