@@ -15,3 +15,18 @@ def restore_titan_lite_logger():
     log.handlers[:] = handlers
     log.setLevel(level)  # setLevel, not .level: it also clears the loggers' cached isEnabledFor answers
     log.propagate = propagate
+
+
+def pytest_collection_modifyitems(config, items):
+    """`cuda` tests need a CUDA device: skipped, with the reason, where torch sees none."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available() or os.environ.get("TITAN_LITE_CUDA_TESTS_ON_CPU") == "1":  # see tests/test_cuda.py
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False); the GPU lane runs it: "
+                                   "python -m benchmarks.gpu --cases correctness")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
