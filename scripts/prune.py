@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from titan_lite.checkpoint.hf import export_hf, gather_full_state_dict
 from titan_lite.config import JobConfig
-from titan_lite.dry_run import device_memory_gib, plan_pruning_pass
+from titan_lite.dry_run import device_memory_gib, pass_verdict, plan_passes
 from titan_lite.errors import ConfigError
 from titan_lite.job.assembly import assemble_model, calibration_source, hf_weight_loader
 from titan_lite.job.plan import plan_job
@@ -126,13 +126,13 @@ def estimate(opts: argparse.Namespace) -> None:
     cfg = pruning_config(opts, "cuda")
     plan = plan_job(cfg, opts.ngpu)
     capacity = device_memory_gib(cfg)
-    pruning = plan_pruning_pass(plan)
+    pruning = plan_passes(plan)[0]  # the prune transform's one-shot pass
     print(f"{cfg.model.flavor}: {plan.full_param_count():,} parameters; {opts.method} {opts.pattern} at "
           f"{opts.sparsity:g}; {opts.nsamples} x {opts.seq_len} calibration tokens in batches of {opts.batch_size}; "
           f"{plan.parallel_dims.describe()}; {cfg.training.dtype}")
     print("memory plan per device:")
-    print("\n".join(pruning.lines(capacity)))
-    if not pruning.fits(capacity):
+    print("\n".join([*pruning.rows, f"  verdict: {pass_verdict(pruning, capacity)}"]))
+    if pruning.peak / GIB > capacity:
         raise ConfigError(f"the plan does not fit: {pruning.peak / GIB:.2f} GiB per device against {capacity:.2f} GiB; "
                           "lower --nsamples or --batch_size, use bfloat16, or shard over more devices (torchrun)")
     print(f"estimate: peak {pruning.peak / GIB:.2f} GiB per device fits {capacity:.2f} GiB")

@@ -101,12 +101,12 @@ def flavor_or_hf_args(cfg: JobConfig) -> LlamaArgs:
     return args
 
 
-def build_model_args(cfg: JobConfig, vocab_size: int | None) -> LlamaArgs:
-    """The model's args (flavor or config.json) with the config's sequence length, checked against the tokenizer's
-    vocabulary (None: no tokenizer yet, DRY_RUN before the download)."""
+def build_model_args(cfg: JobConfig, vocab_size: int | None, transforms: Transforms | None = None) -> LlamaArgs:
+    """The model's args (flavor or config.json) with the longest sequence the run (or a transform's pass) uses,
+    checked against the tokenizer's vocabulary (None: no tokenizer yet, DRY_RUN before the download)."""
     args = flavor_or_hf_args(cfg)
     args.max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0,
-                           cfg.pruning.seq_len if "prune" in cfg.model.converters else 0)
+                           transforms.sequence_length() if transforms is not None else 0)
     if vocab_size is not None and vocab_size > args.vocab_size:
         raise ConfigError(f"the tokenizer at '{tokenizer_path(cfg)}' has {vocab_size} tokens but flavor "
                           f"'{cfg.model.flavor}' has vocab_size {args.vocab_size}")
@@ -144,7 +144,9 @@ def plan_with_tokenizer(cfg: JobConfig, world_size: int, tokenizer: Tokenizer | 
                         count_epochs: bool = True) -> JobPlan:
     """plan_job with a tokenizer already loaded, or None (the flavor gives the vocabulary size). With
     training.epochs set (and count_epochs), training.steps becomes the steps those epochs take."""
-    args = build_model_args(cfg, tokenizer.vocab_size if tokenizer is not None else None)
+    import_custom_module(cfg)
+    transforms = Transforms(build_transforms(cfg))
+    args = build_model_args(cfg, tokenizer.vocab_size if tokenizer is not None else None, transforms)
     p = cfg.parallelism
     check_tp_divisibility(args, p.tensor_parallel_degree)
     if p.pipeline_parallel_degree > 1:
@@ -158,8 +160,6 @@ def plan_with_tokenizer(cfg: JobConfig, world_size: int, tokenizer: Tokenizer | 
     if epochs_counted:
         cfg.training.steps = steps_for_epochs(cfg, tokenizer, cfg.training.local_batch_size * dims.dp_degree
                                               * grad_accum)
-    import_custom_module(cfg)
-    transforms = Transforms(build_transforms(cfg))
     transforms.check(args, dims)
     return JobPlan(cfg, tokenizer, args, dims, grad_accum, transforms, epochs_counted)
 

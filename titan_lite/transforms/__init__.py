@@ -2,6 +2,9 @@
 
 from titan_lite.transforms import lora  # noqa: F401  (registers the built-in "lora" transform)
 from titan_lite.transforms.base import (
+    PassPlan,
+    PlanContext,
+    PlanItem,
     Transform,
     TransformContext,
     Transforms,
@@ -12,5 +15,6 @@ from titan_lite.transforms.base import (
 from titan_lite.transforms.pruning import PruneTransform
 from titan_lite.transforms.sheared import ShearedTransform
 
-__all__ = ["PruneTransform", "ShearedTransform", "Transform", "TransformContext", "Transforms", "build_transforms",
+__all__ = ["PassPlan", "PlanContext", "PlanItem", "PruneTransform",
+           "ShearedTransform", "Transform", "TransformContext", "Transforms", "build_transforms",
            "register_transform", "registered_transforms"]

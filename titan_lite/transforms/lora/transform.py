@@ -24,7 +24,7 @@ from titan_lite.models.llama.args import LlamaArgs
 from titan_lite.models.llama.hf import HFNames
 from titan_lite.models.llama.model import canonical_name
 from titan_lite.parallel.parallel_dims import ParallelDims
-from titan_lite.transforms.base import Transform, TransformContext, register_transform
+from titan_lite.transforms.base import PlanContext, PlanItem, Transform, TransformContext, register_transform
 from titan_lite.transforms.lora.adapters import (
     adapter_exported_param,
     check_adapter_matches,
@@ -37,6 +37,17 @@ from titan_lite.transforms.lora.adapters import (
 )
 from titan_lite.transforms.lora.module import ADAPTER_PARAMS, PISSA_INIT_PARAMS, LoRALinear
 from titan_lite.transforms.lora.options import PROJECTIONS, LoraOptions
+from titan_lite.transforms.lora.qlora import (
+    NF4,
+    NF4LoRALinear,
+    block_linear_shapes,
+    check_nf4,
+    checksum_tensors,
+    dequantize_memory,
+    nf4_param_bytes,
+    plan_line,
+    quantize_frozen_linears,
+)
 from titan_lite.transforms.lora.tp import lora_style
 from titan_lite.transforms.lora.weights import (
     bits_checksum,
@@ -74,6 +85,8 @@ class LoraTransform(Transform):
         self.optimizer: torch.optim.Optimizer | None = None
         self.frozen_fingerprint: tuple[int, int] | None = None
         self.model_parts: list[nn.Module] = []
+        self.nf4 = cfg.lora.base_dtype == NF4
+        self._nf4_names: set[str] | None = None
 
     # ------------------------------------------------------------------------------ which parameters train
 
@@ -81,6 +94,12 @@ class LoraTransform(Transform):
         """Adapters and the train_modules' parameters train; every other parameter is frozen."""
         module, param = module_of(name)
         return param in ADAPTER_PARAMS or self.options.is_train_module(module)
+
+    def nf4_weights(self, model_args: LlamaArgs) -> set[str]:
+        """The frozen block linear weights an NF4 base stores in 4 bits (none unless base_dtype = 'nf4')."""
+        if not self.nf4:
+            return set()
+        return {n for n in block_linear_shapes(model_args) if not self.trains(n)}
 
     def is_base(self, name: str) -> bool:
         """Frozen weights of the model (held in base_dtype); PiSSA's initial factors are adapter state, not base."""
@@ -94,15 +113,17 @@ class LoraTransform(Transform):
                 parent_name = PROJECTIONS[short][0]
                 parent, name = getattr(block, parent_name), f"layers.{key}.{parent_name}.{short}"
                 linear, spec = getattr(parent, short), self.options.spec(name)
+                module_class = NF4LoRALinear if self.nf4 else LoRALinear
                 with torch.device(linear.weight.device):  # the meta device: nothing is allocated
-                    adapted = LoRALinear(linear.in_features, linear.out_features, spec.rank, spec.scale,
+                    adapted = module_class(linear.in_features, linear.out_features, spec.rank, spec.scale,
                                          self.c.dropout, self.c.use_dora, self.c.init, keep_init=self.options.pissa)
                 setattr(parent, short, adapted)
         self.freeze_and_cast(model)
 
     def freeze_and_cast(self, model: nn.Module) -> None:
-        """requires_grad from `trains`; frozen base weights in base_dtype (a tied weight is replaced once)."""
-        dtype = getattr(torch, self.c.base_dtype)
+        """requires_grad from `trains`; frozen base weights in base_dtype (a tied weight is replaced once). An NF4
+        base is held in the run's dtype (training.dtype) until after_load quantizes its block linears."""
+        dtype = getattr(torch, self.cfg.training.dtype if self.nf4 else self.c.base_dtype)
         replaced: dict[int, nn.Parameter] = {}
         for module_name, module in model.named_modules():
             for local, param in list(module.named_parameters(recurse=False)):
@@ -117,6 +138,9 @@ class LoraTransform(Transform):
     def check(self, model_args: LlamaArgs, parallel_dims: ParallelDims) -> None:
         self.options.check_model(self.cfg, model_args)
         self.check_layout(parallel_dims)
+        self._nf4_names = self.nf4_weights(model_args)
+        if self.nf4:
+            check_nf4(self.cfg, model_args, parallel_dims, sorted(self._nf4_names))
         if self.c.adapter_path is not None:
             check_adapter_matches(self.options, model_args, self.c.adapter_path)
 
@@ -129,7 +153,7 @@ class LoraTransform(Transform):
             raise ConfigError("'training.enable_cpu_offload' keeps sharded weights on the host, but PiSSA, DoRA, "
                               "re-factoring and adapter_path gather full weights on the accelerator; turn one off")
         compute = compute_dtype(self.cfg.training.mixed_precision_param, device)
-        if self.c.base_dtype == "float32" or dims.fsdp_enabled or dims.dp_replicate_enabled:
+        if self.c.base_dtype in ("float32", NF4) or dims.fsdp_enabled or dims.dp_replicate_enabled:
             return
         if compute == torch.float32:
             raise ConfigError(f"'lora.base_dtype' = '{self.c.base_dtype}' with float32 compute and no data "
@@ -159,11 +183,14 @@ class LoraTransform(Transform):
                         "pipeline stage")
             seed = self.cfg.debug.seed if self.cfg.debug.seed is not None else 0
             pissa_initialise(modules, self.options.niter, seed, self.stage_group())
+        if self.nf4:  # after PiSSA's SVD of the full-precision weights (QPiSSA quantizes the residual)
+            count = quantize_frozen_linears(ctx.model_parts, self.nf4_weights(ctx.model_args))
+            logger.info(f"lora: {count} frozen block linears on this rank quantized to NF4 (QLoRA)")
         if self.c.use_dora and self.c.adapter_path is None and fresh:
             init_dora_magnitudes(modules)
         self.log_trainable(ctx.model_parts)
         if fresh:
-            self.frozen_fingerprint = bits_checksum(self.frozen_parameters(ctx.model_parts))
+            self.frozen_fingerprint = bits_checksum(checksum_tensors(self.frozen_parameters(ctx.model_parts)))
 
     def stage_group(self) -> dist.ProcessGroup | None:
         """The ranks holding this rank's pipeline stage (they share PiSSA's SVDs), or None on one process."""
@@ -208,7 +235,15 @@ class LoraTransform(Transform):
         logger.info(f"lora: the optimizer holds {len(held)} tensors, exactly the trainable ones")
 
     def saves_parameter(self, name: str) -> bool:
+        """Adapter-only checkpoints hold the adapters; an NF4 weight is never saved (DCP has no NF4 support): a
+        resume quantizes it again from the initial weights, deterministically."""
+        if name in self.nf4_names():
+            return False
         return not self.c.save_adapter_only or adapter_exported_param(self.options, name)
+
+    def nf4_names(self) -> set[str]:
+        """The NF4 weights' canonical names (known once `check` has seen the model args)."""
+        return self._nf4_names or set()
 
     def after_optimizer_step(self, model_parts: list[nn.Module], step: int) -> None:
         if self.c.refactor_freq and step % self.c.refactor_freq == 0:
@@ -242,7 +277,7 @@ class LoraTransform(Transform):
         if self.frozen_fingerprint is None:
             return
         frozen = self.frozen_parameters(model_parts)
-        if bits_checksum(frozen) != self.frozen_fingerprint:
+        if bits_checksum(checksum_tensors(frozen)) != self.frozen_fingerprint:
             logger.error("lora: the frozen weights on this rank CHANGED during training (a bug: please report it)")
         else:
             logger.info(f"lora: the {len(frozen)} frozen tensors on this rank are bitwise unchanged since loading")
@@ -265,6 +300,22 @@ class LoraTransform(Transform):
                            readme(self.c, "residual", f"step-{step}-pissa-residual-base"))
         logger.info(f"lora: PiSSA adapters of step {step}: {out} is a plain LoRA of rank {2 * self.c.rank} for the "
                     f"ORIGINAL base; {residual} (rank {self.c.rank}) applies to the residual base")
+
+    # ------------------------------------------------------------------------------ plan hooks
+
+    def plan_lines(self, model_args: LlamaArgs) -> list[str]:
+        if not self.nf4:
+            return []
+        return [plan_line(model_args, self.nf4_weights(model_args), getattr(torch, self.cfg.training.dtype).itemsize)]
+
+    def param_bytes(self, name: str, param: torch.Tensor) -> float | None:
+        return nf4_param_bytes(name, param, self.nf4_names())
+
+    def gathered_bytes(self, name: str, param: torch.Tensor) -> float | None:
+        return nf4_param_bytes(name, param, self.nf4_names())  # FSDP gathers the codes, scales and factors
+
+    def plan_memory(self, ctx: PlanContext) -> list[PlanItem]:
+        return dequantize_memory(ctx, self.nf4_names())
 
 
 def without_adapters(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
