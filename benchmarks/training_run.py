@@ -186,7 +186,7 @@ def _data_parallel_share(job: Job) -> float:
     split = 1
     for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"):
         if key in joined:
-            split *= int(joined.split(key)[1].split()[1])
+            split *= int(joined.split(key)[1].split()[0])
     return job.nproc / split
 
 
