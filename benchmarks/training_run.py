@@ -25,6 +25,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "TRAINING_RUN "
+RESULTS_ENV = "TITAN_LITE_RUN_RESULTS"  # a folder where each rank writes its figures as rank<N>.json
 
 
 @dataclass
@@ -164,12 +165,13 @@ def measure(job: Job, timeout: float = 480, env: dict | None = None) -> dict:
     full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
                     **(env or {}))
     full_env.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        proc = subprocess.run(launcher, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    ranks = [json.loads(line[len(RESULT_PREFIX):]) for line in proc.stdout.splitlines()
-             if line.startswith(RESULT_PREFIX)]
+    with tempfile.TemporaryDirectory(prefix="titan_lite_results_") as folder:
+        full_env[RESULTS_ENV] = folder  # a file per rank: ranks printing at once interleave on the shared pipe
+        try:
+            proc = subprocess.run(launcher, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:.0f} s"}
+        ranks = [json.loads(f.read_text()) for f in sorted(Path(folder).glob("rank*.json"))]
     if proc.returncode != 0 or len(ranks) != job.nproc:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-20:]
         last = next((t for t in reversed(tail) if "Error" in t or "error" in t), tail[-1] if tail else "no output")
@@ -196,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     job = Job(**json.loads(p.parse_args(argv).job))
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    print(RESULT_PREFIX + json.dumps(run_here(job)), flush=True)
+    result = run_here(job)
+    if os.environ.get(RESULTS_ENV):
+        (Path(os.environ[RESULTS_ENV]) / f"rank{result['rank']}.json").write_text(json.dumps(result))
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0
 
 
