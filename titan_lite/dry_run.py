@@ -142,7 +142,12 @@ def tokenizer_line(plan: JobPlan) -> str:
     if plan.tokenizer is None:
         return (f"tokenizer: not there yet ('{path}'); vocabulary {plan.model_args.vocab_size:,} from flavor "
                 f"'{plan.cfg.model.flavor}'")
-    return f"tokenizer: '{path}', {plan.tokenizer.vocab_size:,} tokens"
+    line = f"tokenizer: '{path}', {plan.tokenizer.vocab_size:,} tokens"
+    if plan.tokenizer.vocab_size * 2 <= plan.model_args.vocab_size:  # larger ones are refused by the plan
+        line += (f"\nwarning: the tokenizer's {plan.tokenizer.vocab_size:,} tokens are far fewer than the model's "
+                 f"vocabulary of {plan.model_args.vocab_size:,}: is '{path}' this model's tokenizer? (the bundled "
+                 "assets/tokenizer is the debug models'; set model.hf_assets_path to the model's folder)")
+    return line
 
 
 def checklist_lines(missing: list[str]) -> list[str]:

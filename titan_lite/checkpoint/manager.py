@@ -189,6 +189,7 @@ class CheckpointManager:
                 tmp.mkdir(parents=True)
             self._barrier()
             begin = time.monotonic()
+            logger.info(f"saving checkpoint step {step} to {tmp}")
             if asynchronous:
                 future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg)
                 self._pending = (future, step)

@@ -16,8 +16,8 @@ from titan_lite.checkpoint.manager import check_source_before_launch, initial_so
 from titan_lite.config.schema import JobConfig
 from titan_lite.config.validate import validate
 from titan_lite.data.dataloader import samples_per_epoch
-from titan_lite.data.datasets import check_dataset
-from titan_lite.data.instruct import check_instruction_data
+from titan_lite.data.datasets import check_dataset, check_enough_tokens, resolve_shards
+from titan_lite.data.instruct import check_instruction_data, count_split_examples
 from titan_lite.data.mixture import check_mixture_data
 from titan_lite.data.tokenizer import Tokenizer, build_tokenizer
 from titan_lite.distributed import choose_backend, device_type
@@ -206,6 +206,34 @@ def check_training_data(cfg: JobConfig) -> None:
         check_section_data(cfg, "training")
 
 
+def check_validation_examples(cfg: JobConfig, dp_degree: int) -> None:
+    """Instruction validation holds one full batch (validation.local_batch_size on every data-parallel rank): the
+    pass drops a partial last batch, so fewer would measure nothing (a NaN loss)."""
+    needed = cfg.validation.local_batch_size * dp_degree
+    found = count_split_examples(cfg, "validation", needed)
+    if found < needed:
+        where = cfg.validation.dataset_path or f"the held-out split of {cfg.training.dataset_path}"
+        raise ConfigError(f"validation on '{where}' has {found} examples: fewer than one batch of "
+                          f"'validation.local_batch_size' = {cfg.validation.local_batch_size} x {dp_degree} "
+                          "data-parallel rank(s); lower it, or add validation data")
+
+
+def check_data_volume(cfg: JobConfig, plan: "JobPlan") -> None:
+    """Packed training and validation data hold at least one window per data-parallel rank (instruction data pads
+    each example instead; a data mixture draws windows from whichever domain has them)."""
+    if plan.tokenizer is None:
+        return
+    for section in ("training", "validation") if cfg.validation.enable else ("training",):
+        s = getattr(cfg, section)
+        if section == "validation" and s.dataset == "instruct":
+            check_validation_examples(cfg, plan.parallel_dims.dp_degree)
+        if s.dataset == "instruct" or (section == "training" and cfg.data_mixture.enable):
+            continue
+        where = s.dataset_path if s.dataset_path is not None else s.dataset
+        check_enough_tokens(resolve_shards(s.dataset, s.dataset_path, section), plan.tokenizer, s.seq_len,
+                            plan.parallel_dims.dp_degree, where, f"{section}.dataset_path")
+
+
 def check_data(cfg: JobConfig) -> None:
     check_training_data(cfg)
     if cfg.validation.enable:
@@ -247,6 +275,8 @@ def gather_assets(cfg: JobConfig) -> tuple[Tokenizer | None, list[str]]:
     if cfg.validation.enable:
         _noting(problems, lambda: check_section_data(cfg, "validation"))
     _noting(problems, lambda: check_initial_weights(cfg))
+    if "prune" in cfg.model.converters and cfg.pruning.dataset_path is not None:
+        _noting(problems, lambda: check_dataset(cfg.pruning.dataset, cfg.pruning.dataset_path, "pruning"))
     return tokenizer, problems
 
 
@@ -273,6 +303,7 @@ def check_before_launch(cfg: JobConfig, world_size: int) -> JobPlan:
     if problems:
         raise ConfigError(problems[0])
     plan = plan_with_tokenizer(cfg, world_size, tokenizer)
+    check_data_volume(cfg, plan)
     check_source_before_launch(cfg, plan.model_args)
     check_output_folders(cfg)
     return plan

@@ -1,6 +1,6 @@
 """Model transforms ("converters"): the contract, the registry, and the built-in transforms (registered on import)."""
 
-from titan_lite.transforms import lora  # noqa: F401  (registers the built-in "lora" transform)
+from titan_lite.transforms import float8, lora  # noqa: F401  (register "quantize.linear.float8" and "lora")
 from titan_lite.transforms.base import (
     PassPlan,
     PlanContext,

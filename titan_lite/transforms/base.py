@@ -18,6 +18,8 @@ calls the hooks of the configured transforms (`[model] converters`) in order and
   metrics             scalars logged with each training log line
   export_state_dict   turn a full state dict into a plain Llama's before an HF export (merge, drop, materialise)
   export              extra artifacts at the end of a run (adapter folders, reports)
+  after_parallelize   one model part once TP, CP, AC, compile and FSDP are applied (on the meta device, before
+                      materialisation): e.g. install an FSDP custom all-gather
 
 The plan hooks (DRY_RUN, and scripts that plan a pass) let a transform say what it changes in the memory plan; the
 estimate (`titan_lite/job/estimate.py`) calls them and nothing outside `transforms/` names a transform:
@@ -50,7 +52,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from titan_lite.config.schema import JobConfig
-from titan_lite.errors import ConfigError
+from titan_lite.errors import ConfigError, did_you_mean
 from titan_lite.models.llama.args import LlamaArgs
 from titan_lite.models.llama.hf import HFNames
 from titan_lite.parallel.parallel_dims import ParallelDims
@@ -202,6 +204,11 @@ class Transform:
         """The memory of a pass this transform runs before training, on the rank of `ctx`."""
         return None
 
+    # ------------------------------------------------------------------------------ after parallelism
+
+    def after_parallelize(self, model: nn.Module, parallel_dims: ParallelDims) -> None:
+        """One parallelised model part (still on the meta device): e.g. set an FSDP module's custom all-gather."""
+
 
 _REGISTRY: dict[str, Callable[[JobConfig], Transform]] = {}
 
@@ -224,7 +231,8 @@ def build_transforms(cfg: JobConfig) -> list[Transform]:
     for name in cfg.model.converters:
         if name not in _REGISTRY:
             known = ", ".join(registered_transforms()) or "none"
-            raise ConfigError(f"'model.converters' has unknown transform '{name}'; available: {known}")
+            raise ConfigError(f"'model.converters' has unknown transform '{name}'"
+                              f"{did_you_mean(name, registered_transforms())}; available: {known}")
         transforms.append(_REGISTRY[name](cfg))
     return transforms
 
@@ -318,6 +326,10 @@ class Transforms:
 
     def pass_plans(self, ctx: PlanContext) -> list[PassPlan]:
         return [plan for t in self.items if (plan := t.pass_plan(ctx)) is not None]
+
+    def after_parallelize(self, model: nn.Module, parallel_dims: ParallelDims) -> None:
+        for t in self.items:
+            t.after_parallelize(model, parallel_dims)
 
 
 def _first(values: Iterator[float | None], default: float) -> float:

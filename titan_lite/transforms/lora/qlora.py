@@ -8,12 +8,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_lite.config.schema import JobConfig
+from titan_lite.dtensor import copy_into_shard, full_tensor
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama.args import LlamaArgs
 from titan_lite.models.llama.model import canonical_name
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.transforms.base import PlanContext, PlanItem
-from titan_lite.transforms.lora.module import LoRALinear, _like
+from titan_lite.transforms.lora.module import LoRALinear, _like, dora_magnitude
 from titan_lite.transforms.nf4 import (
     dequantize,
     is_nf4,
@@ -22,6 +23,7 @@ from titan_lite.transforms.nf4 import (
     quantize_param,
 )
 from titan_lite.transforms.nf4.fsdp import fsdp_records, swap_parameter
+from titan_lite.transforms.nf4.quantize import quantize_local
 
 NF4 = "nf4"
 BLOCK_LINEAR = re.compile(r"^layers\.\d+\.(attention\.w[qkvo]|feed_forward\.w[123])\.weight$")
@@ -43,6 +45,13 @@ class NF4LoRALinear(LoRALinear):
         if not (self.training and isinstance(self.dropout, nn.Dropout)):
             return gain * (base + self.scale * update)
         return base + (gain - 1) * F.linear(dropped, self.weight) + gain * self.scale * update
+
+    def weight_norm(self) -> torch.Tensor:
+        """Row norms of the dequantized W + scale B A in float32."""
+        if not is_nf4(self.weight):
+            return super().weight_norm()
+        adapted = dequantize(self.weight) + self.scale * (self.lora_b.float() @ self.lora_a.float())
+        return torch.linalg.vector_norm(adapted, dim=1)
 
 
 def is_block_linear(name: str) -> bool:
@@ -100,6 +109,21 @@ def quantize_frozen_linears(model_parts: list[nn.Module], frozen: set[str]) -> i
     return count
 
 
+@torch.no_grad()
+def init_dora_magnitudes_nf4(modules: list[tuple[str, nn.Module]]) -> None:
+    """DoRA's magnitude from the dequantized NF4 weights: the row norms of NF4(W) + scale B A, so DoRA starts as
+    the quantized base it trains on."""
+    for _, module in modules:
+        norms = dora_magnitude(full_tensor(dequantize(module.weight)), full_tensor(module.lora_a),
+                               full_tensor(module.lora_b), module.scale)
+        copy_into_shard(module.magnitude, norms.to(module.magnitude.dtype))
+
+
+def dense_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict with every NF4 tensor dequantized to float32 (an export gathers NF4 weights as they are)."""
+    return {n: dequantize(t) if is_nf4(t) else t for n, t in state_dict.items()}
+
+
 def checksum_tensors(params: list[torch.Tensor]) -> list[torch.Tensor]:
     """The plain tensors a bitwise fingerprint reads: an NF4 weight's codes, scales and factors."""
     out = []
@@ -112,9 +136,15 @@ def checksum_tensors(params: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def dense_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A state dict with every NF4 tensor dequantized to float32."""
-    return {n: dequantize(t) if is_nf4(t) else t for n, t in state_dict.items()}
+def nf4_round_trip(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+    """(the state dict with every block projection quantized to NF4 and dequantized to float32, how many): the base
+    a QLoRA run trained on, when its training.dtype was the dtype of these tensors."""
+    out, count = dict(state_dict), 0
+    for name, tensor in state_dict.items():
+        if is_block_linear(name):
+            out[name] = dequantize(quantize_local(tensor, [], tensor.numel()))
+            count += 1
+    return out, count
 
 
 # ------------------------------------------------------------------------------------------ the plan

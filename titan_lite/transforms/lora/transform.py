@@ -14,6 +14,7 @@ from titan_lite.checkpoint.peft import (
     PeftAdapter,
     from_peft_tensors,
     read_peft_adapter,
+    record_merge,
     to_peft_tensors,
     write_peft_adapter,
 )
@@ -43,7 +44,9 @@ from titan_lite.transforms.lora.qlora import (
     block_linear_shapes,
     check_nf4,
     checksum_tensors,
+    dense_state_dict,
     dequantize_memory,
+    init_dora_magnitudes_nf4,
     nf4_param_bytes,
     plan_line,
     quantize_frozen_linears,
@@ -187,7 +190,7 @@ class LoraTransform(Transform):
             count = quantize_frozen_linears(ctx.model_parts, self.nf4_weights(ctx.model_args))
             logger.info(f"lora: {count} frozen block linears on this rank quantized to NF4 (QLoRA)")
         if self.c.use_dora and self.c.adapter_path is None and fresh:
-            init_dora_magnitudes(modules)
+            (init_dora_magnitudes_nf4 if self.nf4 else init_dora_magnitudes)(modules)
         self.log_trainable(ctx.model_parts)
         if fresh:
             self.frozen_fingerprint = bits_checksum(checksum_tensors(self.frozen_parameters(ctx.model_parts)))
@@ -256,20 +259,38 @@ class LoraTransform(Transform):
                           model_args: LlamaArgs) -> tuple[dict[str, torch.Tensor], LlamaArgs]:
         """The merged model: W + scale B A (DoRA: rescaled rows) for every adapter; PiSSA's W is the residual, so
         the merge equals the original weight plus the learnt update."""
+        state_dict = dense_state_dict(state_dict)  # the NF4 base merges as it was trained: dequantized
         specs = {m: self.options.spec(m) for m in {module_of(n)[0] for n in state_dict if n.endswith(".lora_a")}}
         return merge_adapters(state_dict, specs), model_args
 
+    def base_folder(self, folder: Path, step: int) -> Path | None:
+        """Where the base the adapters apply to is written as an HF folder: when it is not loaded from one (a seeded
+        initialisation or a DCP checkpoint), the adapter alone could not be merged, served or loaded by PEFT."""
+        if self.cfg.checkpoint.initial_load_in_hf or self.options.pissa:
+            return None  # the HF base folder exists already; PiSSA writes its residual base instead
+        return folder / f"step-{step}-base-hf"
+
     def export(self, model_parts: list[nn.Module], folder: Path, step: int) -> None:
         self.check_frozen_unchanged(model_parts)
+        base = self.base_folder(folder, step)
+        if base is not None:
+            export_hf(model_parts, self.model_args, str(base), getattr(torch, self.cfg.checkpoint.export_dtype),
+                      self.cfg.model.hf_assets_path, self.parallel_dims,
+                      convert=lambda sd, args: (without_adapters(sd), args))
+            logger.info(f"lora: the frozen base (not loaded from a Hugging Face folder) written to {base}; "
+                        f"step-{step}-adapter applies to it")
         state = gather_full_state_dict(model_parts, torch.float32, self.parallel_dims,
                                        keep=lambda n: adapter_exported_param(self.options, n))
         if state is not None:
-            self.write_adapters(state, folder, step)
+            self.write_adapters(state, folder, step, base)
+            merged = folder / f"step-{step}-hf"  # the run's merged export, written just before
+            if self.cfg.checkpoint.last_save_in_hf and merged.is_dir():
+                record_merge(merged, folder / f"step-{step}-adapter")
         if self.options.pissa:
             out = folder / f"step-{step}-pissa-residual-base"
             export_hf(model_parts, self.model_args, str(out), getattr(torch, self.cfg.checkpoint.export_dtype),
                       self.cfg.model.hf_assets_path, self.parallel_dims,
-                      convert=lambda sd, args: (without_adapters(sd), args))
+                      convert=lambda sd, args: (without_adapters(dense_state_dict(sd)), args))
             logger.info(f"lora: PiSSA's residual base (the frozen weights W - s B0 A0) written to {out}; "
                         f"step-{step}-pissa-adapter applies to it")
 
@@ -282,8 +303,9 @@ class LoraTransform(Transform):
         else:
             logger.info(f"lora: the {len(frozen)} frozen tensors on this rank are bitwise unchanged since loading")
 
-    def write_adapters(self, state: dict[str, torch.Tensor], folder: Path, step: int) -> None:
-        base = self.cfg.checkpoint.initial_load_path or self.cfg.model.hf_assets_path
+    def write_adapters(self, state: dict[str, torch.Tensor], folder: Path, step: int,
+                       base_folder: Path | None = None) -> None:
+        base = str(base_folder or self.cfg.checkpoint.initial_load_path or self.cfg.model.hf_assets_path)
         modules = sorted({module_of(n)[0] for n in state if n.endswith(".lora_a")}, key=_layer_order)
         args = self.model_args
         out = folder / f"step-{step}-adapter"
