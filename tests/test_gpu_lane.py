@@ -34,7 +34,7 @@ def test_gpu_lane_smoke_runs_every_case_on_cpu(tmp_path):
     train = next(x for x in lines if x.startswith("train_1b_eager: "))
     assert "tokens/s" in train and "peak 0.0" in train
     ratios = [float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith("memory train_") and "estimate / measured" in x]
-    assert ratios and all(0.5 < r < 2 for r in ratios)
+    assert ratios and all(0.85 < r < 1.15 for r in ratios)  # the CPU plan of the CPU step
     text = report.read_text()
     assert "SMOKE" in text and "torch " in text and lines[-2] in text
 
