@@ -17,6 +17,7 @@ from titan_lite.checkpoint.peft import from_peft_tensors, read_peft_adapter
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama.hf import args_from_hf_config, read_hf_config
 from titan_lite.transforms.lora.adapters import adapted_modules_of, merge_adapters, peft_specs
+from titan_lite.transforms.lora.sparse import adapter_keeps_sparsity
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,6 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output_dir", required=True, help="folder to write the merged model to "
                         "(replaced if it exists)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="dtype of the written weights (default: the base's)")
+    parser.add_argument("--keep_sparsity", choices=("auto", "on", "off"), default="auto",
+                        help="mask each update by its base weight's zeros, so the merged model keeps the base's "
+                             "sparsity exactly; auto: on for an adapter trained with lora.keep_sparsity (default)")
     parser.add_argument("--max_shard_gb", type=float, default=5.0, help="largest safetensors file, in GiB")
     return parser.parse_args(argv)
 
@@ -49,11 +53,21 @@ def merge(opts: argparse.Namespace) -> str:
     if missing:
         raise ConfigError(f"{opts.adapter}: '{missing[0]}' is not a parameter of the base model")
     dtype = DTYPES[opts.dtype] if opts.dtype else next(iter(state.values())).dtype
-    merged = merge_adapters({**state, **tensors}, peft_specs(adapter, modules))
+    masked = sparse_merge(opts)
+    merged = merge_adapters({**state, **tensors}, peft_specs(adapter, modules), masked)
     print(f"writing {opts.output_dir}", flush=True)
     write_hf_folder(merged, args, opts.output_dir, dtype, opts.base, int(opts.max_shard_gb * 2**30))
-    return (f"merged {len(modules)} adapters from {opts.adapter} into {opts.base}: wrote {opts.output_dir} "
+    kept = ", the base's zeros kept" if masked else ""
+    return (f"merged {len(modules)} adapters from {opts.adapter} into {opts.base}{kept}: wrote {opts.output_dir} "
             f"({str(dtype).removeprefix('torch.')}) in {time.monotonic() - start:.1f}s")
+
+
+def sparse_merge(opts: argparse.Namespace) -> bool:
+    """Whether the merge masks the updates by the base's zeros (--keep_sparsity; auto: the adapter's marker)."""
+    masked = opts.keep_sparsity == "on" or (opts.keep_sparsity == "auto" and adapter_keeps_sparsity(opts.adapter))
+    if masked:
+        print("keep_sparsity: each update is masked by its base weight's zeros", flush=True)
+    return masked
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,14 +38,16 @@ def adapted_modules_of(state: dict[str, torch.Tensor]) -> list[str]:
 # ------------------------------------------------------------------------------------------ merge and convert
 
 
-def merge_adapters(state: dict[str, torch.Tensor], specs: dict[str, AdapterSpec]) -> dict[str, torch.Tensor]:
+def merge_adapters(state: dict[str, torch.Tensor], specs: dict[str, AdapterSpec],
+                   keep_sparsity: bool = False) -> dict[str, torch.Tensor]:
     """A plain Llama state dict: each adapted weight replaced by its merged weight (computed in float32, kept in
-    the weight's dtype), adapter tensors dropped. `specs` gives each adapted module's scale."""
+    the weight's dtype), adapter tensors dropped. `specs` gives each adapted module's scale; keep_sparsity masks
+    each update by its weight's zeros."""
     out = dict(state)
     for module in adapted_modules_of(state):
         magnitude, weight = out.pop(f"{module}.magnitude", None), out[f"{module}.weight"]
         out[f"{module}.weight"] = merged_weight(weight, out.pop(f"{module}.lora_a"), out.pop(f"{module}.lora_b"),
-                                                specs[module].scale, magnitude).to(weight.dtype)
+                                                specs[module].scale, magnitude, keep_sparsity).to(weight.dtype)
     for name in [n for n in out if module_of(n)[1] in PISSA_INIT_PARAMS]:
         del out[name]
     return out
