@@ -23,6 +23,7 @@ from titan_lite.errors import ConfigError
 from titan_lite.models.llama.args import LlamaArgs
 from titan_lite.transforms.lora.module import ADAPTER_PARAMS, PISSA_INIT_PARAMS, merged_weight
 from titan_lite.transforms.lora.options import FULL_MODULES, PROJECTIONS, AdapterSpec, LoraOptions
+from titan_lite.transforms.lora.sparse import adapter_keeps_sparsity
 
 
 def module_of(name: str) -> tuple[str, str]:
@@ -159,7 +160,8 @@ def check_adapter_matches(options: LoraOptions, args: LlamaArgs, folder: str) ->
 
 def lora_settings_from_peft(folder: str | Path) -> dict[str, Any]:
     """[lora] values that reproduce a PEFT adapter (its targets, ranks, alphas, DoRA, modules_to_save), with
-    adapter_path pointing at it: what the scripts use to load an adapter without a config."""
+    adapter_path pointing at it, keep_sparsity on for an adapter trained with masked updates: what the scripts use
+    to load an adapter without a config."""
     config = read_adapter_config(folder)
     names = [titan_tensor_name(k, str(folder)) for k in adapter_tensor_shapes(folder)]
     targets = sorted({PROJECTIONS[module_of(module_of(n)[0])[1]][1] for n in names if n.endswith(".lora_a")})
@@ -170,7 +172,8 @@ def lora_settings_from_peft(folder: str | Path) -> dict[str, Any]:
             "use_dora": bool(config.get("use_dora")), "target_modules": targets, "init": "default", "dropout": 0.0,
             "rank_pattern": [f"{k}={v}" for k, v in (config.get("rank_pattern") or {}).items()],
             "alpha_pattern": [f"{k}={v}" for k, v in (config.get("alpha_pattern") or {}).items()],
-            "train_modules": list(config.get("modules_to_save") or []), "adapter_path": str(folder)}
+            "train_modules": list(config.get("modules_to_save") or []), "adapter_path": str(folder),
+            "keep_sparsity": "on" if adapter_keeps_sparsity(folder) else "off"}
 
 
 def adapter_exported_param(options: LoraOptions, name: str) -> bool:
