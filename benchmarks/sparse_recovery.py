@@ -32,7 +32,8 @@ def script(name: str, *args: str) -> str:
 
 
 def perplexity(opts: argparse.Namespace, *model: str) -> float:
-    out = script("eval_ppl.py", *model, "--data", opts.eval_data, "--seq_len", str(opts.seq_len))
+    out = script("eval_ppl.py", *model, "--data", opts.eval_data, "--seq_len", str(opts.seq_len),
+                 *(["--max_windows", str(opts.max_windows)] if opts.max_windows else []))
     return float(out.strip().splitlines()[-1].removeprefix("perplexity: "))
 
 
@@ -55,12 +56,15 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="folder for the pruned, trained and merged models")
     parser.add_argument("--seq_len", type=int, default=256)
     parser.add_argument("--nsamples", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=100, help="LoRA steps of each recovery run")
+    parser.add_argument("--pruned", help="an existing Wanda-pruned folder of the model (default: prune it first)")
+    parser.add_argument("--max_windows", type=int, help="evaluate only the first K windows")
+    parser.add_argument("--steps", type=int, default=40, help="LoRA steps of each recovery run (the recipe's 40)")
     opts = parser.parse_args()
     out = Path(opts.out)
-    pruned = out / "wanda50"
-    script("prune.py", "--hf_assets_path", opts.hf_assets_path, "--output_dir", str(pruned), "--method", "wanda",
-           "--sparsity", "0.5", "--nsamples", str(opts.nsamples), "--seq_len", str(opts.seq_len))
+    pruned = Path(opts.pruned) if opts.pruned else out / "wanda50"
+    if not opts.pruned:
+        script("prune.py", "--hf_assets_path", opts.hf_assets_path, "--output_dir", str(pruned), "--method", "wanda",
+               "--sparsity", "0.5", "--nsamples", str(opts.nsamples), "--seq_len", str(opts.seq_len))
     masked = train(opts, pruned, out / "masked", "on")
     plain = train(opts, pruned, out / "plain", "off")
     remasked = out / "plain-remasked"
