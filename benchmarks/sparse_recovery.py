@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--nsamples", type=int, default=64)
     parser.add_argument("--pruned", help="an existing Wanda-pruned folder of the model (default: prune it first)")
     parser.add_argument("--max_windows", type=int, help="evaluate only the first K windows")
-    parser.add_argument("--steps", type=int, default=40, help="LoRA steps of each recovery run (the recipe's 40)")
+    parser.add_argument("--steps", type=int, default=150, help="LoRA steps of each recovery run (the recipe's 150)")
     opts = parser.parse_args()
     out = Path(opts.out)
     pruned = Path(opts.pruned) if opts.pruned else out / "wanda50"

@@ -105,6 +105,18 @@ def test_every_forward_path_equals_the_masked_formula_with_gradients(path):
         torch.testing.assert_close(a, b)
 
 
+def test_the_fused_path_saves_no_dense_update_for_the_backward():
+    """Only the weight itself of [out, in] shape is kept (under FSDP a saved dense update would pin a full copy of
+    every gathered weight until the backward)."""
+    module = masked_module()
+    x = torch.randn(4, 32, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        module(x)
+    assert saved and not [t for t in saved if t.shape == module.weight.shape
+                          and t.data_ptr() != module.weight.data_ptr()]
+
+
 @pytest.mark.parametrize("variant", [[], ["--lora.use_rslora"], ["--lora.use_dora"]], ids=["lora", "rslora", "dora"])
 def test_merged_logits_equal_the_unmerged_masked_model_and_keep_the_zeros(variant):
     """A 2:4-pruned base (the prune transform, keep_sparsity auto) with a trained-looking adapter: the merge (the
