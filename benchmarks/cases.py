@@ -84,8 +84,10 @@ class TrainVariant(Variant):
     batch: int | None = None  # sequences per step on each rank; None = the shape's
     optimizer: str | None = None  # titan_lite's optimizer.implementation; None = the config default
     lora: str | None = None  # [lora] overrides: train LoRA adapters instead of every weight
+    overrides: str | None = None  # more titan_lite config overrides (e.g. a converter and its section's keys)
     env: dict[str, str] = field(default_factory=dict)  # extra environment (A/B of a switch)
     tensor_peak: bool = False  # one more step measuring the peak of live tensor bytes (peak_tensor_gib)
+    plan: bool = False  # DRY_RUN's estimate of the same run (planned_peak_gib), the base's storage against bf16
 
     def command(self, settings: Settings) -> tuple[list[str], dict[str, str]]:
         args = ["-m", "benchmarks.worker", "--impl", self.impl, "--shape", self.shape,
@@ -94,7 +96,9 @@ class TrainVariant(Variant):
         args += ["--batch", str(self.batch)] if self.batch else []
         args += ["--optimizer", self.optimizer] if self.optimizer else []
         args += ["--lora", self.lora] if self.lora else []
+        args += ["--overrides", self.overrides] if self.overrides else []
         args += ["--tensor_peak"] if self.tensor_peak else []
+        args += ["--plan"] if self.plan else []
         if self.nproc > 1:
             args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(self.nproc)] + args[:1] + \
                 ["benchmarks.worker"] + args[2:]
@@ -123,7 +127,17 @@ class TrainVariant(Variant):
             "foreign_cores": (busy - own_cpu) / first["wall_s"] if busy is not None else 0.0,
             "loss_last": first["losses"][-1],
         } | ({"peak_tensor_gib": max(r["peak_tensor_bytes"] for r in ranks) / 2**30}
-             if "peak_tensor_bytes" in first else {})
+             if "peak_tensor_bytes" in first else {}) | _plan_metrics(first)
+
+
+def _plan_metrics(r: dict) -> dict[str, float]:
+    """DRY_RUN's estimate beside the measured live-tensor peak, and the base's storage against bfloat16."""
+    if "planned_peak_bytes" not in r:
+        return {}
+    out = {"planned_peak_gib": r["planned_peak_bytes"] / 2**30, "base_vs_bf16": r["base_bytes"] / r["base_bf16_bytes"]}
+    if "peak_tensor_bytes" in r:
+        out["plan_error_pct"] = 100 * (r["planned_peak_bytes"] / r["peak_tensor_bytes"] - 1)
+    return out
 
 
 @dataclass
@@ -315,6 +329,22 @@ def _lora() -> Case:
                        higher_is_better=False)])
 
 
+@register_case("qlora_smollm2_135M")
+def _qlora() -> Case:
+    shape = SHAPES["smollm2_135M"]
+    adapters = "--lora.rank 16 --lora.alpha 32"
+    variants = [TrainVariant("LoRA r16, float32 base", shape=shape.name, lora=adapters, tensor_peak=True, plan=True),
+                TrainVariant("QLoRA r16, NF4 base", shape=shape.name, lora=f"{adapters} --lora.base_dtype nf4",
+                             tensor_peak=True, plan=True)]
+    return Case("qlora_smollm2_135M", f"titan_lite, {shape.batch} x {shape.seq_len} tokens, 1 process; DRY_RUN's "
+                "estimate of each run beside its measured live-tensor peak", variants,
+                [Ratio("QLoRA / LoRA step time", "step_s", "QLoRA r16, NF4 base", "LoRA r16, float32 base",
+                       higher_is_better=False),
+                 Ratio("QLoRA / LoRA live-tensor peak", "peak_tensor_gib", "QLoRA r16, NF4 base",
+                       "LoRA r16, float32 base", higher_is_better=False)],
+                columns=("step_s", "peak_tensor_gib", "planned_peak_gib", "plan_error_pct", "base_vs_bf16"))
+
+
 def _wanda(shape: str, nsamples: int) -> Case:
     variant = WandaVariant(f"Wanda 50%, {nsamples} x {SHAPES[shape].seq_len} tokens", shape=shape, nsamples=nsamples)
     return Case(f"wanda_{shape}", "one-shot pruning against one forward pass over its calibration windows",
@@ -325,6 +355,29 @@ def _wanda(shape: str, nsamples: int) -> Case:
 
 register_case("wanda_smollm2_135M")(lambda: _wanda("smollm2_135M", 32))
 register_case("wanda_tiny")(lambda: _wanda("tiny", 4))  # smoke tests
+
+
+FLOAT8 = "--model.converters quantize.linear.float8"
+
+
+def _float8(shape: str) -> Case:
+    """float8 linears (torchao) beside the same training in the compute dtype. On CPU float8 is emulated (casts
+    around a high-precision matmul), so this prints its cost for the record; the GPU lane gives the speed-up."""
+    variants = [TrainVariant("high precision", shape=shape, tensor_peak=True),
+                TrainVariant("float8 tensorwise", shape=shape, overrides=FLOAT8, tensor_peak=True),
+                TrainVariant("float8 rowwise", shape=shape, tensor_peak=True,
+                             overrides=f"{FLOAT8} --quantize.linear.float8.recipe_name rowwise")]
+    return Case(f"float8_{shape}", f"titan_lite, {SHAPES[shape].batch} x {SHAPES[shape].seq_len} tokens, 1 process",
+                variants,
+                [Ratio("float8 tensorwise / high precision step time", "step_s", "float8 tensorwise",
+                       "high precision", higher_is_better=False),
+                 Ratio("float8 tensorwise / high precision peak tensors", "peak_tensor_gib", "float8 tensorwise",
+                       "high precision", higher_is_better=False)],
+                columns=("step_s", "tokens_per_s", "peak_tensor_gib", "peak_rss_gib"))
+
+
+for _shape in ("debug", "tiny"):
+    register_case(f"float8_{_shape}")(lambda s=_shape: _float8(s))
 
 
 @register_case("dry_run")
@@ -344,7 +397,7 @@ def _tiny() -> Case:
 
 DEFAULT_CASES = ["train_debug", "train_512d_32k", "train_smollm2_135M", "paired_debug", "paired_512d_32k",
                  "paired_smollm2_135M", "fsdp_debug", "fsdp_512d_32k",
-                 "fsdp_smollm2_135M", "lora_smollm2_135M", "wanda_smollm2_135M", "dry_run"]
+                 "fsdp_smollm2_135M", "lora_smollm2_135M", "qlora_smollm2_135M", "wanda_smollm2_135M", "dry_run"]
 
 
 def environment_of(variant: Variant, settings: Settings) -> tuple[list[str], dict[str, str]]:

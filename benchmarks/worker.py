@@ -35,13 +35,18 @@ from benchmarks.kernel_floor import floor_summary, record_step
 from benchmarks.shapes import SHAPES, Shape
 from titan_lite import distributed as tl_dist
 from titan_lite.config import parse_args
+from titan_lite.dry_run import plan_rank
 from titan_lite.job.assembly import assemble_model
+from titan_lite.job.plan import plan_job
 from titan_lite.job.script import start_job
 from titan_lite.metrics.flops import num_flops_per_token, peak_flops
 from titan_lite.metrics.memory import measure_peak
 from titan_lite.models.llama import Llama, LlamaArgs
 from titan_lite.models.llama.hf import args_to_hf_config
+from titan_lite.models.llama.model import canonical_name
 from titan_lite.train import Trainer
+from titan_lite.transforms.lora.qlora import is_block_linear
+from titan_lite.transforms.nf4 import is_nf4
 
 RESULT_PREFIX = "BENCH_RESULT "
 _HF_STEP = "transformers' step"
@@ -67,10 +72,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lora", default=None,
                    help="titan_lite: train LoRA adapters on all seven projections with these [lora] overrides "
                         "(e.g. '--lora.rank 16 --lora.alpha 32') instead of every weight")
+    p.add_argument("--overrides", default=None,
+                   help="titan_lite: more config overrides, e.g. '--model.converters quantize.linear.float8'")
     p.add_argument("--tensor_peak", action="store_true",
                    help="titan_lite: one more step after the timed ones, reporting the peak bytes of live tensors "
                         "(parameters and optimizer state throughout, plus everything the step allocates): what an "
                         "accelerator's allocator peak measures, without the process's own runtime")
+    p.add_argument("--plan", action="store_true",
+                   help="titan_lite, one process: also report DRY_RUN's estimated peak of the same run (planned with "
+                        "the CPU's float32 compute) and the storage of the frozen block linears against bfloat16")
     p.add_argument("--nsamples", type=int, default=32, help="wanda: calibration windows of the shape's seq_len")
     p.add_argument("--profile", default=None, help="write a torch.profiler table of 2 steps after the timed ones")
     return p.parse_args(argv)
@@ -86,10 +96,7 @@ def random_batch(shape: Shape, vocab: int, seed: int) -> tuple[torch.Tensor, tor
 # ------------------------------------------------------------------------------------ titan_lite
 
 
-def titan_lite_step(shape: Shape, opts: argparse.Namespace,
-                    dump_folder: str) -> tuple[Callable[[int], float], Trainer]:
-    """The trainer's own train_step (token count, forward/backward, clip, optimizer step) on random batches, and the
-    trainer (for its state)."""
+def titan_lite_overrides(shape: Shape, opts: argparse.Namespace, dump_folder: str) -> list[str]:
     overrides = [
         "--job.config_file", "train_configs/debug_model.toml",  # activation checkpointing off, as in transformers
         "--model.flavor", shape.flavor, "--model.hf_assets_path", "assets/tokenizer",
@@ -101,7 +108,15 @@ def titan_lite_step(shape: Shape, opts: argparse.Namespace,
     ]
     if opts.lora:
         overrides += ["--model.converters", "lora", *shlex.split(opts.lora)]
-    trainer = Trainer(parse_args(overrides))
+    overrides += shlex.split(opts.overrides or "")
+    return overrides
+
+
+def titan_lite_step(shape: Shape, opts: argparse.Namespace,
+                    dump_folder: str) -> tuple[Callable[[int], float], Trainer]:
+    """The trainer's own train_step (token count, forward/backward, clip, optimizer step) on random batches, and the
+    trainer (for its state)."""
+    trainer = Trainer(parse_args(titan_lite_overrides(shape, opts, dump_folder)))
     vocab = trainer.plan.model_args.vocab_size
     batches = [random_batch(shape, vocab, seed=trainer.rank * 1000 + i) for i in range(4)]
 
@@ -109,6 +124,26 @@ def titan_lite_step(shape: Shape, opts: argparse.Namespace,
         loss, _ = trainer.train_step([batches[i % len(batches)]], i + 1)
         return loss
     return step, trainer
+
+
+def planned_peak_bytes(shape: Shape, opts: argparse.Namespace, dump_folder: str) -> int:
+    """DRY_RUN's estimated peak of this run on one rank, planned before the trainer starts (its fake process group
+    must not meet the trainer's), with float32 compute as on this CPU."""
+    cfg = parse_args([*titan_lite_overrides(shape, opts, dump_folder), "--training.mixed_precision_param", "float32"])
+    return plan_rank(plan_job(cfg, 1), 0).estimate.total
+
+
+def base_storage(trainer: Trainer) -> tuple[int, int]:
+    """(bytes the frozen block linears are stored in, their bytes in bfloat16)."""
+    stored, bf16 = 0, 0
+    for part in trainer.model_parts:
+        for name, param in part.named_parameters():
+            if is_block_linear(canonical_name(name)) and not param.requires_grad:
+                inner = [param.quantized_data, param.quantized_scalers, param.quantization_factor] \
+                    if is_nf4(param) else [param]
+                stored += sum(t.numel() * t.element_size() for t in inner)
+                bf16 += param.numel() * 2
+    return stored, bf16
 
 
 def tensor_peak_bytes(trainer: Trainer, step: Callable[[int], float], i: int) -> int:
@@ -325,8 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         elif opts.impl == "floor":
             result = steps_against_floor(shape, opts, dump_folder)
         else:
-            trainer = None
+            trainer, planned = None, None
             if opts.impl == "titan_lite":
+                planned = planned_peak_bytes(shape, opts, dump_folder) if opts.plan else None
                 step, trainer = titan_lite_step(shape, opts, dump_folder)
             else:
                 step = transformers_step(shape)
@@ -337,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
                 profile_table(step, opts.warmup + opts.steps, opts.profile)
             if opts.tensor_peak and trainer is not None:
                 result["peak_tensor_bytes"] = tensor_peak_bytes(trainer, step, opts.warmup + opts.steps + 2)
+            if planned is not None:
+                result["planned_peak_bytes"] = planned
+                result["base_bytes"], result["base_bf16_bytes"] = base_storage(trainer)
             gc.enable()
     a = shape.args()
     result.update(

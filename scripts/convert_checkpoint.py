@@ -1,13 +1,12 @@
 """Offline conversion between titan_lite DCP checkpoints and Hugging Face safetensors folders (no process group).
+The tensors keep the checkpoint's dtype unless --dtype says otherwise; the output is written whole or not at all.
 
-    python scripts/convert_checkpoint.py dcp-to-hf outputs/checkpoint/step-1000 outputs/hf --flavor 1B \
+    .venv/bin/python scripts/convert_checkpoint.py dcp-to-hf outputs/checkpoint/step-1000 outputs/hf --flavor 1B \
         --dtype bfloat16 --assets assets/hf/Llama-3.2-1B
-    python scripts/convert_checkpoint.py hf-to-dcp assets/hf/Llama-3.2-1B outputs/seed-checkpoint
+    .venv/bin/python scripts/convert_checkpoint.py hf-to-dcp assets/hf/Llama-3.2-1B outputs/seed-checkpoint
 """
 
 import argparse
-import os
-import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -15,9 +14,14 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+# The checkout's titan_lite, whichever python runs the script (e.g. `.venv/bin/python scripts/...`).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from titan_lite.checkpoint.dcp import read_dcp_model
 from titan_lite.checkpoint.hf import check_state_dict, read_hf_folder, write_hf_folder
 from titan_lite.errors import ConfigError
+from titan_lite.job.cli import ScriptParser
+from titan_lite.job.script import atomic_folder, check_output_folder, run_script
 from titan_lite.models.llama.args import LlamaArgs, flavor_args
 from titan_lite.models.llama.hf import args_from_hf_config, read_hf_config
 
@@ -29,26 +33,28 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = ScriptParser(__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{dcp-to-hf,hf-to-dcp}")
     for name, help_text in (("dcp-to-hf", "a titan_lite DCP step folder -> a Hugging Face folder"),
                             ("hf-to-dcp", "a Hugging Face folder -> a titan_lite DCP checkpoint (model only)")):
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=parser.formatter_class)
         p.add_argument("input", help="the folder to read")
         p.add_argument("output", help="the folder to write (replaced if it exists)")
         source = p.add_mutually_exclusive_group()
         source.add_argument("--flavor", help="model flavor (titan_lite.models.llama.FLAVORS)")
-        source.add_argument("--hf-config", help="an HF config.json describing the model")
-        p.add_argument("--max-seq-len", type=int,
+        source.add_argument("--hf_config", help="an HF config.json describing the model")
+        p.add_argument("--max_seq_len", type=int,
                        help="with --flavor: max_position_embeddings for config.json (raised to that of "
                             "--assets/config.json when it describes the same model)")
-        p.add_argument("--dtype", choices=tuple(DTYPES), default="float32" if name == "hf-to-dcp" else "bfloat16",
-                       help="dtype of the written tensors")
-        p.add_argument("--key-prefix", default=DEFAULT_PREFIX,
+        p.add_argument("--dtype", choices=tuple(DTYPES),
+                       help="dtype of the written tensors (default: the dtype the input holds)")
+        p.add_argument("--key_prefix", default=DEFAULT_PREFIX,
                        help="prefix of the model's keys in the DCP checkpoint ('' for top-level keys)")
         if name == "dcp-to-hf":
-            p.add_argument("--assets", help="folder whose tokenizer files (and token ids in config.json) are copied")
-            p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file, in GiB")
+            p.add_argument("--assets", help="folder whose tokenizer files (and token ids in config.json) are copied "
+                                            "(its config.json also describes the model when neither --flavor nor "
+                                            "--hf_config is given)")
+            p.add_argument("--max_shard_gb", type=float, default=5.0, help="largest safetensors file, in GiB")
     return parser.parse_args(argv)
 
 
@@ -76,47 +82,61 @@ def model_args(opts: argparse.Namespace) -> LlamaArgs:
 
 def write_dcp_model(sd: dict[str, torch.Tensor], folder: str, prefix: str) -> None:
     """Save the model tensors as a DCP checkpoint laid out like the checkpoint manager's, atomically."""
-    out = Path(folder)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     if prefix.endswith(".") and "." not in prefix[:-1]:
         state = {prefix[:-1]: sd}  # nested, as the manager saves it; DCP flattens it to "<prefix><fqn>"
     else:
         state = {prefix + name: tensor for name, tensor in sd.items()}
-    dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    with atomic_folder(folder) as partial:
+        dcp.save(state, checkpoint_id=str(partial), no_dist=True)
+
+
+def output_dtype(opts: argparse.Namespace, sd: dict[str, torch.Tensor]) -> torch.dtype:
+    """--dtype, else the input's own (the dtype of its floating-point tensors)."""
+    if opts.dtype:
+        return DTYPES[opts.dtype]
+    return next((t.dtype for t in sd.values() if t.is_floating_point()), torch.float32)
 
 
 # ------------------------------------------------------------------------------------------ commands
 
 
+def _check_folders(opts: argparse.Namespace) -> None:
+    if not Path(opts.input).is_dir():
+        raise ConfigError(f"input '{opts.input}' is not a folder")
+    check_output_folder("output", opts.output, {"input": opts.input, "--assets": getattr(opts, "assets", None)})
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def dcp_to_hf(opts: argparse.Namespace) -> None:
+    _check_folders(opts)
     args = model_args(opts)
     sd = read_dcp_model(opts.input, opts.key_prefix)
     check_state_dict(sd, args, opts.input)
-    write_hf_folder(sd, args, opts.output, DTYPES[opts.dtype], opts.assets, int(opts.max_shard_gb * 2**30))
-    print(f"wrote {opts.output} ({opts.dtype})")
+    dtype = output_dtype(opts, sd)
+    print(f"writing {opts.output}", flush=True)
+    write_hf_folder(sd, args, opts.output, dtype, opts.assets, int(opts.max_shard_gb * 2**30))
+    print(f"wrote {opts.output} ({_dtype_name(dtype)})")
 
 
 def hf_to_dcp(opts: argparse.Namespace) -> None:
+    _check_folders(opts)
     args = model_args(opts)
-    sd = {name: t.to(DTYPES[opts.dtype]) for name, t in read_hf_folder(opts.input, args).items()}
+    sd = read_hf_folder(opts.input, args)
+    dtype = output_dtype(opts, sd)
+    sd = {name: t.to(dtype) for name, t in sd.items()}
     if args.tie_word_embeddings:
         sd["output.weight"] = sd["tok_embeddings.weight"]  # model.state_dict() lists the tied head too
+    print(f"writing {opts.output}", flush=True)
     write_dcp_model(sd, opts.output, opts.key_prefix)
-    print(f"wrote {opts.output} ({opts.dtype})")
+    print(f"wrote {opts.output} ({_dtype_name(dtype)})")
 
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
-    try:
-        dcp_to_hf(opts) if opts.command == "dcp-to-hf" else hf_to_dcp(opts)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_script(lambda: dcp_to_hf(opts) if opts.command == "dcp-to-hf" else hf_to_dcp(opts))
 
 
 if __name__ == "__main__":

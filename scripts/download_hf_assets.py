@@ -13,6 +13,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+# The checkout's titan_lite, whichever python runs the script (e.g. `.venv/bin/python scripts/...`).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titan_lite.job.cli import ScriptParser
+
 # Named groups accepted by --include besides glob patterns.
 FILE_GROUPS = {
     "config": ["config.json", "generation_config.json"],
@@ -38,9 +43,9 @@ class Plan:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(__doc__)
     parser.add_argument("repo_id", help="e.g. meta-llama/Llama-3.2-1B")
-    parser.add_argument("--local-dir", help="destination (default: assets/hf/<repo name>)")
+    parser.add_argument("--local_dir", help="destination (default: assets/hf/<repo name>)")
     parser.add_argument("--all", action="store_true", help="every file of the repo")
     parser.add_argument("--include", action="append", default=[], metavar="PATTERN",
                         help=f"also fetch files matching a glob or a group ({', '.join(FILE_GROUPS)}); repeatable")

@@ -12,18 +12,29 @@ import argparse
 import sys
 from pathlib import Path
 
+# The checkout's titan_lite, whichever python runs the script (e.g. `.venv/bin/python scripts/...`).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from titan_lite.checkpoint.manager import weights_only_loader
 from titan_lite.distributed import local_device
 from titan_lite.errors import ConfigError
 from titan_lite.eval.perplexity import evaluate_perplexity, read_text, text_windows
 from titan_lite.job.assembly import assemble_model, hf_weight_loader
-from titan_lite.job.script import DTYPES, is_rank0, job_config, resolve_dtype, run_script, start_job
+from titan_lite.job.cli import ScriptParser
+from titan_lite.job.script import (
+    DTYPES,
+    check_text_data,
+    is_rank0,
+    job_config,
+    resolve_dtype,
+    run_script,
+    start_job,
+)
 from titan_lite.transforms.lora.adapters import lora_settings_from_peft
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptParser(__doc__)
     parser.add_argument("--hf_assets_path", required=True,
                         help="HF folder: tokenizer, config.json and (without --checkpoint) the safetensors")
     parser.add_argument("--checkpoint", help="a titan_lite DCP step folder to read the weights from instead")
@@ -41,8 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def evaluate(opts: argparse.Namespace) -> None:
-    if not Path(opts.data).exists():
-        raise ConfigError(f"--data '{opts.data}' does not exist")
+    check_text_data("--data", opts.data)
     if opts.seq_len < 2 or opts.batch_size < 1 or (opts.max_windows is not None and opts.max_windows < 1):
         raise ConfigError("--seq_len must be at least 2, --batch_size and --max_windows at least 1")
     if opts.checkpoint and not Path(opts.checkpoint).is_dir():

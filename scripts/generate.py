@@ -1,10 +1,13 @@
 """Generate text with a titan_lite model: from a Hugging Face folder, an HF folder plus a PEFT adapter, or a DCP
 checkpoint of a run (with that run's config); prompts from --prompt, a file (one per line, or JSON lines with a
-"prompt" field), or interactively from stdin (one prompt per line, until end of input).
+"prompt" field), or interactively from stdin (one prompt per line, until end of input). With --config of a run that
+trained on instruction data, each prompt is put into that run's [instruct] template first (--raw_prompts: as given).
+The tokens/s figure counts the time spent generating only (not loading, not waiting for input).
 
-    python scripts/generate.py --hf assets/hf/Llama-3.1-8B --adapter outputs/.../step-586-adapter \
+    .venv/bin/python scripts/generate.py --hf assets/hf/Llama-3.1-8B --adapter outputs/.../step-586-adapter \
         --prompt "Question: Natalia sold 48 clips in April ..." --max_new_tokens 256
-    python scripts/generate.py --checkpoint outputs/lora/checkpoint/step-600 --config train_configs/my_run.toml \
+    .venv/bin/python scripts/generate.py --checkpoint outputs/lora/checkpoint/step-600 \
+        --config train_configs/my_run.toml \
         --prompts_file prompts.txt --output completions.jsonl
 """
 
@@ -17,26 +20,26 @@ from pathlib import Path
 
 import torch
 
+# The checkout's titan_lite, whichever python runs the script (e.g. `.venv/bin/python scripts/...`).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from titan_lite import distributed as tl_dist
-from titan_lite.checkpoint.manager import CheckpointManager
-from titan_lite.config import parse_args as parse_job_args
 from titan_lite.config.schema import JobConfig
+from titan_lite.data.instruct import prompt_text
 from titan_lite.errors import ConfigError
 from titan_lite.eval.generate import GenerationConfig, generate_text
-from titan_lite.job.assembly import BuiltModel, assemble_model, initial_weight_loader
-from titan_lite.job.plan import JobPlan, plan_job
-from titan_lite.models.llama.args import FLAVORS
-from titan_lite.models.llama.hf import check_args_against_hf_config
-from titan_lite.transforms.lora.adapters import lora_settings_from_peft
+from titan_lite.job.cli import ScriptParser
+from titan_lite.job.inference import build_model, model_config
+from titan_lite.job.script import run_script
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     epilog="Arguments after the options, e.g. --training.seq_len 1024, are titan_lite "
-                                            "config overrides for --config.")
+    parser = ScriptParser(__doc__)
+    parser.epilog += ("\n\nArguments after the options, e.g. --training.seq_len 1024, are titan_lite config overrides "
+                      "for --config.")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", help="Hugging Face model folder (config.json, safetensors, tokenizer)")
     source.add_argument("--checkpoint", help="DCP step folder of a titan_lite run (needs --config)")
@@ -47,67 +50,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     parser.add_argument("--prompts_file", help="prompts, one per line, or JSON lines with a 'prompt' field")
     parser.add_argument("--output", help="also write {'prompt', 'completion'} JSON lines to this file")
-    parser.add_argument("--max_new_tokens", type=int, default=128)
+    parser.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated per prompt at most")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top_k", type=int, help="sample among the k most likely tokens (with --temperature)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (with --temperature)")
     parser.add_argument("--batch_size", type=int, default=8, help="prompts generated together")
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: the accelerator if any, else cpu)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="compute dtype (default float32 on CPU, else bfloat16)")
+    parser.add_argument("--raw_prompts", action="store_true",
+                        help="with --config: pass prompts as given, without the run's [instruct] template")
     return parser.parse_known_args(argv)
-
-
-# ------------------------------------------------------------------------------------------ the model
-
-
-def flavor_of(folder: str) -> str:
-    """The flavor whose shapes match an HF folder's config.json."""
-    config = Path(folder) / "config.json"
-    for name, args in FLAVORS.items():
-        try:
-            check_args_against_hf_config(args, str(config))
-            return name
-        except ConfigError as exc:
-            if "no such file" in str(exc) or "not valid JSON" in str(exc):
-                raise
-    raise ConfigError(f"no titan_lite flavor matches {config}; pass --flavor")
-
-
-def job_config(opts: argparse.Namespace, overrides: list[str]) -> JobConfig:
-    """The config the model is assembled from: the run's TOML (--checkpoint), or one describing the HF folder."""
-    if opts.checkpoint:
-        if not opts.config:
-            raise ConfigError("--checkpoint needs --config, the TOML of the run that saved it")
-        cfg = parse_job_args(["--job.config_file", opts.config, *overrides])
-    else:
-        if opts.config or overrides:
-            raise ConfigError("--config and config overrides go with --checkpoint; --hf reads the folder's config.json")
-        cfg = parse_job_args(["--model.flavor", opts.flavor or flavor_of(opts.hf), "--model.hf_assets_path", opts.hf,
-                              "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", opts.hf])
-        if opts.adapter:
-            cfg.model.converters = ["lora"]
-            for key, value in lora_settings_from_peft(opts.adapter).items():
-                setattr(cfg.lora, key, value)
-    if opts.tokenizer:
-        cfg.model.tokenizer_path = opts.tokenizer
-    cfg.parallelism.data_parallel_shard_degree = 1
-    cfg.checkpoint.enable = False
-    return cfg
-
-
-def build_model(cfg: JobConfig, checkpoint: str | None, device: torch.device) -> tuple[JobPlan, BuiltModel]:
-    """The model through the trainer's assembly; a checkpoint's saved parameters on top of the initial weights
-    (an adapter-only checkpoint brings the adapters, the config's initial weights the base)."""
-    plan = plan_job(cfg, 1)
-    plan.parallel_dims.build_mesh(device.type)
-    folder = Path(checkpoint) if checkpoint else None
-    built = assemble_model(plan, device, seed=cfg.debug.seed or 0, load=initial_weight_loader(plan),
-                           resume_from=folder)
-    if folder is not None:
-        manager = CheckpointManager(cfg.checkpoint, folder.parent, built.parts, None, {},
-                                    saves_parameter=plan.transforms.saves_parameter)
-        manager.load_folder(folder, model_only=True)
-    return plan, built
 
 
 # ------------------------------------------------------------------------------------------ prompts
@@ -131,7 +83,7 @@ def run(opts: argparse.Namespace, overrides: list[str]) -> str:
         raise ConfigError("--adapter goes with --hf (a --checkpoint run's adapters come from its checkpoint)")
     device = torch.device(opts.device) if opts.device else tl_dist.local_device()
     dtype = DTYPES[opts.dtype] if opts.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
-    cfg = job_config(opts, overrides)
+    cfg = model_config(opts.hf, opts.adapter, opts.checkpoint, opts.config, opts.flavor, opts.tokenizer, overrides)
     tl_dist.init_process_group(device, cfg.comm.init_timeout_seconds)
     start = time.monotonic()
     plan, built = build_model(cfg, opts.checkpoint, device)
@@ -142,12 +94,20 @@ def run(opts: argparse.Namespace, overrides: list[str]) -> str:
                            seed=opts.seed)
     prompts = opts.prompt + (prompts_from_file(opts.prompts_file) if opts.prompts_file else [])
     interactive = not prompts
+    template = prompt_template(cfg, opts)
     out = open(opts.output, "w") if opts.output else None
-    count, new_tokens, start = 0, 0, time.monotonic()
+    count, new_tokens, elapsed = 0, 0, 0.0
     try:
         batches = ([line.rstrip("\n")] for line in sys.stdin if line.strip()) if interactive else [prompts]
         for batch in batches:
-            for completion in generate_text(model, plan.tokenizer, batch, gen, device, opts.batch_size):
+            completions = iter(generate_text(model, plan.tokenizer, [template(p) for p in batch], gen, device,
+                                             opts.batch_size))
+            while True:
+                start = time.monotonic()
+                completion = next(completions, None)
+                elapsed += time.monotonic() - start
+                if completion is None:
+                    break
                 count, new_tokens = count + 1, new_tokens + len(completion.tokens)
                 print(completion.text if interactive else f"--- [{count}] {completion.prompt}\n{completion.text}",
                       flush=True)
@@ -156,21 +116,21 @@ def run(opts: argparse.Namespace, overrides: list[str]) -> str:
     finally:
         if out is not None:
             out.close()
-    elapsed = time.monotonic() - start
     return (f"generated {count} completions, {new_tokens} new tokens in {elapsed:.1f}s "
             f"({new_tokens / max(elapsed, 1e-9):.1f} tokens/s)" + (f"; written to {opts.output}" if out else ""))
 
 
+def prompt_template(cfg: JobConfig, opts: argparse.Namespace):
+    """The run's instruction template (a --config whose training data is instruction data), else prompts as given."""
+    if not opts.config or opts.raw_prompts or cfg.training.dataset != "instruct":
+        return lambda prompt: prompt
+    print(f"prompts go into the run's template {cfg.instruct.template!r} (--raw_prompts: as given)", flush=True)
+    return lambda prompt: prompt_text(cfg.instruct.template, prompt)
+
+
 def main(argv: list[str] | None = None) -> int:
     opts, overrides = parse_args(argv)
-    try:
-        print(run(opts, overrides), flush=True)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        tl_dist.shutdown()
-    return 0
+    return run_script(lambda: print(run(opts, overrides), flush=True))
 
 
 if __name__ == "__main__":

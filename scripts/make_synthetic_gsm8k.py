@@ -12,6 +12,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+# The checkout's titan_lite, whichever python runs the script (e.g. `.venv/bin/python scripts/...`).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titan_lite.job.cli import ScriptParser
+
 NAMES = ("Tom", "Sara", "Ali", "Mia", "Ben", "Lea")
 ITEMS = ("apples", "pens", "books", "coins", "cards", "eggs")
 OPERATIONS = {"add": "+", "sub": "-", "mul": "*"}
@@ -60,11 +65,11 @@ def make_problems(count: int, seed: int, largest: int, ops: list[str], progress=
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(__doc__)
     parser.add_argument("--output", required=True, help="the .jsonl file to write (its folder is created)")
-    parser.add_argument("--num_problems", type=int, default=2000, help="problems to write (default 2000)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--max_operand", type=int, default=9, help="operands are 0..max_operand (default 9)")
+    parser.add_argument("--num_problems", type=int, default=2000, help="problems to write")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument("--max_operand", type=int, default=9, help="operands are 0..max_operand")
     parser.add_argument("--ops", default="add,sub", help="comma-separated operations among add, sub, mul "
                                                          "(default add,sub)")
     return parser.parse_args(argv)

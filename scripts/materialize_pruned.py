@@ -12,11 +12,16 @@ from pathlib import Path
 
 import torch
 
+# The checkout's titan_lite, whichever python runs the script (e.g. `.venv/bin/python scripts/...`).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from titan_lite.checkpoint.dcp import read_dcp_model
 from titan_lite.config import parse_args as parse_job_args
 from titan_lite.config import validate
 from titan_lite.errors import ConfigError
+from titan_lite.job.cli import ScriptParser
 from titan_lite.job.plan import build_model_args
+from titan_lite.job.script import check_output_folder, run_script
 from titan_lite.transforms.sheared import ShearedTransform
 from titan_lite.transforms.sheared.keep import GATE_PREFIX, materialize_pruned
 from titan_lite.transforms.structured.materialize import param_count, write_materialized_hf
@@ -25,7 +30,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(__doc__)
     parser.add_argument("--checkpoint", required=True, help="DCP step folder of the pruning run "
                         "(e.g. <dump_folder>/checkpoint/step-N)")
     parser.add_argument("--config", required=True, help="the pruning run's TOML (model flavor and [sheared] targets)")
@@ -42,6 +47,7 @@ def materialize(opts: argparse.Namespace) -> str:
         raise ConfigError(f"--config '{opts.config}' does not exist")
     cfg = parse_job_args(["--job.config_file", opts.config])
     validate(cfg, files=False)
+    check_output_folder("--output_dir", opts.output_dir, {"--checkpoint": opts.checkpoint})
     if "sheared" not in cfg.model.converters:
         raise ConfigError(f"--config '{opts.config}': 'model.converters' = {cfg.model.converters} has no 'sheared'; "
                           "give the pruning run's config")
@@ -55,7 +61,10 @@ def materialize(opts: argparse.Namespace) -> str:
     pruned, new_args = materialize_pruned(state, args, targets)
     dtype = DTYPES[opts.dtype or cfg.checkpoint.export_dtype]
     print(f"writing {opts.output_dir}", flush=True)
-    write_materialized_hf(pruned, new_args, opts.output_dir, dtype, cfg.model.hf_assets_path)
+    try:
+        write_materialized_hf(pruned, new_args, opts.output_dir, dtype, cfg.model.hf_assets_path)
+    except ValueError as exc:  # per-layer widths, which an HF config.json cannot describe
+        raise ConfigError(str(exc)) from None
     return (f"materialised {opts.checkpoint}: {param_count(args):,} -> {param_count(new_args):,} parameters "
             f"({new_args.n_layers} layers, {new_args.n_heads} heads / {new_args.kv_heads} KV heads, "
             f"dim {new_args.dim}, intermediate {new_args.ffn_dim}); wrote {opts.output_dir} "
@@ -64,12 +73,7 @@ def materialize(opts: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
-    try:
-        print(materialize(opts))
-    except (ConfigError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_script(lambda: print(materialize(opts), flush=True))
 
 
 if __name__ == "__main__":

@@ -25,13 +25,27 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+# The checkout's titan_lite, whichever python runs the script (e.g. `.venv/bin/python scripts/...`).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from titan_lite.checkpoint.hf import export_hf, gather_full_state_dict
 from titan_lite.config import JobConfig
-from titan_lite.dry_run import device_memory_gib, plan_pruning_pass
+from titan_lite.dry_run import device_memory_gib, pass_verdict, plan_passes
 from titan_lite.errors import ConfigError
 from titan_lite.job.assembly import assemble_model, calibration_source, hf_weight_loader
+from titan_lite.job.cli import ScriptParser
 from titan_lite.job.plan import plan_job
-from titan_lite.job.script import DTYPES, is_rank0, job_config, resolve_dtype, run_script, start_job
+from titan_lite.job.script import (
+    DTYPES,
+    atomic_folder,
+    check_output_folder,
+    check_text_data,
+    is_rank0,
+    job_config,
+    resolve_dtype,
+    run_script,
+    start_job,
+)
 from titan_lite.metrics.memory import measure_peak
 from titan_lite.models.llama.args import LlamaArgs
 from titan_lite.parallel.memory_estimate import GIB
@@ -56,16 +70,17 @@ STRUCTURE_REPORT_NAME = "structure_report.json"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptParser(__doc__)
     parser.add_argument("--hf_assets_path", required=True,
                         help="HF folder: config.json, tokenizer and safetensors (only the tokenizer with "
                              "--estimate_only and --flavor)")
     parser.add_argument("--output_dir", help="the pruned HF folder to write (replaced if it exists)")
     parser.add_argument("--method", choices=("wanda", "magnitude", "sparsegpt", "taylor_structured"),
-                        default="wanda")
+                        default="wanda", help="unstructured or N:M pruning (wanda, magnitude, sparsegpt), or whole "
+                                              "heads and MLP channels removed (taylor_structured)")
     parser.add_argument("--sparsity", type=float, default=0.5, help="fraction of each pruned linear set to zero")
-    parser.add_argument("--pattern", choices=("unstructured", "2:4", "4:8"), default="unstructured")
+    parser.add_argument("--pattern", choices=("unstructured", "2:4", "4:8"), default="unstructured",
+                        help="which weights compete: a whole row, or N of every M consecutive inputs")
     parser.add_argument("--calib_path", help="calibration text: a .txt/.jsonl/.json.gz/.parquet file or folder "
                                              "(default: the bundled Shakespeare plays)")
     parser.add_argument("--nsamples", type=int, default=128, help="calibration sequences")
@@ -113,12 +128,17 @@ def pruning_config(opts: argparse.Namespace, device_type: str) -> JobConfig:
     if opts.skip:
         extra += ["--pruning.skip", ",".join(opts.skip)]
     if opts.calib_path:
-        if not Path(opts.calib_path).exists():
-            raise ConfigError(f"--calib_path '{opts.calib_path}' does not exist")
+        check_text_data("--calib_path", opts.calib_path)
         extra += ["--pruning.dataset", "text", "--pruning.dataset_path", opts.calib_path]
     if opts.device_memory_gib is not None:
         extra += ["--dry_run.device_memory_gib", str(opts.device_memory_gib)]
     return job_config(opts.hf_assets_path, opts.flavor, dtype, opts.seq_len, opts.tp, extra)
+
+
+def check_output(opts: argparse.Namespace) -> None:
+    check_output_folder("--output_dir", opts.output_dir,
+                        {"--hf_assets_path": opts.hf_assets_path, "--remask_from": opts.remask_from,
+                         "--calib_path": opts.calib_path})
 
 
 def estimate(opts: argparse.Namespace) -> None:
@@ -126,19 +146,20 @@ def estimate(opts: argparse.Namespace) -> None:
     cfg = pruning_config(opts, "cuda")
     plan = plan_job(cfg, opts.ngpu)
     capacity = device_memory_gib(cfg)
-    pruning = plan_pruning_pass(plan)
+    pruning = plan_passes(plan)[0]  # the prune transform's one-shot pass
     print(f"{cfg.model.flavor}: {plan.full_param_count():,} parameters; {opts.method} {opts.pattern} at "
           f"{opts.sparsity:g}; {opts.nsamples} x {opts.seq_len} calibration tokens in batches of {opts.batch_size}; "
           f"{plan.parallel_dims.describe()}; {cfg.training.dtype}")
     print("memory plan per device:")
-    print("\n".join(pruning.lines(capacity)))
-    if not pruning.fits(capacity):
+    print("\n".join([*pruning.rows, f"  verdict: {pass_verdict(pruning, capacity)}"]))
+    if pruning.peak / GIB > capacity:
         raise ConfigError(f"the plan does not fit: {pruning.peak / GIB:.2f} GiB per device against {capacity:.2f} GiB; "
                           "lower --nsamples or --batch_size, use bfloat16, or shard over more devices (torchrun)")
     print(f"estimate: peak {pruning.peak / GIB:.2f} GiB per device fits {capacity:.2f} GiB")
 
 
 def prune(opts: argparse.Namespace) -> None:
+    check_output(opts)
     device_type = "cpu" if not torch.accelerator.is_available() else torch.accelerator.current_accelerator().type
     cfg = pruning_config(opts, device_type)
     plan, device = start_job(cfg)
@@ -148,10 +169,14 @@ def prune(opts: argparse.Namespace) -> None:
     report = sparsity_report(built.parts, cfg, plan.parallel_dims, transform.result, transform.plan,
                              transform.measured)
     out = Path(opts.output_dir)
-    export_hf(built.parts, plan.model_args, str(out), getattr(torch, cfg.training.dtype), opts.hf_assets_path,
-              plan.parallel_dims)
     if is_rank0():
-        write_report(report, out / REPORT_NAME)
+        print(f"writing {out}", flush=True)
+    with atomic_folder(out, owner=is_rank0()) as partial:
+        export_hf(built.parts, plan.model_args, str(partial), getattr(torch, cfg.training.dtype),
+                  opts.hf_assets_path, plan.parallel_dims)
+        if is_rank0():
+            write_report(report, partial / REPORT_NAME)
+    if is_rank0():
         print(f"peak memory per device: measured {format_bytes(transform.measured.bytes)} "
               f"({transform.measured.source}), estimated {format_bytes(transform.plan.peak)}", flush=True)
         linears = report["pruned_linears"]
@@ -160,6 +185,7 @@ def prune(opts: argparse.Namespace) -> None:
 
 
 def remask(opts: argparse.Namespace) -> None:
+    check_output(opts)
     for flag, folder in (("--hf_assets_path", opts.hf_assets_path), ("--remask_from", opts.remask_from)):
         if not Path(folder).is_dir():
             raise ConfigError(f"{flag} '{folder}' is not a folder")
@@ -180,8 +206,12 @@ def check_structured(opts: argparse.Namespace) -> None:
     for flag, ratio in (("--head_ratio", opts.head_ratio), ("--ffn_ratio", opts.ffn_ratio)):
         if not 0.0 <= ratio < 1.0:
             raise ConfigError(f"{flag} {ratio} must be a fraction in [0, 1)")
-    if opts.calib_path and not Path(opts.calib_path).exists():
-        raise ConfigError(f"--calib_path '{opts.calib_path}' does not exist")
+    if opts.head_ratio == 0.0 and opts.ffn_ratio == 0.0:
+        raise ConfigError("--method taylor_structured needs --head_ratio or --ffn_ratio above 0 (the fractions of "
+                          "heads and MLP channels removed); with neither it would write an unpruned copy")
+    check_output(opts)
+    if opts.calib_path:
+        check_text_data("--calib_path", opts.calib_path)
 
 
 def structured_config(opts: argparse.Namespace, device_type: str) -> JobConfig:
@@ -236,10 +266,12 @@ def prune_structured(opts: argparse.Namespace) -> None:
     if is_rank0():
         new_args, new_sd = materialize_state_dict(sd, args, keep)
         out = Path(opts.output_dir)
-        write_materialized_hf(new_sd, new_args, out, dtype, opts.hf_assets_path)
+        print(f"writing {out}", flush=True)
         report = structure_report(opts, args, new_args, keep, loss, time.monotonic() - begin)
         report["memory"] = {"measured_peak_bytes": measured.bytes, "measured_by": measured.source}
-        write_report(report, out / STRUCTURE_REPORT_NAME)
+        with atomic_folder(out) as partial:
+            write_materialized_hf(new_sd, new_args, partial, dtype, opts.hf_assets_path)
+            write_report(report, partial / STRUCTURE_REPORT_NAME)
         p = report["parameters"]
         print(f"pruned model written to {out}: {args.n_heads} -> {new_args.n_heads} heads, {args.kv_heads} -> "
               f"{new_args.kv_heads} KV heads ({opts.head_mode}), ffn {args.ffn_dim} -> {new_args.ffn_dim} in each of "

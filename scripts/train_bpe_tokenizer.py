@@ -1,15 +1,14 @@
 """Trains a small byte-level BPE (Llama 3 pre-tokenizer) in pure Python and writes a Llama 3 tiktoken tokenizer.model.
 
 Usage:
-  python scripts/train_bpe_tokenizer.py --input a.txt b.txt --vocab-size 1792 \
+  python scripts/train_bpe_tokenizer.py --input a.txt b.txt --vocab_size 1792 \
       --output assets/tokenizer/tokenizer.model
 
---vocab-size counts the base tokens (256 bytes + merges); the Llama 3 loader appends 256 special tokens after them.
+--vocab_size counts the base tokens (256 bytes + merges); the Llama 3 loader appends 256 special tokens after them.
 """
 
 from __future__ import annotations
 
-import argparse
 import base64
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_lite.data.tokenizer import LLAMA3_PATTERN, compile_pattern
+from titan_lite.job.cli import ScriptParser
 
 Pair = tuple[int, int]
 
@@ -84,7 +84,7 @@ def _merge_word(word: list[int], pair: Pair, new_id: int) -> list[int]:
 def train_bpe(counts: Counter[bytes], vocab_size: int) -> list[bytes]:
     """Token byte strings in rank order: the 256 single bytes, then one per merge until `vocab_size`."""
     if vocab_size < 256:
-        raise ValueError(f"--vocab-size must be at least 256 (the single bytes), got {vocab_size}")
+        raise ValueError(f"--vocab_size must be at least 256 (the single bytes), got {vocab_size}")
     tokens = [bytes([b]) for b in range(256)]
     token_ids = {tok: i for i, tok in enumerate(tokens)}
     stats = _PairStats([list(word) for word in counts], list(counts.values()))
@@ -106,9 +106,9 @@ def write_tiktoken_model(tokens: list[bytes], output: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(__doc__)
     parser.add_argument("--input", nargs="+", type=Path, required=True, help="UTF-8 text files to train on")
-    parser.add_argument("--vocab-size", type=int, required=True, help="base tokens, 256 bytes included")
+    parser.add_argument("--vocab_size", type=int, required=True, help="base tokens, 256 bytes included")
     parser.add_argument("--output", type=Path, required=True, help="where to write tokenizer.model")
     args = parser.parse_args(argv)
     start = time.perf_counter()

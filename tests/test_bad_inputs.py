@@ -60,6 +60,22 @@ def jsonl(lines: list[str], name: str = "d.jsonl") -> Callable[[Path], list[str]
     return build
 
 
+def text_file(text: str, name: str = "d.txt") -> Callable[[Path], list[str]]:
+    def build(tmp: Path) -> list[str]:
+        path = tmp / name
+        path.write_text(text)
+        return ["--training.dataset", "text", "--training.dataset_path", str(path)]
+    return build
+
+
+def instruct_file(lines: list[str]) -> Callable[[Path], list[str]]:
+    def build(tmp: Path) -> list[str]:
+        path = tmp / "i.jsonl"
+        path.write_text("".join(line + "\n" for line in lines))
+        return ["--training.dataset", "instruct", "--training.dataset_path", str(path)]
+    return build
+
+
 def hf_folder(tmp: Path, config: dict | None = None, weights: bytes | None = None) -> Path:
     folder = tmp / "hf"
     folder.mkdir(exist_ok=True)
@@ -248,7 +264,31 @@ CASES = [
                                                             "--training.dataset_path", str(tmp / "d.csv")])),
     Case("unknown dataset", "'training.dataset' = 'c5' is unknown", ["--training.dataset", "c5"]),
     Case("dataset that needs a path", "dataset 'c4' needs 'training.dataset_path'", ["--training.dataset", "c4"]),
-    Case("empty dataset", "'training.dataset_path' = '{tmp}/d.jsonl' holds no documents", build=jsonl(["", "  "])),
+    Case("empty dataset", "'training.dataset_path' = '{tmp}/d.jsonl' holds no text", build=jsonl(["", "  "])),
+    Case("empty text file", "'training.dataset_path' = '{tmp}/d.txt' holds no text (1 file(s)",
+         build=text_file("")),
+    Case("only empty text fields", "'training.dataset_path' = '{tmp}/d.jsonl' holds no text",
+         build=jsonl(['{"text": ""}', '{"text": " "}'])),
+    Case("fewer tokens than one sequence", "'training.dataset_path' = '{tmp}/d.txt' holds 7 tokens: fewer than one "
+         "sequence of seq_len + 1 = 65 tokens; add data", build=text_file("To be, or not")),
+    Case("fewer tokens than the data-parallel ranks need", "of seq_len + 1 = 17 tokens for each of the 2 "
+         "data-parallel ranks (34 in all)", ["--training.seq_len", "16"], build=text_file("word " * 10),
+         env={"NGPU": "2"}),
+    Case("validation data too short", "'validation.dataset_path' = '{tmp}/d.txt' holds", build=lambda tmp: [
+        "--validation.enable", "--validation.dataset", "text", "--validation.dataset_path",
+        text_file("A short play.")(tmp)[-1]]),
+    Case("instruction data with empty responses only", "'training.dataset_path' = '{tmp}/i.jsonl' holds no examples "
+         "with a non-empty response", build=instruct_file(['{"question": "1 + 1?", "answer": ""}'])),
+    Case("instruction validation smaller than one batch", "has 1 examples: fewer than one batch of "
+         "'validation.local_batch_size' = 8 x 1 data-parallel rank(s)",
+         ["--validation.enable", "--validation.dataset", "instruct", "--validation.local_batch_size", "8"],
+         build=instruct_file(['{"question": "1 + 1?", "answer": "#### 2"}'] * 20)),
+    Case("unknown converter", "'model.converters' has unknown transform 'lora_' (did you mean 'lora'?)",
+         ["--model.converters", "lora_"]),
+    Case("unknown dataset close to a known one", "'training.dataset' = 'shakespear' is unknown (did you mean "
+         "'shakespeare'?)", ["--training.dataset", "shakespear"]),
+    Case("relative path", "'training.dataset_path' = 'no/such/shards' (relative to the current directory ",
+         ["--training.dataset", "text", "--training.dataset_path", "no/such/shards"]),
     Case("malformed JSONL line", "{tmp}/d.jsonl:2: not valid JSON", build=jsonl(["", '{"text": broken'])),
     Case("JSONL line without text", '{tmp}/d.jsonl:1: no "text" string', build=jsonl(['{"content": "x"}'])),
     Case("validation data missing", "'validation.dataset_path' = '{tmp}/val' does not exist",

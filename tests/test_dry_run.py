@@ -109,10 +109,17 @@ def test_llama3_8b_fsdp_on_8_ranks(c4_shard):
 LORA_8B_ADAPTER_PARAMS = 32 * 32 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))  # r 32, 7 projections
 
 
-@pytest.mark.parametrize("config, accumulation",
-                         [("llama3_8b_lora_metamath.toml", 4), ("llama3_8b_lora_gsm8k.toml", 2)])
-def test_llama3_8b_lora_configs_on_8_ranks(c4_shard, config, accumulation):
-    run = dry_run(config, c4_shard, ngpu=8)
+@pytest.mark.parametrize("config, accumulation, fields",
+                         [("llama3_8b_lora_metamath.toml", 4, ("query", "response")),
+                          ("llama3_8b_lora_gsm8k.toml", 2, ("question", "answer"))])
+def test_llama3_8b_lora_configs_on_8_ranks(tmp_path, config, accumulation, fields):
+    """The instruction reader with the dataset's own fields; the bundled 2,048-token tokenizer is a warning."""
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({fields[0]: "What is 2 + 2?", fields[1]: "2 + 2 = 4\n#### 4"}) + "\n")
+    run = dry_run(config, data, ngpu=8)
+    assert "data: instruct from" in run.stdout
+    assert ("warning: the tokenizer's 2,048 tokens are far fewer than the model's vocabulary of 128,256: is "
+            "'./assets/tokenizer' this model's tokenizer?") in run.stdout
     # the plan is complete; the real run would still need the base weights (initial_load_in_hf) in the assets folder
     assert run.returncode == 5, run.stdout + run.stderr
     assert "[ ] assets/tokenizer: no model.safetensors" in run.stdout and "1 missing or unreadable" in run.stdout

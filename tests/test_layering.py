@@ -1,6 +1,7 @@
 """Layers point one way: each package imports only from lower layers (or itself); imports sit at module top."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,24 @@ def test_the_check_catches_a_bad_import(module, source, expected):
 def test_the_check_catches_an_unexplained_local_import():
     source = "def f():\n    import json\n\ndef g():\n    # optional dependency\n    import pyarrow\n"
     assert unexplained_local_imports(source, "titan_lite.x") == ["titan_lite.x:2: import json"]
+
+
+# Modules that talk to transforms only through the contract of titan_lite/transforms/base.py (issue #24).
+TRANSFORM_AGNOSTIC = ["dry_run.py", "job", "train.py", "parallel", "checkpoint/manager.py"]
+NAMES_A_TRANSFORM = re.compile(r'Sheared|[Pp]runing|"prune"|lora|nf4|float8|from titan_lite\.transforms\.')
+
+
+def code_lines(source: str) -> list[tuple[int, str]]:
+    """(line number, text) of the lines holding code: comments and docstrings left out."""
+    docstrings = {n for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Expr)
+                  and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+                  for n in range(node.lineno, node.end_lineno + 1)}
+    return [(i, line.split("#", 1)[0]) for i, line in enumerate(source.splitlines(), 1) if i not in docstrings]
+
+
+def test_no_module_outside_transforms_names_a_transform():
+    paths = [p for entry in TRANSFORM_AGNOSTIC for p in
+             ((PACKAGE / entry).rglob("*.py") if (PACKAGE / entry).is_dir() else [PACKAGE / entry])]
+    found = [f"{p.relative_to(PACKAGE)}:{i}: {line.strip()}" for p in paths
+             for i, line in code_lines(p.read_text()) if NAMES_A_TRANSFORM.search(line)]
+    assert found == [], "\n".join(found)

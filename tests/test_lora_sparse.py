@@ -78,12 +78,14 @@ def test_masked_product_passes_gradcheck_with_and_without_a_dropout_input():
     torch.testing.assert_close(torch.autograd.grad(out.sum(), weight), torch.autograd.grad(expected.sum(), weight))
 
 
-@pytest.mark.parametrize("path", ["fused", "autocast", "dora", "dropout", "compile"])
+@pytest.mark.parametrize("path", ["fused", "autocast", "dora", "dropout", "compile", "base_linear"])
 def test_every_forward_path_equals_the_masked_formula_with_gradients(path):
     module = masked_module(dora=path == "dora", dropout=0.3 if path == "dropout" else 0.0)
     x = torch.randn(3, 5, 32, requires_grad=True)
     grad = torch.randn(3, 5, 24)
     trained = (x, module.lora_a, module.lora_b) + ((module.magnitude,) if module.dora else ())
+    if path == "base_linear":  # another transform's base product (float8's hook): the masked update added apart
+        module.base_linear = lambda inputs, weight: torch.nn.functional.linear(inputs, weight)
     if path == "dropout":
         torch.manual_seed(7)
         out = module(x)
@@ -149,6 +151,8 @@ def test_merged_logits_equal_the_unmerged_masked_model_and_keep_the_zeros(varian
     (["--lora.keep_sparsity", "on", "--lora.init", "pissa", "--checkpoint.initial_load_path", "x"],
      "'lora.keep_sparsity' = 'on' cannot go with 'lora.init' = 'pissa'"),
     (["--lora.keep_sparsity", "on"], "'lora.keep_sparsity' = 'on' needs a pruned base"),
+    (["--model.converters", "prune,lora", "--lora.base_dtype", "nf4"],
+     "'lora.keep_sparsity' = 'auto' cannot go with 'lora.base_dtype' = 'nf4'"),
     (["--lora.keep_sparsity", "sometimes"], "'lora.keep_sparsity' = 'sometimes' is not one of: auto, on, off"),
 ])
 def test_refusals_are_one_line(overrides, message):

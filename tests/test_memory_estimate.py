@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from titan_lite.config.schema import JobConfig
-from titan_lite.dry_run import layer_policies
+from titan_lite.job.estimate import layer_policies
 from titan_lite.models.llama import Llama, LlamaArgs, flavor_args
 from titan_lite.parallel import memory_estimate as me
 from titan_lite.parallel.parallel_dims import ParallelDims

@@ -205,8 +205,8 @@ def test_console_line_plain(tmp_path, clock, fixed_hw, records):
         mp.add_tokens(4096)
     clock.now = 102.0
     mp.log(10, loss=5.12341, grad_norm=1.23449, lr=8e-4)
-    assert records.messages[-1] == ("step: 10  loss:  5.1234  grad_norm:  1.2345  lr: 8.0e-04  tps: 10,240  "
-                                    "tflops: 0.06  mfu: 6.14%  memory: 0.45GiB")
+    assert records.messages[-1] == ("step: 10/10000  loss:  5.1234  grad_norm:  1.2345  lr: 8.0e-04  tps: 10,240  "
+                                    "tflops: 0.06  mfu: 6.14%  memory: 0.45GiB  eta: 33m18s")  # 9990 x 0.2 s
     mp.log_validation(10, 4.56789)
     assert records.messages[-1] == "validate step: 10  loss:  4.5679"
 
@@ -219,8 +219,8 @@ def test_console_line_coloured_and_extras(tmp_path, clock, fixed_hw, records, mo
     mp.log(1, loss=2.5, grad_norm=0.5, lr=1e-4, extra={"loss/ntokens": 1000})
     line = records.messages[-1]
     assert "\033[" in line
-    assert ANSI.sub("", line) == ("step:  1  loss:  2.5000  grad_norm:  0.5000  lr: 1.0e-04  tps: 1,000  "
-                                  "tflops: 0.01  mfu: 0.60%  memory: 0.45GiB  loss/ntokens: 1000")
+    assert ANSI.sub("", line) == ("step:  1/10000  loss:  2.5000  grad_norm:  0.5000  lr: 1.0e-04  tps: 1,000  "
+                                  "tflops: 0.01  mfu: 0.60%  memory: 0.45GiB  loss/ntokens: 1000  eta: 2h46m")
 
 
 @pytest.mark.parametrize("told, isatty, disabled, coloured", [
@@ -247,7 +247,7 @@ def test_console_line_shows_memory_share_on_accelerators(tmp_path, clock, fixed_
     m = mp.log(1, loss=1.0, grad_norm=1.0, lr=1e-3)
     assert m["memory/max_active_pct"] == pytest.approx(100 * 0.45 / 16)
     assert m["memory/max_reserved_pct"] == pytest.approx(100 * 0.5 / 16)
-    assert records.messages[-1].endswith("memory: 0.45GiB(2.81%)")
+    assert records.messages[-1].endswith("memory: 0.45GiB(2.81%)  eta: 2h46m")
 
 
 def test_init_logger_format_and_idempotence(capsys):

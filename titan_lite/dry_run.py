@@ -4,37 +4,25 @@ import contextlib
 import copy
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 # The fake backend's store: torch ships it only under torch.testing (it is what torchtitan's dry run uses too).
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan_lite.config.schema import JobConfig
-from titan_lite.distributed import compute_dtype
-from titan_lite.dtensor import local_tensor
 from titan_lite.errors import MISSING_FILES, ConfigError
 from titan_lite.job.assembly import build_parts
+from titan_lite.job.estimate import PassPlan, RolePlan, plan_role
 from titan_lite.job.plan import JobPlan, gather_assets, plan_with_tokenizer
 from titan_lite.loss import cross_entropy_sum
 from titan_lite.metrics.memory import device_capacity_gib
-from titan_lite.models.llama import LlamaArgs
 from titan_lite.parallel import memory_estimate as me
-from titan_lite.parallel.fsdp import reshard_after_forward
 from titan_lite.parallel.parallel_dims import ParallelDims
-from titan_lite.parallel.parallelize import loss_parallel_enabled
-from titan_lite.transforms.pruning.memory_plan import PruningMemoryPlan, plan_pruning, precision
-from titan_lite.transforms.sheared import ShearedTransform
 
 DEFAULT_DEVICE_MEMORY_GIB = 80.0
-# Mesh dimensions whose shards FSDP gathers; a parameter's other shard dimensions (TP) stay split when gathered.
-DATA_PARALLEL_MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "fsdp")
 
 
 def planned_world_size() -> int:
@@ -61,162 +49,8 @@ def planning_config(cfg: JobConfig) -> JobConfig:
     return plan
 
 
-# ------------------------------------------------------------------------------------ reading a built part
-
-
-def local_numel(param: torch.Tensor) -> int:
-    return local_tensor(param).numel()
-
-
-def gathered_numel(param: torch.Tensor) -> int:
-    """Elements after FSDP's all-gather: the global size divided by the non-data-parallel (TP) shard factors."""
-    if not isinstance(param, DTensor):
-        return param.numel()
-    names = param.device_mesh.mesh_dim_names or ()
-    factor = 1
-    for i, placement in enumerate(param.placements):
-        if placement.is_shard() and (i >= len(names) or names[i] not in DATA_PARALLEL_MESH_DIMS):
-            factor *= param.device_mesh.size(i)
-    return param.numel() // factor
-
-
-def layer_policies(part: nn.Module, ac_mode: str, ac_option: str) -> dict[int, str]:
-    """Global layer id -> AC policy, read from which blocks parallelize_llama wrapped in a checkpoint."""
-    wrapped_policy = me.OP_AC if (ac_mode == "selective" and ac_option == "op") else me.FULL_AC
-    return {int(name): wrapped_policy if isinstance(block, CheckpointWrapper) else me.NO_AC
-            for name, block in part.layers.items()}
-
-
-def fsdp_units(part: nn.Module, reshard: bool, head_reshards: bool) -> list[me.FsdpUnit]:
-    """Every fully_shard group of a part with the parameters it gathers (those not owned by a nested group)."""
-    groups = [(name, m) for name, m in part.named_modules() if isinstance(m, FSDPModule)]
-    units = []
-    for name, module in groups:
-        nested = {id(p) for other_name, other in groups if other is not module and _is_inside(other_name, name)
-                  for p in other.parameters()}
-        own = [p for p in module.parameters() if id(p) not in nested]
-        numel, trainable = sum(map(gathered_numel, own)), sum(gathered_numel(p) for p in own if p.requires_grad)
-        if module is part:  # FSDP2 never reshards the root after forward: backward needs it straight away
-            resh = False
-        elif name in ("norm", "output"):
-            resh = head_reshards
-        else:
-            resh = reshard
-        units.append(me.FsdpUnit(name or "root", numel, resh, trainable))
-    return units
-
-
-def _is_inside(inner: str, outer: str) -> bool:
-    return outer == "" or inner.startswith(outer + ".")
-
-
-# ------------------------------------------------------------------------------------ one rank's role
-
-
-@dataclass
-class RolePlan:
-    """What one representative rank holds and needs."""
-
-    rank: int
-    pp_rank: int
-    layers: list[list[int]]  # per part (pipeline stage) on this rank
-    has_embeddings: bool
-    has_head: bool
-    local_params: int
-    estimate: me.MemoryEstimate
-
-
-def compute_bytes(cfg: JobConfig) -> tuple[int, str]:
-    """(bytes, name) of the compute dtype on the accelerators a plan targets."""
-    dtype = compute_dtype(cfg.training.mixed_precision_param, "cuda")
-    return dtype.itemsize, str(dtype).removeprefix("torch.")
-
-
-def activation_shape(cfg: JobConfig, dims: ParallelDims, microbatch: int, loss_parallel: bool) -> me.ActivationShape:
-    c, _ = compute_bytes(cfg)
-    return me.ActivationShape(tokens=microbatch * cfg.training.seq_len // dims.cp, compute_bytes=c, tp=dims.tp,
-                              cp=dims.cp, loss_parallel=loss_parallel, seq_len=cfg.training.seq_len,
-                              fused_rms_norm=True)
-
-
-def microbatching(cfg: JobConfig, dims: ParallelDims) -> tuple[int, int]:
-    """(sequences per microbatch, microbatches per local batch): a pipeline splits the local batch."""
-    if not dims.pp_enabled:
-        return cfg.training.local_batch_size, 1
-    mb = cfg.parallelism.pipeline_parallel_microbatch_size
-    return mb, cfg.training.local_batch_size // mb
-
-
-def dtype_bytes(name: str) -> int:
-    return me.FP32 if name == "float32" else 2
-
-
-def dtype_names(params: list[torch.Tensor]) -> str:
-    return "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in params})) or "none"
-
-
-def param_bytes(params: list[torch.Tensor]) -> int:
-    return sum(local_numel(p) * p.element_size() for p in params)
-
-
-def estimate_rank(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, parts: list[nn.Module],
-                  pp_rank: int) -> tuple[me.MemoryEstimate, int]:
-    """(memory estimate, local parameter count) of the built parts of one rank. Parameters count in the dtype the
-    model was built in (training.dtype, or a transform's choice such as a bf16 frozen base); gradients and AdamW's
-    two moments exist only for trainable parameters."""
-    offloaded = cfg.training.enable_cpu_offload and (dims.fsdp_enabled or dims.dp_replicate_enabled)
-    params = [p for part in parts for p in part.parameters()]
-    trainable = [p for p in params if p.requires_grad]
-    local, local_trainable = sum(map(local_numel, params)), sum(map(local_numel, trainable))
-    on_device = 0 if offloaded else 1
-    activations, activation_note = estimate_activations(cfg, args, dims, parts, pp_rank)
-    buffers, buffer_note = estimate_buffers(cfg, dims, parts, local)
-    frozen = f"; {local - local_trainable:,} frozen have none" if local_trainable < local else ""
-    notes = {
-        "parameters": f"{local:,} local x {dtype_names(params)}" + (" (offloaded to CPU)" if offloaded else ""),
-        "gradients": f"{local_trainable:,} trainable, sharded like the parameters, {dtype_names(trainable)}{frozen}",
-        "optimizer": f"{cfg.optimizer.name}: 2 x {dtype_names(trainable)} per local trainable parameter",
-        "activations": activation_note,
-        "buffers": buffer_note,
-    }
-    grads = on_device * param_bytes(trainable)
-    return me.MemoryEstimate(on_device * param_bytes(params), grads, 2 * grads, activations, buffers, notes), local
-
-
-def estimate_activations(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, parts: list[nn.Module],
-                         pp_rank: int) -> tuple[int, str]:
-    """Peak activation bytes of the rank's stages, with the microbatches a pipeline keeps in flight."""
-    microbatch, n_micro = microbatching(cfg, dims)
-    shape = activation_shape(cfg, dims, microbatch, loss_parallel_enabled(dims, cfg))
-    schedule = cfg.parallelism.pipeline_parallel_schedule if dims.pp_enabled else None
-    in_flight = me.in_flight_microbatches(schedule, dims.pp, pp_rank, n_micro, len(parts))
-    ac = cfg.activation_checkpoint
-    stages = [(layer_policies(part, ac.mode, ac.selective_ac_option), part.output is not None) for part in parts]
-    seq_note = f"seq {cfg.training.seq_len}" + (f" / cp {dims.cp}" if dims.cp > 1 else "")
-    ac_note = ac.mode if ac.mode != "selective" else f"selective {ac.selective_ac_option}"
-    note = (f"AC {ac_note}; microbatch {microbatch} x {seq_note}, {in_flight:g} in flight, {compute_bytes(cfg)[1]}"
-            + (f", TP {dims.tp} (sequence parallel)" if dims.tp > 1 else ""))
-    return me.peak_activation_bytes(args, stages, shape, in_flight), note
-
-
-def estimate_buffers(cfg: JobConfig, dims: ParallelDims, parts: list[nn.Module], local: int) -> tuple[int, str]:
-    """FSDP's gathered parameters and collective buffers; without data parallelism, autocast's weight copies."""
-    c, c_name = compute_bytes(cfg)
-    if not (dims.fsdp_enabled or dims.dp_replicate_enabled):
-        copies = local * c if c < dtype_bytes(cfg.training.dtype) else 0
-        return copies, (f"autocast {c_name} weight copies" if copies else "none (no data parallelism)")
-    policy = cfg.parallelism.fsdp_reshard_after_forward
-    units = [u for part in parts for u in fsdp_units(part, reshard_after_forward(policy, dims.pp_enabled),
-                                                       head_reshards=policy == "always")]
-    held = sum(u.unsharded_numel for u in units if not u.reshards_after_forward)
-    reduce_name = cfg.training.mixed_precision_reduce
-    note = (f"FSDP: {held:,} params kept gathered + 2 all-gathers in {c_name} + 2 reduce-scatters in {reduce_name}"
-            " (worst neighbouring groups)")
-    return me.fsdp_buffer_bytes(units, c, dtype_bytes(reduce_name)), note
-
-
 def plan_rank(plan: JobPlan, rank: int) -> RolePlan:
-    """Build rank `rank`'s parts exactly as the trainer would (on the meta device), then read and estimate them."""
+    """Build rank `rank`'s parts exactly as the trainer would (on the meta device), then plan them."""
     world = plan.parallel_dims.world_size
     with fake_process_group(rank, world):
         dims = ParallelDims.from_config(plan.cfg.parallelism, world)
@@ -224,24 +58,12 @@ def plan_rank(plan: JobPlan, rank: int) -> RolePlan:
         pp_rank = dims.submesh("pp").get_local_rank()
         rank_plan = replace(plan, cfg=planning_config(plan.cfg), parallel_dims=dims)
         parts, _ = build_parts(rank_plan, torch.device("cpu"), cross_entropy_sum)
-        estimate, local = estimate_rank(plan.cfg, plan.model_args, dims, parts, pp_rank)
-    return RolePlan(rank=rank, pp_rank=pp_rank, layers=[[int(k) for k in p.layers.keys()] for p in parts],
-                    has_embeddings=any(p.tok_embeddings is not None for p in parts),
-                    has_head=any(p.output is not None for p in parts), local_params=local, estimate=estimate)
+        return plan_role(plan.cfg, plan.model_args, dims, parts, rank, pp_rank, plan.transforms)
 
 
-def plan_pruning_pass(plan: JobPlan, rank: int = 0) -> PruningMemoryPlan:
-    """The one-shot pruning pass's memory on rank `rank` (the 'prune' transform), planned on the meta device for
-    an accelerator; every data-parallel rank does the same work."""
-    world = plan.parallel_dims.world_size
-    with fake_process_group(rank, world):
-        dims = ParallelDims.from_config(plan.cfg.parallelism, world)
-        dims.build_mesh("cpu")
-        parts, _ = build_parts(replace(plan, cfg=planning_config(plan.cfg), parallel_dims=dims), torch.device("cpu"),
-                               cross_entropy_sum)
-        param_dtype = next(parts[0].layers.parameters()).dtype
-        return plan_pruning(plan.cfg.pruning, plan.model_args, dims, parts,
-                            precision(plan.cfg, dims, "cuda", param_dtype))
+def plan_passes(plan: JobPlan, rank: int = 0) -> list[PassPlan]:
+    """The memory of the passes the transforms run before training, on rank `rank` (scripts that run one)."""
+    return plan_rank(plan, rank).passes
 
 
 def representative_ranks(dims: ParallelDims) -> list[int]:
@@ -320,7 +142,12 @@ def tokenizer_line(plan: JobPlan) -> str:
     if plan.tokenizer is None:
         return (f"tokenizer: not there yet ('{path}'); vocabulary {plan.model_args.vocab_size:,} from flavor "
                 f"'{plan.cfg.model.flavor}'")
-    return f"tokenizer: '{path}', {plan.tokenizer.vocab_size:,} tokens"
+    line = f"tokenizer: '{path}', {plan.tokenizer.vocab_size:,} tokens"
+    if plan.tokenizer.vocab_size * 2 <= plan.model_args.vocab_size:  # larger ones are refused by the plan
+        line += (f"\nwarning: the tokenizer's {plan.tokenizer.vocab_size:,} tokens are far fewer than the model's "
+                 f"vocabulary of {plan.model_args.vocab_size:,}: is '{path}' this model's tokenizer? (the bundled "
+                 "assets/tokenizer is the debug models'; set model.hf_assets_path to the model's folder)")
+    return line
 
 
 def checklist_lines(missing: list[str]) -> list[str]:
@@ -339,8 +166,7 @@ def dry_run(cfg: JobConfig) -> int:
     tokenizer, missing = gather_assets(cfg)
     plan = plan_with_tokenizer(cfg, planned_world_size(), tokenizer, count_epochs=not missing)
     capacity = device_memory_gib(cfg)
-    sheared = [t.plan_line(plan.model_args) for t in plan.transforms if isinstance(t, ShearedTransform)]
-    for line in summary_lines(plan) + sheared + checklist_lines(missing):
+    for line in summary_lines(plan) + plan.transforms.plan_lines(plan.model_args) + checklist_lines(missing):
         print(line, flush=True)
     print(f"memory per device, estimated against {capacity:.2f} GiB:", flush=True)
     roles = []
@@ -348,15 +174,10 @@ def dry_run(cfg: JobConfig) -> int:
         roles.append(plan_rank(plan, rank))
         print("\n".join(role_lines(roles[-1], plan.parallel_dims, capacity)), flush=True)
     worst = max(roles, key=lambda role: role.estimate.total)
-    if "prune" in cfg.model.converters:
-        pruning = plan_pruning_pass(plan)
-        print(f"one-shot pruning at the start ({cfg.pruning.method} {cfg.pruning.pattern}, {cfg.pruning.nsamples} x "
-              f"{cfg.pruning.seq_len} calibration tokens), per device:", flush=True)
-        print("\n".join(pruning.lines(capacity)), flush=True)
-        if not pruning.fits(capacity):
-            raise ConfigError(f"the pruning pass does not fit: it needs an estimated {pruning.peak / me.GIB:.2f} GiB "
-                              f"but a device has {capacity:.2f} GiB; lower 'pruning.batch_size' or 'pruning.nsamples', "
-                              "or shard over more devices")
+    for pass_plan in roles[0].passes:  # every data-parallel rank does the same work
+        print("\n".join([pass_plan.title, *pass_plan.rows, f"  verdict: {pass_verdict(pass_plan, capacity)}"]),
+              flush=True)
+        check_pass_fits(pass_plan, capacity)
     check_fits(worst, capacity)
     peak = worst.estimate.total / me.GIB
     print(f"dry run OK: {plan.parallel_dims.world_size} ranks; largest peak {peak:.2f} GiB on rank {worst.rank}, "
@@ -366,6 +187,20 @@ def dry_run(cfg: JobConfig) -> int:
               f"(exit {MISSING_FILES})", flush=True)
         return MISSING_FILES
     return 0
+
+
+def pass_verdict(pass_plan: PassPlan, capacity_gib: float) -> str:
+    peak = pass_plan.peak / me.GIB
+    if peak <= capacity_gib:
+        return f"fits: peak {peak:.2f} GiB of {capacity_gib:.2f} GiB, head-room {capacity_gib - peak:.2f} GiB"
+    return f"does NOT fit: peak {peak:.2f} GiB exceeds {capacity_gib:.2f} GiB by {peak - capacity_gib:.2f} GiB"
+
+
+def check_pass_fits(pass_plan: PassPlan, capacity_gib: float) -> None:
+    peak = pass_plan.peak / me.GIB
+    if peak > capacity_gib:
+        raise ConfigError(f"{pass_plan.name} does not fit: it needs an estimated {peak:.2f} GiB but a "
+                          f"device has {capacity_gib:.2f} GiB; {pass_plan.advice}")
 
 
 def check_fits(worst: RolePlan, capacity_gib: float) -> None:

@@ -1,5 +1,8 @@
 """The errors that end a run with one line instead of a traceback, and the exit code of each."""
 
+import difflib
+import os
+
 # Exit codes of titan_lite.train (run_train.sh passes them on): a user error, a training fault, a hung collective,
 # and DRY_RUN's "the plan is fine but files the run reads are missing".
 USER_ERROR = 2
@@ -15,3 +18,18 @@ class ConfigError(ValueError):
 class TrainingFault(RuntimeError):
     """A fault found while training (a non-finite loss, a checkpoint that cannot be written): one line naming the
     step and what happened; checkpoints already written stay intact."""
+
+
+def quote_path(path: object) -> str:
+    """How an error names a path: quoted, and a relative one with the folder it was resolved against (a run
+    started from another directory is the usual reason a path 'does not exist')."""
+    text = str(path)
+    if text.startswith("/"):
+        return f"'{text}'"
+    return f"'{text}' (relative to the current directory {os.getcwd()})"
+
+
+def did_you_mean(value: str, candidates: list[str]) -> str:
+    """' (did you mean 'x'?)' for the closest candidate, or '' when none is close."""
+    match = difflib.get_close_matches(value, candidates, n=1, cutoff=0.6)
+    return f" (did you mean '{match[0]}'?)" if match else ""

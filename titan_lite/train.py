@@ -33,7 +33,7 @@ from titan_lite.job.plan import JobPlan, check_before_launch, plan_job
 from titan_lite.launcher import another_rank_failed, register_rank, report_error
 from titan_lite.loss import IGNORE_INDEX
 from titan_lite.metrics.flops import num_flops_per_token
-from titan_lite.metrics.logger import MetricsProcessor, init_logger
+from titan_lite.metrics.logger import MetricsProcessor, add_log_file, init_logger
 from titan_lite.metrics.profiler import maybe_enable_memory_snapshot, maybe_enable_profiling
 from titan_lite.optim.lr_scheduler import LRSchedule
 from titan_lite.optim.optimizer import build_optimizer
@@ -233,6 +233,10 @@ class Trainer:
                 return
             self.resume()
             start = self.train_state.step
+            if start >= cfg.training.steps:
+                where = "already at" if start == cfg.training.steps else "past"
+                logger.info(f"the run is {where} 'training.steps' = {cfg.training.steps}: checkpoint step-{start} in "
+                            f"'{self.checkpoint_folder()}'; nothing to train (raise --training.steps to continue it)")
             logger.info(f"training {cfg.training.steps} steps from step {start}; "
                         f"global batch {self.plan.global_batch_size} x {cfg.training.seq_len} tokens")
             gc.disable()
@@ -323,6 +327,7 @@ class Trainer:
         step = self.train_state.step
         if c.last_save_in_hf:
             out = self.checkpoint_folder() / f"step-{step}-hf"
+            logger.info(f"writing the Hugging Face export of step {step} to {out}")
             export_hf(self.model_parts, self.plan.model_args, str(out), getattr(torch, c.export_dtype),
                       self.cfg.model.hf_assets_path, self.parallel_dims, convert=self.hf_conversion())
             logger.info(f"Hugging Face export of step {step} written to {out}")
@@ -343,12 +348,25 @@ class Trainer:
 
 
 def save_config(cfg: JobConfig) -> None:
+    """The run folder records the run: the resolved config as TOML and the log file (rank 0 writes both)."""
     if cfg.job.print_config:
         logger.info("resolved config:\n" + to_toml(cfg))
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    if cfg.job.log_file:
+        add_log_file(Path(cfg.job.dump_folder) / cfg.job.log_file)
     if cfg.job.save_config_file:
         out = Path(cfg.job.dump_folder) / cfg.job.save_config_file
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(to_toml(cfg))
+
+
+def warn_surprises(cfg: JobConfig) -> None:
+    """Settings that run but probably not as meant: one warning line each."""
+    warmup = cfg.lr_scheduler.warmup_steps
+    if cfg.lr_scheduler.warmup_ratio is None and warmup > cfg.training.steps:
+        logger.warning(f"'lr_scheduler.warmup_steps' = {warmup} is longer than the run ('training.steps' = "
+                       f"{cfg.training.steps}): the learning rate never reaches 'optimizer.lr'")
 
 
 def run(cfg: JobConfig) -> int:
@@ -363,6 +381,7 @@ def run(cfg: JobConfig) -> int:
     # less per launch); a user error still ends the run in one line through the launcher.
     plan = check_before_launch(cfg, int(os.environ.get("WORLD_SIZE", planned_world_size())))
     save_config(cfg)
+    warn_surprises(cfg)
     logger.info(f"job: {cfg.job.description}")
     with StopSignals().installed() as stop:
         register_rank()  # after the handlers: the launcher signals registered ranks

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 REPO = Path(__file__).resolve().parents[2]
 BASE_TOML = REPO / "tests" / "integration" / "base.toml"
-STEP_LINE = re.compile(r"(?<!validate )step:\s*(\d+)\s+loss:\s*([0-9.]+)")  # training lines, not validation
+STEP_LINE = re.compile(r"(?<!validate )step:\s*(\d+)/\d+\s+loss:\s*([0-9.]+)")  # training lines, not validation
 ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 # Every resume test runs the same 20-step LR schedule, so a shorter run's checkpoint continues it exactly.
 SCHEDULE = ["--lr_scheduler.total_steps", "20", "--checkpoint.interval", "5"]

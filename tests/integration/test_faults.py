@@ -55,7 +55,7 @@ def test_sigterm_saves_on_every_rank_exits_0_and_the_run_continues(tmp_path, ref
     no_periodic_saves = ["--checkpoint.interval", "100", "--training.local_batch_size", "4"]
     proc = start_train(steps(20) + CKPT + no_periodic_saves + ["--metrics.save_tb_folder", "tb_first"], tmp_path, log,
                        ngpu=2)
-    wait_for_line(proc, log, r"step:\s+3\s")
+    wait_for_line(proc, log, r"step:\s+3/")
     os.kill(proc.pid, signal.SIGTERM)
     assert finish(proc) == 0, log.read_text()[-3000:]
     text = log.read_text()

@@ -239,7 +239,7 @@ def read_dcp_model(folder: str, prefix: str) -> dict[str, torch.Tensor]:
     if not wanted:
         sample = next(iter(entries), "(none)")
         raise ConfigError(f"{folder}: no tensors under key prefix '{prefix}' (e.g. found '{sample}'); "
-                          "set --key-prefix")
+                          "set --key_prefix")
     state = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in wanted.items()}
     dcp.load(state, storage_reader=reader, no_dist=True)
     return {canonical_name(key[len(prefix):]): tensor for key, tensor in state.items()}

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from titan_lite.checkpoint.files import save_safetensors
 from titan_lite.dtensor import copy_into_shard, full_tensor
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama.args import LlamaArgs
@@ -223,12 +223,12 @@ def write_safetensors(sd: dict[str, Tensor], folder: Path, max_shard_bytes: int)
     """model.safetensors, or model-0000i-of-0000n.safetensors plus model.safetensors.index.json."""
     shards = plan_shards(sd, max_shard_bytes)
     if len(shards) == 1:
-        save_file({n: sd[n].contiguous() for n in shards[0]}, str(folder / SINGLE_FILE), metadata={"format": "pt"})
+        save_safetensors({n: sd[n].contiguous() for n in shards[0]}, folder / SINGLE_FILE)
         return
     weight_map = {}
     for i, names in enumerate(shards, start=1):
         filename = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: sd[n].contiguous() for n in names}, str(folder / filename), metadata={"format": "pt"})
+        save_safetensors({n: sd[n].contiguous() for n in names}, folder / filename)
         weight_map.update({n: filename for n in names})
     total = sum(t.numel() * t.element_size() for t in sd.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

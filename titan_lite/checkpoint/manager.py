@@ -157,7 +157,8 @@ class CheckpointManager:
         return True
 
     def _check_finite(self, step: int) -> None:
-        params = ((name, p) for part in self.model_parts for name, p in part.named_parameters())
+        # Only trainable parameters: frozen ones cannot turn non-finite in training (and may be packed formats)
+        params = ((name, p) for part in self.model_parts for name, p in part.named_parameters() if p.requires_grad)
         bad = nonfinite_parameter(params)
         if any_rank(bad is not None):
             where = f"parameter '{bad}'" if bad else "a parameter on another rank"
@@ -188,6 +189,7 @@ class CheckpointManager:
                 tmp.mkdir(parents=True)
             self._barrier()
             begin = time.monotonic()
+            logger.info(f"saving checkpoint step {step} to {tmp}")
             if asynchronous:
                 future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg)
                 self._pending = (future, step)

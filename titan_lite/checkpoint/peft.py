@@ -8,6 +8,7 @@ in titan_lite and half-split ones in HF: their output rows (lora_B's rows, the m
 weights (models/llama/hf.py).
 """
 
+import hashlib
 import json
 import math
 import os
@@ -18,8 +19,9 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from titan_lite.checkpoint.files import save_safetensors
 from titan_lite.checkpoint.hf import SafetensorsReader, open_safetensors
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama.args import LlamaArgs
@@ -145,7 +147,7 @@ def write_peft_adapter(folder: str | Path, adapter: PeftAdapter, readme: str) ->
     tmp.mkdir()
     try:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter.tensors.items()}
-        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        save_safetensors(tensors, tmp / ADAPTER_WEIGHTS)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter.config, indent=2, sort_keys=True) + "\n")
         (tmp / "README.md").write_text(readme)
         if out.exists():
@@ -204,3 +206,27 @@ def adapter_tensor_shapes(folder: str | Path) -> dict[str, list[int]]:
         keys = list(handle.keys())
     with SafetensorsReader() as reader:
         return {key: reader.shape(path, key) for key in keys}
+
+
+# ------------------------------------------------------------------------------------------ merge records
+
+# config.json of a merged model: the adapters merged into its weights, oldest first ({"adapter", "sha256"}).
+MERGED_KEY = "titan_lite_merged_adapters"
+
+
+def adapter_digest(folder: str | Path) -> str:
+    """sha256 of an adapter's weights file: the same adapter under another path is still the same adapter."""
+    digest = hashlib.sha256()
+    with open(Path(folder) / ADAPTER_WEIGHTS, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def record_merge(model_folder: str | Path, adapter_folder: str | Path, earlier: list[dict] | None = None) -> None:
+    """Note in a merged model's config.json that `adapter_folder` is merged into its weights."""
+    config_path = Path(model_folder) / "config.json"
+    config = json.loads(config_path.read_text())
+    entry = {"adapter": str(adapter_folder), "sha256": adapter_digest(adapter_folder)}
+    config[MERGED_KEY] = [*(earlier or config.get(MERGED_KEY, [])), entry]
+    config_path.write_text(json.dumps(config, indent=2) + "\n")

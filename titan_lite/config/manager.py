@@ -15,7 +15,7 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 from titan_lite.config.schema import JobConfig
-from titan_lite.errors import ConfigError
+from titan_lite.errors import ConfigError, quote_path
 
 # ---------------------------------------------------------------- schema introspection
 
@@ -221,7 +221,7 @@ def _apply_cli(cfg: JobConfig, pairs: list[tuple[str, str | None]]) -> None:
 def load_toml(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"config file '{path}' does not exist")
+        raise ConfigError(f"config file {quote_path(path)} does not exist")
     try:
         with p.open("rb") as fh:
             return tomllib.load(fh)

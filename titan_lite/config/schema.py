@@ -32,7 +32,10 @@ class Job:
     description: str = opt("default job", "Free text describing the job, printed at start.")
     print_config: bool = opt(False, "Print the resolved config (TOML + overrides) at start.")
     save_config_file: str | None = opt(
-        None, "If set, write the resolved config as TOML to this file under dump_folder.")
+        "config.toml", "Write the resolved config as TOML to this file under dump_folder (rank 0; '' = do not).")
+    log_file: str = opt(
+        "train.log", "Write the console log (rank 0's lines, no colours) to this file under dump_folder too, line by "
+        "line and appending on resume ('' = do not).")
     custom_config_module: str = opt(
         "", "torchtitan's custom config extension module.",
         unsupported="custom config modules are not supported; every key lives in titan_lite's schema")
@@ -67,9 +70,9 @@ class Metrics:
 class Model:
     name: Literal["llama3", "llama2", "llama"] = opt("llama3", "Model family.")
     flavor: str = opt(
-        "debugmodel", "Model size preset: debugmodel, debugmodel_gqa, tiny, smollm2_135M, 1B, 3B, 8B, 70B, 405B, "
-        "llama2_7B; or 'hf': the shape of hf_assets_path/config.json. A preset next to a config.json is checked "
-        "against it.")
+        "debugmodel", "Model size preset: debugmodel, debugmodel_gqa, debugmodel_tied, tiny, smollm2_135M, 1B, 3B, "
+        "8B, 8B_sheared, 70B, 405B, llama2_7B; or 'hf': the shape of hf_assets_path/config.json. A preset next to a "
+        "config.json is checked against it.")
     hf_assets_path: str | None = opt(
         "./assets/tokenizer", "Folder with tokenizer files (tokenizer.model or tokenizer.json) and, optionally, HF "
         "config.json and weights.")
@@ -130,9 +133,9 @@ class DataLoader:
 @dataclass
 class Training:
     dataset: str = opt(
-        "shakespeare", "Dataset: shakespeare (bundled), c4, c4_test, text, jsonl; c4/text/jsonl read "
-        "training.dataset_path; instruct: prompt/response examples from training.dataset_path (a .jsonl, .json or "
-        ".parquet file; see [instruct]), loss on response tokens only.")
+        "shakespeare", "Dataset: shakespeare, shakespeare_validation (bundled), c4, c4_test, c4_validation, text, "
+        "jsonl (read training.dataset_path); instruct: prompt/response examples from training.dataset_path (a "
+        ".jsonl, .json or .parquet file; see [instruct]), loss on response tokens only.")
     dataset_path: str | None = opt(
         None, "Local file or folder of .txt, .jsonl, .json.gz shards (one JSON object per line with a 'text' field) "
         "or .parquet shards (a 'text' column; needs pyarrow).")
@@ -386,8 +389,10 @@ class Lora:
     train_modules: list[str] = opt([], "Modules trained in full beside the adapters (PEFT's modules_to_save), by "
                                        "titan_lite or HF name: e.g. output (lm_head), norm, attention_norm, a "
                                        "projection without an adapter.")
-    base_dtype: Literal["float32", "bfloat16", "float16"] = opt(
-        "float32", "dtype of the frozen weights (adapters, train_modules and their optimizer state stay float32).")
+    base_dtype: Literal["float32", "bfloat16", "float16", "nf4"] = opt(
+        "float32", "dtype of the frozen weights (adapters, train_modules and their optimizer state stay float32); "
+                   "'nf4' (QLoRA) stores every frozen block linear as torchao's 4-bit NormalFloat, quantized once "
+                   "after the initial weights are loaded, on each rank's own shard.")
     save_adapter_only: bool = opt(True, "Checkpoints hold the adapters and train_modules (plus optimizer, schedule, "
                                         "data position, RNG); on resume the frozen base is loaded again from the "
                                         "initial weights (and PiSSA's SVD recomputed, which is deterministic).")
@@ -414,11 +419,21 @@ class Experimental:
 
 @dataclass
 class Float8Linear:
-    enable_fsdp_float8_all_gather: bool = opt(False, "float8 FSDP all-gather (inert: float8 is not implemented).")
-    precompute_float8_dynamic_scale_for_fsdp: bool = opt(False, "float8 scale precompute (inert).")
-    recipe_name: str | None = opt(None, "float8 recipe (inert).")
-    filter_fqns: list[str] = opt([], "Modules left in high precision (inert).")
-    emulate: bool = opt(False, "Emulate float8 (inert).")
+    enable_fsdp_float8_all_gather: bool = opt(
+        False, "Under FSDP/HSDP, cast weights to float8 before the all-gather (half the bytes of bf16); tensorwise "
+               "recipe only.")
+    precompute_float8_dynamic_scale_for_fsdp: bool = opt(
+        False, "With the float8 all-gather: compute every weight's float8 scale in one all-reduce after each "
+               "optimizer step instead of one per weight in the forward.")
+    recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = opt(
+        None, "torchao float8 recipe: tensorwise (one scale per tensor; the default when unset), rowwise (one per "
+              "row, more accurate), rowwise_with_gw_hp (rowwise, weight gradient in high precision).")
+    filter_fqns: list[str] = opt(
+        ["output"], "Linears left in high precision: any whose name contains one of these strings. The default "
+                    "leaves out the output head, as torchtitan does; a list you set replaces it.")
+    emulate: bool = opt(
+        False, "Emulate float8 (float8 casts, high-precision matmul): for CUDA GPUs below compute capability 8.9. "
+               "On CPU the converter always emulates (the real float8 matmul is a slow reference kernel there).")
 
 
 @dataclass
@@ -430,7 +445,8 @@ class MXLinear:
 
 @dataclass
 class QuantizeLinear:
-    float8: Float8Linear = section(Float8Linear, "torchtitan float8 linear options (active only via model.converters).")
+    float8: Float8Linear = section(
+        Float8Linear, "float8 training of linears (active when model.converters lists quantize.linear.float8).")
     mx: MXLinear = section(MXLinear, "torchtitan MX linear options (active only via model.converters).")
 
 

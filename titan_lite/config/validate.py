@@ -6,7 +6,7 @@ from pathlib import Path
 
 from titan_lite.config.manager import choices_of, iter_options, not_one_of
 from titan_lite.config.schema import JobConfig
-from titan_lite.errors import ConfigError
+from titan_lite.errors import ConfigError, quote_path
 
 
 def _get(cfg: JobConfig, key: str):
@@ -287,19 +287,20 @@ def check_checkpoint(cfg: JobConfig) -> None:
 def check_paths(cfg: JobConfig) -> None:
     t = cfg.training
     if t.dataset_path is not None:
-        _require(Path(t.dataset_path).exists(), f"'training.dataset_path' = '{t.dataset_path}' does not exist")
+        _require(Path(t.dataset_path).exists(),
+                 f"'training.dataset_path' = {quote_path(t.dataset_path)} does not exist")
     if cfg.validation.enable and cfg.validation.dataset_path is not None:
         _require(Path(cfg.validation.dataset_path).exists(),
-                 f"'validation.dataset_path' = '{cfg.validation.dataset_path}' does not exist")
+                 f"'validation.dataset_path' = {quote_path(cfg.validation.dataset_path)} does not exist")
     if cfg.data_mixture.enable:
         for i, path in enumerate(cfg.data_mixture.dataset_paths):
-            _require(Path(path).exists(), f"'data_mixture.dataset_paths[{i}]' = '{path}' does not exist")
+            _require(Path(path).exists(), f"'data_mixture.dataset_paths[{i}]' = {quote_path(path)} does not exist")
     if cfg.pruning.dataset_path is not None:
         _require(Path(cfg.pruning.dataset_path).exists(),
-                 f"'pruning.dataset_path' = '{cfg.pruning.dataset_path}' does not exist")
+                 f"'pruning.dataset_path' = {quote_path(cfg.pruning.dataset_path)} does not exist")
     if cfg.checkpoint.initial_load_path is not None:
         _require(Path(cfg.checkpoint.initial_load_path).exists(),
-                 f"'checkpoint.initial_load_path' = '{cfg.checkpoint.initial_load_path}' does not exist")
+                 f"'checkpoint.initial_load_path' = {quote_path(cfg.checkpoint.initial_load_path)} does not exist")
 
 
 def validate(cfg: JobConfig, files: bool = True) -> None:

@@ -11,7 +11,7 @@ from typing import Any, BinaryIO, Protocol
 
 import torch
 
-from titan_lite.errors import ConfigError
+from titan_lite.errors import ConfigError, did_you_mean, quote_path
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,9 @@ def _is_shard(path: Path) -> bool:
 def _dataset_root(dataset: str, dataset_path: str | None, key_prefix: str) -> Path:
     """The file or folder a dataset reads; a given dataset_path overrides the bundled corpus."""
     if dataset not in BUNDLED_DATASETS and dataset not in LOCAL_DATASETS:
-        raise ConfigError(f"'{key_prefix}.dataset' = '{dataset}' is unknown; "
-                          f"known datasets: {', '.join(known_datasets())}")
+        names = known_datasets() + (["instruct"] if key_prefix in ("training", "validation") else [])
+        raise ConfigError(f"'{key_prefix}.dataset' = '{dataset}' is unknown{did_you_mean(dataset, names)}; "
+                          f"known datasets: {', '.join(names)}")
     if dataset_path is not None:
         return Path(dataset_path)
     if dataset in BUNDLED_DATASETS:
@@ -57,7 +58,7 @@ def _dataset_root(dataset: str, dataset_path: str | None, key_prefix: str) -> Pa
 def shards_at(root: Path, key: str) -> list[Path]:
     """The shard files of a file or folder, sorted; `key` names the config key that gave the path in errors."""
     if not root.exists():
-        raise ConfigError(f"'{key}' = '{root}' does not exist")
+        raise ConfigError(f"'{key}' = {quote_path(root)} does not exist")
     if root.is_file():
         if not _is_shard(root):
             raise ConfigError(f"'{key}' = '{root}' must end in one of {', '.join(SHARD_SUFFIXES)}")
@@ -82,9 +83,35 @@ def check_dataset(dataset: str, dataset_path: str | None, key_prefix: str = "tra
 
 
 def check_has_documents(shards: list[Path], where: str, key: str) -> None:
-    """The shards hold at least one document (their first one reads)."""
-    if next(DocumentStream(shards).read(StreamPosition()), None) is None:
-        raise ConfigError(f"'{key}' = '{where}' holds no documents ({len(shards)} file(s), every line blank)")
+    """The shards hold a document with text (read up to the first one: empty files or empty "text" fields would
+    otherwise train on nothing but BOS/EOS tokens)."""
+    for text, _ in DocumentStream(shards).read(StreamPosition()):
+        if text.strip():
+            return
+    raise ConfigError(f"'{key}' = {quote_path(where)} holds no text ({len(shards)} file(s): empty files, blank lines "
+                      "or empty \"text\" fields only)")
+
+
+def count_tokens(shards: list[Path], tokenizer: TokenizerLike, limit: int) -> int:
+    """Tokens of the documents as the packer reads them (BOS + text + EOS each), counted up to `limit`."""
+    total = 0
+    for text, _ in DocumentStream(shards).read(StreamPosition()):
+        total += len(tokenizer.encode(text, bos=True, eos=True))
+        if total >= limit:
+            break
+    return total
+
+
+def check_enough_tokens(shards: list[Path], tokenizer: TokenizerLike, seq_len: int, ranks: int, where: str,
+                        key: str) -> None:
+    """One epoch holds a full window of seq_len + 1 tokens for every data-parallel rank; less would train each rank
+    on the same few tokens repeated, epoch after epoch."""
+    needed = (seq_len + 1) * ranks
+    found = count_tokens(shards, tokenizer, needed)
+    if found < needed:
+        split = f" for each of the {ranks} data-parallel ranks ({needed} in all)" if ranks > 1 else ""
+        raise ConfigError(f"'{key}' = {quote_path(where)} holds {found} tokens: fewer than one sequence of seq_len + 1 "
+                          f"= {seq_len + 1} tokens{split}; add data or lower the seq_len")
 
 
 # ---------------------------------------------------------------- reading documents

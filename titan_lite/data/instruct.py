@@ -2,6 +2,7 @@
 template and tokenized with the loss on response tokens only, one example per sample or packed; and the held-out
 split carved from the training file."""
 
+import itertools
 import json
 import logging
 from collections.abc import Iterator
@@ -227,9 +228,21 @@ def build_instruction_source(cfg: JobConfig, section: str, tokenizer: TokenizerL
 
 
 def check_instruction_data(cfg: JobConfig, section: str) -> None:
-    """Config-time: the file is there and its first example of the split reads (fields, JSON)."""
+    """Config-time: the file is there and its examples of the split read (fields, JSON) up to the first one with a
+    response to train on (empty responses only would train nothing)."""
     file, split = instruction_file_and_split(cfg, section)
-    for _ in InstructionSource("instruct", file, None, 1, split, infinite=False).examples():
-        return
-    raise ConfigError(f"'{file.key}' = '{file.path}' holds no examples for the {split} split"
+    found = False
+    for _, example in InstructionSource("instruct", file, None, 1, split, infinite=False).examples():
+        if example.response.strip():
+            return
+        found = True
+    what = "examples with a non-empty response" if found else "examples"
+    raise ConfigError(f"'{file.key}' = '{file.path}' holds no {what} for the {split} split"
                       + (" (raise 'instruct.validation_fraction')" if split == "heldout" else ""))
+
+
+def count_split_examples(cfg: JobConfig, section: str, limit: int) -> int:
+    """Examples of the section's split, counted up to `limit`."""
+    file, split = instruction_file_and_split(cfg, section)
+    source = InstructionSource("instruct", file, None, 1, split, infinite=False)
+    return sum(1 for _ in itertools.islice(source.examples(), limit))

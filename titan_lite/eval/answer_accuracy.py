@@ -10,6 +10,7 @@ from torch import nn
 from titan_lite.data.instruct import Example, prompt_text
 from titan_lite.eval.answers import extract_answer, same_answer
 from titan_lite.eval.generate import GenerationConfig, generate_text
+from titan_lite.metrics.logger import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,12 @@ def answer_accuracy(model: nn.Module, tokenizer, problems: list[Example], templa
     that calls this generates the same problems (FSDP: each forward gathers the same weights on every rank)."""
     prompts = [prompt_text(template, p.prompt) for p in problems]
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0)
-    completions = [c.text for c in generate_text(model, tokenizer, prompts, cfg, device, batch_size)]
+    progress = Progress("answer accuracy: generating", len(prompts), f"completions of up to {max_new_tokens} tokens",
+                        announce=True)
+    completions = []
+    for completion in generate_text(model, tokenizer, prompts, cfg, device, batch_size):
+        completions.append(completion.text)
+        progress.update(len(completions))
     references = [p.response for p in problems]
     correct = sum(same_answer(c, r) for c, r in zip(completions, references, strict=True))
     return AnswerAccuracy(correct, len(problems), prompts, completions, references)

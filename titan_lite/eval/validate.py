@@ -10,6 +10,7 @@ from torch import nn
 from titan_lite.config.schema import JobConfig
 from titan_lite.data.dataloader import BatchLayout, build_section_loader
 from titan_lite.eval.answer_accuracy import answer_accuracy
+from titan_lite.metrics.logger import Progress
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.runner import ModelRunner
 
@@ -69,7 +70,9 @@ class Validator:
         has_correct = True
         count = self.batch_count()  # before the pass below: counting runs the loader once itself
         batches = self._batches_from_start()
-        for _ in range(count):
+        progress = Progress("validation", count, "batches")
+        for done in range(count):
+            progress.update(done)
             inputs, labels = (t.to(self.device) for t in next(batches))
             loss, tokens, correct = self.runner.eval_sums(inputs, labels)
             has_correct = correct is not None

@@ -54,7 +54,10 @@ def build_parts(plan: JobPlan, device: torch.device,
     if plan.parallel_dims.pp_enabled:
         pipeline, parts = pipeline_llama(model, plan.parallel_dims, plan.cfg, device, loss_fn)
     edits = plan.transforms.tp_plan_edits()
-    return [parallelize_llama(part, plan.parallel_dims, plan.cfg, edits) for part in parts], pipeline
+    parts = [parallelize_llama(part, plan.parallel_dims, plan.cfg, edits) for part in parts]
+    for part in parts:
+        plan.transforms.after_parallelize(part, plan.parallel_dims)
+    return parts, pipeline
 
 
 def loss_function(plan: JobPlan) -> Callable:

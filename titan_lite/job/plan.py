@@ -16,8 +16,8 @@ from titan_lite.checkpoint.manager import check_source_before_launch, initial_so
 from titan_lite.config.schema import JobConfig
 from titan_lite.config.validate import validate
 from titan_lite.data.dataloader import samples_per_epoch
-from titan_lite.data.datasets import check_dataset
-from titan_lite.data.instruct import check_instruction_data
+from titan_lite.data.datasets import check_dataset, check_enough_tokens, resolve_shards
+from titan_lite.data.instruct import check_instruction_data, count_split_examples
 from titan_lite.data.mixture import check_mixture_data
 from titan_lite.data.tokenizer import Tokenizer, build_tokenizer
 from titan_lite.distributed import choose_backend, device_type
@@ -101,12 +101,12 @@ def flavor_or_hf_args(cfg: JobConfig) -> LlamaArgs:
     return args
 
 
-def build_model_args(cfg: JobConfig, vocab_size: int | None) -> LlamaArgs:
-    """The model's args (flavor or config.json) with the config's sequence length, checked against the tokenizer's
-    vocabulary (None: no tokenizer yet, DRY_RUN before the download)."""
+def build_model_args(cfg: JobConfig, vocab_size: int | None, transforms: Transforms | None = None) -> LlamaArgs:
+    """The model's args (flavor or config.json) with the longest sequence the run (or a transform's pass) uses,
+    checked against the tokenizer's vocabulary (None: no tokenizer yet, DRY_RUN before the download)."""
     args = flavor_or_hf_args(cfg)
     args.max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0,
-                           cfg.pruning.seq_len if "prune" in cfg.model.converters else 0)
+                           transforms.sequence_length() if transforms is not None else 0)
     if vocab_size is not None and vocab_size > args.vocab_size:
         raise ConfigError(f"the tokenizer at '{tokenizer_path(cfg)}' has {vocab_size} tokens but flavor "
                           f"'{cfg.model.flavor}' has vocab_size {args.vocab_size}")
@@ -144,7 +144,9 @@ def plan_with_tokenizer(cfg: JobConfig, world_size: int, tokenizer: Tokenizer | 
                         count_epochs: bool = True) -> JobPlan:
     """plan_job with a tokenizer already loaded, or None (the flavor gives the vocabulary size). With
     training.epochs set (and count_epochs), training.steps becomes the steps those epochs take."""
-    args = build_model_args(cfg, tokenizer.vocab_size if tokenizer is not None else None)
+    import_custom_module(cfg)
+    transforms = Transforms(build_transforms(cfg))
+    args = build_model_args(cfg, tokenizer.vocab_size if tokenizer is not None else None, transforms)
     p = cfg.parallelism
     check_tp_divisibility(args, p.tensor_parallel_degree)
     if p.pipeline_parallel_degree > 1:
@@ -158,8 +160,6 @@ def plan_with_tokenizer(cfg: JobConfig, world_size: int, tokenizer: Tokenizer | 
     if epochs_counted:
         cfg.training.steps = steps_for_epochs(cfg, tokenizer, cfg.training.local_batch_size * dims.dp_degree
                                               * grad_accum)
-    import_custom_module(cfg)
-    transforms = Transforms(build_transforms(cfg))
     transforms.check(args, dims)
     return JobPlan(cfg, tokenizer, args, dims, grad_accum, transforms, epochs_counted)
 
@@ -206,6 +206,34 @@ def check_training_data(cfg: JobConfig) -> None:
         check_section_data(cfg, "training")
 
 
+def check_validation_examples(cfg: JobConfig, dp_degree: int) -> None:
+    """Instruction validation holds one full batch (validation.local_batch_size on every data-parallel rank): the
+    pass drops a partial last batch, so fewer would measure nothing (a NaN loss)."""
+    needed = cfg.validation.local_batch_size * dp_degree
+    found = count_split_examples(cfg, "validation", needed)
+    if found < needed:
+        where = cfg.validation.dataset_path or f"the held-out split of {cfg.training.dataset_path}"
+        raise ConfigError(f"validation on '{where}' has {found} examples: fewer than one batch of "
+                          f"'validation.local_batch_size' = {cfg.validation.local_batch_size} x {dp_degree} "
+                          "data-parallel rank(s); lower it, or add validation data")
+
+
+def check_data_volume(cfg: JobConfig, plan: "JobPlan") -> None:
+    """Packed training and validation data hold at least one window per data-parallel rank (instruction data pads
+    each example instead; a data mixture draws windows from whichever domain has them)."""
+    if plan.tokenizer is None:
+        return
+    for section in ("training", "validation") if cfg.validation.enable else ("training",):
+        s = getattr(cfg, section)
+        if section == "validation" and s.dataset == "instruct":
+            check_validation_examples(cfg, plan.parallel_dims.dp_degree)
+        if s.dataset == "instruct" or (section == "training" and cfg.data_mixture.enable):
+            continue
+        where = s.dataset_path if s.dataset_path is not None else s.dataset
+        check_enough_tokens(resolve_shards(s.dataset, s.dataset_path, section), plan.tokenizer, s.seq_len,
+                            plan.parallel_dims.dp_degree, where, f"{section}.dataset_path")
+
+
 def check_data(cfg: JobConfig) -> None:
     check_training_data(cfg)
     if cfg.validation.enable:
@@ -247,6 +275,8 @@ def gather_assets(cfg: JobConfig) -> tuple[Tokenizer | None, list[str]]:
     if cfg.validation.enable:
         _noting(problems, lambda: check_section_data(cfg, "validation"))
     _noting(problems, lambda: check_initial_weights(cfg))
+    if "prune" in cfg.model.converters and cfg.pruning.dataset_path is not None:
+        _noting(problems, lambda: check_dataset(cfg.pruning.dataset, cfg.pruning.dataset_path, "pruning"))
     return tokenizer, problems
 
 
@@ -273,6 +303,7 @@ def check_before_launch(cfg: JobConfig, world_size: int) -> JobPlan:
     if problems:
         raise ConfigError(problems[0])
     plan = plan_with_tokenizer(cfg, world_size, tokenizer)
+    check_data_volume(cfg, plan)
     check_source_before_launch(cfg, plan.model_args)
     check_output_folders(cfg)
     return plan

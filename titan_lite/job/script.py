@@ -1,9 +1,12 @@
-"""What the offline scripts (scripts/prune.py, scripts/eval_ppl.py) share: a job config for a model folder, the
-process group and job plan, and an entry point whose user errors are one line (exit 2)."""
+"""What the scripts share (their command line is job/cli.py's ScriptParser): checks of their inputs, a job config for a
+model folder, the process group and job plan, output folders written whole or not at all, and an entry point whose
+user errors are one line (exit 2) and whose Ctrl-C is one line (exit 130)."""
 
 import logging
+import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -11,13 +14,85 @@ import torch.distributed as dist
 
 from titan_lite import distributed as tl_dist
 from titan_lite.config import JobConfig, parse_args, validate
-from titan_lite.errors import ConfigError
+from titan_lite.data.datasets import check_has_documents, shards_at
+from titan_lite.errors import USER_ERROR, ConfigError, quote_path
 from titan_lite.job.plan import HF_FLAVOR, JobPlan, plan_job
 from titan_lite.metrics.logger import init_logger
 from titan_lite.models.llama.hf import flavor_of_hf_config
 
 logger = logging.getLogger("titan_lite")
 DTYPES = ("auto", "float32", "bfloat16")
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+
+
+def require_folder(flag: str, path: str, holds: str = "") -> None:
+    """ConfigError unless `path` is a folder (holding the file `holds`, when given)."""
+    if not Path(path).is_dir():
+        raise ConfigError(f"{flag} {quote_path(path)} is not a folder")
+    if holds and not (Path(path) / holds).is_file():
+        raise ConfigError(f"{flag} '{path}' has no {holds}")
+
+
+def check_text_data(flag: str, path: str) -> None:
+    """A text input (.txt/.jsonl/.json.gz/.parquet file or folder) exists and holds text: one line otherwise,
+    before any model is built."""
+    if not Path(path).exists():
+        raise ConfigError(f"{flag} {quote_path(path)} does not exist")
+    check_has_documents(shards_at(Path(path), flag), path, flag)
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+
+
+def check_output_folder(flag: str, out: str, inputs: dict[str, str | None]) -> None:
+    """Refuse an output folder that is an input, lies inside one, or holds one (replacing it would delete it)."""
+    target = Path(out).resolve()
+    for name, path in inputs.items():
+        if not path:
+            continue
+        source = Path(path).resolve()
+        if target == source or source in target.parents:
+            where = "is" if target == source else "is inside"
+            raise ConfigError(f"{flag} '{out}' {where} {name} '{path}': write the output to another folder "
+                              "(it replaces what is there)")
+        if target in source.parents:
+            raise ConfigError(f"{flag} '{out}' holds {name} '{path}': replacing it would delete the input")
+
+
+def partial_folder(out: str | Path) -> Path:
+    """The folder an output is written into before it is renamed to `out` (the same name on every rank)."""
+    out = Path(out)
+    return out.with_name(f".{out.name}.partial")
+
+
+@contextmanager
+def atomic_folder(out: str | Path, owner: bool = True) -> Iterator[Path]:
+    """Yield a fresh partial folder to write the whole output into; on success it replaces `out` (an older `out`
+    is removed only after the rename), on any failure it is removed and `out` is untouched. `owner` is the one
+    process (rank 0) that creates, renames and removes."""
+    out, tmp = Path(out), partial_folder(out)
+    if owner:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    try:
+        yield tmp
+        if owner:
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            if out.exists():
+                out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if owner:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------- the job
 
 
 def resolve_dtype(name: str, device_type: str) -> str:
@@ -46,7 +121,7 @@ def job_config(hf_assets_path: str, flavor: str | None, dtype: str, seq_len: int
     """A validated job config for one model folder: its tokenizer and shapes, parameters (and compute) in `dtype`,
     no activation checkpointing or compile (nothing is trained)."""
     if not Path(hf_assets_path).is_dir():
-        raise ConfigError(f"--hf_assets_path '{hf_assets_path}' is not a folder")
+        raise ConfigError(f"--hf_assets_path {quote_path(hf_assets_path)} is not a folder")
     cfg = parse_args(["--model.hf_assets_path", hf_assets_path, "--model.flavor", model_flavor(hf_assets_path, flavor),
                       "--training.dtype", dtype, "--training.mixed_precision_param", dtype,
                       "--training.seq_len", str(seq_len), "--parallelism.tensor_parallel_degree", str(tp),
@@ -70,15 +145,25 @@ def is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def run_script(work: Callable[[], None]) -> int:
-    """Run a script's work: a ConfigError is one line on stderr and exit code 2; the process group is closed."""
+def _fail(message: str, code: int) -> int:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    tl_dist.shutdown_quietly()
+    return code
+
+
+def run_script(work: Callable[[], object]) -> int:
+    """Run a script's work: a ConfigError or a missing file is one line on stderr and exit code 2, Ctrl-C one line
+    and exit code 130 (outputs are written whole or not at all, so nothing half-written stays); the process group is
+    closed."""
     init_logger()
     try:
         work()
         return 0
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        tl_dist.shutdown_quietly()
-        return 2
+        return _fail(str(exc), USER_ERROR)
+    except FileNotFoundError as exc:
+        return _fail(f"{quote_path(str(exc.filename))} does not exist", USER_ERROR)
+    except KeyboardInterrupt:
+        return _fail("interrupted (Ctrl-C); no output was written", INTERRUPTED)
     finally:
         tl_dist.shutdown()

@@ -2,9 +2,11 @@
 
 import logging
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -41,6 +43,61 @@ def init_logger() -> None:
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False  # a root handler configured by someone else would print every line twice
+
+
+_ANSI = re.compile(r"\033\[[0-9;]*m")
+
+
+class _PlainFormatter(logging.Formatter):
+    """The console format without colour codes: a log file is read with less, grep and editors."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return _ANSI.sub("", super().format(record))
+
+
+def add_log_file(path: str | Path) -> Path:
+    """Also write the `titan_lite` log to `path` (appending: a resumed run continues the same file), line by line,
+    so that the last lines before a Ctrl-C or a crash are there even when the console went through a pipe."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for handler in [h for h in logger.handlers if getattr(h, "_titan_lite_file", False)]:
+        logger.removeHandler(handler)
+        handler.close()
+    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler._titan_lite_file = True
+    handler.setFormatter(_PlainFormatter(LOG_FORMAT, datefmt="%Y-%m-%d %H:%M:%S"))
+    logger.addHandler(handler)
+    return path
+
+
+def format_duration(seconds: float) -> str:
+    """1h02m, 3m07s, 42s."""
+    seconds = max(0, int(round(seconds)))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+class Progress:
+    """Lines for a long phase (generation, a validation pass): one when it starts (`announce`), then at most one
+    every `every_s` seconds with the count done, the elapsed time and an ETA, so no phase is silent for long."""
+
+    def __init__(self, what: str, total: int, unit: str, every_s: float = 10.0, announce: bool = False):
+        self.what, self.total, self.unit, self.every_s = what, total, unit, every_s
+        self.start = self.last = time.perf_counter()
+        if announce:
+            logger.info(f"{what}: {total} {unit}")
+
+    def update(self, done: int) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.every_s or done >= self.total:
+            return
+        self.last = now
+        elapsed = now - self.start
+        eta = format_duration(elapsed / max(done, 1) * (self.total - done))
+        logger.info(f"{self.what}: {done}/{self.total} {self.unit} in {format_duration(elapsed)}, eta {eta}")
 
 
 @dataclass(frozen=True)
@@ -97,6 +154,7 @@ class MetricsProcessor:
         # so dividing by it makes tokens/s a per-device number, as torchtitan reports it.
         init_logger()
         self.log_freq = cfg.metrics.log_freq
+        self.total_steps = cfg.training.steps
         self.colors = colors_for(cfg)
         self.device = device
         self.num_flops_per_token = num_flops_per_token
@@ -142,12 +200,13 @@ class MetricsProcessor:
         memory = f"{m['memory/max_active_gib']:.2f}GiB"
         if "memory/max_active_pct" in m:
             memory += f"({m['memory/max_active_pct']:.2f}%)"
-        line = (f"{c.red}step: {step:2}  {c.green}loss: {m['loss/global_avg']:7.4f}  "
+        eta = format_duration(m["time/step_s"] * (self.total_steps - step))
+        line = (f"{c.red}step: {step:2}/{self.total_steps}  {c.green}loss: {m['loss/global_avg']:7.4f}  "
                 f"grad_norm: {m['grad_norm']:7.4f}  lr: {m['lr']:.1e}  "
                 f"{c.blue}tps: {m['throughput/tps']:,.0f}  {c.cyan}tflops: {m['throughput/tflops']:,.2f}  "
                 f"{c.magenta}mfu: {m['throughput/mfu_pct']:.2f}%  {c.yellow}memory: {memory}")
         line += "".join(f"  {name}: {value:.4g}" for name, value in extra.items())
-        return line + c.reset
+        return line + f"  eta: {eta}" + c.reset
 
     def _write_scalars(self, step: int, scalars: dict[str, float]) -> None:
         if self.writer is None:

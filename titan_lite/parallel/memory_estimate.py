@@ -138,10 +138,15 @@ class FsdpUnit:
     unsharded_numel: int
     reshards_after_forward: bool
     trainable_numel: int | None = None
+    # bytes of the gathered parameters when some are not gathered in the compute dtype (a 4-bit base, say)
+    gathered_bytes: int | None = None
 
     @property
     def reduced_numel(self) -> int:
         return self.unsharded_numel if self.trainable_numel is None else self.trainable_numel
+
+    def gather_bytes(self, compute_bytes: int) -> int:
+        return self.unsharded_numel * compute_bytes if self.gathered_bytes is None else self.gathered_bytes
 
 
 def fsdp_buffer_bytes(units: list[FsdpUnit], compute_bytes: int, reduce_bytes: int) -> int:
@@ -151,9 +156,9 @@ def fsdp_buffer_bytes(units: list[FsdpUnit], compute_bytes: int, reduce_bytes: i
     order."""
     if not units:
         return 0
-    held = sum(u.unsharded_numel for u in units if not u.reshards_after_forward) * compute_bytes
-    resharded = [u.unsharded_numel for u in units if u.reshards_after_forward]
-    gathers = _largest_neighbour_pair(resharded) * compute_bytes
+    held = sum(u.gather_bytes(compute_bytes) for u in units if not u.reshards_after_forward)
+    resharded = [u.gather_bytes(compute_bytes) for u in units if u.reshards_after_forward]
+    gathers = _largest_neighbour_pair(resharded)
     reduce_scatters = _largest_neighbour_pair([u.reduced_numel for u in units]) * reduce_bytes
     return held + gathers + reduce_scatters
 

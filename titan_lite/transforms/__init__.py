@@ -1,7 +1,10 @@
 """Model transforms ("converters"): the contract, the registry, and the built-in transforms (registered on import)."""
 
-from titan_lite.transforms import lora  # noqa: F401  (registers the built-in "lora" transform)
+from titan_lite.transforms import float8, lora  # noqa: F401  (register "quantize.linear.float8" and "lora")
 from titan_lite.transforms.base import (
+    PassPlan,
+    PlanContext,
+    PlanItem,
     Transform,
     TransformContext,
     Transforms,
@@ -12,5 +15,6 @@ from titan_lite.transforms.base import (
 from titan_lite.transforms.pruning import PruneTransform
 from titan_lite.transforms.sheared import ShearedTransform
 
-__all__ = ["PruneTransform", "ShearedTransform", "Transform", "TransformContext", "Transforms", "build_transforms",
+__all__ = ["PassPlan", "PlanContext", "PlanItem", "PruneTransform",
+           "ShearedTransform", "Transform", "TransformContext", "Transforms", "build_transforms",
            "register_transform", "registered_transforms"]

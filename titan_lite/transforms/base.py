@@ -18,6 +18,24 @@ calls the hooks of the configured transforms (`[model] converters`) in order and
   metrics             scalars logged with each training log line
   export_state_dict   turn a full state dict into a plain Llama's before an HF export (merge, drop, materialise)
   export              extra artifacts at the end of a run (adapter folders, reports)
+  after_parallelize   one model part once TP, CP, AC, compile and FSDP are applied (on the meta device, before
+                      materialisation): e.g. install an FSDP custom all-gather
+
+The plan hooks (DRY_RUN, and scripts that plan a pass) let a transform say what it changes in the memory plan; the
+estimate (`titan_lite/job/estimate.py`) calls them and nothing outside `transforms/` names a transform:
+
+  sequence_length     the longest sequence a pass of the transform runs the model on (sizes RoPE; 0: none)
+  plan_lines          lines for DRY_RUN's summary (the target architecture, the storage format, ...)
+  param_bytes         bytes per element a parameter is stored in on the device (None: its dtype's); the meta
+                      model DRY_RUN reads keeps the dtype it was built in, this says what the real run holds
+  gathered_bytes      bytes per element FSDP's all-gather moves and holds for a parameter (None: the compute dtype)
+  plan_memory         extra bytes of one rank's training step by category ("parameters", "activations",
+                      "buffers", ...), each with a note: PlanItem(category, bytes, note)
+  pass_plan           the memory of a pass the transform runs before training on one rank (PassPlan), or None
+
+Each plan hook receives a PlanContext: the config, model args, the layout and this rank's parts as the trainer
+builds them (on the meta device, compile off), plus the compute dtype's element size on the planned accelerator.
+A hook of a transform that is not configured is never called; defaults change nothing.
 
 A module a transform adds owns the initialisation of its parameters through `param_init()`, a dict from the
 parameter's local name to `fn(full_tensor, generator)`; Llama.init_weights calls it with the same per-name seeding
@@ -34,7 +52,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from titan_lite.config.schema import JobConfig
-from titan_lite.errors import ConfigError
+from titan_lite.errors import ConfigError, did_you_mean
 from titan_lite.models.llama.args import LlamaArgs
 from titan_lite.models.llama.hf import HFNames
 from titan_lite.parallel.parallel_dims import ParallelDims
@@ -64,6 +82,39 @@ class TransformContext:
     # them whose result the checkpoint holds (an SVD of the base, say) must be skipped. False for adapter-only
     # checkpoints: the frozen weights were loaded from the initial weights again and such work must be redone.
     checkpoint_holds_model: bool = False
+
+
+@dataclass
+class PlanContext:
+    """What the plan hooks may read: one rank's parts built as the trainer builds them (on the meta device)."""
+
+    cfg: JobConfig
+    model_args: LlamaArgs
+    parallel_dims: ParallelDims
+    model_parts: list[nn.Module]
+    compute_bytes: int  # element size of the compute dtype on the planned accelerator (2 for bf16)
+    device_type: str = "cuda"  # the accelerator the plan is for
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    """Bytes a transform adds to one category of a rank's training-step estimate, with what they are."""
+
+    category: str  # "parameters", "gradients", "optimizer", "activations" or "buffers"
+    nbytes: int
+    note: str
+
+
+@dataclass
+class PassPlan:
+    """The peak memory of a pass a transform runs before training, on one rank: its name (for the refusal), a title
+    line, the rows of its breakdown, the peak in bytes, and the advice the refusal gives when it does not fit."""
+
+    name: str
+    title: str
+    rows: list[str]
+    peak: int
+    advice: str
 
 
 class Transform:
@@ -127,6 +178,37 @@ class Transform:
     def export(self, model_parts: list[nn.Module], folder: Path, step: int) -> None:
         """Extra artifacts at the end of a run (collective: every rank calls it)."""
 
+    # ------------------------------------------------------------------------------ plan hooks
+
+    def sequence_length(self) -> int:
+        """The longest sequence a pass of this transform runs the model on (0: only the training's)."""
+        return 0
+
+    def plan_lines(self, model_args: LlamaArgs) -> list[str]:
+        """Lines for DRY_RUN's summary."""
+        return []
+
+    def param_bytes(self, name: str, param: torch.Tensor) -> float | None:
+        """Bytes per element this parameter (canonical name) is stored in on the device, or None (its dtype's)."""
+        return None
+
+    def gathered_bytes(self, name: str, param: torch.Tensor) -> float | None:
+        """Bytes per element FSDP's all-gather moves and holds for this parameter, or None (the compute dtype)."""
+        return None
+
+    def plan_memory(self, ctx: PlanContext) -> list[PlanItem]:
+        """Extra bytes of one rank's training step (e.g. a dequantized weight alive during a matmul)."""
+        return []
+
+    def pass_plan(self, ctx: PlanContext) -> PassPlan | None:
+        """The memory of a pass this transform runs before training, on the rank of `ctx`."""
+        return None
+
+    # ------------------------------------------------------------------------------ after parallelism
+
+    def after_parallelize(self, model: nn.Module, parallel_dims: ParallelDims) -> None:
+        """One parallelised model part (still on the meta device): e.g. set an FSDP module's custom all-gather."""
+
 
 _REGISTRY: dict[str, Callable[[JobConfig], Transform]] = {}
 
@@ -149,7 +231,8 @@ def build_transforms(cfg: JobConfig) -> list[Transform]:
     for name in cfg.model.converters:
         if name not in _REGISTRY:
             known = ", ".join(registered_transforms()) or "none"
-            raise ConfigError(f"'model.converters' has unknown transform '{name}'; available: {known}")
+            raise ConfigError(f"'model.converters' has unknown transform '{name}'"
+                              f"{did_you_mean(name, registered_transforms())}; available: {known}")
         transforms.append(_REGISTRY[name](cfg))
     return transforms
 
@@ -222,3 +305,32 @@ class Transforms:
     def export(self, model_parts: list[nn.Module], folder: Path, step: int) -> None:
         for t in self.items:
             t.export(model_parts, folder, step)
+
+    # ------------------------------------------------------------------------------ plan hooks
+
+    def sequence_length(self) -> int:
+        return max((t.sequence_length() for t in self.items), default=0)
+
+    def plan_lines(self, model_args: LlamaArgs) -> list[str]:
+        return [line for t in self.items for line in t.plan_lines(model_args)]
+
+    def param_bytes(self, name: str, param: torch.Tensor) -> float:
+        """Bytes per element of a parameter as stored: the first transform that says, else its dtype's."""
+        return _first((t.param_bytes(name, param) for t in self.items), param.element_size())
+
+    def gathered_bytes(self, name: str, param: torch.Tensor, compute_bytes: int) -> float:
+        return _first((t.gathered_bytes(name, param) for t in self.items), compute_bytes)
+
+    def plan_memory(self, ctx: PlanContext) -> list[PlanItem]:
+        return [item for t in self.items for item in t.plan_memory(ctx)]
+
+    def pass_plans(self, ctx: PlanContext) -> list[PassPlan]:
+        return [plan for t in self.items if (plan := t.pass_plan(ctx)) is not None]
+
+    def after_parallelize(self, model: nn.Module, parallel_dims: ParallelDims) -> None:
+        for t in self.items:
+            t.after_parallelize(model, parallel_dims)
+
+
+def _first(values: Iterator[float | None], default: float) -> float:
+    return next((v for v in values if v is not None), default)

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, replace
 
+from titan_lite.errors import did_you_mean
+
 
 @dataclass
 class LlamaArgs:
@@ -87,5 +89,6 @@ FLAVORS: dict[str, LlamaArgs] = {
 def flavor_args(flavor: str) -> LlamaArgs:
     """A fresh copy of a flavor's args; unknown names raise KeyError listing the known ones."""
     if flavor not in FLAVORS:
-        raise KeyError(f"unknown model flavor '{flavor}'; known: {', '.join(FLAVORS)}")
+        raise KeyError(f"unknown model flavor '{flavor}'{did_you_mean(flavor, list(FLAVORS))}; known: "
+                       f"{', '.join(FLAVORS)}")
     return replace(FLAVORS[flavor])

@@ -48,6 +48,9 @@ class LoRALinear(nn.Module):
     factors are kept as frozen `pissa_a0` / `pissa_b0` when `keep_init` is set.
     """
 
+    # Another transform may compute the base product W x its own way (a float8 matmul, say): fn(x, W) -> x W^T.
+    base_linear = None
+
     def __init__(self, in_features: int, out_features: int, rank: int, scale: float, dropout: float = 0.0,
                  dora: bool = False, init: str = "default", keep_init: bool = False, keep_sparsity: bool = False):
         super().__init__()
@@ -79,9 +82,9 @@ class LoRALinear(nn.Module):
         dropped = self.dropout(x)
         if self.keep_sparsity:
             return self._masked_forward(x, weight, dropped)
-        if self.magnitude is None and not isinstance(weight, DTensor):
+        if self.magnitude is None and not isinstance(weight, DTensor) and self.base_linear is None:
             return self._plain_forward(x, weight, dropped)
-        base = F.linear(x, weight)
+        base = self._base(x, weight)
         update = F.linear(F.linear(dropped, _like(self.lora_a, x)), _like(self.lora_b, x))
         if self.magnitude is None:
             return base + self.scale * update
@@ -89,14 +92,17 @@ class LoRALinear(nn.Module):
         if not (self.training and isinstance(self.dropout, nn.Dropout)):
             return gain * (base + self.scale * update)
         # With dropout the magnitude rescales the dropped input's base product, as PEFT does.
-        return base + (gain - 1) * F.linear(dropped, weight) + gain * self.scale * update
+        return base + (gain - 1) * self._base(dropped, weight) + gain * self.scale * update
+
+    def _base(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight) if self.base_linear is None else self.base_linear(x, weight)
 
     def _masked_forward(self, x: torch.Tensor, weight: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
         dropout_active = self.training and isinstance(self.dropout, nn.Dropout)
         magnitude = None if self.magnitude is None else _like(self.magnitude, x)
         norm = None if magnitude is None else self.weight_norm().to(x.dtype)
         return masked_forward(x, dropped if dropout_active else x, weight, _like(self.lora_a, x),
-                              _like(self.lora_b, x), self.scale, magnitude, norm)
+                              _like(self.lora_b, x), self.scale, magnitude, norm, self.base_linear)
 
     def _plain_forward(self, x: torch.Tensor, weight: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
         """W x + scale B (A x) with the update accumulated into W x by one GEMM (addmm_, alpha = scale): no

@@ -38,6 +38,10 @@ def check_keep_sparsity(cfg: JobConfig) -> None:
         raise ConfigError(f"'lora.keep_sparsity' = '{cfg.lora.keep_sparsity}' cannot go with 'lora.init' = "
                           f"'{cfg.lora.init}': PiSSA replaces the base with a dense residual, so there is no zero "
                           "pattern to keep; use init 'default' or 'gaussian', or keep_sparsity 'off'")
+    if cfg.lora.base_dtype == "nf4":
+        raise ConfigError(f"'lora.keep_sparsity' = '{cfg.lora.keep_sparsity}' cannot go with 'lora.base_dtype' = "
+                          "'nf4': the 4-bit base's matmul does not take the masked update; use a float32 or bfloat16 "
+                          "base, or keep_sparsity 'off'")
     c = cfg.checkpoint
     if "prune" not in cfg.model.converters and not (c.initial_load_path or c.initial_load_in_hf):
         raise ConfigError("'lora.keep_sparsity' = 'on' needs a pruned base: list 'prune' before 'lora' in "
@@ -82,21 +86,24 @@ def masked_update(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tens
 
 def masked_forward(x: torch.Tensor, dropped: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor,
                    lora_b: torch.Tensor, scale: float, magnitude: torch.Tensor | None,
-                   weight_norm: torch.Tensor | None) -> torch.Tensor:
+                   weight_norm: torch.Tensor | None, base_linear=None) -> torch.Tensor:
     """y = x W^T + d ((s B A) * M)^T with d the dropped input (`dropped is x` without dropout); with DoRA, the
-    magnitude over the detached row norm (`weight_norm`, of the masked adapted weight) rescales it as in PEFT."""
-    plain = magnitude is None and not isinstance(weight, DTensor)
+    magnitude over the detached row norm (`weight_norm`, of the masked adapted weight) rescales it as in PEFT.
+    `base_linear`: another transform's base product fn(x, W) (float8, say); the masked update is then added apart."""
+    plain = magnitude is None and not isinstance(weight, DTensor) and base_linear is None
     if plain and not torch.is_autocast_enabled(x.device.type) and not torch.compiler.is_compiling():
         return _MaskedLoRAProduct.apply(x, None if dropped is x else dropped, weight, lora_a, lora_b, scale)
     update = masked_update(weight, lora_a, lora_b, scale)
+    if base_linear is None and dropped is x:  # one GEMM with the adapted weight
+        adapted = F.linear(x, weight + update)
+        return adapted if magnitude is None else magnitude / weight_norm.detach() * adapted
+    base = base_linear or F.linear
     if magnitude is None:
-        if dropped is x:
-            return F.linear(x, weight + update)
-        return F.linear(x, weight) + F.linear(dropped, update)
+        return base(x, weight) + F.linear(dropped, update)
     gain = magnitude / weight_norm.detach()
     if dropped is x:
-        return gain * F.linear(x, weight + update)
-    return F.linear(x, weight) + (gain - 1) * F.linear(dropped, weight) + gain * F.linear(dropped, update)
+        return gain * (base(x, weight) + F.linear(x, update))
+    return base(x, weight) + (gain - 1) * base(dropped, weight) + gain * F.linear(dropped, update)
 
 
 class _MaskedLoRAProduct(torch.autograd.Function):

@@ -14,6 +14,7 @@ from titan_lite.checkpoint.peft import (
     PeftAdapter,
     from_peft_tensors,
     read_peft_adapter,
+    record_merge,
     to_peft_tensors,
     write_peft_adapter,
 )
@@ -24,7 +25,7 @@ from titan_lite.models.llama.args import LlamaArgs
 from titan_lite.models.llama.hf import HFNames
 from titan_lite.models.llama.model import canonical_name
 from titan_lite.parallel.parallel_dims import ParallelDims
-from titan_lite.transforms.base import Transform, TransformContext, register_transform
+from titan_lite.transforms.base import PlanContext, PlanItem, Transform, TransformContext, register_transform
 from titan_lite.transforms.lora.adapters import (
     adapter_exported_param,
     check_adapter_matches,
@@ -37,6 +38,19 @@ from titan_lite.transforms.lora.adapters import (
 )
 from titan_lite.transforms.lora.module import ADAPTER_PARAMS, PISSA_INIT_PARAMS, LoRALinear
 from titan_lite.transforms.lora.options import PROJECTIONS, LoraOptions
+from titan_lite.transforms.lora.qlora import (
+    NF4,
+    NF4LoRALinear,
+    block_linear_shapes,
+    check_nf4,
+    checksum_tensors,
+    dense_state_dict,
+    dequantize_memory,
+    init_dora_magnitudes_nf4,
+    nf4_param_bytes,
+    plan_line,
+    quantize_frozen_linears,
+)
 from titan_lite.transforms.lora.sparse import (
     check_base_sparsity,
     check_keep_sparsity,
@@ -81,6 +95,8 @@ class LoraTransform(Transform):
         self.frozen_fingerprint: tuple[int, int] | None = None
         self.model_parts: list[nn.Module] = []
         self.keep_sparsity = keep_sparsity_enabled(cfg)
+        self.nf4 = cfg.lora.base_dtype == NF4
+        self._nf4_names: set[str] | None = None
 
     # ------------------------------------------------------------------------------ which parameters train
 
@@ -88,6 +104,12 @@ class LoraTransform(Transform):
         """Adapters and the train_modules' parameters train; every other parameter is frozen."""
         module, param = module_of(name)
         return param in ADAPTER_PARAMS or self.options.is_train_module(module)
+
+    def nf4_weights(self, model_args: LlamaArgs) -> set[str]:
+        """The frozen block linear weights an NF4 base stores in 4 bits (none unless base_dtype = 'nf4')."""
+        if not self.nf4:
+            return set()
+        return {n for n in block_linear_shapes(model_args) if not self.trains(n)}
 
     def is_base(self, name: str) -> bool:
         """Frozen weights of the model (held in base_dtype); PiSSA's initial factors are adapter state, not base."""
@@ -101,16 +123,18 @@ class LoraTransform(Transform):
                 parent_name = PROJECTIONS[short][0]
                 parent, name = getattr(block, parent_name), f"layers.{key}.{parent_name}.{short}"
                 linear, spec = getattr(parent, short), self.options.spec(name)
+                module_class = NF4LoRALinear if self.nf4 else LoRALinear
                 with torch.device(linear.weight.device):  # the meta device: nothing is allocated
-                    adapted = LoRALinear(linear.in_features, linear.out_features, spec.rank, spec.scale,
+                    adapted = module_class(linear.in_features, linear.out_features, spec.rank, spec.scale,
                                          self.c.dropout, self.c.use_dora, self.c.init, keep_init=self.options.pissa,
                                          keep_sparsity=self.keep_sparsity)
                 setattr(parent, short, adapted)
         self.freeze_and_cast(model)
 
     def freeze_and_cast(self, model: nn.Module) -> None:
-        """requires_grad from `trains`; frozen base weights in base_dtype (a tied weight is replaced once)."""
-        dtype = getattr(torch, self.c.base_dtype)
+        """requires_grad from `trains`; frozen base weights in base_dtype (a tied weight is replaced once). An NF4
+        base is held in the run's dtype (training.dtype) until after_load quantizes its block linears."""
+        dtype = getattr(torch, self.cfg.training.dtype if self.nf4 else self.c.base_dtype)
         replaced: dict[int, nn.Parameter] = {}
         for module_name, module in model.named_modules():
             for local, param in list(module.named_parameters(recurse=False)):
@@ -126,6 +150,9 @@ class LoraTransform(Transform):
         self.options.check_model(self.cfg, model_args)
         check_keep_sparsity(self.cfg)
         self.check_layout(parallel_dims)
+        self._nf4_names = self.nf4_weights(model_args)
+        if self.nf4:
+            check_nf4(self.cfg, model_args, parallel_dims, sorted(self._nf4_names))
         if self.c.adapter_path is not None:
             check_adapter_matches(self.options, model_args, self.c.adapter_path)
 
@@ -138,7 +165,7 @@ class LoraTransform(Transform):
             raise ConfigError("'training.enable_cpu_offload' keeps sharded weights on the host, but PiSSA, DoRA, "
                               "re-factoring and adapter_path gather full weights on the accelerator; turn one off")
         compute = compute_dtype(self.cfg.training.mixed_precision_param, device)
-        if self.c.base_dtype == "float32" or dims.fsdp_enabled or dims.dp_replicate_enabled:
+        if self.c.base_dtype in ("float32", NF4) or dims.fsdp_enabled or dims.dp_replicate_enabled:
             return
         if compute == torch.float32:
             raise ConfigError(f"'lora.base_dtype' = '{self.c.base_dtype}' with float32 compute and no data "
@@ -168,13 +195,16 @@ class LoraTransform(Transform):
                         "pipeline stage")
             seed = self.cfg.debug.seed if self.cfg.debug.seed is not None else 0
             pissa_initialise(modules, self.options.niter, seed, self.stage_group())
+        if self.nf4:  # after PiSSA's SVD of the full-precision weights (QPiSSA quantizes the residual)
+            count = quantize_frozen_linears(ctx.model_parts, self.nf4_weights(ctx.model_args))
+            logger.info(f"lora: {count} frozen block linears on this rank quantized to NF4 (QLoRA)")
         if self.c.use_dora and self.c.adapter_path is None and fresh:
-            init_dora_magnitudes(modules)
+            (init_dora_magnitudes_nf4 if self.nf4 else init_dora_magnitudes)(modules)
         if self.keep_sparsity and fresh:
             check_base_sparsity(modules, self.cfg.lora.keep_sparsity)
         self.log_trainable(ctx.model_parts)
         if fresh:
-            self.frozen_fingerprint = bits_checksum(self.frozen_parameters(ctx.model_parts))
+            self.frozen_fingerprint = bits_checksum(checksum_tensors(self.frozen_parameters(ctx.model_parts)))
 
     def stage_group(self) -> dist.ProcessGroup | None:
         """The ranks holding this rank's pipeline stage (they share PiSSA's SVDs), or None on one process."""
@@ -219,7 +249,15 @@ class LoraTransform(Transform):
         logger.info(f"lora: the optimizer holds {len(held)} tensors, exactly the trainable ones")
 
     def saves_parameter(self, name: str) -> bool:
+        """Adapter-only checkpoints hold the adapters; an NF4 weight is never saved (DCP has no NF4 support): a
+        resume quantizes it again from the initial weights, deterministically."""
+        if name in self.nf4_names():
+            return False
         return not self.c.save_adapter_only or adapter_exported_param(self.options, name)
+
+    def nf4_names(self) -> set[str]:
+        """The NF4 weights' canonical names (known once `check` has seen the model args)."""
+        return self._nf4_names or set()
 
     def after_optimizer_step(self, model_parts: list[nn.Module], step: int) -> None:
         if self.c.refactor_freq and step % self.c.refactor_freq == 0:
@@ -232,20 +270,38 @@ class LoraTransform(Transform):
                           model_args: LlamaArgs) -> tuple[dict[str, torch.Tensor], LlamaArgs]:
         """The merged model: W + scale B A (DoRA: rescaled rows) for every adapter; PiSSA's W is the residual, so
         the merge equals the original weight plus the learnt update."""
+        state_dict = dense_state_dict(state_dict)  # the NF4 base merges as it was trained: dequantized
         specs = {m: self.options.spec(m) for m in {module_of(n)[0] for n in state_dict if n.endswith(".lora_a")}}
         return merge_adapters(state_dict, specs, self.keep_sparsity), model_args
 
+    def base_folder(self, folder: Path, step: int) -> Path | None:
+        """Where the base the adapters apply to is written as an HF folder: when it is not loaded from one (a seeded
+        initialisation or a DCP checkpoint), the adapter alone could not be merged, served or loaded by PEFT."""
+        if self.cfg.checkpoint.initial_load_in_hf or self.options.pissa:
+            return None  # the HF base folder exists already; PiSSA writes its residual base instead
+        return folder / f"step-{step}-base-hf"
+
     def export(self, model_parts: list[nn.Module], folder: Path, step: int) -> None:
         self.check_frozen_unchanged(model_parts)
+        base = self.base_folder(folder, step)
+        if base is not None:
+            export_hf(model_parts, self.model_args, str(base), getattr(torch, self.cfg.checkpoint.export_dtype),
+                      self.cfg.model.hf_assets_path, self.parallel_dims,
+                      convert=lambda sd, args: (without_adapters(sd), args))
+            logger.info(f"lora: the frozen base (not loaded from a Hugging Face folder) written to {base}; "
+                        f"step-{step}-adapter applies to it")
         state = gather_full_state_dict(model_parts, torch.float32, self.parallel_dims,
                                        keep=lambda n: adapter_exported_param(self.options, n))
         if state is not None:
-            self.write_adapters(state, folder, step)
+            self.write_adapters(state, folder, step, base)
+            merged = folder / f"step-{step}-hf"  # the run's merged export, written just before
+            if self.cfg.checkpoint.last_save_in_hf and merged.is_dir():
+                record_merge(merged, folder / f"step-{step}-adapter")
         if self.options.pissa:
             out = folder / f"step-{step}-pissa-residual-base"
             export_hf(model_parts, self.model_args, str(out), getattr(torch, self.cfg.checkpoint.export_dtype),
                       self.cfg.model.hf_assets_path, self.parallel_dims,
-                      convert=lambda sd, args: (without_adapters(sd), args))
+                      convert=lambda sd, args: (without_adapters(dense_state_dict(sd)), args))
             logger.info(f"lora: PiSSA's residual base (the frozen weights W - s B0 A0) written to {out}; "
                         f"step-{step}-pissa-adapter applies to it")
 
@@ -253,13 +309,14 @@ class LoraTransform(Transform):
         if self.frozen_fingerprint is None:
             return
         frozen = self.frozen_parameters(model_parts)
-        if bits_checksum(frozen) != self.frozen_fingerprint:
+        if bits_checksum(checksum_tensors(frozen)) != self.frozen_fingerprint:
             logger.error("lora: the frozen weights on this rank CHANGED during training (a bug: please report it)")
         else:
             logger.info(f"lora: the {len(frozen)} frozen tensors on this rank are bitwise unchanged since loading")
 
-    def write_adapters(self, state: dict[str, torch.Tensor], folder: Path, step: int) -> None:
-        base = self.cfg.checkpoint.initial_load_path or self.cfg.model.hf_assets_path
+    def write_adapters(self, state: dict[str, torch.Tensor], folder: Path, step: int,
+                       base_folder: Path | None = None) -> None:
+        base = str(base_folder or self.cfg.checkpoint.initial_load_path or self.cfg.model.hf_assets_path)
         modules = sorted({module_of(n)[0] for n in state if n.endswith(".lora_a")}, key=_layer_order)
         args = self.model_args
         out = folder / f"step-{step}-adapter"
@@ -279,6 +336,22 @@ class LoraTransform(Transform):
                            readme(self.c, "residual", f"step-{step}-pissa-residual-base"))
         logger.info(f"lora: PiSSA adapters of step {step}: {out} is a plain LoRA of rank {2 * self.c.rank} for the "
                     f"ORIGINAL base; {residual} (rank {self.c.rank}) applies to the residual base")
+
+    # ------------------------------------------------------------------------------ plan hooks
+
+    def plan_lines(self, model_args: LlamaArgs) -> list[str]:
+        if not self.nf4:
+            return []
+        return [plan_line(model_args, self.nf4_weights(model_args), getattr(torch, self.cfg.training.dtype).itemsize)]
+
+    def param_bytes(self, name: str, param: torch.Tensor) -> float | None:
+        return nf4_param_bytes(name, param, self.nf4_names())
+
+    def gathered_bytes(self, name: str, param: torch.Tensor) -> float | None:
+        return nf4_param_bytes(name, param, self.nf4_names())  # FSDP gathers the codes, scales and factors
+
+    def plan_memory(self, ctx: PlanContext) -> list[PlanItem]:
+        return dequantize_memory(ctx, self.nf4_names())
 
 
 SPARSE_NOTE = (

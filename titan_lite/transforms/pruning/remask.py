@@ -7,8 +7,9 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from titan_lite.checkpoint.files import save_safetensors
 from titan_lite.checkpoint.hf import SafetensorsReader, weight_files
 from titan_lite.errors import ConfigError
 
@@ -41,7 +42,7 @@ def remask_hf_folder(source: str | Path, reference: str | Path, out: str | Path)
                     rezeroed += int(((tensor != 0) & ~keep).sum())
                     tensors[name] = torch.where(keep, tensor, torch.zeros((), dtype=tensor.dtype))
                     linears += 1
-                save_file(tensors, str(tmp / shard.name), metadata={"format": "pt"})
+                save_safetensors(tensors, tmp / shard.name)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

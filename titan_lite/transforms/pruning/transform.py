@@ -16,7 +16,7 @@ from titan_lite.errors import ConfigError
 from titan_lite.metrics.memory import PeakReading, device_capacity_gib, measure_peak
 from titan_lite.models.llama.args import LlamaArgs
 from titan_lite.parallel.parallel_dims import ParallelDims
-from titan_lite.transforms.base import Transform, TransformContext, register_transform
+from titan_lite.transforms.base import PassPlan, PlanContext, Transform, TransformContext, register_transform
 from titan_lite.transforms.pruning.calibration import OneShotPruner, PruneResult, find_targets
 from titan_lite.transforms.pruning.masks import (
     MASK,
@@ -155,6 +155,23 @@ class PruneTransform(Transform):
 
     def hf_names(self, names) -> None:
         names.add_not_in_hf(rf"\.{MASK}$")
+
+    # ------------------------------------------------------------------------------------------ plan hooks
+
+    def sequence_length(self) -> int:
+        return self.cfg.pruning.seq_len
+
+    def pass_plan(self, ctx: PlanContext) -> PassPlan:
+        """The one-shot pass's memory on this rank, planned for an accelerator (every data-parallel rank does the
+        same work)."""
+        p = self.cfg.pruning
+        param_dtype = next(ctx.model_parts[0].layers.parameters()).dtype
+        plan = plan_pruning(p, ctx.model_args, ctx.parallel_dims, ctx.model_parts,
+                            precision(self.cfg, ctx.parallel_dims, ctx.device_type, param_dtype))
+        return PassPlan("the pruning pass",
+                        f"one-shot pruning at the start ({p.method} {p.pattern}, {p.nsamples} x {p.seq_len} "
+                        "calibration tokens), per device:", plan.lines(None), plan.peak,
+                        "lower 'pruning.batch_size' or 'pruning.nsamples', or shard over more devices")
 
     def export(self, model_parts: list[nn.Module], folder: Path, step: int) -> None:
         report = sparsity_report(model_parts, self.cfg, self.dims, self.result, self.plan, self.measured)

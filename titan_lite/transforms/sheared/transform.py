@@ -166,11 +166,11 @@ class ShearedTransform(Transform):
         logger.info(f"sheared: pruned model of step {step} written to {out} (continue training it with "
                     f"model.flavor = \"hf\", model.hf_assets_path = that folder, checkpoint.initial_load_in_hf = true)")
 
-    def plan_line(self, model_args: LlamaArgs) -> str:
+    def plan_lines(self, model_args: LlamaArgs) -> list[str]:
         """DRY_RUN's summary: the target architecture and the gate parameters the memory plan counts."""
         t = self.targets_for(model_args)
         n_gates = sum(math.prod(t.gate_shape(kind)) for kind in t.pruned)
-        return (f"sheared: target {t.layers} layers, {t.heads} heads / {t.kv_heads} KV heads, dim {t.dim}, "
+        return [f"sheared: target {t.layers} layers, {t.heads} heads / {t.kv_heads} KV heads, dim {t.dim}, "
                 f"intermediate {t.intermediate} = {t.param_count():,} parameters; {n_gates:,} gate logits + "
                 f"{2 * len(KINDS)} multipliers (float32, counted in the parameters, gradients and optimizer state "
-                "below)")
+                "below)"]

@@ -1,0 +1,184 @@
+"""The 'quantize.linear.float8' transform on tiny models: which linears it converts and why it keeps the others, the
+refusals before launch, the TP plan's float8 styles, a LoRA base in float8, and the byte all-gather's collective."""
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+from titan_lite.config import parse_args, validate
+from titan_lite.errors import ConfigError
+from titan_lite.models.llama import Llama, flavor_args
+from titan_lite.parallel.parallel_dims import ParallelDims
+from titan_lite.parallel.tensor_parallel import block_plan
+from titan_lite.transforms import build_transforms
+from titan_lite.transforms.float8 import options as float8_options
+from titan_lite.transforms.float8 import transform as float8_transform
+from titan_lite.transforms.lora.module import LoRALinear
+
+F8 = "quantize.linear.float8"
+
+
+def config(*extra: str):
+    cfg = parse_args(["--model.converters", F8, *extra])
+    validate(cfg)
+    return cfg
+
+
+def converted(cfg, args=None):
+    (transform,) = build_transforms(cfg)
+    with torch.device("meta"):
+        model = Llama(args or flavor_args("tiny"))
+    transform.convert(model)
+    return transform, model
+
+
+def float8_names(model: nn.Module) -> list[str]:
+    from torchao.float8.float8_linear import Float8Linear
+
+    return [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+
+
+def summary(transform, caplog) -> list[str]:
+    with caplog.at_level(logging.INFO, logger="titan_lite"):
+        transform.after_load(None)
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(F8)]
+
+
+def test_converts_every_block_linear_and_leaves_the_head_by_default(caplog):
+    transform, model = converted(config())
+    assert len(float8_names(model)) == 4 * 7 and "output" not in float8_names(model)
+    lines = summary(transform, caplog)
+    assert lines[0] == f"{F8}: 28 linear(s) in float8 (tensorwise, emulated)"
+    assert lines[1] == f"{F8}: 1 linear(s) left in high precision: output (filter_fqns)"
+    assert "on CPU the float8 matmul is emulated" in lines[2] and len(lines) == 3
+
+
+def test_shapes_float8_cannot_serve_stay_high_precision_and_are_listed_once(caplog):
+    """ffn 200 is not a multiple of 16: w1/w2/w3 stay nn.Linear; filter_fqns matches substrings, as in torchtitan."""
+    args = dataclasses.replace(flavor_args("tiny"), ffn_dim=200, n_layers=2)
+    transform, model = converted(config(f"--{F8}.filter_fqns", "output,layers.1.attention.wo"), args)
+    assert sorted(n.split(".", 2)[2] for n in float8_names(model) if n.startswith("layers.0")) == [
+        "attention.wk", "attention.wo", "attention.wq", "attention.wv"]
+    assert "layers.1.attention.wo" not in float8_names(model)
+    assert type(model.layers["0"].feed_forward.w1) is nn.Linear
+    lines = summary(transform, caplog)
+    assert lines[1].startswith(f"{F8}: 8 linear(s) left in high precision: layers.0.feed_forward.w1 (200x64 is not "
+                               "a multiple of 16); ")
+    assert "layers.1.attention.wo (filter_fqns)" in lines[1] and "output (filter_fqns)" in lines[1]
+
+
+def test_tensor_parallel_shards_count_toward_the_shapes():
+    """tiny's wk has 32 outputs: 16 per rank under TP 2, 8 under TP 4 (not servable)."""
+    _, model = converted(config("--parallelism.tensor_parallel_degree", "4"))
+    assert "layers.0.attention.wk" not in float8_names(model) and "layers.0.attention.wq" in float8_names(model)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([f"--{F8}.recipe_name", "rowwise", f"--{F8}.enable_fsdp_float8_all_gather"],
+     f"'{F8}.enable_fsdp_float8_all_gather' needs recipe_name 'tensorwise' (the weight is cast with one scale "
+     "before the all-gather), but recipe_name is 'rowwise'"),
+    ([f"--{F8}.precompute_float8_dynamic_scale_for_fsdp"],
+     f"'{F8}.precompute_float8_dynamic_scale_for_fsdp' precomputes the scales of the float8 all-gather: set "
+     f"'{F8}.enable_fsdp_float8_all_gather' too"),
+])
+def test_combinations_torchao_cannot_serve_are_one_line(extra, message):
+    (transform,) = build_transforms(config(*extra))
+    with pytest.raises(ConfigError) as exc:
+        transform.check(flavor_args("tiny"), ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1))
+    assert str(exc.value) == message
+
+
+def test_qlora_base_is_refused():
+    cfg = config()
+    cfg.model.converters = ["lora", F8]
+    object.__setattr__(cfg.lora, "base_dtype", "nf4")  # QLoRA's base (its Literal arrives with the QLoRA issue)
+    with pytest.raises(ConfigError, match=r"cannot convert an NF4 base \('lora.base_dtype' = 'nf4', QLoRA\)"):
+        float8_options.check_options(cfg, float8_options.Float8Options.from_config(cfg), None, "cpu")
+
+
+def test_gpus_without_float8_are_refused_unless_emulated(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    cfg = config()
+    with pytest.raises(ConfigError) as exc:
+        float8_options.check_options(cfg, float8_options.Float8Options.from_config(cfg), None, "cuda")
+    assert str(exc.value) == (f"'{F8}' needs a GPU with float8 (compute capability 8.9 or above), this one has 8.0; "
+                              f"set '{F8}.emulate' to emulate float8 (for correctness, not speed)")
+    emulated = config(f"--{F8}.emulate")
+    float8_options.check_options(emulated, float8_options.Float8Options.from_config(emulated), None, "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    float8_options.check_options(cfg, float8_options.Float8Options.from_config(cfg), None, "cuda")
+    assert float8_options.Float8Options.from_config(cfg).torchao_config("cuda").emulate is False
+    assert float8_options.Float8Options.from_config(cfg).torchao_config("cpu").emulate is True
+
+
+def test_tp_plan_uses_torchaos_float8_styles_on_float8_backends(monkeypatch):
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    monkeypatch.setattr(float8_transform, "device_type", lambda: "cuda")
+    transform, _ = converted(config(f"--{F8}.emulate", f"--{F8}.filter_fqns", "output,feed_forward.w3"))
+    plan = transform.tp_plan(block_plan(), "block")
+    assert type(plan["attention.wq"]) is Float8ColwiseParallel and type(plan["attention.wo"]) is Float8RowwiseParallel
+    assert type(plan["attention"]) is PrepareFloat8ModuleInput
+    # w3 stays high precision, so the MLP's input is gathered in high precision for w1 and w3 alike
+    assert type(plan["feed_forward.w3"]) is ColwiseParallel and type(plan["feed_forward"]) is PrepareModuleInput
+    assert type(plan["feed_forward.w1"]) is Float8ColwiseParallel
+    rowwise, _ = converted(config(f"--{F8}.recipe_name", "rowwise"))
+    assert {type(s) for k, s in rowwise.tp_plan(block_plan(), "block").items() if "." in k} == {
+        ColwiseParallel, RowwiseParallel}
+    monkeypatch.undo()
+    on_cpu, _ = converted(config())  # gloo has no float8 dtype: plain styles, the same global scales
+    assert type(on_cpu.tp_plan(block_plan(), "block")["attention.wq"]) is ColwiseParallel
+
+
+def test_a_lora_base_computes_in_float8():
+    """LoRA listed first: its frozen base product runs through torchao's float8 linear (emulated), the adapters in
+    high precision; the result is the float8 rounding of the exact product, not the exact product."""
+    cfg = config(f"--{F8}.filter_fqns", "output")
+    cfg.model.converters = ["lora", F8]
+    transforms = build_transforms(cfg)
+    with torch.device("meta"):
+        model = Llama(flavor_args("tiny"))
+    for t in transforms:
+        t.convert(model)
+    lora = model.layers["0"].attention.wq
+    assert isinstance(lora, LoRALinear) and lora.base_linear is not None
+    with torch.device("cpu"):
+        real = LoRALinear(64, 64, rank=4, scale=2.0)
+    gen = torch.Generator().manual_seed(0)
+    for p in real.parameters():
+        p.data = torch.randn(p.shape, generator=gen)
+    x = torch.randn(8, 64, generator=gen)
+    exact = real(x)
+    real.base_linear = lora.base_linear
+    got = real(x)
+    base = F.linear(x, real.weight)
+    assert 1e-3 < (got - exact).abs().max() / base.abs().max() < 0.1  # e4m3 has a 3-bit mantissa
+    got.sum().backward()
+    assert real.lora_a.grad is not None and real.weight.grad is None
+
+
+def test_byte_all_gather_moves_float8_as_uint8():
+    from titan_lite.transforms.float8.comms import as_bytes
+
+    x = torch.randn(16).to(torch.float8_e4m3fn)
+    assert as_bytes(x).dtype == torch.uint8 and as_bytes(x).data_ptr() == x.data_ptr()
+    assert as_bytes(torch.ones(3)).dtype == torch.float32
+
+
+def test_plan_counts_float8_all_gather_and_casts():
+    transform, model = converted(config(f"--{F8}.enable_fsdp_float8_all_gather"))
+    weight = model.layers["0"].attention.wq.weight
+    assert transform.gathered_bytes("layers.0.attention.wq.weight", weight) == 1.0
+    assert transform.gathered_bytes("output.weight", model.output.weight) is None
+    assert transform.plan_lines(flavor_args("tiny"))[0] == (
+        f"{F8}: 28 linear(s) in float8 (tensorwise, float8 all-gather)")
+

@@ -1,0 +1,225 @@
+"""The scripts as a newcomer meets them: bad inputs are one line with exit 2, Ctrl-C one line with exit 130, outputs
+written whole, never over an input, readable by others (the user's umask), options in one spelling with the dashed
+one as an alias, and every option documented with its default."""
+
+import argparse
+import importlib.util
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_lite.checkpoint.files import save_safetensors
+from titan_lite.checkpoint.hf import expected_shapes, write_hf_folder
+from titan_lite.config import parse_args
+from titan_lite.job.cli import ScriptParser
+from titan_lite.models.llama.args import flavor_args
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.stem for p in (REPO / "scripts").glob("*.py"))
+ARGS = flavor_args("tiny")
+PLAY = REPO / "titan_lite" / "data" / "corpus" / "shakespeare" / "validation" / "midsummer_nights_dream.txt"
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"script_{name}", REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A tiny Llama as a Hugging Face folder (random weights, the bundled tokenizer), written under umask 022."""
+    folder = tmp_path_factory.mktemp("models") / "base"
+    gen = torch.Generator().manual_seed(0)
+    sd = {name: torch.randn(shape, generator=gen) * 0.02 for name, shape in expected_shapes(ARGS).items()}
+    old = os.umask(0o022)
+    try:
+        write_hf_folder(sd, ARGS, str(folder), torch.float32, str(REPO / "assets" / "tokenizer"))
+    finally:
+        os.umask(old)
+    return folder
+
+
+def write_adapter(folder: Path, in_features: int = ARGS.dim) -> Path:
+    """A PEFT LoRA adapter on every layer's q_proj (rank 2)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(1)
+    tensors = {}
+    for layer in range(ARGS.n_layers):
+        prefix = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(2, in_features, generator=gen)
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(ARGS.dim, 2, generator=gen)
+    save_safetensors(tensors, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "lora_dropout": 0.0}))
+    return folder
+
+
+def run(name: str, argv: list[str], capsys) -> tuple[int, str, list[str]]:
+    """(exit code, stdout, stderr lines) of a script's main, as its command line runs it."""
+    code = load_script(name).main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err.strip().splitlines()
+
+
+def assert_one_line(code: int, out: str, err: list[str], expected: str, exit_code: int = 2) -> None:
+    assert code == exit_code, (out, err)
+    assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+    assert "Traceback" not in out + "".join(err)
+
+
+# ------------------------------------------------------------------------------------------------ merge_lora
+
+
+def test_merge_records_the_adapter_and_refuses_it_twice(base, tmp_path, capsys):
+    adapter = write_adapter(tmp_path / "adapter")
+    merged = tmp_path / "merged"
+    code, out, err = run("merge_lora", ["--base", str(base), "--adapter", str(adapter), "--output-dir", str(merged)],
+                         capsys)  # the dashed spelling is an alias
+    assert code == 0, err
+    assert out.strip().splitlines()[-1].startswith("merged 4 adapters from")
+    record = json.loads((merged / "config.json").read_text())["titan_lite_merged_adapters"]
+    assert [entry["adapter"] for entry in record] == [str(adapter)]
+    assert not list(tmp_path.glob(".*"))  # no partial folder left behind
+
+    again = run("merge_lora", ["--base", str(merged), "--adapter", str(adapter), "--output_dir",
+                               str(tmp_path / "twice")], capsys)
+    assert_one_line(*again, f"--base '{merged}' already has --adapter '{adapter}' merged into it")
+    assert not (tmp_path / "twice").exists()
+
+
+def test_merge_bad_inputs_are_one_line(base, tmp_path, capsys):
+    wrong = write_adapter(tmp_path / "wrong", in_features=ARGS.dim + 8)
+    adapter = write_adapter(tmp_path / "adapter")
+    cases = [
+        (["--adapter", str(wrong), "--output_dir", str(tmp_path / "o")], "which does not fit the base's"),
+        (["--adapter", str(adapter), "--output_dir", str(base)],
+         f"--output_dir '{base}' is --base '{base}': write the output to another folder"),
+        (["--adapter", str(adapter), "--output_dir", str(base / "sub")], "is inside --base"),
+        (["--adapter", str(tmp_path / "none"), "--output_dir", str(tmp_path / "o")],
+         f"--adapter '{tmp_path / 'none'}' is not a folder"),
+    ]
+    for argv, expected in cases:
+        assert_one_line(*run("merge_lora", ["--base", str(base), *argv], capsys), expected)
+    assert not (tmp_path / "o").exists()
+
+
+def test_ctrl_c_is_one_line_exit_130_and_leaves_no_output(base, tmp_path, capsys, monkeypatch):
+    module = load_script("merge_lora")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "merge_adapters", interrupted)
+    code = module.main(["--base", str(base), "--adapter", str(write_adapter(tmp_path / "a")), "--output_dir",
+                        str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    assert_one_line(code, out, err.strip().splitlines(), "interrupted (Ctrl-C); no output was written", 130)
+    assert not (tmp_path / "out").exists()
+
+
+# -------------------------------------------------------------------------------------------- permissions
+
+
+def test_written_files_follow_the_umask(base, tmp_path, capsys):
+    """safetensors writes through a private temporary file (0600); every file titan_lite writes is 0644 under 022."""
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in base.iterdir()}
+    assert modes["model.safetensors"] == 0o644 and modes["config.json"] == 0o644, modes
+    old = os.umask(0o022)
+    try:
+        adapter = write_adapter(tmp_path / "adapter")
+        assert run("merge_lora", ["--base", str(base), "--adapter", str(adapter), "--output_dir",
+                                  str(tmp_path / "m")], capsys)[0] == 0
+        assert run("convert_checkpoint", ["hf-to-dcp", str(base), str(tmp_path / "dcp")], capsys)[0] == 0
+    finally:
+        os.umask(old)
+    for path in [adapter / "adapter_model.safetensors", *(tmp_path / "m").iterdir()]:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+
+
+# -------------------------------------------------------------------------------------- convert_checkpoint
+
+
+def test_convert_keeps_the_checkpoint_dtype_unless_told(base, tmp_path, capsys):
+    assert run("convert_checkpoint", ["hf-to-dcp", str(base), str(tmp_path / "dcp")], capsys)[0] == 0
+    code, out, _ = run("convert_checkpoint", ["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "hf"),
+                                              "--assets", str(base)], capsys)
+    assert code == 0 and out.strip().endswith("(float32)"), out
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "float32"
+    code, out, _ = run("convert_checkpoint", ["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "hf16"),
+                                              "--assets", str(base), "--dtype", "bfloat16"], capsys)
+    assert code == 0 and out.strip().endswith("(bfloat16)"), out
+    refused = run("convert_checkpoint", ["hf-to-dcp", str(base), str(base)], capsys)
+    assert_one_line(*refused, f"output '{base}' is input '{base}'")
+
+
+# ---------------------------------------------------------------------------------------------- prune, eval
+
+
+def test_prune_and_eval_refuse_before_loading(base, tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text('{"text": ""}\n{"text": "  "}\n')
+    out = str(tmp_path / "out")
+    cases = [
+        ("prune", ["--hf_assets_path", str(base), "--output_dir", out, "--method", "taylor_structured"],
+         "--method taylor_structured needs --head_ratio or --ffn_ratio above 0"),
+        ("prune", ["--hf_assets_path", str(base), "--output_dir", str(base)],
+         f"--output_dir '{base}' is --hf_assets_path"),
+        ("prune", ["--hf_assets_path", str(base), "--output_dir", out, "--calib_path", str(empty)],
+         f"'--calib_path' = '{empty}' holds no text"),
+        ("eval_ppl", ["--hf_assets_path", str(base), "--data", str(blank), "--seq_len", "8"],
+         f"'--data' = '{blank}' holds no text"),
+        ("eval_ppl", ["--hf_assets_path", "no/such/model", "--data", str(PLAY), "--seq_len", "8"],
+         f"'no/such/model' (relative to the current directory {os.getcwd()})"),
+    ]
+    for script, argv, expected in cases:
+        assert_one_line(*run(script, argv, capsys), expected)
+    assert not Path(out).exists()
+
+
+# ------------------------------------------------------------------------------------------------- help
+
+
+def test_dashed_and_underscored_spellings_are_one_option():
+    parser = ScriptParser("A script.\n\nMore.")
+    parser.add_argument("--max_shard_gb", type=float, default=5.0, help="largest file")
+    parser.add_argument("--hf-config", help="a config")
+    opts = parser.parse_args(["--max-shard-gb", "2", "--hf_config=x.json"])
+    assert opts.max_shard_gb == 2.0 and opts.hf_config == "x.json"
+    assert "largest file (default: 5.0)" in parser.format_help()
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_option_has_help_and_a_complete_description(name, capsys):
+    module = load_script(name)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"]) if name == "train_bpe_tokenizer" else module.parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    description = text.split("\n\n")[1]
+    assert description.rstrip().endswith((".", ")")), f"{name}: description stops mid-sentence: {description!r}"
+    parser_lines = [line for line in text.splitlines() if line.strip().startswith("--") and "--help" not in line]
+    for line in parser_lines:
+        option = line.split()[0].rstrip(",")
+        assert "-" not in option[2:], f"{name}: {option} is not spelled with underscores"
+    undocumented = [line.strip() for i, line in enumerate(text.splitlines())
+                    if line.startswith("  --") and len(line.split()) <= 2 and "--help" not in line
+                    and not text.splitlines()[i + 1].startswith(" " * 20)]
+    assert not undocumented, f"{name}: options without help: {undocumented}"
+
+
+def test_generate_applies_the_run_template_given_its_config():
+    generate = load_script("generate")
+    config = str(REPO / "train_configs" / "lora_synthetic_gsm8k_cpu.toml")
+    cfg = parse_args(["--job.config_file", config])
+    templated = generate.prompt_template(cfg, argparse.Namespace(config=config, raw_prompts=False))
+    assert templated("What is 3 + 4?") == "Question: What is 3 + 4?\nAnswer: "
+    raw = generate.prompt_template(cfg, argparse.Namespace(config=config, raw_prompts=True))
+    assert raw("What is 3 + 4?") == "What is 3 + 4?"

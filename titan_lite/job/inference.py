@@ -1,0 +1,69 @@
+"""A model to generate from, as the scripts load one: a Hugging Face folder (plus a PEFT adapter), or a run's DCP
+checkpoint with that run's config, assembled by the trainer's own code on one device."""
+
+from pathlib import Path
+
+import torch
+
+from titan_lite.checkpoint.manager import CheckpointManager
+from titan_lite.config import JobConfig, parse_args
+from titan_lite.errors import ConfigError
+from titan_lite.job.assembly import BuiltModel, assemble_model, initial_weight_loader
+from titan_lite.job.plan import JobPlan, plan_job
+from titan_lite.models.llama.args import FLAVORS
+from titan_lite.models.llama.hf import check_args_against_hf_config
+from titan_lite.transforms.lora.adapters import lora_settings_from_peft
+
+
+def flavor_of(folder: str) -> str:
+    """The flavor whose shapes match an HF folder's config.json."""
+    config = Path(folder) / "config.json"
+    for name, args in FLAVORS.items():
+        try:
+            check_args_against_hf_config(args, str(config))
+            return name
+        except ConfigError as exc:
+            if "no such file" in str(exc) or "not valid JSON" in str(exc):
+                raise
+    raise ConfigError(f"no titan_lite flavor matches {config}; pass --flavor")
+
+
+def model_config(hf: str | None, adapter: str | None, checkpoint: str | None, config: str | None,
+                 flavor: str | None = None, tokenizer: str | None = None,
+                 overrides: list[str] | None = None) -> JobConfig:
+    """The config the model is assembled from: the run's TOML (--checkpoint), or one describing the HF folder
+    (plus a PEFT adapter as LoRA with the adapter's settings)."""
+    overrides = overrides or []
+    if checkpoint:
+        if not config:
+            raise ConfigError("--checkpoint needs --config, the TOML of the run that saved it")
+        cfg = parse_args(["--job.config_file", config, *overrides])
+    else:
+        if config or overrides:
+            raise ConfigError("--config and config overrides go with --checkpoint; --hf reads the folder's config.json")
+        cfg = parse_args(["--model.flavor", flavor or flavor_of(hf), "--model.hf_assets_path", hf,
+                          "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", hf])
+        if adapter:
+            cfg.model.converters = ["lora"]
+            for key, value in lora_settings_from_peft(adapter).items():
+                setattr(cfg.lora, key, value)
+    if tokenizer:
+        cfg.model.tokenizer_path = tokenizer
+    cfg.parallelism.data_parallel_shard_degree = 1
+    cfg.checkpoint.enable = False
+    return cfg
+
+
+def build_model(cfg: JobConfig, checkpoint: str | None, device: torch.device) -> tuple[JobPlan, BuiltModel]:
+    """The model through the trainer's assembly; a checkpoint's saved parameters on top of the initial weights
+    (an adapter-only checkpoint brings the adapters, the config's initial weights the base)."""
+    plan = plan_job(cfg, 1)
+    plan.parallel_dims.build_mesh(device.type)
+    folder = Path(checkpoint) if checkpoint else None
+    built = assemble_model(plan, device, seed=cfg.debug.seed or 0, load=initial_weight_loader(plan),
+                           resume_from=folder)
+    if folder is not None:
+        manager = CheckpointManager(cfg.checkpoint, folder.parent, built.parts, None, {},
+                                    saves_parameter=plan.transforms.saves_parameter)
+        manager.load_folder(folder, model_only=True)
+    return plan, built
