@@ -85,10 +85,20 @@ def init_process_group(device: torch.device, timeout_s: int) -> None:
     if dist.is_initialized():
         return
     backend = choose_backend(device)
-    if "MASTER_ADDR" not in os.environ:  # plain `python -m titan_lite.train`: a single-process group
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     kwargs = {"device_id": device} if device.type != "cpu" else {}
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+        return
+    # plain `python -m titan_lite.train` or a script: a single-process group on a free port, tried again when another
+    # process takes that port between the probe and the listen (a busy machine)
+    for attempt in range(3):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+        try:
+            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+            return
+        except dist.DistNetworkError:
+            if attempt == 2:
+                raise
 
 
 def set_collective_timeout(seconds: float) -> None:
