@@ -158,6 +158,14 @@ def check_adapter_matches(options: LoraOptions, args: LlamaArgs, folder: str) ->
                               f"{ours:.6g}, but the adapter at '{folder}' gives {theirs:.6g}")
 
 
+def apply_peft_adapter(cfg, folder: str | Path) -> None:
+    """Make `cfg` load the PEFT adapter in `folder` on top of its model: the LoRA transform with the adapter's own
+    settings (what the scripts do with --adapter, without a run's config)."""
+    cfg.model.converters = [*cfg.model.converters, "lora"]
+    for key, value in lora_settings_from_peft(folder).items():
+        setattr(cfg.lora, key, value)
+
+
 def lora_settings_from_peft(folder: str | Path) -> dict[str, Any]:
     """[lora] values that reproduce a PEFT adapter (its targets, ranks, alphas, DoRA, modules_to_save), with
     adapter_path pointing at it, keep_sparsity on for an adapter trained with masked updates: what the scripts use
