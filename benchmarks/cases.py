@@ -264,7 +264,8 @@ def _vs_transformers(shape: str, min_rounds: int = 1) -> Case:
                 TrainVariant("transformers", impl="transformers", shape=shape),
                 TrainVariant("titan_lite compiled", impl="titan_lite", shape=shape, compile=True)]
     return Case(f"train_{shape}", f"{SHAPES[shape].batch} x {SHAPES[shape].seq_len} tokens, 1 process", variants,
-                [Ratio("titan_lite / transformers", "tokens_per_s", "titan_lite", "transformers", target=1.3),
+                # issue 11's 1.3x target is restated by issue 28 as the paired cases' kernel-floor targets
+                [Ratio("titan_lite / transformers", "tokens_per_s", "titan_lite", "transformers"),
                  Ratio("compiled / eager", "tokens_per_s", "titan_lite compiled", "titan_lite")],
                 min_rounds=min_rounds)
 
@@ -299,6 +300,11 @@ for _shape in ("debug", "512d_32k", "smollm2_135M"):
     register_case(f"fsdp_{_shape}")(lambda s=_shape: _fsdp(s))
 
 
+# Issue 28's targets: titan_lite's step at most this many times its kernel floor (the step's matmuls and attention
+# kernels replayed alone), from issue 11's measurements (1.35x, 1.16x, 1.15x).
+FLOOR_TARGETS = {"debug": 1.25, "512d_32k": 1.10, "smollm2_135M": 1.10}
+
+
 def _paired(shape: str, steps: int) -> Case:
     variant = PairedVariant(f"{steps} alternating rounds", shape=shape, steps=steps)
     v = variant.label
@@ -308,8 +314,8 @@ def _paired(shape: str, steps: int) -> Case:
                 [variant],
                 [Ratio("transformers / titan_lite step time, one process", "transformers_step_s", v, v,
                        denominator_metric="step_s"),
-                 Ratio("titan_lite step / kernel floor", "step_s", v, v, higher_is_better=False,
-                       denominator_metric="kernel_floor_s"),
+                 Ratio("titan_lite step / kernel floor", "step_s", v, v, target=FLOOR_TARGETS.get(shape),
+                       higher_is_better=False, denominator_metric="kernel_floor_s"),
                  Ratio("transformers step / kernel floor (the most any step could lead by)", "transformers_step_s", v,
                        v, denominator_metric="kernel_floor_s")],
                 columns=("step_s", "transformers_step_s", "kernel_floor_s", "peak_rss_gib"), max_rounds=1)
@@ -325,7 +331,8 @@ def _lora() -> Case:
     variants = [TrainVariant("full fine-tuning", shape=shape.name),
                 TrainVariant("LoRA r16, 7 projections", shape=shape.name, lora="--lora.rank 16 --lora.alpha 32")]
     return Case("lora_smollm2_135M", f"titan_lite, {shape.batch} x {shape.seq_len} tokens, 1 process", variants,
-                [Ratio("LoRA / full step time", "step_s", "LoRA r16, 7 projections", "full fine-tuning", target=0.75,
+                # issue 11's 0.75x target is restated by issue 28 against LoRA's own kernel floor (lora_floor_*)
+                [Ratio("LoRA / full step time", "step_s", "LoRA r16, 7 projections", "full fine-tuning",
                        higher_is_better=False)])
 
 
@@ -397,7 +404,11 @@ def _tiny() -> Case:
 
 DEFAULT_CASES = ["train_debug", "train_512d_32k", "train_smollm2_135M", "paired_debug", "paired_512d_32k",
                  "paired_smollm2_135M", "fsdp_debug", "fsdp_512d_32k",
-                 "fsdp_smollm2_135M", "lora_smollm2_135M", "qlora_smollm2_135M", "wanda_smollm2_135M", "dry_run"]
+                 "fsdp_smollm2_135M", "lora_smollm2_135M", "lora_floor_smollm2_135M", "qlora_smollm2_135M",
+                 "wanda_smollm2_135M", "dry_run"]
+
+
+from benchmarks import floor_targets  # noqa: E402,F401  (registers the lora_floor_* cases)
 
 
 def environment_of(variant: Variant, settings: Settings) -> tuple[list[str], dict[str, str]]:

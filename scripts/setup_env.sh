@@ -4,6 +4,8 @@
 # Order: the project's .venv if it is ready; else the current python3 if it already has everything (e.g. your own
 # CUDA torch env); else create .venv (seeing system packages, so an installed torch is kept) and install into it.
 # torch is installed only when none can be imported, pinned to 2.13.0 (a local CPU wheel on CPU machines here).
+# Air-gapped machines: TITAN_LITE_WHEELS=DIR installs from a folder scripts/wheelhouse.sh filled (no index is
+# contacted); the machine's own torch (>= 2.9, e.g. a CUDA build of 2.11) is kept.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 extra="${1:-}"
@@ -11,6 +13,8 @@ venv="${TITAN_LITE_VENV:-$root/.venv}"
 system_python="${PYTHON_BIN:-python3}"
 check_runtime='import torch, torchdata, tomli, tensorboard, sentencepiece, tiktoken, safetensors, torchao'
 check_test='import pytest, transformers, tokenizers, peft, lm_eval'
+# The oldest torch titan_lite runs on (titan_lite/__init__.py refuses older ones the same way).
+check_torch='import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(0 if v >= (2, 9) else f"error: titan_lite needs torch >= 2.9, found {torch.__version__}")'
 
 has_deps() {
   local py="$1"
@@ -36,9 +40,18 @@ if [ ! -d "$venv" ] && has_deps "$system_python"; then command -v "$system_pytho
   echo "[setup] preparing $venv (first run only)"
   [ -x "$venv/bin/python" ] || "$system_python" -m venv --system-site-packages "$venv"
   pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
+  if [ -n "${TITAN_LITE_WHEELS:-}" ]; then
+    [ -d "$TITAN_LITE_WHEELS" ] || { echo "error: TITAN_LITE_WHEELS=$TITAN_LITE_WHEELS is not a folder (fill one with scripts/wheelhouse.sh DIR)"; exit 2; }
+    pip+=(--no-index --find-links "$TITAN_LITE_WHEELS")
+  fi
   if ! (cd /tmp && "$venv/bin/python" -c 'import torch' >/dev/null 2>&1); then
+    if [ -n "${TITAN_LITE_WHEELS:-}" ] && ! compgen -G "$TITAN_LITE_WHEELS/torch-*.whl" >/dev/null; then
+      echo "error: no torch importable by $venv/bin/python and none in TITAN_LITE_WHEELS=$TITAN_LITE_WHEELS; install this machine's torch (>= 2.9) first"
+      exit 2
+    fi
     "${pip[@]}" "torch==2.13.0"
   fi
+  (cd /tmp && "$venv/bin/python" -c "$check_torch") || exit 2
   if [ "$extra" = "test" ]; then "${pip[@]}" -e "$root[test]"; else "${pip[@]}" -e "$root"; fi
 } 1>&2
 venv_ready || { echo "[setup] the environment in $venv is still missing packages" >&2; exit 1; }

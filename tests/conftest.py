@@ -15,3 +15,29 @@ def restore_titan_lite_logger():
     log.handlers[:] = handlers
     log.setLevel(level)  # setLevel, not .level: it also clears the loggers' cached isEnabledFor answers
     log.propagate = propagate
+
+
+# Slow without a mark of their own: every integration test launches ./run_train.sh (a fresh torch process, often
+# torchrun with 2 ranks, more than one run per test), and these unit tests run whole benchmark or training processes.
+SLOW_PATHS = ("tests/integration/", "tests/test_benchmarks.py::test_benchmark_runs_a_tiny_case_and_writes_json",
+              "tests/test_benchmarks.py::test_paired_worker_alternates_both_steps_in_one_process")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`slow`: the tests above as well as those marked; `cuda` tests need a CUDA device: skipped, with the reason,
+    where torch sees none."""
+    import os
+
+    import torch
+
+    for item in items:
+        if item.nodeid.startswith(SLOW_PATHS):
+            item.add_marker(pytest.mark.slow)
+
+    if torch.cuda.is_available() or os.environ.get("TITAN_LITE_CUDA_TESTS_ON_CPU") == "1":  # see tests/test_cuda.py
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False); the GPU lane runs it: "
+                                   "python -m benchmarks.gpu --cases correctness")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from titan_lite.config.schema import JobConfig
 from titan_lite.distributed import compute_dtype
 from titan_lite.dtensor import local_tensor
+from titan_lite.job.plan import gradient_accumulation_steps
 from titan_lite.models.llama import LlamaArgs
 from titan_lite.models.llama.model import canonical_name
 from titan_lite.parallel import memory_estimate as me
@@ -105,8 +106,8 @@ def _is_inside(inner: str, outer: str) -> bool:
 
 
 def compute_bytes(cfg: JobConfig) -> tuple[int, str]:
-    """(bytes, name) of the compute dtype on the accelerators a plan targets."""
-    dtype = compute_dtype(cfg.training.mixed_precision_param, "cuda")
+    """(bytes, name) of the compute dtype on the device a plan targets (dry_run.device_type)."""
+    dtype = compute_dtype(cfg.training.mixed_precision_param, cfg.dry_run.device_type)
     return dtype.itemsize, str(dtype).removeprefix("torch.")
 
 
@@ -114,7 +115,8 @@ def activation_shape(cfg: JobConfig, dims: ParallelDims, microbatch: int, loss_p
     c, _ = compute_bytes(cfg)
     return me.ActivationShape(tokens=microbatch * cfg.training.seq_len // dims.cp, compute_bytes=c, tp=dims.tp,
                               cp=dims.cp, loss_parallel=loss_parallel, seq_len=cfg.training.seq_len,
-                              fused_rms_norm=True)
+                              fused_rms_norm=True, chunked_loss=cfg.dry_run.device_type == "cpu"
+                              and not loss_parallel and not cfg.compile.enable)
 
 
 def microbatching(cfg: JobConfig, dims: ParallelDims) -> tuple[int, int]:
@@ -153,7 +155,8 @@ def estimate_rank(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, parts: li
     local, local_trainable = sum(map(local_numel, params)), sum(map(local_numel, trainable))
     stored = int(sum(local_numel(p) * transforms.param_bytes(n, p) for n, p in named))
     on_device = 0 if offloaded else 1
-    activations, activation_note = estimate_activations(cfg, args, dims, parts, pp_rank)
+    activation_peak, activation_note = estimate_activations(cfg, args, dims, parts, pp_rank)
+    activations = activation_peak.total
     buffers, buffer_note = estimate_buffers(cfg, dims, parts, local, transforms)
     frozen = f"; {local - local_trainable:,} frozen have none" if local_trainable < local else ""
     formats = dtype_names(params) if stored == param_bytes(params) else f"{stored / max(local, 1):.3g} bytes each"
@@ -170,11 +173,15 @@ def estimate_rank(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, parts: li
     for item in transforms.plan_memory(ctx):
         sizes[item.category] += item.nbytes
         notes[item.category] = f"{notes[item.category]}; {item.note}" if notes.get(item.category) else item.note
-    return me.MemoryEstimate(*(sizes[c] for c in CATEGORIES), notes), local
+    one_microbatch = microbatching(cfg, dims)[1] == 1 and gradient_accumulation_steps(cfg, dims.dp_degree) == 1
+    # Only the model's own gradients and activations: a transform's extra memory may be alive throughout.
+    backward_only = grads + fsdp_reduce_scatters(cfg, dims, parts, transforms)
+    apart = me.gradients_apart_from_activations(backward_only, activation_peak) if one_microbatch else 0
+    return me.MemoryEstimate(*(sizes[c] for c in CATEGORIES), notes, not_together=apart), local
 
 
 def estimate_activations(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, parts: list[nn.Module],
-                         pp_rank: int) -> tuple[int, str]:
+                         pp_rank: int) -> tuple[me.ActivationPeak, str]:
     """Peak activation bytes of the rank's stages, with the microbatches a pipeline keeps in flight."""
     microbatch, n_micro = microbatching(cfg, dims)
     shape = activation_shape(cfg, dims, microbatch, loss_parallel_enabled(dims, cfg))
@@ -186,7 +193,7 @@ def estimate_activations(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, pa
     ac_note = ac.mode if ac.mode != "selective" else f"selective {ac.selective_ac_option}"
     note = (f"AC {ac_note}; microbatch {microbatch} x {seq_note}, {in_flight:g} in flight, {compute_bytes(cfg)[1]}"
             + (f", TP {dims.tp} (sequence parallel)" if dims.tp > 1 else ""))
-    return me.peak_activation_bytes(args, stages, shape, in_flight), note
+    return me.activation_peak(args, stages, shape, in_flight), note
 
 
 def estimate_buffers(cfg: JobConfig, dims: ParallelDims, parts: list[nn.Module], local: int,
@@ -198,10 +205,7 @@ def estimate_buffers(cfg: JobConfig, dims: ParallelDims, parts: list[nn.Module],
         transforms = transforms if transforms is not None else Transforms([])
         copies = sum(local_numel(p) * c for n, p in named_params(parts) if transforms.param_bytes(n, p) > c)
         return copies, (f"autocast {c_name} weight copies" if copies else "none (no data parallelism)")
-    policy = cfg.parallelism.fsdp_reshard_after_forward
-    units = [u for part in parts for u in fsdp_units(part, reshard_after_forward(policy, dims.pp_enabled),
-                                                       head_reshards=policy == "always", transforms=transforms,
-                                                       compute_bytes=c)]
+    units = data_parallel_units(cfg, dims, parts, transforms)
     held = sum(u.unsharded_numel for u in units if not u.reshards_after_forward)
     reduce_name = cfg.training.mixed_precision_reduce
     formats = c_name if all(u.gathered_bytes in (None, u.unsharded_numel * c) for u in units) else \
@@ -209,6 +213,23 @@ def estimate_buffers(cfg: JobConfig, dims: ParallelDims, parts: list[nn.Module],
     note = (f"FSDP: {held:,} params kept gathered + 2 all-gathers in {formats} + 2 reduce-scatters in {reduce_name}"
             " (worst neighbouring groups)")
     return me.fsdp_buffer_bytes(units, c, dtype_bytes(reduce_name)), note
+
+
+def data_parallel_units(cfg: JobConfig, dims: ParallelDims, parts: list[nn.Module],
+                        transforms: Transforms | None) -> list[me.FsdpUnit]:
+    policy = cfg.parallelism.fsdp_reshard_after_forward
+    return [u for part in parts for u in fsdp_units(part, reshard_after_forward(policy, dims.pp_enabled),
+                                                      head_reshards=policy == "always", transforms=transforms,
+                                                      compute_bytes=compute_bytes(cfg)[0])]
+
+
+def fsdp_reduce_scatters(cfg: JobConfig, dims: ParallelDims, parts: list[nn.Module],
+                         transforms: Transforms | None) -> int:
+    """Bytes of FSDP's reduce-scatter buffers at their worst (0 without data parallelism)."""
+    if not (dims.fsdp_enabled or dims.dp_replicate_enabled):
+        return 0
+    units = data_parallel_units(cfg, dims, parts, transforms)
+    return me.fsdp_reduce_scatter_bytes(units, dtype_bytes(cfg.training.mixed_precision_reduce))
 
 
 def plan_role(plan_cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, parts: list[nn.Module], rank: int,

@@ -24,6 +24,9 @@ class ActivationShape:
     # RMSNorm saves (input, rstd): accelerators' fused kernel and the model's eager CPU function; torch's composite
     # (compiled or DTensor inputs on CPU) also saves x * rstd.
     fused_rms_norm: bool = True
+    # The CPU's eager cross entropy (titan_lite/loss.py): it saves the probabilities and makes the logits' gradient
+    # in place from them, where F.cross_entropy saves a log-softmax copy and allocates two more in backward.
+    chunked_loss: bool = False
 
 
 def _rms_norm_bytes(args: LlamaArgs, tokens: int, s: ActivationShape) -> int:
@@ -95,21 +98,52 @@ def backward_working_bytes(args: LlamaArgs, layer_ids: list[int], s: ActivationS
 
 
 def loss_backward_bytes(args: LlamaArgs, s: ActivationShape) -> int:
-    """The fp32 gradients of the log-softmax output and of the logits, alive together as backward starts."""
+    """The fp32 gradients of the log-softmax output and of the logits, alive together as backward starts; with the
+    chunked loss only the logits themselves, alive beside the saved probabilities as the forward ends."""
     vocab = args.vocab_size // s.tp if s.loss_parallel else args.vocab_size
+    if s.chunked_loss:
+        return s.tokens * vocab * s.compute_bytes
     return 2 * s.tokens * vocab * FP32
+
+
+@dataclass(frozen=True)
+class ActivationPeak:
+    """One rank's activations: what its microbatches in flight keep for backward, the largest working set on top
+    (a block's recompute and gradients, or the loss gradients), and the block part of that working set alone (what
+    remains at the end of backward, when the saved activations are gone)."""
+
+    saved: int
+    working: int
+    block_working: int
+
+    @property
+    def total(self) -> int:
+        return self.saved + self.working
+
+
+def activation_peak(args: LlamaArgs, stages: list[tuple[dict[int, str], bool]], s: ActivationShape,
+                    in_flight: float = 1.0) -> ActivationPeak:
+    """The activations of one rank's stages (layer policies, holds the head) with `in_flight` microbatches."""
+    saved = sum(saved_activation_bytes(args, policies, has_head, s) for policies, has_head in stages)
+    block = backward_working_bytes(args, [i for policies, _ in stages for i in policies], s)
+    working = max(block, loss_backward_bytes(args, s)) if any(has_head for _, has_head in stages) else block
+    return ActivationPeak(int(saved * in_flight), working, block)
 
 
 def peak_activation_bytes(args: LlamaArgs, stages: list[tuple[dict[int, str], bool]], s: ActivationShape,
                           in_flight: float = 1.0) -> int:
-    """Peak activation bytes of one rank: what its stages (layer policies, holds the head) keep for backward for
-    every microbatch in flight, plus the largest working set of backward (a block's recompute and gradients, or
-    the loss gradients)."""
-    saved = sum(saved_activation_bytes(args, policies, has_head, s) for policies, has_head in stages)
-    working = backward_working_bytes(args, [i for policies, _ in stages for i in policies], s)
-    if any(has_head for _, has_head in stages):
-        working = max(working, loss_backward_bytes(args, s))
-    return int(saved * in_flight) + working
+    """Peak activation bytes of one rank: saved for every microbatch in flight, plus the largest working set."""
+    return activation_peak(args, stages, s, in_flight).total
+
+
+def gradients_apart_from_activations(gradients: int, activations: ActivationPeak) -> int:
+    """Bytes that counting gradients and activations both at their peak counts twice, when one microbatch makes
+    the step's gradients: backward frees each block's saved activations as it makes that block's gradients, so
+    the step peaks either as backward starts (every activation, no gradient yet) or as it ends (every gradient,
+    one block's working set); between the two it trades one for the other. `gradients` includes whatever else
+    only backward holds (FSDP's reduce-scatter buffers)."""
+    start, end = activations.total, gradients + activations.block_working
+    return max(0, gradients + activations.total - max(start, end))
 
 
 def in_flight_microbatches(schedule: str | None, pp: int, pp_rank: int, n_microbatches: int,
@@ -159,8 +193,12 @@ def fsdp_buffer_bytes(units: list[FsdpUnit], compute_bytes: int, reduce_bytes: i
     held = sum(u.gather_bytes(compute_bytes) for u in units if not u.reshards_after_forward)
     resharded = [u.gather_bytes(compute_bytes) for u in units if u.reshards_after_forward]
     gathers = _largest_neighbour_pair(resharded)
-    reduce_scatters = _largest_neighbour_pair([u.reduced_numel for u in units]) * reduce_bytes
-    return held + gathers + reduce_scatters
+    return held + gathers + fsdp_reduce_scatter_bytes(units, reduce_bytes)
+
+
+def fsdp_reduce_scatter_bytes(units: list[FsdpUnit], reduce_bytes: int) -> int:
+    """The part of fsdp_buffer_bytes that exists only in backward: two neighbouring groups' unsharded gradients."""
+    return _largest_neighbour_pair([u.reduced_numel for u in units]) * reduce_bytes if units else 0
 
 
 def _largest_neighbour_pair(sizes: list[int]) -> int:
@@ -179,15 +217,20 @@ class MemoryEstimate:
     activations: int
     buffers: int
     notes: dict[str, str] = field(default_factory=dict)
+    # gradients and activations never alive together at the peak (gradients_apart_from_activations)
+    not_together: int = 0
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers - self.not_together
 
     def lines(self) -> list[str]:
         rows = [("parameters", self.parameters), ("gradients", self.gradients), ("optimizer", self.optimizer),
                 ("activations", self.activations), ("buffers", self.buffers)]
         out = [f"  {name:<12}{b / GIB:9.2f} GiB  {self.notes.get(name, '')}".rstrip() for name, b in rows]
+        if self.not_together:
+            out.append(f"  {'overlap':<12}{-self.not_together / GIB:9.2f} GiB  gradients appear as backward frees "
+                       "activations: both are never at their peak together")
         out.append(f"  {'peak':<12}{self.total / GIB:9.2f} GiB")
         return out
 

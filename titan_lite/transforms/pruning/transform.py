@@ -61,6 +61,8 @@ def check_layout(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims) -> None:
     if dims.cp_enabled:
         raise ConfigError(f"the 'prune' transform does not run under context parallelism "
                           f"('parallelism.context_parallel_degree' = {dims.cp}); use FSDP and/or tensor parallelism")
+    if build_method(p).needs_calibration and p.dataset_path is not None and Path(p.dataset_path).exists():
+        check_dataset(p.dataset, p.dataset_path, "pruning")  # text to calibrate on (DRY_RUN lists a missing path)
     if build_method(p).needs_calibration and p.nsamples % dims.dp_degree:
         raise ConfigError(f"'pruning.nsamples' = {p.nsamples} must be a multiple of the data-parallel degree "
                           f"{dims.dp_degree}: every rank calibrates on the same number of sequences")

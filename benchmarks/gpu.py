@@ -1,0 +1,383 @@
+"""The GPU lane: one command that proves and measures titan_lite on a CUDA machine and writes it all to GPU.md.
+
+    python -m benchmarks.gpu                        # every case (CUDA; about 30 min on one H100)
+    python -m benchmarks.gpu --cases correctness,memory
+    python -m benchmarks.gpu --smoke                # every case with tiny shapes on CPU (what CI runs)
+    python -m benchmarks.gpu --list
+
+Cases: correctness (the CUDA-marked tests, `pytest -m cuda`), training throughput and MFU at torchtitan's settings
+(Llama 3.2 1B, and Llama 3.1 8B cut to the layers one GPU holds: sequence 8192, batch 1, bf16, full AC; eager,
+compile, compile + float8; LoRA and QLoRA on the 8B cut) beside torchtitan's published per-GPU figures, memory
+(each training run's CUDA peak beside DRY_RUN's estimate of the same config), and 2:4 sparsity (generation with
+semi-structured sparse linears against dense). A case whose hardware or transform is missing is skipped with the
+reason. Each case prints one result line or more; the last line counts them.
+"""
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from benchmarks.training_run import REPO, Job, estimate_bytes, measure
+
+GIB = 1024**3
+CASE_LIMIT_S = 480  # no case over 8 minutes on one H100
+
+# torchtitan's published per-GPU tokens/s for Llama 3.1 8B (benchmarks/llama3_h100_202412_torchtitan.md, 8 H100s
+# 96 GB at 500 W, FSDP, local batch 2, seq 8192, selective AC; ../shared/reference/torchtitan.md).
+TORCHTITAN_8B = {"eager": 5762, "compile": 6667, "compile+float8": 8532}
+TORCHTITAN_NOTE = "torchtitan 8B on 8 H100 (FSDP, lbs 2, selective AC; 33-39% MFU without float8)"
+
+
+@dataclass
+class Lane:
+    """What every case shares: smoke mode, the device, and the training runs measured so far (the memory case
+    reads them rather than training again)."""
+
+    smoke: bool
+    device: torch.device
+    runs: dict[str, tuple[Job, dict]] = field(default_factory=dict)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def capability(self) -> tuple[int, int]:
+        return torch.cuda.get_device_capability(self.device) if self.cuda else (0, 0)
+
+    def capacity_bytes(self) -> int:
+        return torch.cuda.get_device_properties(self.device).total_memory if self.cuda else 8 * GIB
+
+
+@dataclass
+class Line:
+    """One result line: its text, and whether it is a skip (with the reason in the text) or a failure."""
+
+    text: str
+    status: str = "ok"  # ok, skipped, failed
+
+
+CASES: dict[str, Callable[[Lane], list[Line]]] = {}
+
+
+def case(name: str) -> Callable:
+    def register(fn: Callable[[Lane], list[Line]]) -> Callable[[Lane], list[Line]]:
+        CASES[name] = fn
+        return fn
+    return register
+
+
+# ------------------------------------------------------------------------------------- availability
+
+
+def transform_available(name: str) -> bool:
+    from titan_lite.transforms import registered_transforms
+
+    return name in registered_transforms()
+
+
+def nf4_base_available() -> bool:
+    """QLoRA is in this checkout: 'lora.base_dtype' accepts "nf4"."""
+    import typing
+
+    from titan_lite.config.schema import Lora
+
+    return "nf4" in typing.get_args(typing.get_type_hints(Lora).get("base_dtype"))
+
+
+FLOAT8 = "quantize.linear.float8"
+
+
+def float8_missing(lane: Lane) -> str | None:
+    """Why float8 cannot run here, or None."""
+    if not transform_available(FLOAT8):
+        return f"the '{FLOAT8}' transform is not in this checkout"
+    if lane.cuda and lane.capability() < (8, 9):
+        return f"float8 matmuls need compute capability 8.9+, this GPU has {lane.capability()}"
+    return None
+
+
+def qlora_missing(lane: Lane) -> str | None:
+    if not nf4_base_available():
+        return "QLoRA ('lora.base_dtype = \"nf4\"') is not in this checkout"
+    return None
+
+
+# ------------------------------------------------------------------------------------------ correctness
+
+
+@case("correctness")
+def correctness(lane: Lane) -> list[Line]:
+    """The CUDA-marked tests (tests/test_cuda.py); without CUDA they are all skipped, each with its reason."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider",
+                           "tests/test_cuda.py"], cwd=REPO, capture_output=True, text=True, timeout=CASE_LIMIT_S,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    lines = proc.stdout.strip().splitlines()
+    summary = lines[-1].strip("= ") if lines else "no output"
+    failed = [x for x in lines if x.startswith("FAILED")]
+    if proc.returncode not in (0, 5) or failed:
+        return [Line(f"correctness: {summary}", "failed")] + [Line(f"  {x}", "failed") for x in failed]
+    if "passed" not in summary:
+        reason = next((re.sub(r"^SKIPPED \[\d+\] [^:]+(:\d+)?: ", "", x) for x in lines if x.startswith("SKIPPED")),
+                      "nothing ran")
+        return [Line(f"correctness: skipped: pytest -m cuda: {summary}: {reason}", "skipped")]
+    return [Line(f"correctness: pytest -m cuda: {summary}")]
+
+
+# ------------------------------------------------------------------------------------------ training
+
+
+def fitting_layers(flavor: str, lane: Lane, make: Callable[[int], Job], budget: float = 0.85) -> int:
+    """The most layers of `flavor` whose DRY_RUN estimate fits budget x this device's memory."""
+    from titan_lite.models.llama import flavor_args
+
+    low, high = 1, flavor_args(flavor).n_layers  # the estimate grows with the layers: bisect
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if estimate_bytes(make(mid)) <= budget * lane.capacity_bytes() else (low, mid - 1)
+    return low
+
+
+def train_job(lane: Lane, model: str, variant: str) -> Job:
+    """torchtitan's settings (seq 8192, batch 1, bf16, full AC) on the 1B or the cut 8B; tiny shapes in smoke mode."""
+    compile_ = variant != "eager" and not variant.startswith(("lora", "qlora"))
+    overrides = []
+    if "float8" in variant:
+        overrides += ["--model.converters", FLOAT8]
+    if variant.startswith(("lora", "qlora")):
+        overrides += ["--model.converters", "lora", "--lora.rank", "16", "--lora.alpha", "32"]
+        overrides += ["--lora.base_dtype", "nf4"] if variant.startswith("qlora") else []
+    if lane.smoke:
+        # aot_eager: the compile path (dynamo and AOT autograd) without inductor's minutes of C++ builds on 2 cores
+        # the estimate of the CPU's own step (float32, chunked cross entropy), which is what runs here
+        return Job("tiny", 64, batch=2, n_layers=2 if model == "8b" else None, ac="full", compile=compile_,
+                   compile_backend="aot_eager", overrides=[*overrides, "--dry_run.device_type", "cpu"], steps=2,
+                   warmup=1)
+    flavor = "1B" if model == "1b" else "8B"
+
+    def make(n_layers: int | None) -> Job:
+        return Job(flavor, 8192, batch=1, n_layers=n_layers, ac="full", compile=compile_, overrides=overrides,
+                   steps=5, warmup=3 if compile_ else 2)
+    return make(None if model == "1b" else fitting_layers(flavor, lane, make))
+
+
+def training_line(name: str, job: Job, result: dict, reference: int | None) -> Line:
+    if "error" in result:
+        return Line(f"{name}: failed: {result['error']}", "failed")
+    shape = f"{job.flavor_name()}, {job.batch} x {job.seq_len}, AC {job.ac}"
+    mfu = f", MFU {result['mfu_pct']:.1f}%" if "mfu_pct" in result else ""
+    # a cut model has fewer layers per token than the whole 8B: its MFU, not its tokens/s, compares
+    ref = f"; {TORCHTITAN_NOTE}: {reference:,} tokens/s per GPU" if reference else ""
+    peak = f"peak {result['peak_bytes'] / GIB:.2f} GiB" if result["peak_bytes"] is not None else "peak not measured"
+    return Line(f"{name}: {result['tokens_per_s']:,.0f} tokens/s{mfu}, step {result['step_s']:.3f} s ({shape}; "
+                f"{peak}){ref}")
+
+
+def train_case(model: str, variant: str) -> Callable[[Lane], list[Line]]:
+    def run(lane: Lane) -> list[Line]:
+        name = f"train_{model}_{variant}"
+        missing = float8_missing(lane) if "float8" in variant else qlora_missing(lane) if variant == "qlora" else None
+        if missing:
+            return [Line(f"{name}: skipped: {missing}", "skipped")]
+        if lane.cuda is False and not lane.smoke:
+            return [Line(f"{name}: skipped: no CUDA device (run with --smoke for the CPU plumbing check)", "skipped")]
+        job = train_job(lane, model, variant)
+        result = measure(job, timeout=CASE_LIMIT_S)
+        lane.runs[name] = (job, result)
+        reference = TORCHTITAN_8B.get(variant) if model == "8b" and not lane.smoke else None
+        return [training_line(name, job, result, reference)]
+    return run
+
+
+for _model, _variants in (("1b", ("eager", "compile", "compile+float8")),
+                          ("8b", ("eager", "compile", "compile+float8", "lora", "qlora"))):
+    for _variant in _variants:
+        case(f"train_{_model}_{_variant}")(train_case(_model, _variant))
+
+
+@case("memory")
+def memory(lane: Lane) -> list[Line]:
+    """Each training run of this lane: its measured peak beside DRY_RUN's estimate of the same config."""
+    if not any("error" not in r for _, r in lane.runs.values()):
+        CASES["train_1b_eager"](lane)
+    lines = []
+    for name, (job, result) in lane.runs.items():
+        if "error" in result:
+            continue
+        if result["peak_bytes"] is None:
+            lines.append(Line(f"memory {name}: skipped: {result['peak_source']}", "skipped"))
+            continue
+        estimate = estimate_bytes(job)
+        lines.append(Line(f"memory {name}: measured {result['peak_bytes'] / GIB:.3f} GiB ({result['peak_source']}), "
+                          f"DRY_RUN estimate {estimate / GIB:.3f} GiB, estimate / measured "
+                          f"{estimate / result['peak_bytes']:.3f}"))
+    return lines or [Line("memory: failed: no training run succeeded", "failed")]
+
+
+# ------------------------------------------------------------------------------------------ 2:4 sparsity
+
+
+def two_four_prune_(model: torch.nn.Module) -> int:
+    """Zero the 2 smallest-magnitude weights of every 4 consecutive inputs in each block linear; returns the count."""
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.startswith("layers."):
+            w = module.weight.data
+            groups = w.view(w.shape[0], -1, 4)
+            drop = groups.abs().argsort(dim=-1)[..., :2]
+            groups.scatter_(-1, drop, 0)
+            count += 1
+    return count
+
+
+def timed_generation(model, prompts, new_tokens: int, device: torch.device) -> tuple[float, list[list[int]]]:
+    from titan_lite.eval.generate import GenerationConfig, generate
+
+    generate(model, prompts, GenerationConfig(max_new_tokens=4), device)  # warm-up (kernels, cuSPARSELt plans)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    out = generate(model, prompts, GenerationConfig(max_new_tokens=new_tokens), device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return sum(map(len, out)) / (time.perf_counter() - start), out
+
+
+@case("sparsity")
+def sparsity(lane: Lane) -> list[Line]:
+    """A 2:4-pruned model's generation tokens/s with its block linears as semi-structured sparse tensors (sm80+)
+    against the same pruned weights dense."""
+    from titan_lite.models.llama import Llama, flavor_args
+
+    if not lane.cuda and not lane.smoke:
+        return [Line("sparsity: skipped: no CUDA device", "skipped")]
+    flavor, batch, prompt_len, new = ("tiny", 2, 8, 8) if lane.smoke else ("1B", 16, 128, 128)
+    args = flavor_args(flavor)
+    args.max_seq_len = prompt_len + new
+    dtype = torch.float16 if lane.cuda else torch.float32
+    with torch.device(lane.device):
+        model = Llama(args)
+    model.init_weights(seed=0)
+    model = model.to(dtype).eval()
+    pruned = two_four_prune_(model)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, args.vocab_size, (batch, prompt_len), generator=g).tolist()
+    with torch.no_grad():
+        dense_tps, dense_out = timed_generation(model, prompts, new, lane.device)
+    dense = Line(f"sparsity: dense 2:4-pruned {flavor} ({pruned} block linears), {batch} x {prompt_len}+{new} tokens: "
+                 f"{dense_tps:,.0f} generated tokens/s")
+    if not lane.cuda or lane.capability() < (8, 0):
+        why = "no CUDA device" if not lane.cuda else f"compute capability {lane.capability()} < 8.0"
+        return [dense, Line(f"sparsity: semi-structured sparse linears skipped: {why} (torch's 2:4 kernels need "
+                            "CUDA sm80+)", "skipped")]
+    from torch.sparse import to_sparse_semi_structured
+
+    try:
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name.startswith("layers."):
+                module.weight = torch.nn.Parameter(to_sparse_semi_structured(module.weight.data), requires_grad=False)
+        with torch.no_grad():
+            sparse_tps, sparse_out = timed_generation(model, prompts, new, lane.device)
+    except (RuntimeError, NotImplementedError, ValueError) as error:
+        return [dense, Line(f"sparsity: semi-structured sparse failed: {str(error).splitlines()[0]}", "failed")]
+    same = sum(a == b for a, b in zip(dense_out, sparse_out, strict=True))
+    return [dense, Line(f"sparsity: semi-structured sparse: {sparse_tps:,.0f} generated tokens/s, "
+                        f"{sparse_tps / dense_tps:.2f}x dense; {same}/{batch} greedy continuations identical")]
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def shell(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def header(lane: Lane) -> list[str]:
+    if lane.cuda:
+        device = f"{torch.cuda.get_device_name(lane.device)} ({lane.capacity_bytes() / GIB:.0f} GiB, " \
+                 f"sm{''.join(map(str, lane.capability()))})"
+        driver = shell(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]).splitlines()[:1]
+        driver_text = f"driver {driver[0] if driver else 'unknown'}, CUDA {torch.version.cuda}"
+    else:
+        device, driver_text = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)", "no GPU"
+    commit = shell(["git", "rev-parse", "--short", "HEAD"]) or "unknown"
+    dirty = " (uncommitted changes)" if shell(["git", "status", "--porcelain", "--untracked-files=no"]) else ""
+    return [f"device: {device}; torch {torch.__version__}; {driver_text}",
+            f"commit {commit}{dirty}; {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"
+            + ("; SMOKE (tiny shapes on CPU: checks the lane's plumbing, not the GPU)" if lane.smoke else "")]
+
+
+def write_report(path: Path, head: list[str], lines: list[Line], command: str) -> None:
+    body = "\n".join(line.text for line in lines)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# GPU lane results\n\nWritten by `python -m benchmarks.gpu` (see its `--help`).\n\n"
+                    + "\n".join(f"- {h}" for h in head) + f"\n\n```\n$ {command}\n{body}\n```\n")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[2:]))
+    p.add_argument("--cases", default=",".join(CASES), help="comma list of cases (default: all; see --list)")
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: check that every case runs")
+    p.add_argument("--out", default=None, help="the report (default: GPU.md, or outputs/gpu_smoke.md with --smoke)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse(argv)
+    if opts.list:
+        for name, fn in CASES.items():
+            print(f"{name}: {(fn.__doc__ or 'training throughput and MFU').splitlines()[0]}")
+        return 0
+    names = [n for n in opts.cases.split(",") if n]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        print(f"error: unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}", file=sys.stderr)
+        return 2
+    cuda = torch.cuda.is_available() and not opts.smoke
+    if not cuda and not opts.smoke:
+        print("error: no CUDA device here (torch.cuda.is_available() is False); run with --smoke to check the lane on "
+              "CPU", file=sys.stderr)
+        return 2
+    lane = Lane(smoke=opts.smoke, device=torch.device("cuda", 0) if cuda else torch.device("cpu"))
+    head = header(lane)
+    print("\n".join(head), flush=True)
+    out = Path(opts.out or ("outputs/gpu_smoke.md" if opts.smoke else "GPU.md"))
+    out = out if out.is_absolute() else REPO / out
+    lines: list[Line] = []
+    start = time.perf_counter()
+    for name in names:
+        case_start = time.perf_counter()
+        print(f"[{name}] running", flush=True)
+        try:
+            got = CASES[name](lane)
+        except Exception as error:  # noqa: BLE001 - deliberate: one case's crash is its result line, the lane goes on
+            got = [Line(f"{name}: failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+                        "failed")]
+        for line in got:
+            print(line.text, flush=True)
+        lines += got
+        lines.append(Line(f"  ({name}: {time.perf_counter() - case_start:.0f} s)", "time"))
+        write_report(out, head, lines, "python -m benchmarks.gpu " + " ".join(sys.argv[1:] if argv is None else argv))
+    counts = {s: sum(line.status == s for line in lines) for s in ("ok", "skipped", "failed")}
+    print(f"result: {len(names)} cases, {counts['ok']} results, {counts['skipped']} skipped, {counts['failed']} failed "
+          f"in {(time.perf_counter() - start) / 60:.1f} min; report in {out}", flush=True)
+    return 1 if counts["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The memory plan measured on CPU: DRY_RUN's per-rank estimate beside the measured peak of live tensors of real
+steps of the same config, for every layout and transform it plans; the goal is each within 10%.
+
+    python -m benchmarks.memory_plan                      # tiny and smollm2_135M shapes, every case (minutes)
+    python -m benchmarks.memory_plan --shapes tiny --cases full,fsdp2
+
+A training case runs warm-up steps through titan_lite's Trainer in fresh processes (torchrun's for 2 ranks), then
+one step under the live-tensor count (parameters and optimizer state counted throughout: what a GPU allocator's
+peak reports); the estimate is what DRY_RUN prints for that config's largest rank. The Wanda case compares the
+pruning pass's own plan with its measured peak.
+"""
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from benchmarks.training_run import REPO, Job, estimate_bytes, measure
+
+MIB = 1024**2
+TARGET = 0.10
+
+
+@dataclass(frozen=True)
+class Shape:
+    flavor: str
+    seq_len: int
+    batch: int
+
+
+SHAPES = {"tiny": Shape("tiny", 64, 2), "smollm2_135M": Shape("smollm2_135M", 512, 2)}
+
+# name -> (AC mode, processes, overrides); fp32 throughout (what a CPU computes in)
+LAYOUTS = {
+    "full": ("none", 1, []),
+    "ac_op": ("op", 1, []),
+    "ac_full": ("full", 1, []),
+    "fsdp2": ("none", 2, []),
+    "tp2": ("none", 2, ["--parallelism.tensor_parallel_degree", "2"]),
+    "pp2": ("none", 2, ["--parallelism.pipeline_parallel_degree", "2",
+                        "--parallelism.pipeline_parallel_microbatch_size", "1"]),
+    "lora": ("none", 1, ["--model.converters", "lora", "--lora.rank", "16", "--lora.alpha", "32"]),
+    "qlora": ("none", 1, ["--model.converters", "lora", "--lora.rank", "16", "--lora.alpha", "32",
+                          "--lora.base_dtype", "nf4"]),
+    "float8": ("none", 1, ["--model.converters", "quantize.linear.float8"]),
+}
+CASES = [*LAYOUTS, "wanda"]
+
+
+def missing(case: str) -> str | None:
+    """Why a case cannot run in this checkout, or None."""
+    from benchmarks.gpu import FLOAT8, nf4_base_available, transform_available
+
+    if case == "qlora" and not nf4_base_available():
+        return "QLoRA ('lora.base_dtype = \"nf4\"') is not in this checkout"
+    if case == "float8" and not transform_available(FLOAT8):
+        return f"the '{FLOAT8}' transform is not in this checkout"
+    return None
+
+
+def job_of(case: str, shape: Shape) -> Job:
+    ac, nproc, overrides = LAYOUTS[case]
+    # dry_run.device_type cpu: the estimate of the CPU's own step (inert in the training run)
+    return Job(shape.flavor, shape.seq_len, batch=shape.batch, ac=ac, precision="float32", nproc=nproc,
+               overrides=[*overrides, "--dry_run.device_type", "cpu"], steps=1, warmup=1)
+
+
+def wanda_pass(shape: Shape) -> dict:
+    """The one-shot Wanda pass's own plan (peak) against its measured peak, in a fresh process."""
+    code = ("import json, sys; from benchmarks.memory_plan import wanda_here; "
+            f"print('WANDA ' + json.dumps(wanda_here({shape.flavor!r}, {shape.seq_len}, {shape.batch})))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("WANDA ")), None)
+    if proc.returncode != 0 or line is None:
+        return {"error": (proc.stdout + proc.stderr).strip().splitlines()[-1:]}
+    return json.loads(line[len("WANDA "):])
+
+
+def wanda_here(flavor: str, seq_len: int, batch: int) -> dict:
+    import torch
+
+    from titan_lite import distributed as tl_dist
+    from titan_lite.config import parse_args
+    from titan_lite.distributed import free_port
+    from titan_lite.job.assembly import assemble_model
+    from titan_lite.job.plan import plan_job
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    torch.distributed.init_process_group("gloo")
+    with tempfile.TemporaryDirectory() as dump, contextlib.redirect_stdout(io.StringIO()):
+        cfg = parse_args(["--job.config_file", "train_configs/debug_model.toml", "--model.flavor", flavor,
+                          "--model.hf_assets_path", "assets/tokenizer", "--job.dump_folder", dump,
+                          "--model.converters", "prune", "--pruning.method", "wanda", "--pruning.nsamples", "8",
+                          "--pruning.seq_len", str(seq_len), "--pruning.batch_size", str(batch),
+                          "--training.mixed_precision_param", "float32"])
+        plan = plan_job(cfg, 1)
+        plan.parallel_dims.build_mesh("cpu")
+        assemble_model(plan, torch.device("cpu"))
+        prune = next(t for t in plan.transforms if t.name == "prune")
+        estimate, measured = prune.plan.peak, prune.measured.bytes
+    tl_dist.shutdown()
+    return {"estimate": estimate, "peak_bytes": measured}
+
+
+def run_case(case: str, shape_name: str) -> dict:
+    shape = SHAPES[shape_name]
+    why = missing(case)
+    if why:
+        return {"skipped": why}
+    if case == "wanda":
+        return wanda_pass(shape)
+    job = job_of(case, shape)
+    with contextlib.redirect_stdout(io.StringIO()):
+        estimate = estimate_bytes(job)
+    return measure(job, timeout=900) | {"estimate": estimate}
+
+
+def row(case: str, shape: str, r: dict) -> str:
+    name = f"{shape} {case}".ljust(22)
+    if "skipped" in r:
+        return f"{name} skipped: {r['skipped']}"
+    if "error" in r:
+        return f"{name} failed: {r['error']}"
+    ratio = r["estimate"] / r["peak_bytes"]
+    verdict = "within 10%" if abs(ratio - 1) <= TARGET else "OFF by more than 10%"
+    return (f"{name} estimate {r['estimate'] / MIB:9.1f} MiB  measured {r['peak_bytes'] / MIB:9.1f} MiB  "
+            f"estimate / measured {ratio:.3f}  {verdict}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.memory_plan", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[2:]))
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma list of: " + ", ".join(SHAPES))
+    p.add_argument("--cases", default=",".join(CASES), help="comma list of: " + ", ".join(CASES))
+    p.add_argument("--json", default=None, help="also write every result here")
+    opts = p.parse_args(argv)
+    shapes, cases = opts.shapes.split(","), opts.cases.split(",")
+    bad = [s for s in shapes if s not in SHAPES] + [c for c in cases if c not in CASES]
+    if bad:
+        print(f"error: unknown shape or case {', '.join(bad)}; shapes: {', '.join(SHAPES)}; cases: "
+              f"{', '.join(CASES)}", file=sys.stderr)
+        return 2
+    start, results = time.perf_counter(), []
+    print("memory plan: DRY_RUN's estimate of the largest rank against the measured peak of live tensors "
+          "(fp32 on CPU)", flush=True)
+    for shape in shapes:
+        for case in cases:
+            r = run_case(case, shape)
+            results.append({"shape": shape, "case": case} | r)
+            print(row(case, shape, r), flush=True)
+    measured = [r for r in results if "estimate" in r and r.get("peak_bytes")]
+    within = sum(abs(r["estimate"] / r["peak_bytes"] - 1) <= TARGET for r in measured)
+    if opts.json:
+        Path = __import__("pathlib").Path
+        Path(opts.json).write_text(json.dumps(results, indent=1))
+    failed = sum("error" in r for r in results)
+    print(f"result: {within}/{len(measured)} estimates within 10% of the measured peak; {failed} failed, "
+          f"{sum('skipped' in r for r in results)} skipped; {(time.perf_counter() - start) / 60:.1f} min", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
