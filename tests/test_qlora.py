@@ -103,6 +103,7 @@ def test_dry_run_plans_the_shipped_configs(capsys, monkeypatch):
             assert "(offloaded to CPU)" in out and "2 ranks alike" in out
 
 
+@pytest.mark.slow  # a worker process planning and training: about 30 s on the shared machine
 def test_benchmark_worker_reports_the_nf4_base_storage_and_the_plan():
     import json
     import subprocess
