@@ -3,7 +3,7 @@
 --same_zeros_as whether each linear has exactly another folder's zeros. Exit status 1 when --pattern or
 --same_zeros_as does not hold for every linear.
 
-    .venv/bin/python scripts/check_sparsity.py --hf outputs/sparse_recovery/checkpoint/step-200-hf \\
+    .venv/bin/python scripts/check_sparsity.py --hf outputs/sparse_recovery/checkpoint/step-150-hf \\
         --pattern unstructured --same_zeros_as outputs/debug_tied_wanda50
 """
 
@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from titan_lite.checkpoint.hf import SafetensorsReader, weight_files
 from titan_lite.errors import ConfigError
 from titan_lite.job.cli import ScriptParser
+from titan_lite.job.script import run_script
 from titan_lite.transforms.pruning.masks import Pattern
 from titan_lite.transforms.pruning.remask import HF_LINEAR
 
@@ -108,13 +109,13 @@ def _layer_order(name: str) -> tuple[int, str]:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
-    try:
-        summary, ok = check(opts)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(summary)
-    return 0 if ok else 1
+    outcome = {}
+
+    def work() -> None:
+        summary, outcome["ok"] = check(opts)
+        print(summary, flush=True)
+    code = run_script(work)
+    return code if code or outcome["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -39,8 +39,8 @@ def readme_script_commands() -> list[tuple[str, list[str]]]:
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split("  #")[0].strip()
-            if not re.search(r"scripts/\w+\.py", line):
-                continue  # not a Python script (run_tests.sh, setup_env.sh, wheelhouse.sh run as they are)
+            if not re.search(r"scripts/\w+\.py", line):  # the shell scripts (setup, tests, wheels) take no options
+                continue
             words = shlex.split(line)
             at = next(i for i, w in enumerate(words) if w.startswith("scripts/") and w.endswith(".py"))
             assert words[0] in (".venv/bin/python", ".venv/bin/torchrun"), f"README runs a script bare: {line}"
