@@ -30,6 +30,7 @@ from titan_lite.job.script import (
     run_script,
     start_job,
 )
+from titan_lite.transforms.lora.adapters import lora_settings_from_peft
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf_assets_path", required=True,
                         help="HF folder: tokenizer, config.json and (without --checkpoint) the safetensors")
     parser.add_argument("--checkpoint", help="a titan_lite DCP step folder to read the weights from instead")
+    parser.add_argument("--adapter", help="a PEFT LoRA adapter folder applied to the model, unmerged (masked by the "
+                                          "base's zeros when it was trained with lora.keep_sparsity)")
     parser.add_argument("--data", required=True, help="the text: a .txt/.jsonl/.json.gz/.parquet file or folder")
     parser.add_argument("--seq_len", type=int, required=True, help="tokens per window")
     parser.add_argument("--max_windows", type=int, help="evaluate only the first K windows")
@@ -56,6 +59,8 @@ def evaluate(opts: argparse.Namespace) -> None:
         raise ConfigError(f"--checkpoint '{opts.checkpoint}' is not a folder")
     dtype = resolve_dtype(opts.dtype, local_device().type)
     cfg = job_config(opts.hf_assets_path, opts.flavor, dtype, opts.seq_len, opts.tp)
+    if opts.adapter:
+        with_adapter(cfg, opts.adapter)
     plan, device = start_job(cfg)
     load = (weights_only_loader(cfg.checkpoint, Path(opts.checkpoint)) if opts.checkpoint
             else hf_weight_loader(plan, opts.hf_assets_path))
@@ -69,6 +74,14 @@ def evaluate(opts: argparse.Namespace) -> None:
     if is_rank0():
         print(f"windows: {result.windows}, predicted tokens: {result.tokens:,}, mean NLL: {result.mean_nll:.6f}")
         print(f"perplexity: {result.value:.4f}", flush=True)
+
+
+def with_adapter(cfg, adapter: str) -> None:
+    """The [lora] settings that reproduce the adapter; the base is the loaded folder."""
+    cfg.model.converters = ["lora"]
+    for key, value in lora_settings_from_peft(adapter).items():
+        setattr(cfg.lora, key, value)
+    cfg.checkpoint.initial_load_in_hf = True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ from titan_lite.job.script import atomic_folder, check_output_folder, require_fo
 from titan_lite.models.llama.hf import args_from_hf_config, read_hf_config
 from titan_lite.transforms.lora.adapters import adapted_modules_of, merge_adapters, peft_specs
 from titan_lite.transforms.lora.qlora import nf4_round_trip
+from titan_lite.transforms.lora.sparse import adapter_keeps_sparsity
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,6 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="merge onto the base a QLoRA run trained on (lora.base_dtype = 'nf4'): every block "
                              "projection quantized to NF4 and dequantized, from the base's dtype (as a run whose "
                              "training.dtype is that dtype quantized it); default: onto the base as stored")
+    parser.add_argument("--keep_sparsity", choices=("auto", "on", "off"), default="auto",
+                        help="mask each update by its base weight's zeros, so the merged model keeps the base's "
+                             "sparsity exactly; auto: on for an adapter trained with lora.keep_sparsity (default)")
     parser.add_argument("--max_shard_gb", type=float, default=5.0, help="largest safetensors file, in GiB")
     return parser.parse_args(argv)
 
@@ -104,13 +108,23 @@ def merge(opts: argparse.Namespace) -> str:
     if opts.base_nf4:
         state, count = nf4_round_trip(state)
         print(f"quantized {count} block projections of the base to NF4 and back (what QLoRA trained on)", flush=True)
-    merged = merge_adapters({**state, **tensors}, peft_specs(adapter, modules))
+    masked = sparse_merge(opts)
+    merged = merge_adapters({**state, **tensors}, peft_specs(adapter, modules), masked)
     print(f"writing {opts.output_dir}", flush=True)
     with atomic_folder(opts.output_dir) as partial:
         write_hf_folder(merged, args, str(partial), dtype, opts.base, int(opts.max_shard_gb * 2**30))
         record_merge(partial, opts.adapter, record)
-    return (f"merged {len(modules)} adapters from {opts.adapter} into {opts.base}: wrote {opts.output_dir} "
+    kept = ", the base's zeros kept" if masked else ""
+    return (f"merged {len(modules)} adapters from {opts.adapter} into {opts.base}{kept}: wrote {opts.output_dir} "
             f"({str(dtype).removeprefix('torch.')}) in {time.monotonic() - start:.1f}s")
+
+
+def sparse_merge(opts: argparse.Namespace) -> bool:
+    """Whether the merge masks the updates by the base's zeros (--keep_sparsity; auto: the adapter's marker)."""
+    masked = opts.keep_sparsity == "on" or (opts.keep_sparsity == "auto" and adapter_keeps_sparsity(opts.adapter))
+    if masked:
+        print("keep_sparsity: each update is masked by its base weight's zeros", flush=True)
+    return masked
 
 
 def main(argv: list[str] | None = None) -> int:

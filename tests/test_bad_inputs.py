@@ -283,6 +283,9 @@ CASES = [
          "'validation.local_batch_size' = 8 x 1 data-parallel rank(s)",
          ["--validation.enable", "--validation.dataset", "instruct", "--validation.local_batch_size", "8"],
          build=instruct_file(['{"question": "1 + 1?", "answer": "#### 2"}'] * 20)),
+    Case("calibration data without text", "'pruning.dataset_path' = '{tmp}/d.txt' holds no text", build=lambda tmp: [
+        "--model.converters", "prune", "--pruning.dataset", "text", "--pruning.dataset_path",
+        text_file("")(tmp)[-1]]),
     Case("unknown converter", "'model.converters' has unknown transform 'lora_' (did you mean 'lora'?)",
          ["--model.converters", "lora_"]),
     Case("unknown dataset close to a known one", "'training.dataset' = 'shakespear' is unknown (did you mean "

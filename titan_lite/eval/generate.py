@@ -6,7 +6,7 @@ Prompts of different lengths are left-padded: each row's tokens keep positions 0
 out of every key, and all rows end on the same slot, so one next-token step serves the whole batch.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -110,22 +110,23 @@ def prompts_of(tokens: torch.Tensor, attention_mask: torch.Tensor) -> list[list[
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
-             device: torch.device) -> list[list[int]]:
+def generate(model: nn.Module, prompts: Sequence[Sequence[int]], cfg: GenerationConfig, device: torch.device,
+             stop_when: Callable[[list[int]], bool] | None = None) -> list[list[int]]:
     """Continue each prompt (token ids) with up to max_new_tokens tokens; a row stops at a stop id (not
-    included). The model runs in eval mode (no dropout) and is put back in its previous mode."""
+    included), or once `stop_when(its new tokens)` holds (those tokens kept: e.g. a stop string in their text).
+    The model runs in eval mode (no dropout) and is put back in its previous mode."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     was_training = model.training
     model.eval()
     try:
-        return _decode(model, prompts, cfg, device)
+        return _decode(model, prompts, cfg, device, stop_when)
     finally:
         model.train(was_training)
 
 
-def _decode(model: nn.Module, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
-            device: torch.device) -> list[list[int]]:
+def _decode(model: nn.Module, prompts: Sequence[Sequence[int]], cfg: GenerationConfig, device: torch.device,
+            stop_when: Callable[[list[int]], bool] | None) -> list[list[int]]:
     tokens, real = left_padded(prompts, cfg.pad_id, device)
     batch = tokens.shape[0]
     cache = KVCache(model.args, batch, tokens.shape[1] + cfg.max_new_tokens, device)
@@ -141,6 +142,8 @@ def _decode(model: nn.Module, prompts: Sequence[Sequence[int]], cfg: GenerationC
         finished = torch.isin(chosen, stop)
         for i in (~done & ~finished).nonzero().flatten().tolist():
             out[i].append(int(chosen[i]))
+            if stop_when is not None and stop_when(out[i]):
+                finished[i] = True
         done |= finished
         if bool(done.all()) or step == cfg.max_new_tokens - 1:
             break

@@ -12,7 +12,7 @@ from titan_lite.job.assembly import BuiltModel, assemble_model, initial_weight_l
 from titan_lite.job.plan import JobPlan, plan_job
 from titan_lite.models.llama.args import FLAVORS
 from titan_lite.models.llama.hf import check_args_against_hf_config
-from titan_lite.transforms.lora.adapters import lora_settings_from_peft
+from titan_lite.transforms import apply_peft_adapter
 
 
 def flavor_of(folder: str) -> str:
@@ -44,9 +44,7 @@ def model_config(hf: str | None, adapter: str | None, checkpoint: str | None, co
         cfg = parse_args(["--model.flavor", flavor or flavor_of(hf), "--model.hf_assets_path", hf,
                           "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", hf])
         if adapter:
-            cfg.model.converters = ["lora"]
-            for key, value in lora_settings_from_peft(adapter).items():
-                setattr(cfg.lora, key, value)
+            apply_peft_adapter(cfg, adapter)
     if tokenizer:
         cfg.model.tokenizer_path = tokenizer
     cfg.parallelism.data_parallel_shard_degree = 1

@@ -275,9 +275,19 @@ def gather_assets(cfg: JobConfig) -> tuple[Tokenizer | None, list[str]]:
     if cfg.validation.enable:
         _noting(problems, lambda: check_section_data(cfg, "validation"))
     _noting(problems, lambda: check_initial_weights(cfg))
-    if "prune" in cfg.model.converters and cfg.pruning.dataset_path is not None:
-        _noting(problems, lambda: check_dataset(cfg.pruning.dataset, cfg.pruning.dataset_path, "pruning"))
+    for transform in _buildable_transforms(cfg):
+        _noting(problems, transform.check_inputs)
     return tokenizer, problems
+
+
+def _buildable_transforms(cfg: JobConfig) -> list:
+    """The configured transforms, to check the files they read; none when they cannot be built (the plan that
+    follows refuses that config with its own line)."""
+    try:
+        import_custom_module(cfg)
+        return build_transforms(cfg)
+    except ConfigError:
+        return []
 
 
 def check_output_folders(cfg: JobConfig) -> None:

@@ -12,9 +12,10 @@ from titan_lite.transforms.base import (
     register_transform,
     registered_transforms,
 )
+from titan_lite.transforms.lora.adapters import apply_peft_adapter
 from titan_lite.transforms.pruning import PruneTransform
 from titan_lite.transforms.sheared import ShearedTransform
 
 __all__ = ["PassPlan", "PlanContext", "PlanItem", "PruneTransform",
-           "ShearedTransform", "Transform", "TransformContext", "Transforms", "build_transforms",
+           "ShearedTransform", "Transform", "TransformContext", "Transforms", "apply_peft_adapter", "build_transforms",
            "register_transform", "registered_transforms"]

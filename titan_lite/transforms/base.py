@@ -33,6 +33,9 @@ estimate (`titan_lite/job/estimate.py`) calls them and nothing outside `transfor
                       "buffers", ...), each with a note: PlanItem(category, bytes, note)
   pass_plan           the memory of a pass the transform runs before training on one rank (PassPlan), or None
 
+  check_inputs        (not a plan hook, but called with them before launch) the files the transform reads, such as
+                      calibration data: raise ConfigError naming the key; DRY_RUN lists the problem and plans on
+
 Each plan hook receives a PlanContext: the config, model args, the layout and this rank's parts as the trainer
 builds them (on the meta device, compile off), plus the compute dtype's element size on the planned accelerator.
 A hook of a transform that is not configured is never called; defaults change nothing.
@@ -183,6 +186,9 @@ class Transform:
     def sequence_length(self) -> int:
         """The longest sequence a pass of this transform runs the model on (0: only the training's)."""
         return 0
+
+    def check_inputs(self) -> None:
+        """Raise ConfigError when a file this transform reads (calibration data, say) is missing or unreadable."""
 
     def plan_lines(self, model_args: LlamaArgs) -> list[str]:
         """Lines for DRY_RUN's summary."""

@@ -37,6 +37,7 @@ class Float8Transform(Transform):
         self.kept: dict[str, str] = {}  # linears left in high precision -> why
         self.weights: set[str] = set()  # canonical names of the Float8Linear weights
         self.converted = 0
+        self.config = None  # torchao's Float8LinearConfig, built at convert
 
     # ------------------------------------------------------------------------------ hooks
 

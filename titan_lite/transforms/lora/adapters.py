@@ -23,6 +23,7 @@ from titan_lite.errors import ConfigError
 from titan_lite.models.llama.args import LlamaArgs
 from titan_lite.transforms.lora.module import ADAPTER_PARAMS, PISSA_INIT_PARAMS, merged_weight
 from titan_lite.transforms.lora.options import FULL_MODULES, PROJECTIONS, AdapterSpec, LoraOptions
+from titan_lite.transforms.lora.sparse import adapter_keeps_sparsity
 
 
 def module_of(name: str) -> tuple[str, str]:
@@ -38,14 +39,16 @@ def adapted_modules_of(state: dict[str, torch.Tensor]) -> list[str]:
 # ------------------------------------------------------------------------------------------ merge and convert
 
 
-def merge_adapters(state: dict[str, torch.Tensor], specs: dict[str, AdapterSpec]) -> dict[str, torch.Tensor]:
+def merge_adapters(state: dict[str, torch.Tensor], specs: dict[str, AdapterSpec],
+                   keep_sparsity: bool = False) -> dict[str, torch.Tensor]:
     """A plain Llama state dict: each adapted weight replaced by its merged weight (computed in float32, kept in
-    the weight's dtype), adapter tensors dropped. `specs` gives each adapted module's scale."""
+    the weight's dtype), adapter tensors dropped. `specs` gives each adapted module's scale; keep_sparsity masks
+    each update by its weight's zeros."""
     out = dict(state)
     for module in adapted_modules_of(state):
         magnitude, weight = out.pop(f"{module}.magnitude", None), out[f"{module}.weight"]
         out[f"{module}.weight"] = merged_weight(weight, out.pop(f"{module}.lora_a"), out.pop(f"{module}.lora_b"),
-                                                specs[module].scale, magnitude).to(weight.dtype)
+                                                specs[module].scale, magnitude, keep_sparsity).to(weight.dtype)
     for name in [n for n in out if module_of(n)[1] in PISSA_INIT_PARAMS]:
         del out[name]
     return out
@@ -155,9 +158,18 @@ def check_adapter_matches(options: LoraOptions, args: LlamaArgs, folder: str) ->
                               f"{ours:.6g}, but the adapter at '{folder}' gives {theirs:.6g}")
 
 
+def apply_peft_adapter(cfg, folder: str | Path) -> None:
+    """Make `cfg` load the PEFT adapter in `folder` on top of its model: the LoRA transform with the adapter's own
+    settings (what the scripts do with --adapter, without a run's config)."""
+    cfg.model.converters = [*cfg.model.converters, "lora"]
+    for key, value in lora_settings_from_peft(folder).items():
+        setattr(cfg.lora, key, value)
+
+
 def lora_settings_from_peft(folder: str | Path) -> dict[str, Any]:
     """[lora] values that reproduce a PEFT adapter (its targets, ranks, alphas, DoRA, modules_to_save), with
-    adapter_path pointing at it: what the scripts use to load an adapter without a config."""
+    adapter_path pointing at it, keep_sparsity on for an adapter trained with masked updates: what the scripts use
+    to load an adapter without a config."""
     config = read_adapter_config(folder)
     names = [titan_tensor_name(k, str(folder)) for k in adapter_tensor_shapes(folder)]
     targets = sorted({PROJECTIONS[module_of(module_of(n)[0])[1]][1] for n in names if n.endswith(".lora_a")})
@@ -168,7 +180,8 @@ def lora_settings_from_peft(folder: str | Path) -> dict[str, Any]:
             "use_dora": bool(config.get("use_dora")), "target_modules": targets, "init": "default", "dropout": 0.0,
             "rank_pattern": [f"{k}={v}" for k, v in (config.get("rank_pattern") or {}).items()],
             "alpha_pattern": [f"{k}={v}" for k, v in (config.get("alpha_pattern") or {}).items()],
-            "train_modules": list(config.get("modules_to_save") or []), "adapter_path": str(folder)}
+            "train_modules": list(config.get("modules_to_save") or []), "adapter_path": str(folder),
+            "keep_sparsity": "on" if adapter_keeps_sparsity(folder) else "off"}
 
 
 def adapter_exported_param(options: LoraOptions, name: str) -> bool:

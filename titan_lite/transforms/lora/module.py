@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titan_lite.transforms.lora.sparse import masked_forward, masked_update
+
 # Parameter names of a LoRALinear. The base keeps the name `weight`, so HF loading and base checkpoints are
 # unchanged; the first three train, the pissa_* copies of the initial factors are frozen (the PiSSA export needs them).
 ADAPTER_PARAMS = ("lora_a", "lora_b", "magnitude")
@@ -50,7 +52,7 @@ class LoRALinear(nn.Module):
     base_linear = None
 
     def __init__(self, in_features: int, out_features: int, rank: int, scale: float, dropout: float = 0.0,
-                 dora: bool = False, init: str = "default", keep_init: bool = False):
+                 dora: bool = False, init: str = "default", keep_init: bool = False, keep_sparsity: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.rank, self.scale, self.init = (
             in_features, out_features, rank, scale, init)
@@ -62,6 +64,8 @@ class LoRALinear(nn.Module):
             self.pissa_a0 = nn.Parameter(torch.empty(rank, in_features), requires_grad=False)
             self.pissa_b0 = nn.Parameter(torch.empty(out_features, rank), requires_grad=False)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        # lora.keep_sparsity: the update is masked by the base's zeros (see sparse.py)
+        self.keep_sparsity = keep_sparsity
 
     @property
     def dora(self) -> bool:
@@ -76,6 +80,8 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = _like(self.weight, x)
         dropped = self.dropout(x)
+        if self.keep_sparsity:
+            return self._masked_forward(x, weight, dropped)
         if self.magnitude is None and not isinstance(weight, DTensor) and self.base_linear is None:
             return self._plain_forward(x, weight, dropped)
         base = self._base(x, weight)
@@ -91,6 +97,13 @@ class LoRALinear(nn.Module):
     def _base(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight) if self.base_linear is None else self.base_linear(x, weight)
 
+    def _masked_forward(self, x: torch.Tensor, weight: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
+        dropout_active = self.training and isinstance(self.dropout, nn.Dropout)
+        magnitude = None if self.magnitude is None else _like(self.magnitude, x)
+        norm = None if magnitude is None else self.weight_norm().to(x.dtype)
+        return masked_forward(x, dropped if dropout_active else x, weight, _like(self.lora_a, x),
+                              _like(self.lora_b, x), self.scale, magnitude, norm, self.base_linear)
+
     def _plain_forward(self, x: torch.Tensor, weight: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
         """W x + scale B (A x) with the update accumulated into W x by one GEMM (addmm_, alpha = scale): no
         [tokens, out] temporaries for the scaled update and the sum, and none for the scaled gradient in the
@@ -105,13 +118,13 @@ class LoRALinear(nn.Module):
         return base.view(*x.shape[:-1], self.out_features)
 
     def weight_norm(self) -> torch.Tensor:
-        """Row norms of W + scale B A in float32."""
-        adapted = self.weight.float() + self.scale * (self.lora_b.float() @ self.lora_a.float())
+        """Row norms of W + scale B A in float32 (the update masked with keep_sparsity)."""
+        adapted = merged_weight(self.weight, self.lora_a, self.lora_b, self.scale, keep_sparsity=self.keep_sparsity)
         return torch.linalg.vector_norm(adapted, dim=1)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
-                f"scale={self.scale:.6g}, dora={self.dora}")
+                f"scale={self.scale:.6g}, dora={self.dora}" + (", keep_sparsity=True" if self.keep_sparsity else ""))
 
 
 class _LoRAProduct(torch.autograd.Function):
@@ -164,9 +177,13 @@ def _like(param: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
-                  magnitude: torch.Tensor | None = None) -> torch.Tensor:
-    """The plain weight an adapter amounts to (float32): W + scale B A, with DoRA rescaled per output row to m."""
-    adapted = weight.float() + scale * (lora_b.float() @ lora_a.float())
+                  magnitude: torch.Tensor | None = None, keep_sparsity: bool = False) -> torch.Tensor:
+    """The plain weight an adapter amounts to (float32): W + scale B A, with DoRA rescaled per output row to m;
+    keep_sparsity: the update only where W is nonzero (W's zeros stay exactly zero, DoRA's rescaling too)."""
+    if keep_sparsity:
+        adapted = weight.float() + masked_update(weight, lora_a.float(), lora_b.float(), scale)
+    else:
+        adapted = weight.float() + scale * (lora_b.float() @ lora_a.float())
     if magnitude is None:
         return adapted
     return adapted * (magnitude.float() / torch.linalg.vector_norm(adapted, dim=1))[:, None]

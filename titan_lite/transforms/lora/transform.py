@@ -51,6 +51,12 @@ from titan_lite.transforms.lora.qlora import (
     plan_line,
     quantize_frozen_linears,
 )
+from titan_lite.transforms.lora.sparse import (
+    check_base_sparsity,
+    check_keep_sparsity,
+    keep_sparsity_enabled,
+    write_sparsity_marker,
+)
 from titan_lite.transforms.lora.tp import lora_style
 from titan_lite.transforms.lora.weights import (
     bits_checksum,
@@ -88,6 +94,7 @@ class LoraTransform(Transform):
         self.optimizer: torch.optim.Optimizer | None = None
         self.frozen_fingerprint: tuple[int, int] | None = None
         self.model_parts: list[nn.Module] = []
+        self.keep_sparsity = keep_sparsity_enabled(cfg)
         self.nf4 = cfg.lora.base_dtype == NF4
         self._nf4_names: set[str] | None = None
 
@@ -119,7 +126,8 @@ class LoraTransform(Transform):
                 module_class = NF4LoRALinear if self.nf4 else LoRALinear
                 with torch.device(linear.weight.device):  # the meta device: nothing is allocated
                     adapted = module_class(linear.in_features, linear.out_features, spec.rank, spec.scale,
-                                         self.c.dropout, self.c.use_dora, self.c.init, keep_init=self.options.pissa)
+                                         self.c.dropout, self.c.use_dora, self.c.init, keep_init=self.options.pissa,
+                                         keep_sparsity=self.keep_sparsity)
                 setattr(parent, short, adapted)
         self.freeze_and_cast(model)
 
@@ -140,6 +148,7 @@ class LoraTransform(Transform):
 
     def check(self, model_args: LlamaArgs, parallel_dims: ParallelDims) -> None:
         self.options.check_model(self.cfg, model_args)
+        check_keep_sparsity(self.cfg)
         self.check_layout(parallel_dims)
         self._nf4_names = self.nf4_weights(model_args)
         if self.nf4:
@@ -191,6 +200,8 @@ class LoraTransform(Transform):
             logger.info(f"lora: {count} frozen block linears on this rank quantized to NF4 (QLoRA)")
         if self.c.use_dora and self.c.adapter_path is None and fresh:
             (init_dora_magnitudes_nf4 if self.nf4 else init_dora_magnitudes)(modules)
+        if self.keep_sparsity and fresh:
+            check_base_sparsity(modules, self.cfg.lora.keep_sparsity)
         self.log_trainable(ctx.model_parts)
         if fresh:
             self.frozen_fingerprint = bits_checksum(checksum_tensors(self.frozen_parameters(ctx.model_parts)))
@@ -261,7 +272,7 @@ class LoraTransform(Transform):
         the merge equals the original weight plus the learnt update."""
         state_dict = dense_state_dict(state_dict)  # the NF4 base merges as it was trained: dequantized
         specs = {m: self.options.spec(m) for m in {module_of(n)[0] for n in state_dict if n.endswith(".lora_a")}}
-        return merge_adapters(state_dict, specs), model_args
+        return merge_adapters(state_dict, specs, self.keep_sparsity), model_args
 
     def base_folder(self, folder: Path, step: int) -> Path | None:
         """Where the base the adapters apply to is written as an HF folder: when it is not loaded from one (a seeded
@@ -311,7 +322,10 @@ class LoraTransform(Transform):
         out = folder / f"step-{step}-adapter"
         if not self.options.pissa:
             write_peft_adapter(out, PeftAdapter(peft_config(self.options, modules, base),
-                                                to_peft_tensors(state, args)), readme(self.c, "original"))
+                                                to_peft_tensors(state, args)),
+                               readme(self.c, "original", sparse=self.keep_sparsity))
+            if self.keep_sparsity:
+                write_sparsity_marker(out)
             logger.info(f"lora: PEFT adapter of step {step} written to {out}")
             return
         write_peft_adapter(out, PeftAdapter(peft_config(self.options, modules, base, doubled=True),
@@ -340,6 +354,13 @@ class LoraTransform(Transform):
         return dequantize_memory(ctx, self.nf4_names())
 
 
+SPARSE_NOTE = (
+    "\n\nTrained with `lora.keep_sparsity`: the update is masked by the base's zeros, W + (s B A) * (W != 0). PEFT "
+    "applies this adapter DENSELY (W + s B A), which fills the pruned positions and is not the trained model: ship "
+    "the masked merge instead (`scripts/merge_lora.py` applies the mask, as `titan_lite_sparsity.json` here asks, "
+    "and the run's `last_save_in_hf` export is already masked).")
+
+
 def without_adapters(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: t for n, t in state.items() if not n.endswith((".lora_a", ".lora_b", ".magnitude", ".pissa_a0",
                                                                 ".pissa_b0"))}
@@ -354,7 +375,7 @@ def _layer_order(module: str) -> tuple:
     return (int(parts[1]), module) if parts[0] == "layers" else (-1, module)
 
 
-def readme(c, kind: str, residual_folder: str = "") -> str:
+def readme(c, kind: str, residual_folder: str = "", sparse: bool = False) -> str:
     """What an exported adapter folder is and how to load it."""
     what = {
         "original": "A LoRA adapter for the original base model.",
@@ -363,6 +384,8 @@ def readme(c, kind: str, residual_folder: str = "") -> str:
         "residual": (f"PiSSA's trained adapter (rank {c.rank}) for the RESIDUAL base in '{residual_folder}' (the "
                      "original weights minus their top singular directions); it does not apply to the original base."),
     }[kind]
+    if sparse:
+        what += SPARSE_NOTE
     return (f"# titan_lite LoRA adapter\n\n{what}\n\nLoad it with PEFT:\n\n```python\nfrom peft import PeftModel\n"
             "model = PeftModel.from_pretrained(base_model, this_folder)\n```\n\nor merge it with "
             "`python scripts/merge_lora.py --base <hf folder> --adapter <this folder> --output_dir <dir>`.\n")

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titan_lite.config.schema import JobConfig
+from titan_lite.data.datasets import check_dataset
 from titan_lite.dtensor import local_tensor
 from titan_lite.errors import ConfigError
 from titan_lite.metrics.memory import PeakReading, device_capacity_gib, measure_peak
@@ -60,6 +61,8 @@ def check_layout(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims) -> None:
     if dims.cp_enabled:
         raise ConfigError(f"the 'prune' transform does not run under context parallelism "
                           f"('parallelism.context_parallel_degree' = {dims.cp}); use FSDP and/or tensor parallelism")
+    if build_method(p).needs_calibration and p.dataset_path is not None and Path(p.dataset_path).exists():
+        check_dataset(p.dataset, p.dataset_path, "pruning")  # text to calibrate on (DRY_RUN lists a missing path)
     if build_method(p).needs_calibration and p.nsamples % dims.dp_degree:
         raise ConfigError(f"'pruning.nsamples' = {p.nsamples} must be a multiple of the data-parallel degree "
                           f"{dims.dp_degree}: every rank calibrates on the same number of sequences")
@@ -160,6 +163,11 @@ class PruneTransform(Transform):
 
     def sequence_length(self) -> int:
         return self.cfg.pruning.seq_len
+
+    def check_inputs(self) -> None:
+        p = self.cfg.pruning
+        if p.dataset_path is not None:
+            check_dataset(p.dataset, p.dataset_path, "pruning")
 
     def pass_plan(self, ctx: PlanContext) -> PassPlan:
         """The one-shot pass's memory on this rank, planned for an accelerator (every data-parallel rank does the
