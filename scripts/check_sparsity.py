@@ -3,8 +3,8 @@
 --same_zeros_as whether each linear has exactly another folder's zeros. Exit status 1 when --pattern or
 --same_zeros_as does not hold for every linear.
 
-    python scripts/check_sparsity.py --hf outputs/sparse_recovery/checkpoint/step-200-hf --pattern unstructured \\
-        --same_zeros_as outputs/debug_tied_wanda50
+    .venv/bin/python scripts/check_sparsity.py --hf outputs/sparse_recovery/checkpoint/step-150-hf \\
+        --pattern unstructured --same_zeros_as outputs/debug_tied_wanda50
 """
 
 import argparse
@@ -13,8 +13,13 @@ from pathlib import Path
 
 import torch
 
+# The checkout's titan_lite, whichever python runs the script (e.g. `.venv/bin/python scripts/...`).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from titan_lite.checkpoint.hf import SafetensorsReader, weight_files
 from titan_lite.errors import ConfigError
+from titan_lite.job.cli import ScriptParser
+from titan_lite.job.script import run_script
 from titan_lite.transforms.pruning.masks import Pattern
 from titan_lite.transforms.pruning.remask import HF_LINEAR
 
@@ -22,8 +27,7 @@ DEFAULT_PATTERNS = (Pattern(2, 4), Pattern(4, 8))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptParser(__doc__)
     parser.add_argument("--hf", required=True, help="the Hugging Face folder to check")
     parser.add_argument("--pattern", help="require this pattern: unstructured (any zeros) or N:M, e.g. 2:4")
     parser.add_argument("--same_zeros_as", help="an HF folder of the same model whose zeros each linear must equal")
@@ -105,13 +109,13 @@ def _layer_order(name: str) -> tuple[int, str]:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
-    try:
-        summary, ok = check(opts)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(summary)
-    return 0 if ok else 1
+    outcome = {}
+
+    def work() -> None:
+        summary, outcome["ok"] = check(opts)
+        print(summary, flush=True)
+    code = run_script(work)
+    return code if code or outcome["ok"] else 1
 
 
 if __name__ == "__main__":

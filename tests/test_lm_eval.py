@@ -147,7 +147,8 @@ initial_load_in_hf = true
 @pytest.mark.slow
 def test_lora_checkpoint_unmerged_equals_its_merged_export(hf_folder, tmp_path):
     """A LoRA run (DoRA, 3 steps) from the HF folder: its adapter-only DCP checkpoint, evaluated with the run's TOML
-    (adapters unmerged), against the merged HF export the run wrote, evaluated by lm_eval's HF backend."""
+    (adapters unmerged), and its PEFT adapter on the base folder, against the merged HF export the run wrote,
+    evaluated by lm_eval's HF backend."""
     toml = tmp_path / "lora.toml"
     toml.write_text(BASE_TOML.read_text().replace('hf_assets_path = "./assets/tokenizer"',
                                                   f'hf_assets_path = "{hf_folder}"\nconverters = ["lora"]')
@@ -165,6 +166,10 @@ def test_lora_checkpoint_unmerged_equals_its_merged_export(hf_folder, tmp_path):
     want_results, want_samples = reference_samples(f"pretrained={merged}", limit=8)
     assert_same_answers(samples, want_samples)
     assert_same_metrics(results, want_results)
+    adapted = tmp_path / "adapted"  # the run's PEFT adapter on the base folder: the same model again
+    assert load_script().main(script_args(f"pretrained={hf_folder},adapter={step}-adapter,dtype=float32", adapted,
+                                          limit=8)) == 0
+    assert_same_answers(written(adapted)[1], want_samples)
     base, trained = load_file(str(hf_folder / "model.safetensors")), load_file(str(merged / "model.safetensors"))
     assert not torch.equal(base["model.layers.0.self_attn.q_proj.weight"],
                            trained["model.layers.0.self_attn.q_proj.weight"])  # the adapters changed the model

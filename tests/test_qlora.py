@@ -101,3 +101,20 @@ def test_dry_run_plans_the_shipped_configs(capsys, monkeypatch):
             assert float(re.search(r"parameters\s+([\d.]+) GiB", out)[1]) == pytest.approx(expected, abs=0.01)
         else:
             assert "(offloaded to CPU)" in out and "2 ranks alike" in out
+
+
+@pytest.mark.slow  # a worker process planning and training: about 30 s on the shared machine
+def test_benchmark_worker_reports_the_nf4_base_storage_and_the_plan():
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.worker", "--impl", "titan_lite", "--shape", "tiny",
+                           "--steps", "1", "--warmup", "0", "--lora", "--lora.rank 4 --lora.base_dtype nf4",
+                           "--tensor_peak", "--plan"], capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": ".", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("BENCH_RESULT "))
+    r = json.loads(line.removeprefix("BENCH_RESULT "))
+    # tiny's 64-wide projections group 64 scales: 0.5 + 1/64 + 4/4096 bytes a weight against bf16's 2
+    assert r["base_bytes"] / r["base_bf16_bytes"] == pytest.approx((0.5 + 1 / 64 + 4 / 4096) / 2, rel=1e-3)
+    assert r["planned_peak_bytes"] > r["peak_tensor_bytes"] > 0

@@ -17,7 +17,7 @@ from titan_lite.errors import ConfigError
 from titan_lite.job.assembly import assemble_model, initial_weight_loader
 from titan_lite.job.plan import plan_job, tokenizer_path
 from titan_lite.job.script import DTYPES, job_config, resolve_dtype
-from titan_lite.transforms import apply_adapter_folder
+from titan_lite.transforms import apply_peft_adapter
 
 MODEL_ARG_KEYS = ("pretrained", "checkpoint", "config", "adapter", "dtype", "max_length")
 DEFAULT_MAX_LENGTH = 2048  # lm_eval's HF backend's, for a config.json without max_position_embeddings
@@ -104,7 +104,7 @@ def pretrained_config(spec: ModelSpec, dtype: str) -> tuple[JobConfig, int]:
     extra = ["--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", spec.pretrained]
     cfg = job_config(spec.pretrained, None, dtype, max_length, 1, extra)
     if spec.adapter:
-        apply_adapter_folder(cfg, spec.adapter)
+        apply_peft_adapter(cfg, spec.adapter)
         validate(cfg)
     return cfg, max_length
 
