@@ -31,3 +31,17 @@ def test_chunked_cross_entropy_without_gradients():
     with torch.no_grad():
         value = cross_entropy_sum(logits, labels)
     torch.testing.assert_close(value, F.cross_entropy(logits[0], labels[0], reduction="sum"))
+
+
+def test_chunked_cross_entropy_keeps_only_probabilities_in_the_logits_dtype():
+    """What backward keeps of bf16 logits is one bf16 [tokens, vocab] buffer (no float32 copy): the plan's figure."""
+    logits, labels = torch.randn(6, 40).to(torch.bfloat16).requires_grad_(), torch.randint(0, 40, (6,))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = cross_entropy_sum(logits[None], labels[None])
+    big = [t for t in saved if t.numel() == logits.numel()]
+    assert [t.dtype for t in big] == [torch.bfloat16]
+    loss.backward()
+    expected = torch.softmax(logits.detach().float(), dim=-1)
+    expected[torch.arange(6), labels] -= 1
+    torch.testing.assert_close(logits.grad.float(), expected, rtol=0, atol=1e-2)

@@ -93,7 +93,7 @@ def test_dry_run_plans_the_shipped_configs(capsys, monkeypatch):
         out = capsys.readouterr().out
         assert "dry run OK" in out and re.search(r"lora: NF4 base \(QLoRA\): \d+ frozen block linears", out)
         peak = float(re.search(r"largest peak ([\d.]+) GiB", out)[1])
-        assert 5 < peak < 24, out
+        assert 5 < peak < (12 if ngpu == "1" else 24), out  # 8B: torchtune's settings, its 7.4 GiB in reach
         if ngpu == "1":  # 8B: NF4 block linears (bf16 factors) + bf16 embeddings, head, norms + fp32 adapters
             block, other, adapters = 6_979_321_856, 8_030_261_248 - 6_979_321_856, 83_886_080
             nf4 = block * nf4_bytes_per_element(4096 * 4096, 2)

@@ -9,19 +9,21 @@ from titan_lite.config.schema import Compile
 # Labels with this value carry no loss (padding, prompt tokens of instruction data).
 IGNORE_INDEX = -100
 
-# Elements of the [rows, vocab] block that row-chunked cross entropy works on at a time: 4 MiB of float32, small
-# enough to stay in the cache and below malloc's mmap threshold (no page faults for the temporaries).
+# Elements of the [rows, vocab] block that row-chunked cross entropy works on at a time. CPU: 4 MiB of float32, small
+# enough to stay in the cache and below malloc's mmap threshold (no page faults for the temporaries). Accelerators:
+# 64 MiB, few enough blocks that kernel launches do not matter (63 for 2 x 8192 tokens of a 128k vocabulary).
 _CHUNK_ELEMENTS = 1 << 20
+_ACCELERATOR_CHUNK_ELEMENTS = 1 << 24
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum (not mean) of token losses, so the caller can normalise by the global token count.
 
-    Eager on CPU, plain tensors go through ChunkedCrossEntropySum (the same values in fewer passes over the logits,
-    no [tokens, vocab] temporaries). Accelerators, compiled code (inductor fuses F.cross_entropy itself) and
-    vocab-sharded DTensor logits (loss parallel) use F.cross_entropy.
+    Eager, plain tensors go through ChunkedCrossEntropySum (the same values in fewer passes over the logits, no
+    [tokens, vocab] float32 temporaries: what lets an 8B QLoRA step fit one 24 GB GPU). Compiled code (inductor fuses
+    F.cross_entropy itself) and vocab-sharded DTensor logits (loss parallel) use F.cross_entropy.
     """
-    if logits.device.type == "cpu" and not isinstance(logits, DTensor) and not torch.compiler.is_compiling():
+    if _chunked(logits):
         return ChunkedCrossEntropySum.apply(logits.flatten(0, 1), labels.flatten())
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
 
@@ -29,7 +31,7 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 def cross_entropy_per_sample(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Token-loss sum of every sample: [batch] for logits [batch, seq, vocab]; the same terms as cross_entropy_sum,
     split by sample (data mixtures measure each domain's loss from them). Used only when a run asks for it."""
-    if logits.device.type == "cpu" and not isinstance(logits, DTensor) and not torch.compiler.is_compiling():
+    if _chunked(logits):
         token_losses = ChunkedCrossEntropySum.apply(logits.flatten(0, 1), labels.flatten(), True)
     else:
         token_losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none",
@@ -37,14 +39,18 @@ def cross_entropy_per_sample(logits: torch.Tensor, labels: torch.Tensor) -> torc
     return token_losses.view(labels.shape[0], -1).sum(dim=1)
 
 
+def _chunked(logits: torch.Tensor) -> bool:
+    return not isinstance(logits, DTensor) and not torch.compiler.is_compiling()
+
+
 class ChunkedCrossEntropySum(torch.autograd.Function):
     """sum over rows of logsumexp(logits) - logits[label], for logits [tokens, vocab], in float32 blocks of rows.
 
-    When a gradient is wanted the forward writes softmax(logits) into the gradient's buffer as it goes (one exp per
-    logit, in all), and the backward only scales it and subtracts the one-hot labels in place. Nothing saves the
-    logits: after the forward only that buffer remains, where F.cross_entropy keeps a log-softmax copy and then
-    allocates two more [tokens, vocab] tensors in its backward. With per_token it returns the [tokens] losses
-    instead of their sum.
+    When a gradient is wanted the forward writes softmax(logits) into the gradient's buffer (in the logits' dtype)
+    as it goes (one exp per logit, in all), and the backward only scales it and subtracts the one-hot labels in
+    place. Nothing saves the logits: after the forward only that buffer remains, where F.cross_entropy keeps a
+    float32 log-softmax copy and then allocates two more float32 [tokens, vocab] tensors in its backward. With
+    per_token it returns the [tokens] losses instead of their sum.
     """
 
     @staticmethod
@@ -52,15 +58,17 @@ class ChunkedCrossEntropySum(torch.autograd.Function):
         valid = labels != IGNORE_INDEX
         safe_labels = torch.where(valid, labels, 0)
         lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device) \
-            if ctx.needs_input_grad[0] else None
+        probs = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
+        exp_in_probs = probs is not None and probs.dtype == torch.float32  # else exp in a float32 temporary
         for rows in _row_blocks(logits):
             block = logits[rows].float()
             row_max = block.amax(dim=-1, keepdim=True)
-            exp = torch.sub(block, row_max, out=probs[rows] if probs is not None else None).exp_()
+            exp = torch.sub(block, row_max, out=probs[rows] if exp_in_probs else None).exp_()
             total = exp.sum(dim=-1, keepdim=True)
             if probs is not None:
                 exp.div_(total)
+                if not exp_in_probs:
+                    probs[rows].copy_(exp)
             torch.add(row_max.squeeze(1), total.squeeze(1).log(), out=lse[rows])
         target = logits.gather(1, safe_labels[:, None]).squeeze(1).float()
         ctx.save_for_backward(probs, safe_labels, valid)
@@ -77,12 +85,13 @@ class ChunkedCrossEntropySum(torch.autograd.Function):
         probs, safe_labels, valid = ctx.saved_tensors
         scale = valid * grad_output  # [tokens]: 0 on ignored rows (grad_output: a scalar, or [tokens] per token)
         grad = probs.mul_(scale[:, None])
-        grad.scatter_add_(1, safe_labels[:, None], -scale[:, None])
+        grad.scatter_add_(1, safe_labels[:, None], -scale[:, None].to(grad.dtype))
         return grad.to(ctx.logits_dtype), None, None
 
 
 def _row_blocks(logits: torch.Tensor) -> list[slice]:
-    rows = max(1, _CHUNK_ELEMENTS // max(1, logits.shape[1]))
+    chunk = _CHUNK_ELEMENTS if logits.device.type == "cpu" else _ACCELERATOR_CHUNK_ELEMENTS
+    rows = max(1, chunk // max(1, logits.shape[1]))
     return [slice(start, start + rows) for start in range(0, logits.shape[0], rows)]
 
 

@@ -115,8 +115,12 @@ def activation_shape(cfg: JobConfig, dims: ParallelDims, microbatch: int, loss_p
     c, _ = compute_bytes(cfg)
     return me.ActivationShape(tokens=microbatch * cfg.training.seq_len // dims.cp, compute_bytes=c, tp=dims.tp,
                               cp=dims.cp, loss_parallel=loss_parallel, seq_len=cfg.training.seq_len,
-                              fused_rms_norm=True, chunked_loss=cfg.dry_run.device_type == "cpu"
-                              and not loss_parallel and not cfg.compile.enable)
+                              fused_rms_norm=True, chunked_loss=not loss_parallel and not loss_compiled(cfg))
+
+
+def loss_compiled(cfg: JobConfig) -> bool:
+    """Whether the loss runs compiled (F.cross_entropy fused by inductor) rather than titan_lite's chunked one."""
+    return cfg.compile.enable and "loss" in cfg.compile.components
 
 
 def microbatching(cfg: JobConfig, dims: ParallelDims) -> tuple[int, int]:

@@ -24,8 +24,9 @@ class ActivationShape:
     # RMSNorm saves (input, rstd): accelerators' fused kernel and the model's eager CPU function; torch's composite
     # (compiled or DTensor inputs on CPU) also saves x * rstd.
     fused_rms_norm: bool = True
-    # The CPU's eager cross entropy (titan_lite/loss.py): it saves the probabilities and makes the logits' gradient
-    # in place from them, where F.cross_entropy saves a log-softmax copy and allocates two more in backward.
+    # The eager cross entropy (titan_lite/loss.py): it saves the probabilities in the logits' dtype and makes the
+    # logits' gradient in place from them, where F.cross_entropy (compiled, or loss parallel) saves a float32
+    # log-softmax copy and allocates two more in backward.
     chunked_loss: bool = False
 
 
@@ -80,9 +81,11 @@ def layer_activation_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape, p
 
 
 def head_activation_bytes(args: LlamaArgs, s: ActivationShape) -> int:
-    """Final norm, the output projection's input and the fp32 log-softmax of the loss."""
+    """Final norm, the output projection's input and what the loss saves: the chunked loss's probabilities in the
+    logits' (compute) dtype, or F.cross_entropy's float32 log-softmax."""
     vocab = args.vocab_size // s.tp if s.loss_parallel else args.vocab_size
-    return _rms_norm_bytes(args, s.tokens // s.tp, s) + s.tokens * args.dim * s.compute_bytes + s.tokens * vocab * FP32
+    loss_saved = s.tokens * vocab * (s.compute_bytes if s.chunked_loss else FP32)
+    return _rms_norm_bytes(args, s.tokens // s.tp, s) + s.tokens * args.dim * s.compute_bytes + loss_saved
 
 
 def saved_activation_bytes(args: LlamaArgs, layer_policies: dict[int, str], has_head: bool,
