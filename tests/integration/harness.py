@@ -169,3 +169,21 @@ def one_window_dataset(folder: Path, count: int, seq_len: int) -> list[str]:
     path = Path(folder) / "one_window_docs.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in one_window_documents(count, seq_len)))
     return ["--training.dataset", "jsonl", "--training.dataset_path", str(path), "--training.seq_len", str(seq_len)]
+
+
+def perturbed_hf_folder(folder: Path, flavor: str) -> Path:
+    """A `flavor` model, initialised with seed 5 and perturbed (so no weight is at its init), written to `folder` as
+    an HF folder with the bundled tokenizer: the start of runs that load initial weights."""
+    import torch
+
+    from titan_lite.checkpoint.hf import write_hf_folder
+    from titan_lite.models.llama import Llama, flavor_args
+
+    args = flavor_args(flavor)
+    model = Llama(args)
+    model.init_weights(seed=5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    write_hf_folder(dict(model.named_parameters()), args, str(folder), torch.float32, str(REPO / "assets/tokenizer"))
+    return folder

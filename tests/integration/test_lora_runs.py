@@ -12,9 +12,13 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint import FileSystemReader
 
-from tests.integration.harness import REPO, Run, assert_losses_close, one_window_dataset, run_train
-from titan_lite.checkpoint.hf import write_hf_folder
-from titan_lite.models.llama import Llama, flavor_args
+from tests.integration.harness import (
+    Run,
+    assert_losses_close,
+    one_window_dataset,
+    perturbed_hf_folder,
+    run_train,
+)
 
 SEQ_LEN, STEPS = 32, 4
 LORA = ["--model.converters", "lora", "--lora.rank", "4", "--lora.alpha", "8", "--lora.init", "pissa",
@@ -31,15 +35,7 @@ def data(tmp_path_factory) -> list[str]:
 @pytest.fixture(scope="module")
 def hf_start(tmp_path_factory) -> Path:
     """The tiny model with perturbed weights, as an HF folder every run starts from."""
-    args = flavor_args("tiny")
-    model = Llama(args)
-    model.init_weights(seed=5)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    folder = tmp_path_factory.mktemp("start") / "hf"
-    write_hf_folder(dict(model.named_parameters()), args, str(folder), torch.float32, str(REPO / "assets/tokenizer"))
-    return folder
+    return perturbed_hf_folder(tmp_path_factory.mktemp("start") / "hf", "tiny")
 
 
 def start(hf_start: Path) -> list[str]:

@@ -13,9 +13,14 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
-from tests.integration.harness import REPO, Run, assert_losses_close, one_window_dataset, run_train
-from titan_lite.checkpoint.hf import write_hf_folder
-from titan_lite.models.llama import Llama, flavor_args
+from tests.integration.harness import (
+    REPO,
+    Run,
+    assert_losses_close,
+    one_window_dataset,
+    perturbed_hf_folder,
+    run_train,
+)
 
 SEQ_LEN, STEPS = 32, 4
 FLAVOR = "debugmodel"  # every block linear's shard over 2 ranks holds whole groups of 256 NF4 scales
@@ -34,15 +39,7 @@ def data(tmp_path_factory) -> list[str]:
 @pytest.fixture(scope="module")
 def hf_start(tmp_path_factory) -> Path:
     """The debug model with perturbed weights, as the HF folder every run starts from."""
-    args = flavor_args(FLAVOR)
-    model = Llama(args)
-    model.init_weights(seed=5)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    folder = tmp_path_factory.mktemp("start") / "hf"
-    write_hf_folder(dict(model.named_parameters()), args, str(folder), torch.float32, str(REPO / "assets/tokenizer"))
-    return folder
+    return perturbed_hf_folder(tmp_path_factory.mktemp("start") / "hf", FLAVOR)
 
 
 def start(hf_start: Path) -> list[str]:

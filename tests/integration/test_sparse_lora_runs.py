@@ -11,10 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.harness import REPO, one_window_dataset, run_train
+from tests.integration.harness import REPO, one_window_dataset, perturbed_hf_folder, run_train
 from tests.integration.test_pruning_runs import VALIDATION_TEXT, linear_weights
-from titan_lite.checkpoint.hf import write_hf_folder
-from titan_lite.models.llama import Llama, flavor_args
 
 SEQ_LEN, STEPS = 32, 3
 LORA = ["--model.converters", "lora", "--lora.rank", "4", "--lora.alpha", "8", "--lora.use_rslora",
@@ -31,15 +29,8 @@ def script(name: str, *args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def pruned(tmp_path_factory) -> Path:
     """The tiny model (perturbed initial weights), 2:4-pruned by Wanda with scripts/prune.py."""
-    args = flavor_args("tiny")
-    model = Llama(args)
-    model.init_weights(seed=5)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     root = tmp_path_factory.mktemp("sparse")
-    write_hf_folder(dict(model.named_parameters()), args, str(root / "dense"), torch.float32,
-                    str(REPO / "assets/tokenizer"))
+    perturbed_hf_folder(root / "dense", "tiny")
     done = script("prune.py", "--hf_assets_path", str(root / "dense"), "--output_dir", str(root / "pruned"),
                   "--method", "wanda", "--pattern", "2:4", "--nsamples", "8", "--seq_len", "64")
     assert done.returncode == 0, done.stderr[-2000:]
