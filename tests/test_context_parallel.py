@@ -155,8 +155,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         for lb in MODEL_CASES:
             results[f"model-{lb}"] = _model_errors(rank, parallel_dims, lb)
         results["gathered_shapes"] = _gathered_shard_shapes(parallel_dims)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        partial = os.path.join(out_dir, f".rank{rank}.json")
+        with open(partial, "w") as f:
             json.dump(results, f)
+        os.replace(partial, os.path.join(out_dir, f"rank{rank}.json"))  # whole or absent
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -167,8 +169,9 @@ def cp_errors(tmp_path_factory) -> list[dict]:
     """Both ranks' result tables (errors, gathered shapes) from one spawn of 2 gloo processes."""
     out_dir = tmp_path_factory.mktemp("cp")
     os.environ["OMP_NUM_THREADS"] = "1"
-    spawn_on_free_port(_worker, CP, str(out_dir))
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(CP)]
+    files = [out_dir / f"rank{r}.json" for r in range(CP)]
+    spawn_on_free_port(_worker, CP, str(out_dir), results_complete=lambda: all(f.exists() for f in files))
+    return [json.loads(f.read_text()) for f in files]
 
 
 @pytest.mark.parametrize("load_balancer,n_heads,n_kv", ATTENTION_CASES)
