@@ -15,7 +15,7 @@ def gib(run, row: str) -> float:
 
 
 def test_llama3_8b_float8_plans_on_8_ranks(c4_shard):  # noqa: F811
-    plain = dry_run("llama3_8b.toml", c4_shard, ngpu=8)
+    plain = dry_run("llama3_8b.toml", c4_shard, ngpu=8, extra=("--compile.enable",))  # compiled like float8's
     float8 = dry_run("llama3_8b_float8.toml", c4_shard, ngpu=8)
     assert float8.returncode == plain.returncode == 0, float8.stdout + float8.stderr
     assert f"{LLAMA_8B_PARAMS:,} parameters, 32 layers; transforms: quantize.linear.float8" in float8.stdout
