@@ -158,7 +158,7 @@ def train_job(lane: Lane, model: str, variant: str) -> Job:
         overrides += ["--lora.base_dtype", "nf4"] if variant.startswith("qlora") else []
     if lane.smoke:
         # aot_eager: the compile path (dynamo and AOT autograd) without inductor's minutes of C++ builds on 2 cores
-        # the estimate of the CPU's own step (float32, chunked cross entropy), which is what runs here
+        # the estimate of the CPU's own step (float32), which is what runs here
         return Job("tiny", 64, batch=2, n_layers=2 if model == "8b" else None, ac="full", compile=compile_,
                    compile_backend="aot_eager", overrides=[*overrides, "--dry_run.device_type", "cpu"], steps=2,
                    warmup=1)

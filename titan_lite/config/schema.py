@@ -346,8 +346,8 @@ class DryRun:
     device_memory_gib: float | None = opt(
         None, "Memory per device for the DRY_RUN verdict; default the visible GPU's, else 80.")
     device_type: Literal["cuda", "cpu"] = opt(
-        "cuda", "The device the plan is for: cuda (bf16 under 'auto', fused cross entropy) or cpu (titan_lite's CPU "
-                "step: float32 under 'auto', chunked cross entropy).")
+        "cuda", "The device the plan is for: cuda (bf16 under 'auto') or cpu (titan_lite's CPU step: float32 under "
+                "'auto').")
 
 
 @dataclass
