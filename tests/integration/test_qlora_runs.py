@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomli
 import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
@@ -76,6 +77,14 @@ def test_hsdp_cp_ac_on_4_ranks_matches_one_process(single, data, hf_start, tmp_p
     for rank in range(4):
         assert f"[rank{rank}]:" in run.output
     assert run.output.count(f"lora: {NF4_TENSORS} frozen block linears on this rank quantized to NF4") == 4
+
+
+def test_per_block_compile_matches_eager(single, data, hf_start, tmp_path):
+    """torch.compile (inductor, per block) traces the NF4 weights' dequantization: the eager run's losses."""
+    run = run_train([*data, *QLORA, *start(hf_start), "--training.steps", str(STEPS), "--compile.enable"], tmp_path,
+                    env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
+    assert_losses_close(run, single.tb_losses(), atol=1e-5)
+    assert tomli.loads((run.dump_folder / "config.toml").read_text())["compile"]["enable"] is True
 
 
 def test_pp2_matches_one_process_and_its_full_checkpoint_resumes_exactly(single, data, hf_start, tmp_path):
