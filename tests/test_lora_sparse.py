@@ -4,8 +4,8 @@ base's N:M zeros kept, and the refusals."""
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from tests.test_lora import LORA, TINY, TOKENS, single_process_group  # noqa: F401  (autouse fixture)
 from titan_lite.config import parse_args
 from titan_lite.errors import ConfigError
 from titan_lite.job.assembly import assemble_model
@@ -15,17 +15,6 @@ from titan_lite.models.llama.model import canonical_name
 from titan_lite.transforms.lora import LoRALinear
 from titan_lite.transforms.lora.sparse import _MaskedLoRAProduct, check_base_sparsity
 from titan_lite.transforms.lora.transform import lora_modules
-
-TINY = ["--model.flavor", "tiny", "--training.seq_len", "32"]
-LORA = ["--model.converters", "lora", "--lora.rank", "4", "--lora.alpha", "8"]
-TOKENS = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(3))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_process_group():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def two_of_four(shape: tuple[int, int], seed: int) -> torch.Tensor:

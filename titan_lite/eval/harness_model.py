@@ -10,11 +10,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from titan_lite.checkpoint.manager import CheckpointManager
 from titan_lite.config import JobConfig, parse_args, validate
 from titan_lite.data.tokenizer import Tokenizer
 from titan_lite.errors import ConfigError
-from titan_lite.job.assembly import assemble_model, initial_weight_loader
+from titan_lite.job.inference import assemble_with_checkpoint
 from titan_lite.job.plan import plan_job, tokenizer_path
 from titan_lite.job.script import DTYPES, job_config, resolve_dtype
 from titan_lite.transforms import apply_peft_adapter
@@ -133,13 +132,7 @@ def load_model(spec: ModelSpec, device: torch.device) -> LoadedModel:
     dtype = resolve_dtype(spec.dtype, device.type)
     cfg, max_length = pretrained_config(spec, dtype) if spec.pretrained else checkpoint_config(spec, dtype)
     plan = plan_job(cfg, 1)
-    folder = Path(spec.checkpoint) if spec.checkpoint else None
-    built = assemble_model(plan, device, seed=cfg.debug.seed or 0, load=initial_weight_loader(plan),
-                           resume_from=folder)
-    if folder is not None:
-        manager = CheckpointManager(cfg.checkpoint, folder.parent, built.parts, None, {},
-                                    saves_parameter=plan.transforms.saves_parameter)
-        manager.load_folder(folder, model_only=True)
+    built = assemble_with_checkpoint(plan, spec.checkpoint, device)
     what = spec.pretrained or spec.checkpoint
     if spec.adapter:
         what += f" with the adapter {spec.adapter}"

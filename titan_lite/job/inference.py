@@ -57,11 +57,16 @@ def build_model(cfg: JobConfig, checkpoint: str | None, device: torch.device) ->
     (an adapter-only checkpoint brings the adapters, the config's initial weights the base)."""
     plan = plan_job(cfg, 1)
     plan.parallel_dims.build_mesh(device.type)
+    return plan, assemble_with_checkpoint(plan, checkpoint, device)
+
+
+def assemble_with_checkpoint(plan: JobPlan, checkpoint: str | None, device: torch.device) -> BuiltModel:
+    """One whole model of `plan` on `device` from its initial weights, with a checkpoint's saved parameters on top."""
     folder = Path(checkpoint) if checkpoint else None
-    built = assemble_model(plan, device, seed=cfg.debug.seed or 0, load=initial_weight_loader(plan),
+    built = assemble_model(plan, device, seed=plan.cfg.debug.seed or 0, load=initial_weight_loader(plan),
                            resume_from=folder)
     if folder is not None:
-        manager = CheckpointManager(cfg.checkpoint, folder.parent, built.parts, None, {},
+        manager = CheckpointManager(plan.cfg.checkpoint, folder.parent, built.parts, None, {},
                                     saves_parameter=plan.transforms.saves_parameter)
         manager.load_folder(folder, model_only=True)
-    return plan, built
+    return built
