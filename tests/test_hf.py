@@ -270,8 +270,8 @@ def test_extra_layer_in_checkpoint_is_named(saved):
 
 
 def test_unknown_tensor_name_is_a_config_error():
-    with pytest.raises(ConfigError, match="tensor 'model.layers.0.self_attn.q_norm.weight' is not a LlamaForCausalLM"):
-        from_hf_state_dict({"model.layers.0.self_attn.q_norm.weight": torch.ones(4)}, small_args())
+    with pytest.raises(ConfigError, match="tensor 'model.layers.0.self_attn.o_proj.bias' is not a LlamaForCausalLM"):
+        from_hf_state_dict({"model.layers.0.self_attn.o_proj.bias": torch.ones(4)}, small_args())
 
 
 def test_folder_without_weights(tmp_path):

@@ -1,4 +1,5 @@
-"""Llama model arguments and the named flavors (sizes) with their published shapes."""
+"""Decoder arguments (Llama and the families that are options of it: Qwen2/2.5, Qwen3, Mistral) and the named flavors
+(sizes) with their published shapes."""
 
 from dataclasses import dataclass, replace
 
@@ -28,6 +29,14 @@ class LlamaArgs:
     layer_ffn_dims: list[int] | None = None
     # Per-head width when it is not dim // n_heads (structured pruning keeps head_dim while dim or n_heads shrink).
     explicit_head_dim: int | None = None
+    # Family options of the one decoder. `family` is the Hugging Face model_type an export writes (llama, qwen2, qwen3,
+    # mistral); the others change the computation: q/k/v biases (Qwen2/2.5), an RMSNorm over head_dim on each head's
+    # q and k after projection and before RoPE (Qwen3), and attention to the last `sliding_window` positions only
+    # (Mistral v0.1; None = the whole causal past).
+    family: str = "llama"
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
 
     @property
     def kv_heads(self) -> int:
@@ -47,6 +56,10 @@ class LlamaArgs:
         return self.layer_ffn_dims[layer] if self.layer_ffn_dims else self.ffn_dim
 
 
+_QWEN3 = dict(family="qwen3", qk_norm=True, explicit_head_dim=128, vocab_size=151936, rope_theta=1000000.0,
+              norm_eps=1e-6)
+_QWEN2 = dict(family="qwen2", qkv_bias=True, rope_theta=1000000.0)
+_MISTRAL = dict(family="mistral", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336)
 _LLAMA31_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=8.0, rope_original_max_seq_len=8192)
 _LLAMA32_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=32.0, rope_original_max_seq_len=8192)
 
@@ -83,6 +96,35 @@ FLAVORS: dict[str, LlamaArgs] = {
                       **_LLAMA31_ROPE),
     # Llama 2
     "llama2_7B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, ffn_dim=11008, rope_theta=10000.0),
+    # Qwen3 dense (Qwen/Qwen3-*/config.json): q/k norms, head_dim 128 on every size, tied embeddings up to 4B.
+    "qwen3_0.6B": LlamaArgs(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=3072, tie_word_embeddings=True,
+                            **_QWEN3),
+    "qwen3_1.7B": LlamaArgs(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=6144, tie_word_embeddings=True,
+                            **_QWEN3),
+    "qwen3_4B": LlamaArgs(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=9728, tie_word_embeddings=True,
+                          **_QWEN3),
+    "qwen3_8B": LlamaArgs(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288, **_QWEN3),
+    "qwen3_14B": LlamaArgs(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_dim=17408, **_QWEN3),
+    "qwen3_32B": LlamaArgs(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, ffn_dim=25600, **_QWEN3),
+    # Qwen2.5 base models (Qwen/Qwen2.5-*/config.json): q/k/v biases; tied embeddings on the small sizes.
+    "qwen2.5_0.5B": LlamaArgs(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, vocab_size=151936, ffn_dim=4864,
+                              norm_eps=1e-6, tie_word_embeddings=True, **_QWEN2),
+    "qwen2.5_7B": LlamaArgs(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, vocab_size=152064, ffn_dim=18944,
+                            norm_eps=1e-6, **_QWEN2),
+    "qwen2.5_72B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=152064, ffn_dim=29568,
+                             norm_eps=1e-5, **_QWEN2),
+    # Mistral 7B v0.3 (and v0.2's shape with vocab 32768); v0.1 attends to a sliding window of 4096 positions.
+    "mistral_7B": LlamaArgs(vocab_size=32768, rope_theta=1000000.0, **_MISTRAL),
+    "mistral_7B_v0.1": LlamaArgs(vocab_size=32000, rope_theta=10000.0, sliding_window=4096, **_MISTRAL),
+    # For tests, shaped like "tiny": a Qwen3 (q/k norms, head_dim 32 != dim / heads, tied), a Qwen2.5 (q/k/v biases)
+    # and a Mistral whose window (8) is shorter than the tests' sequences.
+    "tiny_qwen3": LlamaArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=2048, ffn_dim=192,
+                            family="qwen3", qk_norm=True, explicit_head_dim=32, tie_word_embeddings=True,
+                            rope_theta=1000000.0, norm_eps=1e-6),
+    "tiny_qwen2": LlamaArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=2048, ffn_dim=192, norm_eps=1e-6,
+                            **_QWEN2),
+    "tiny_mistral": LlamaArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=2048, ffn_dim=192,
+                              family="mistral", sliding_window=8, rope_theta=10000.0),
 }
 
 

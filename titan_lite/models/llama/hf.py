@@ -1,4 +1,5 @@
-"""Hugging Face LlamaForCausalLM interop: parameter names, the rotary row permutation, config.json <-> LlamaArgs."""
+"""Hugging Face interop of the decoder (LlamaForCausalLM and the families that are options of it: Qwen2ForCausalLM,
+Qwen3ForCausalLM, MistralForCausalLM): parameter names, the rotary row permutation, config.json <-> LlamaArgs."""
 
 import json
 import math
@@ -18,6 +19,11 @@ _LAYER_NAMES = {
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",  # Qwen2/2.5
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
@@ -31,7 +37,9 @@ _TOP_NAMES = {
 }
 _TITAN_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_ROTARY = ("attention.wq.weight", "attention.wk.weight")
+# Tensors whose rows (or, for the q/k norms, entries over head_dim) are rotary channels: permuted between layouts.
+_ROTARY = ("attention.wq.weight", "attention.wk.weight", "attention.wq.bias", "attention.wk.bias",
+           "attention.q_norm.weight", "attention.k_norm.weight")
 
 # ------------------------------------------------------------------------------------------ names
 
@@ -117,14 +125,21 @@ def _is_rotary(name: str) -> bool:
     return name.startswith("layers.") and name.endswith(_ROTARY)
 
 
+def _permute_rows(permute, tensor: Tensor, head_dim: int) -> Tensor:
+    """A rotary permutation of a 2-D tensor's rows or a 1-D tensor's entries (biases; q/k norm weights, one head)."""
+    if tensor.dim() == 1:
+        return permute(tensor[:, None], head_dim)[:, 0]
+    return permute(tensor, head_dim)
+
+
 def tensor_to_hf(name: str, tensor: Tensor, args: LlamaArgs) -> Tensor:
-    """A titan_lite tensor in HF layout (q/k rows permuted; others unchanged)."""
-    return interleaved_to_half_split(tensor, args.head_dim) if _is_rotary(name) else tensor
+    """A titan_lite tensor in HF layout (q/k rows, biases and norm weights permuted; others unchanged)."""
+    return _permute_rows(interleaved_to_half_split, tensor, args.head_dim) if _is_rotary(name) else tensor
 
 
 def tensor_from_hf(name: str, tensor: Tensor, args: LlamaArgs) -> Tensor:
     """An HF tensor in titan_lite layout; `name` is the titan_lite name."""
-    return half_split_to_interleaved(tensor, args.head_dim) if _is_rotary(name) else tensor
+    return _permute_rows(half_split_to_interleaved, tensor, args.head_dim) if _is_rotary(name) else tensor
 
 
 # ----------------------------------------------------------------------------------- state dicts
@@ -176,11 +191,42 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# Each family's architecture and the config.json keys of its own an export writes (its options are set by the args).
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM"}
+
+
+def _family_keys(args: LlamaArgs) -> dict:
+    no_window = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": args.n_layers}
+    return {
+        "llama": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+        "qwen2": no_window,
+        "qwen3": {"attention_bias": False, **no_window},
+        "mistral": {"sliding_window": args.sliding_window},
+    }[args.family]
+
+
+def check_family_options(args: LlamaArgs, source: str = "model args") -> None:
+    """The options a family's HF class has: qwen2 has q/k/v biases, qwen3 q/k norms, mistral alone a window."""
+    if args.family not in ARCHITECTURES:
+        raise ConfigError(f"{source}: family '{args.family}' is not one of {', '.join(ARCHITECTURES)}")
+    expected = {"qkv_bias": args.family == "qwen2", "qk_norm": args.family == "qwen3"}
+    for option, value in expected.items():
+        if getattr(args, option) != value:
+            raise ConfigError(f"{source}: {option} = {getattr(args, option)} cannot be written as a "
+                              f"{ARCHITECTURES[args.family]}, which has {option} = {value}")
+    if args.sliding_window is not None and args.family != "mistral":
+        raise ConfigError(f"{source}: a sliding window is written only as a MistralForCausalLM, not a "
+                          f"{ARCHITECTURES[args.family]}")
+
+
 def args_to_hf_config(args: LlamaArgs, dtype: torch.dtype) -> dict:
-    """A LlamaForCausalLM config.json for these args; rope in the Llama 3.1 `rope_scaling` form HF Hub configs use."""
+    """The config.json of the args' family (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or
+    MistralForCausalLM); rope in the Llama 3.1 `rope_scaling` form HF Hub configs use."""
+    check_family_options(args)
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[args.family]],
+        "model_type": args.family,
         "hidden_size": args.dim,
         "intermediate_size": args.ffn_dim,
         "num_hidden_layers": args.n_layers,
@@ -194,11 +240,9 @@ def args_to_hf_config(args: LlamaArgs, dtype: torch.dtype) -> dict:
         "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_word_embeddings,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
+        **_family_keys(args),
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
-        "pretraining_tp": 1,
         "use_cache": True,
         "torch_dtype": dtype_name(dtype),
     }
@@ -217,7 +261,8 @@ def _require(cfg: dict, key: str, source: str):
 
 def _expect(cfg: dict, key: str, allowed: tuple, source: str) -> None:
     if key in cfg and cfg[key] not in allowed:
-        raise ConfigError(f"{source}: '{key}' is {cfg[key]!r}; titan_lite's Llama supports only {allowed[0]!r}")
+        model = ARCHITECTURES.get(cfg.get("model_type", "llama"), "Llama")
+        raise ConfigError(f"{source}: '{key}' is {cfg[key]!r}; titan_lite's {model} supports only {allowed[0]!r}")
 
 
 def _rope_settings(cfg: dict, source: str) -> tuple[float, dict | None]:
@@ -230,18 +275,47 @@ def _rope_settings(cfg: dict, source: str) -> tuple[float, dict | None]:
     if rope_type == "default":
         return float(theta), None
     if rope_type != "llama3":
-        raise ConfigError(f"{source}: rope type '{rope_type}' is not supported; expected 'default' or 'llama3'")
+        key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+        raise ConfigError(f"{source}: '{key}': rope type '{rope_type}' is not supported; expected 'default' or "
+                          "'llama3'")
     return float(theta), scaling
 
 
+def _family_options(cfg: dict, model_type: str, source: str) -> dict:
+    """The LlamaArgs options a family's config.json sets; a setting titan_lite cannot represent is a ConfigError
+    naming its key."""
+    if model_type == "llama":
+        _expect(cfg, "attention_bias", (False,), source)
+        _expect(cfg, "mlp_bias", (False,), source)
+        return {}
+    layer_types = cfg.get("layer_types") or []
+    if model_type == "mistral":
+        if len(set(layer_types)) > 1:
+            raise ConfigError(f"{source}: 'layer_types' mixes {sorted(set(layer_types))}; titan_lite's Mistral "
+                              "attends the same way in every layer")
+        window = cfg.get("sliding_window")
+        return {"sliding_window": int(window) if window is not None else None}
+    # qwen2 / qwen3: a window applies only to the layers from max_window_layers on, when use_sliding_window is set.
+    if cfg.get("use_sliding_window"):
+        raise ConfigError(f"{source}: 'use_sliding_window' is true (sliding windows in the layers from "
+                          f"max_window_layers = {cfg.get('max_window_layers')} on); titan_lite's {model_type} "
+                          "supports only false")
+    if any(kind != "full_attention" for kind in layer_types):
+        raise ConfigError(f"{source}: 'layer_types' has {sorted(set(layer_types))}; titan_lite's {model_type} "
+                          "supports only 'full_attention'")
+    if model_type == "qwen3":
+        _expect(cfg, "attention_bias", (False,), source)  # True would also give o_proj a bias
+        return {"qk_norm": True}
+    return {"qkv_bias": True}
+
+
 def args_from_hf_config(cfg: dict, source: str = "config.json") -> LlamaArgs:
-    """LlamaArgs of a LlamaForCausalLM config.json; anything titan_lite's Llama cannot represent raises ConfigError."""
+    """LlamaArgs of a config.json of one of the families (model_type llama, qwen2, qwen3, mistral); anything the
+    decoder cannot represent raises ConfigError naming the key."""
     model_type = cfg.get("model_type", "llama")
-    if model_type != "llama":
-        raise ConfigError(f"{source}: model_type is '{model_type}'; expected 'llama'")
+    if model_type not in ARCHITECTURES:
+        raise ConfigError(f"{source}: model_type is '{model_type}'; expected one of {', '.join(ARCHITECTURES)}")
     _expect(cfg, "hidden_act", ("silu",), source)
-    _expect(cfg, "attention_bias", (False,), source)
-    _expect(cfg, "mlp_bias", (False,), source)
     dim, n_heads = int(_require(cfg, "hidden_size", source)), int(_require(cfg, "num_attention_heads", source))
     head_dim = int(cfg.get("head_dim") or dim // n_heads)
     if head_dim % 2:
@@ -254,7 +328,8 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> LlamaArgs:
         rope_theta=theta, max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         layer_n_heads=cfg.get("layer_n_heads"), layer_n_kv_heads=cfg.get("layer_n_kv_heads"),
-        layer_ffn_dims=cfg.get("layer_ffn_dims"), explicit_head_dim=None if head_dim == dim // n_heads else head_dim)
+        layer_ffn_dims=cfg.get("layer_ffn_dims"), explicit_head_dim=None if head_dim == dim // n_heads else head_dim,
+        family=model_type, **_family_options(cfg, model_type, source))
     if scaling is not None:
         args.rope_scaling_factor = float(_require(scaling, "factor", f"{source} rope_scaling"))
         args.rope_low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
@@ -275,10 +350,10 @@ def read_hf_config(config_path: str | Path) -> dict:
 
 
 # Fields compared by check_args_against_hf_config; max_seq_len is left out (training picks its own length).
-_CHECKED_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "head_dim", "vocab_size", "ffn_dim", "norm_eps",
-                   "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+_CHECKED_FIELDS = ("family", "dim", "n_layers", "n_heads", "kv_heads", "head_dim", "vocab_size", "ffn_dim",
+                   "norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                    "rope_original_max_seq_len", "tie_word_embeddings", "layer_n_heads", "layer_n_kv_heads",
-                   "layer_ffn_dims")
+                   "layer_ffn_dims", "qkv_bias", "qk_norm", "sliding_window")
 _SCALING_FIELDS = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
 
 

@@ -113,14 +113,41 @@ def _fused_kernel_takes_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a
                                                 torch.backends.cuda.can_use_cudnn_attention))
 
 
+def within_window(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """[..., q, k] bool: the keys inside each query's sliding window, key position > query position - window (a query
+    sees itself and the window - 1 positions before it, as transformers' Mistral). Combine it with a causal or padding
+    mask by `&`: it says nothing about keys after the query."""
+    return k_positions[..., None, :] > q_positions[..., :, None] - window
+
+
+def windowed_causal_mask(seq: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """[seq, seq] bool causal mask limited to the sliding window, or None when the window covers the sequence (plain
+    causal attention, which SDPA runs without a mask)."""
+    if window is None or window >= seq:
+        return None
+    positions = torch.arange(seq, device=device)
+    return (positions[None, :] <= positions[:, None]) & within_window(positions, positions, window)
+
+
 class CausalAttention(nn.Module):
-    """softmax(QK^T / sqrt(d)) V with a causal mask; a module so context parallel can swap it.
+    """softmax(QK^T / sqrt(d)) V with a causal mask (limited to the last `window` positions when one is set); a module
+    so context parallel can swap it.
 
     q: [batch, heads, seq, head_dim]; k, v: [batch, kv_heads, seq, head_dim] with kv_heads dividing heads (GQA).
     """
 
+    def __init__(self, window: int | None = None):
+        super().__init__()
+        self.window = window
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return grouped_attention(q, k, v, is_causal=True)
+        mask = windowed_causal_mask(q.shape[2], self.window, q.device)
+        if mask is None:
+            return grouped_attention(q, k, v, is_causal=True)
+        return grouped_attention(q, k, v, attn_mask=mask)
+
+    def extra_repr(self) -> str:
+        return f"window={self.window}" if self.window is not None else ""
 
 
 class Attention(nn.Module):
@@ -128,11 +155,14 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads = args.heads_of(layer_id)
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
-        self.inner_attention = CausalAttention()
+        # Qwen3: one RMSNorm over head_dim, shared by every head, on q and on k.
+        self.q_norm = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.inner_attention = CausalAttention(args.sliding_window)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -145,6 +175,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if cache is not None:
             out = cache.attend(q, k, v)
         else:
@@ -313,6 +345,9 @@ def init_parameter(name: str, tensor: torch.Tensor, args: LlamaArgs, generator: 
     residual outputs, dim^-0.5 output head, ones for norms."""
     if name.endswith("norm.weight"):
         tensor.fill_(1.0)
+        return
+    if name.endswith(".bias"):
+        tensor.zero_()
         return
     if name == "tok_embeddings.weight":
         std = args.dim ** -0.5 if args.tie_word_embeddings else 1.0
