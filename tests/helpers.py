@@ -71,3 +71,45 @@ def tied_tiny_assets(folder) -> str:
     args.tie_word_embeddings = True
     (folder / "config.json").write_text(json.dumps(args_to_hf_config(args, torch.float32)))
     return str(folder)
+
+
+# Small random models of each family as transformers builds them (the oracle of the family tests); keys are the
+# HF model_type. Shapes like the "tiny" flavor; Qwen3 with head_dim 32 != hidden / heads and tied embeddings, Mistral
+# with a window (8) shorter than the tests' sequences.
+HF_FAMILY_SHAPES = {
+    "qwen2": dict(rope_theta=1000000.0),
+    "qwen3": dict(head_dim=32, tie_word_embeddings=True, rope_theta=1000000.0),
+    "mistral": dict(sliding_window=8),
+}
+
+
+def hf_family_model(family: str, seed: int = 0, vocab_size: int = 2048, **overrides):
+    """A small random transformers model of one family with every weight (norms and biases too) perturbed, in eval
+    mode; `overrides` change its config."""
+    import transformers
+
+    classes = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}
+    config_class, model_class = classes[family]
+    kwargs = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=vocab_size, rms_norm_eps=1e-6, max_position_embeddings=128,
+                  **HF_FAMILY_SHAPES[family])
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = model_class(config_class(**kwargs)).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    return model
+
+
+def hf_family_folder(folder, family: str, seed: int = 0, **overrides) -> str:
+    """hf_family_model saved by transformers with the bundled tokenizer (vocabulary 2048) beside it."""
+    import shutil
+    from pathlib import Path
+
+    folder = Path(folder)
+    hf_family_model(family, seed, **overrides).save_pretrained(folder)
+    shutil.copy2(Path(__file__).resolve().parents[1] / "assets" / "tokenizer" / "tokenizer.model", folder)
+    return str(folder)
