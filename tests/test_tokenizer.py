@@ -4,6 +4,7 @@ import base64
 import importlib.util
 import json
 import random
+import unicodedata
 from collections import Counter
 from itertools import pairwise
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from titan_lite.data.tokenizer import (
+    HFByteFallbackBPETokenizer,
     HFByteLevelBPETokenizer,
     SentencePieceTokenizer,
     TiktokenTokenizer,
@@ -401,7 +403,7 @@ def test_bad_tokenizer_json_is_one_config_error_line(tmp_path: Path):
         build_tokenizer(str(path))
     assert single_line(str(err.value))
     path.write_text(json.dumps({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},
-                                "pre_tokenizer": {"type": "Metaspace", "replacement": "▁"}}))
+                                "pre_tokenizer": {"type": "Whitespace"}}))
     with pytest.raises(ConfigError, match="not a byte-level BPE") as err:
         build_tokenizer(str(path))
     assert single_line(str(err.value)) and str(path) in str(err.value)
@@ -409,8 +411,108 @@ def test_bad_tokenizer_json_is_one_config_error_line(tmp_path: Path):
 
 def test_folder_falls_back_to_tokenizer_model_when_json_is_not_byte_level(tmp_path: Path, bundled):
     (tmp_path / "tokenizer.json").write_text(json.dumps(
-        {"model": {"type": "BPE", "vocab": {}, "merges": []}, "pre_tokenizer": {"type": "Metaspace"}}))
+        {"model": {"type": "BPE", "vocab": {}, "merges": []}, "pre_tokenizer": {"type": "Whitespace"}}))
     (tmp_path / "tokenizer.model").write_bytes(BUNDLED.read_bytes())
     tok = build_tokenizer(str(tmp_path))
     assert isinstance(tok, TiktokenTokenizer)
     assert tok.encode(TEXT) == bundled.encode(TEXT)
+
+
+# ---------------------------------------------------------------- Qwen and Mistral tokenizer.json
+
+# Latin, accents, CJK, digits (Qwen splits them one by one), emoji (outside every test vocabulary: byte fallback),
+# whitespace runs, tabs and CRLF; and the families' special tokens.
+MIXED = ("Hello, World! It's 2024; naïve café — DON'T 日本語のテキストと中文文本。 😀🎉 ok\n\n   three   spaces\tand "
+         "tabs 12345 + ０１２ Ελληνικά русский  \r\n  end ")
+QWEN_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+              r"\s+(?!\S)|\s+")
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def qwen_tokenizer_json(folder: Path) -> Path:
+    """A byte-level BPE trained with `tokenizers` in the structure of Qwen2.5's and Qwen3's tokenizer.json: NFC
+    normalizer, Split with Qwen's regex then ByteLevel without its own regex, ByteLevel decoder and post-processor,
+    <|endoftext|> / <|im_start|> / <|im_end|> special, no BOS (tokenizer_config.json: bos_token null)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=500, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus_lines(), trainer)
+    tok.add_special_tokens(QWEN_SPECIALS)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": None, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "add_prefix_space": False}))
+    return folder / "tokenizer.json"
+
+
+def test_qwen_tokenizer_json_ids_match_tokenizers(tmp_path: Path):
+    tokenizers = pytest.importorskip("tokenizers")
+    path = qwen_tokenizer_json(tmp_path)
+    oracle = tokenizers.Tokenizer.from_file(str(path))
+    tok = build_tokenizer(str(tmp_path))
+    assert isinstance(tok, HFByteLevelBPETokenizer)
+    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.add_bos) == (-1, 500, 500, False)
+    text = MIXED + "<|im_start|>user\nhi<|im_end|>" + "\u0065\u0301 decomposed"  # NFC composes e + acute accent
+    assert tok.encode(text, allow_special=True) == oracle.encode(text).ids
+    assert [501, 502] == [i for i in tok.encode(text, allow_special=True) if i > 500]
+    oracle.encode_special_tokens = True
+    ids = tok.encode(text, bos=True, eos=True)
+    assert ids == oracle.encode(text).ids + [500]
+    assert tok.decode(ids[:-1]) == oracle.decode(ids[:-1]) == unicodedata.normalize("NFC", text)
+
+
+def mistral_tokenizer_json(sp_model: Path, folder: Path, style: str) -> Path:
+    """transformers' conversion of a Llama-2-style sentencepiece model (BPE, byte fallback), in the structure of
+    Mistral 7B's tokenizer.json: v0.1 (a Prepend "▁" + Replace " " normalizer and no pre-tokenizer), v0.3 (a
+    Metaspace pre-tokenizer, prepend_scheme "first", no split), or "always" (Metaspace prepending every piece);
+    the decoder Replace/ByteFallback/Fuse/Strip and a "<s> $A" template."""
+    from tokenizers import Tokenizer, processors
+    from transformers import LlamaTokenizer
+
+    (folder / "sp").mkdir(parents=True, exist_ok=True)
+    (folder / "sp" / "tokenizer.model").write_bytes(sp_model.read_bytes())
+    converted = LlamaTokenizer.from_pretrained(str(folder / "sp"), legacy=style == "always")
+    spec = json.loads(converted.backend_tokenizer.to_str())
+    if style == "v0.1":
+        spec["normalizer"] = {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "▁"}, {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}
+        spec["pre_tokenizer"] = None
+    oracle = Tokenizer.from_str(json.dumps(spec))
+    oracle.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    oracle.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                              "unk_token": "<unk>"}))
+    return folder / "tokenizer.json"
+
+
+@pytest.mark.parametrize("style", ["v0.1", "v0.3", "always"])
+def test_mistral_tokenizer_json_ids_match_tokenizers(sp_model: Path, tmp_path: Path, style: str):
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("transformers")
+    path = mistral_tokenizer_json(sp_model, tmp_path, style)
+    spec = json.loads(path.read_text())
+    assert (spec["normalizer"] is None) == (style != "v0.1") and spec["model"]["byte_fallback"]
+    oracle = tokenizers.Tokenizer.from_file(str(path))
+    tok = build_tokenizer(str(tmp_path))
+    assert isinstance(tok, HFByteFallbackBPETokenizer)
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.add_bos) == (400, 1, 2, True)
+    marked = MIXED + "</s><s> after" + "<s>" + MIXED
+    assert tok.encode(marked, allow_special=True) == oracle.encode(marked).ids
+    assert tok.encode(" leading space", allow_special=True) == oracle.encode(" leading space").ids
+    oracle.encode_special_tokens = True
+    ids = tok.encode(marked, bos=False)
+    assert ids == oracle.encode(marked, add_special_tokens=False).ids
+    assert spec["model"]["vocab"]["<0xF0>"] in ids  # the emoji's first byte: byte fallback was used
+    assert tok.decode(ids) == oracle.decode(ids) == marked
+    if style == "v0.3":  # the sentencepiece model itself agrees on plain text
+        import sentencepiece as spm
+
+        assert ids == spm.SentencePieceProcessor(model_file=str(sp_model)).encode(marked)

@@ -1,10 +1,12 @@
-"""Owns the tokenizers: Llama 3 tiktoken files, sentencepiece models and HF byte-level BPE tokenizer.json files."""
+"""Owns the tokenizers: Llama 3 tiktoken files, sentencepiece models and HF tokenizer.json BPE files (byte-level, as
+Llama 3 and Qwen write them; or over characters with byte fallback and '▁' for spaces, as Llama 2 and Mistral do)."""
 
 from __future__ import annotations
 
 import base64
 import binascii
 import functools
+import heapq
 import json
 import re
 import unicodedata
@@ -326,14 +328,17 @@ class HFByteLevelBPETokenizer(Tokenizer):
         model = spec.get("model") or {}
         if model.get("type") != "BPE":
             raise ConfigError(f"tokenizer file '{path}': model type is {model.get('type')!r}, expected a BPE model")
-        self._steps = _pre_tokenizer_steps(path, spec.get("pre_tokenizer"))
-        self._normalize = _normalizer(path, spec.get("normalizer"))
+        self._load_text_pipeline(path, spec)
         self._load_model(path, model)
         self._load_added_tokens(path, spec.get("added_tokens") or [])
         self._load_special_ids(path, spec.get("post_processor"))
         self._cache: dict[bytes, list[int]] = {}
 
     # -- loading
+
+    def _load_text_pipeline(self, path: Path, spec: dict[str, Any]) -> None:
+        self._steps = _pre_tokenizer_steps(path, spec.get("pre_tokenizer"))
+        self._normalize = _normalizer(path, spec.get("normalizer"))
 
     def _load_model(self, path: Path, model: dict[str, Any]) -> None:
         for key in ("continuing_subword_prefix", "end_of_word_suffix"):
@@ -538,7 +543,27 @@ def _normalizer(path: Path, spec: dict[str, Any] | None) -> Callable[[str], str]
     if kind == "Sequence":
         parts = [_normalizer(path, sub) for sub in spec.get("normalizers") or []]
         return lambda text: functools.reduce(lambda acc, fn: fn(acc), parts, text)
-    raise ConfigError(f"tokenizer file '{path}': normalizer {kind!r} is not supported (only none or NFC/NFD/NFKC/NFKD)")
+    if kind == "Prepend":  # on every non-empty piece between added tokens (Llama 2 / Mistral v0.1 files)
+        prefix = str(spec.get("prepend", ""))
+        return lambda text: prefix + text if text else text
+    if kind == "Replace":
+        return _replace(path, spec)
+    raise ConfigError(f"tokenizer file '{path}': normalizer {kind!r} is not supported (none, NFC/NFD/NFKC/NFKD, "
+                      "Prepend, Replace or a Sequence of them)")
+
+
+def _replace(path: Path, spec: dict[str, Any]) -> Callable[[str], str]:
+    """A Replace normalizer: every match of its String or Regex pattern becomes its content."""
+    pattern, content = spec.get("pattern") or {}, str(spec.get("content", ""))
+    if "String" in pattern:
+        return lambda text: text.replace(pattern["String"], content)
+    if "Regex" in pattern:
+        try:
+            regex = compile_pattern(pattern["Regex"])
+        except (ValueError, re.error) as err:
+            raise ConfigError(f"tokenizer file '{path}': cannot use the Replace pattern ({err})") from None
+        return lambda text: regex.sub(lambda _: content, text)
+    raise ConfigError(f"tokenizer file '{path}': Replace normalizer without a String or Regex pattern")
 
 
 def _pre_tokenizer_steps(path: Path, spec: dict[str, Any] | None) -> list[PreTokenizeStep]:
@@ -591,6 +616,185 @@ def _split_step(path: Path, spec: dict[str, Any]) -> PreTokenizeStep:
     return lambda piece: [p for p, matched in _split_on(regex, piece) if keep_matches or not matched]
 
 
+# ---------------------------------------------------------------- HF tokenizer.json (BPE with byte fallback)
+
+
+BYTE_TOKEN = re.compile(r"<0x([0-9A-F]{2})>")
+
+
+class HFByteFallbackBPETokenizer(HFByteLevelBPETokenizer):
+    """A HF `tokenizer.json` BPE over characters with byte fallback, as converted from sentencepiece (Llama 2, Mistral
+    v0.1 and v0.3): spaces become '▁', marked at the start either by a Prepend + Replace normalizer (one '▁' before
+    every piece between added tokens) or by a Metaspace pre-tokenizer (prepend_scheme first / always / never); a
+    character outside the vocab becomes the <0xXX> tokens of its UTF-8 bytes (or <unk> without them)."""
+
+    _CACHE_WORD_LIMIT = 256  # longer words (a Prepend normalizer leaves whole documents as one word) are not cached
+
+    def _load_text_pipeline(self, path: Path, spec: dict[str, Any]) -> None:
+        self._normalize = _normalizer(path, spec.get("normalizer"))
+        pre = spec.get("pre_tokenizer")
+        self._metaspace, self._prepend_scheme, self._split = None, "never", False
+        if pre:
+            if pre.get("type") != "Metaspace":
+                raise ConfigError(f"tokenizer file '{path}': pre-tokenizer {pre.get('type')!r} is not supported with "
+                                  "byte_fallback (none or Metaspace)")
+            self._metaspace = str(pre.get("replacement", "▁"))
+            scheme = pre.get("prepend_scheme") or ("always" if pre.get("add_prefix_space", True) else "never")
+            if scheme not in ("first", "always", "never"):
+                raise ConfigError(f"tokenizer file '{path}': Metaspace prepend_scheme {scheme!r} is not supported")
+            self._prepend_scheme, self._split = scheme, bool(pre.get("split", True))
+        normalizers = _flat_normalizers(spec.get("normalizer"))
+        self._strips_leading_space = self._prepend_scheme != "never" or any(
+            n.get("type") == "Prepend" for n in normalizers)
+
+    def _load_model(self, path: Path, model: dict[str, Any]) -> None:
+        for key in ("continuing_subword_prefix", "end_of_word_suffix"):
+            if model.get(key):
+                raise ConfigError(f"tokenizer file '{path}': BPE option '{key}' is not supported")
+        vocab: dict[str, int] = model.get("vocab") or {}
+        if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
+            raise ConfigError(f"tokenizer file '{path}': model.vocab must map token strings to integer ids")
+        self._token_ids = dict(vocab)
+        self._piece_ids = dict(vocab)
+        self._byte_ids = {int(m.group(1), 16): i for tok, i in vocab.items() if (m := BYTE_TOKEN.fullmatch(tok))}
+        self._id_to_bytes = {i: self._piece_bytes(tok) for tok, i in vocab.items()}
+        self._merges = _char_merges(path, model.get("merges") or [], vocab)
+        self._ignore_merges = bool(model.get("ignore_merges", False))
+        unk = model.get("unk_token")
+        self._unk_id = vocab.get(unk) if unk else None
+        self._fuse_unk = bool(model.get("fuse_unk", False))
+
+    def _piece_bytes(self, token: str) -> bytes:
+        match = BYTE_TOKEN.fullmatch(token)
+        return bytes([int(match.group(1), 16)]) if match else token.replace("▁", " ").encode("utf-8")
+
+    # -- encoding
+
+    def _encode_text(self, text: str, allow_special: bool) -> list[int]:
+        matcher = self._added_all if allow_special else self._added_plain
+        if matcher is None:
+            return self._encode_segment(text, at_start=True)
+        ids: list[int] = []
+        position = 0
+        for piece, added_id in matcher.split(text):
+            ids.extend([added_id] if added_id is not None else self._encode_segment(piece, at_start=position == 0))
+            position += len(piece)
+        return ids
+
+    def _encode_segment(self, text: str, at_start: bool = True) -> list[int]:
+        text = self._normalize(text)
+        if not text:
+            return []
+        words = [text]
+        if self._metaspace is not None:
+            text = text.replace(" ", self._metaspace)
+            prepend = self._prepend_scheme == "always" or (self._prepend_scheme == "first" and at_start)
+            if prepend and not text.startswith(self._metaspace):
+                text = self._metaspace + text
+            words = _split_before(text, self._metaspace) if self._split else [text]
+        ids: list[int] = []
+        for word in words:
+            ids.extend(self._cached_word_ids(word))
+        return ids
+
+    def _cached_word_ids(self, word: str) -> list[int]:
+        if len(word) > self._CACHE_WORD_LIMIT:
+            return self._char_bpe(word)
+        ids = self._cache.get(word)
+        if ids is None:
+            if len(self._cache) >= self._CACHE_LIMIT:
+                self._cache.clear()
+            ids = self._cache[word] = self._char_bpe(word)
+        return ids
+
+    def _char_bpe(self, word: str) -> list[int]:
+        if self._ignore_merges and word in self._piece_ids:
+            return [self._piece_ids[word]]
+        return merge_symbols(self._initial_symbols(word), self._merges)
+
+    def _initial_symbols(self, word: str) -> list[int]:
+        """One id per character in the vocab; its bytes' <0xXX> ids for one that is not (when all exist), else <unk>
+        (consecutive ones fused into one with fuse_unk)."""
+        symbols: list[int] = []
+        unk_open = False
+        for ch in word:
+            tid = self._piece_ids.get(ch)
+            if tid is not None:
+                symbols.append(tid)
+                unk_open = False
+                continue
+            raw = ch.encode("utf-8")
+            if self._byte_ids and all(b in self._byte_ids for b in raw):
+                symbols.extend(self._byte_ids[b] for b in raw)
+                unk_open = False
+            elif self._unk_id is not None:
+                if not (unk_open and self._fuse_unk):
+                    symbols.append(self._unk_id)
+                unk_open = True
+        return symbols
+
+    def decode(self, ids: list[int]) -> str:
+        text = b"".join(self._id_to_bytes[i] for i in ids).decode("utf-8", errors="replace")
+        return text[1:] if self._strips_leading_space and text.startswith(" ") else text
+
+
+def _flat_normalizers(spec: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if not spec:
+        return []
+    if spec.get("type") == "Sequence":
+        return [n for sub in spec.get("normalizers") or [] for n in _flat_normalizers(sub)]
+    return [spec]
+
+
+def _split_before(text: str, marker: str) -> list[str]:
+    """Metaspace's split: a new word starts at every marker (the marker stays with the word it starts)."""
+    words, start = [], 0
+    for i, ch in enumerate(text):
+        if ch == marker and i > start:
+            words.append(text[start:i])
+            start = i
+    words.append(text[start:])
+    return [w for w in words if w]
+
+
+def _char_merges(path: Path, merges: list[Any], vocab: dict[str, int]) -> dict[tuple[int, int], tuple[int, int]]:
+    """(left id, right id) -> (rank, merged id) of a character-level BPE's merge list."""
+    out: dict[tuple[int, int], tuple[int, int]] = {}
+    for rank, merge in enumerate(merges):
+        pair = merge.split(" ") if isinstance(merge, str) else merge
+        if len(pair) != 2 or any(side not in vocab for side in pair) or pair[0] + pair[1] not in vocab:
+            raise ConfigError(f"tokenizer file '{path}': merge #{rank} {merge!r} is not a pair of vocab tokens whose "
+                              "join is in the vocab")
+        out.setdefault((vocab[pair[0]], vocab[pair[1]]), (rank, vocab[pair[0] + pair[1]]))
+    return out
+
+
+def merge_symbols(symbols: list[int], merges: dict[tuple[int, int], tuple[int, int]]) -> list[int]:
+    """BPE over a sequence of ids in O(n log n): repeatedly merge the adjacent pair of lowest rank (leftmost on ties),
+    as `tokenizers` does, with a heap of candidate pairs and a linked list of the surviving symbols."""
+    ids = list(symbols)
+    nxt = list(range(1, len(ids) + 1))
+    prev = list(range(-1, len(ids) - 1))
+    alive = [True] * len(ids)
+    heap = [(merges[(ids[i], ids[i + 1])][0], i, ids[i], ids[i + 1]) for i in range(len(ids) - 1)
+            if (ids[i], ids[i + 1]) in merges]
+    heapq.heapify(heap)
+    while heap:
+        rank, i, left, right = heapq.heappop(heap)
+        j = nxt[i] if alive[i] else len(ids)
+        if j >= len(ids) or ids[i] != left or ids[j] != right:
+            continue  # a stale candidate: one side merged since
+        ids[i] = merges[(left, right)][1]
+        alive[j] = False
+        nxt[i] = nxt[j]
+        if nxt[j] < len(ids):
+            prev[nxt[j]] = i
+        for a, b in ((prev[i], i), (i, nxt[i])):
+            if a >= 0 and b < len(ids) and (ids[a], ids[b]) in merges:
+                heapq.heappush(heap, (merges[(ids[a], ids[b])][0], a, ids[a], ids[b]))
+    return [tid for tid, keep in zip(ids, alive, strict=True) if keep]
+
+
 # ---------------------------------------------------------------- entry point
 
 
@@ -604,15 +808,22 @@ def build_tokenizer(path: str) -> Tokenizer:
         raise ConfigError(f"tokenizer path '{path}' does not exist (expected a tokenizer.json or tokenizer.model "
                           f"file, or a folder holding one)")
     if target.suffix == ".json":
-        return HFByteLevelBPETokenizer(target)
+        return _build_from_json(target)
     return _build_from_model_file(target)
+
+
+def _build_from_json(path: Path) -> Tokenizer:
+    """The tokenizer.json's kind: byte fallback over characters (Llama 2, Mistral), else byte-level BPE."""
+    spec = _read_json(path)
+    model = spec.get("model") if isinstance(spec.get("model"), dict) else {}
+    return (HFByteFallbackBPETokenizer if model.get("byte_fallback") else HFByteLevelBPETokenizer)(path)
 
 
 def _build_from_folder(folder: Path) -> Tokenizer:
     hf_file, model_file = folder / "tokenizer.json", folder / "tokenizer.model"
     if hf_file.is_file():
         try:
-            return HFByteLevelBPETokenizer(hf_file)
+            return _build_from_json(hf_file)
         except ConfigError:
             if not model_file.is_file():
                 raise
