@@ -60,10 +60,12 @@ def test_entry_point_refuses_bad_tp_degree_before_starting(capsys):
 # ------------------------------------------------------------------- placements and parity (2 ranks)
 
 
-def _tiny_args(tied: bool):
-    args = flavor_args("tiny")
+def _tiny_args(tied: bool | None, flavor: str = "tiny"):
+    """A tiny flavor's args; tied None keeps the flavor's own setting (the family flavors)."""
+    args = flavor_args(flavor)
     args.max_seq_len = SEQ
-    args.tie_word_embeddings = tied
+    if tied is not None:
+        args.tie_word_embeddings = tied
     return args
 
 
@@ -88,10 +90,14 @@ def _config(tp: int, disable_loss_parallel: bool = False) -> JobConfig:
 # Parameters whose placement and local shape are recorded, with the gradient compared against one process.
 WATCHED = ["tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0.attention.wk.weight",
            "layers.0.attention.wo.weight", "layers.1.feed_forward.w1.weight", "layers.1.feed_forward.w2.weight",
-           "layers.0.attention_norm.weight", "norm.weight", "output.weight"]
+           "layers.0.attention_norm.weight", "norm.weight", "output.weight",
+           # the families' options (absent from the Llama flavors)
+           "layers.0.attention.wq.bias", "layers.1.attention.wk.bias", "layers.0.attention.wv.bias",
+           "layers.0.attention.q_norm.weight", "layers.1.attention.k_norm.weight"]
 
 
-def _run_scenario(name: str, tp: int, tied: bool, loss_parallel: bool, compile_backend: str | None = None) -> dict:
+def _run_scenario(name: str, tp: int, tied: bool | None, loss_parallel: bool, compile_backend: str | None = None,
+                  flavor: str = "tiny") -> dict:
     """Parallelize a tiny Llama, run one forward/backward on the fixed batch, report placements, loss and grads."""
     from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
 
@@ -105,7 +111,7 @@ def _run_scenario(name: str, tp: int, tied: bool, loss_parallel: bool, compile_b
     dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
     dims.build_mesh("cpu")
     with torch.device("meta"):
-        model = Llama(_tiny_args(tied))
+        model = Llama(_tiny_args(tied, flavor))
     parallelize_llama(model, dims, cfg)
     model.to_empty(device="cpu")
     model.init_weights(seed=0, buffer_device=torch.device("cpu"))
@@ -136,6 +142,13 @@ SCENARIOS = {
     "fsdp2_tied": dict(tp=1, tied=True, loss_parallel=False),
     # aot_eager: the AOTAutograd path that broke TP + compile, without inductor's slow code generation
     "tp2_compile": dict(tp=2, tied=False, loss_parallel=True, compile_backend="aot_eager"),
+    # The families: q/k norms with head_dim 32 and tied embeddings (Qwen3), q/k/v biases (Qwen2.5), a sliding window
+    # shorter than the sequence (Mistral v0.1).
+    "tp2_qwen3": dict(tp=2, tied=None, loss_parallel=True, flavor="tiny_qwen3"),
+    "tp2_qwen2_compile": dict(tp=2, tied=None, loss_parallel=True, compile_backend="aot_eager", flavor="tiny_qwen2"),
+    "tp2_mistral_no_loss_parallel": dict(tp=2, tied=None, loss_parallel=False, flavor="tiny_mistral"),
+    "fsdp2_qwen3": dict(tp=1, tied=None, loss_parallel=False, flavor="tiny_qwen3"),
+    "fsdp2_qwen2": dict(tp=1, tied=None, loss_parallel=False, flavor="tiny_qwen2"),
 }
 
 
@@ -154,8 +167,8 @@ def reports(tmp_path_factory) -> dict:
             for name in SCENARIOS for rank in range(2)}
 
 
-def _reference(tied: bool) -> tuple[float, dict[str, torch.Tensor]]:
-    model = Llama(_tiny_args(tied))
+def _reference(tied: bool | None, flavor: str = "tiny") -> tuple[float, dict[str, torch.Tensor]]:
+    model = Llama(_tiny_args(tied, flavor))
     model.init_weights(seed=0)
     inputs, labels = _batch()
     loss = _loss(model(inputs), labels)
@@ -186,7 +199,7 @@ def test_tp_plan_placements_and_local_shapes(reports, rank):
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_loss_and_grads_match_one_process(reports, scenario):
-    ref_loss, ref_grads = _reference(SCENARIOS[scenario]["tied"])
+    ref_loss, ref_grads = _reference(SCENARIOS[scenario]["tied"], SCENARIOS[scenario].get("flavor", "tiny"))
     for rank in range(2):
         report = reports[(scenario, rank)]
         assert abs(report["loss"] - ref_loss) < 1e-5, (scenario, rank, report["loss"], ref_loss)
@@ -195,7 +208,23 @@ def test_loss_and_grads_match_one_process(reports, scenario):
             assert torch.allclose(grad, ref_grads[name], atol=1e-5, rtol=1e-4), (scenario, name)
 
 
-@pytest.mark.parametrize("scenario", ["tp2_tied", "tp2_tied_no_loss_parallel", "fsdp2_tied"])
+FAMILY_TP_PLACEMENTS = {  # q/k/v biases split with their colwise linears; q/k norms (over head_dim 32) replicated
+    ("tp2_qwen2_compile", "layers.0.attention.wq.bias"): ("Shard(dim=0)", [32]),
+    ("tp2_qwen2_compile", "layers.1.attention.wk.bias"): ("Shard(dim=0)", [16]),
+    ("tp2_qwen3", "layers.0.attention.wq.weight"): ("Shard(dim=0)", [64, 64]),
+    ("tp2_qwen3", "layers.0.attention.q_norm.weight"): ("Replicate()", [32]),
+    ("tp2_qwen3", "layers.1.attention.k_norm.weight"): ("Replicate()", [32]),
+}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_family_tp_placements_and_local_shapes(reports, rank):
+    for (scenario, name), (placement, shape) in FAMILY_TP_PLACEMENTS.items():
+        got = reports[(scenario, rank)]["params"][name]
+        assert (got["placements"], got["local_shape"]) == ([placement], shape), (scenario, name)
+
+
+@pytest.mark.parametrize("scenario", ["tp2_tied", "tp2_tied_no_loss_parallel", "fsdp2_tied", "tp2_qwen3"])
 def test_tied_embeddings_stay_one_parameter(reports, scenario):
     for rank in range(2):
         assert reports[(scenario, rank)]["tied_shared"] is True

@@ -47,8 +47,18 @@ def top_level_plan(loss_parallel: bool) -> dict:
     }
 
 
-def block_plan() -> dict:
-    """Norms on sequence shards; attention and MLP gather the sequence, split heads/hidden, and scatter it back."""
+def block_plan(qk_norm: bool = False) -> dict:
+    """Norms on sequence shards; attention and MLP gather the sequence, split heads/hidden, and scatter it back.
+
+    q/k/v biases are sharded with their colwise linears. The q/k norms (Qwen3) act on each head's head_dim: their
+    weight is replicated and their input is this rank's heads (dim 2 of [batch, seq, heads, head_dim]), so the
+    weight's gradient, a sum over all heads, is reduced over the TP ranks."""
+    norms = {name: SequenceParallel(sequence_dim=2, use_local_output=True)
+             for name in ("attention.q_norm", "attention.k_norm")} if qk_norm else {}
+    return {**norms, **_projections_plan()}
+
+
+def _projections_plan() -> dict:
     return {
         "attention_norm": SequenceParallel(),
         "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
@@ -80,7 +90,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, plan_ed
     top = edited_plan(top_level_plan(loss_parallel), "model", plan_edits)
     parallelize_module(model, tp_mesh, {name: style for name, style in top.items()
                                         if getattr(model, name.split(".")[0], None) is not None})
-    plan = edited_plan(block_plan(), "block", plan_edits)
+    plan = edited_plan(block_plan(model.args.qk_norm), "block", plan_edits)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, plan)
     if tied:
