@@ -16,6 +16,9 @@ CP = 2
 # (load balancer, query heads, kv heads)
 ATTENTION_CASES = [("headtail", 4, 4), ("headtail", 4, 2), (None, 4, 4), (None, 6, 2)]
 MODEL_CASES = ["headtail", None]
+# The families' options under CP (head-tail): q/k norms with head_dim 32, q/k/v biases, a window (8) that spans
+# the chunk boundaries of a 32-token sequence.
+FAMILY_FLAVORS = ["tiny_qwen3", "tiny_qwen2", "tiny_mistral"]
 
 
 def test_headtail_positions_pair_head_and_tail_chunks():
@@ -84,14 +87,14 @@ def _attention_errors(rank: int, group, load_balancer, n_heads: int, n_kv: int) 
     return errors
 
 
-def _model_errors(rank: int, parallel_dims, load_balancer) -> dict:
-    """Tiny Llama with CP vs without: logits on this rank's shard and the CP-summed parameter gradients."""
+def _model_errors(rank: int, parallel_dims, load_balancer, flavor: str = "tiny") -> dict:
+    """A tiny flavor with CP vs without: logits on this rank's shard and the CP-summed parameter gradients."""
     import torch.distributed as dist
 
     from titan_lite.models.llama import Llama, flavor_args
     from titan_lite.parallel.context_parallel import apply_cp, shard_batch
 
-    args = flavor_args("tiny")
+    args = flavor_args(flavor)
     args.max_seq_len = 64
     reference, model = Llama(args), Llama(args)
     for m in (reference, model):
@@ -154,6 +157,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             results[f"attention-{lb}-{heads}-{kv}"] = _attention_errors(rank, group, lb, heads, kv)
         for lb in MODEL_CASES:
             results[f"model-{lb}"] = _model_errors(rank, parallel_dims, lb)
+        for flavor in FAMILY_FLAVORS:
+            results[f"model-{flavor}"] = _model_errors(rank, parallel_dims, "headtail", flavor)
         results["gathered_shapes"] = _gathered_shard_shapes(parallel_dims)
         partial = os.path.join(out_dir, f".rank{rank}.json")
         with open(partial, "w") as f:
@@ -187,6 +192,14 @@ def test_cp_attention_matches_full_causal_sdpa(cp_errors, load_balancer, n_heads
 def test_cp_llama_matches_single_process(cp_errors, load_balancer):
     for rank, table in enumerate(cp_errors):
         errors = table[f"model-{load_balancer}"]
+        assert errors["logits"] <= 1e-5, f"rank {rank} logits: {errors['logits']}"
+        assert errors["param_grads"] <= 1e-6, f"rank {rank} parameter gradients: {errors['param_grads']}"
+
+
+@pytest.mark.parametrize("flavor", FAMILY_FLAVORS)
+def test_cp_family_flavor_matches_single_process(cp_errors, flavor):
+    for rank, table in enumerate(cp_errors):
+        errors = table[f"model-{flavor}"]
         assert errors["logits"] <= 1e-5, f"rank {rank} logits: {errors['logits']}"
         assert errors["param_grads"] <= 1e-6, f"rank {rank} parameter gradients: {errors['param_grads']}"
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from titan_lite.config.schema import JobConfig
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama.model import grouped_attention
+from titan_lite.models.llama.model import grouped_attention, within_window
 
 HEADTAIL = "headtail"
 
@@ -120,8 +120,9 @@ class ContextParallelAttention(nn.Module):
     all-gather moves heads / kv_heads times fewer bytes than gathering expanded K/V.
     """
 
-    def __init__(self, group: dist.ProcessGroup, load_balancer: str | None):
+    def __init__(self, group: dist.ProcessGroup, load_balancer: str | None, window: int | None = None):
         super().__init__()
+        self.window = window  # a sliding window (Mistral v0.1), on global positions like the causal mask
         self.group = group
         self.load_balancer = normalise_load_balancer(load_balancer)
         self.cp_size = dist.get_world_size(group)
@@ -132,7 +133,10 @@ class ContextParallelAttention(nn.Module):
         positions = all_shard_positions(seq_len, self.cp_size, self.load_balancer, q.device)
         to_global_order = positions.flatten().argsort()
         k, v = (self.gather_in_global_order(t, to_global_order) for t in (k, v))
-        mask = positions[self.cp_rank][:, None] >= torch.arange(seq_len, device=q.device)[None, :]
+        keys = torch.arange(seq_len, device=q.device)
+        mask = positions[self.cp_rank][:, None] >= keys[None, :]
+        if self.window is not None:
+            mask &= within_window(positions[self.cp_rank], keys, self.window)
         return grouped_attention(q, k, v, attn_mask=mask)
 
     def gather_in_global_order(self, t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -142,7 +146,8 @@ class ContextParallelAttention(nn.Module):
         return stacked.index_select(2, order)
 
     def extra_repr(self) -> str:
-        return f"cp_size={self.cp_size}, load_balancer={self.load_balancer}"
+        window = f", window={self.window}" if self.window is not None else ""
+        return f"cp_size={self.cp_size}, load_balancer={self.load_balancer}{window}"
 
 
 # ------------------------------------------------------------------------------------------ RoPE
@@ -174,7 +179,8 @@ def apply_cp(model: nn.Module, parallel_dims, cfg) -> None:
     load_balancer = cfg.parallelism.context_parallel_load_balancer
     rope_hook = GlobalRopePositions(dist.get_rank(group), dist.get_world_size(group), load_balancer)
     for block in model.layers.values():
-        block.attention.inner_attention = ContextParallelAttention(group, load_balancer)
+        window = block.attention.inner_attention.window
+        block.attention.inner_attention = ContextParallelAttention(group, load_balancer, window)
         # On attention, after TP's input hook: there x holds the whole CP-local sequence (a block's input is further
         # split over TP by sequence parallel).
         block.attention.register_forward_pre_hook(rope_hook)
