@@ -97,7 +97,7 @@ WATCHED = ["tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0.at
 
 
 def _run_scenario(name: str, tp: int, tied: bool | None, loss_parallel: bool, compile_backend: str | None = None,
-                  flavor: str = "tiny") -> dict:
+                  flavor: str = "tiny", replicate: int = 1, ac: str = "none") -> dict:
     """Parallelize a tiny Llama, run one forward/backward on the fixed batch, report placements, loss and grads."""
     from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
 
@@ -108,6 +108,7 @@ def _run_scenario(name: str, tp: int, tied: bool | None, loss_parallel: bool, co
     cfg = _config(tp, disable_loss_parallel=not loss_parallel)
     if compile_backend is not None:
         cfg.compile.enable, cfg.compile.backend = True, compile_backend
+    cfg.parallelism.data_parallel_replicate_degree, cfg.activation_checkpoint.mode = replicate, ac
     dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
     dims.build_mesh("cpu")
     with torch.device("meta"):
@@ -149,6 +150,8 @@ SCENARIOS = {
     "tp2_mistral_no_loss_parallel": dict(tp=2, tied=None, loss_parallel=False, flavor="tiny_mistral"),
     "fsdp2_qwen3": dict(tp=1, tied=None, loss_parallel=False, flavor="tiny_qwen3"),
     "fsdp2_qwen2": dict(tp=1, tied=None, loss_parallel=False, flavor="tiny_qwen2"),
+    "replicate2_qwen3_full_ac": dict(tp=1, tied=None, loss_parallel=False, flavor="tiny_qwen3", replicate=2,
+                                     ac="full"),
 }
 
 
