@@ -45,7 +45,8 @@ def hf_base(tmp_path_factory) -> Path:
 
 
 def hf_model(folder: Path):
-    return transformers.LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    """transformers' class of the folder's family (LlamaForCausalLM, Qwen2ForCausalLM, ...)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
 @torch.no_grad()
@@ -53,10 +54,10 @@ def hf_logits(model) -> torch.Tensor:
     return model(TOKENS).logits
 
 
-def titan_lora(hf_base: Path, *overrides: str):
+def titan_lora(hf_base: Path, *overrides: str, flavor: str = "tiny", assets: Path = ROOT / "assets/tokenizer"):
     """The tiny model from the HF folder through the trainer's assembly, with LoRA; (plan, model)."""
-    cfg = parse_args(["--model.flavor", "tiny", "--training.seq_len", "32", "--activation_checkpoint.mode", "none",
-                      "--model.hf_assets_path", str(ROOT / "assets/tokenizer"), "--checkpoint.initial_load_in_hf",
+    cfg = parse_args(["--model.flavor", flavor, "--training.seq_len", "32", "--activation_checkpoint.mode", "none",
+                      "--model.hf_assets_path", str(assets), "--checkpoint.initial_load_in_hf",
                       "--checkpoint.initial_load_path", str(hf_base), "--model.converters", "lora", *overrides])
     plan = plan_job(cfg, 1)
     return plan, assemble_model(plan, torch.device("cpu"), load=initial_weight_loader(plan)).parts[0].eval()
@@ -110,6 +111,48 @@ def test_exported_adapter_loads_in_peft_with_the_same_logits(case, hf_base, tmp_
     if case == "pissa":  # the residual base plus the rank-r adapter is the same model
         residual = hf_logits(load_with_peft(tmp_path / "step-7-pissa-residual-base", tmp_path / "step-7-pissa-adapter"))
         assert torch.allclose(residual, ours, atol=1e-4)
+
+
+# The families: adapters on q/k/v with biases (Qwen2.5) and next to q/k norms (Qwen3, tied embeddings), on folders
+# transformers saved; PEFT applies titan_lite's adapter to transformers' own class.
+FAMILY_CASES = {
+    ("qwen2", "all_linear"): ["--lora.rank", "4", "--lora.alpha", "8", "--lora.rank_pattern", "q_proj=2"],
+    ("qwen2", "dora_attention"): ["--lora.rank", "4", "--lora.alpha", "16", "--lora.use_dora",
+                                  "--lora.target_modules", "wq,wk,wv,wo"],
+    ("qwen3", "all_linear"): ["--lora.rank", "4", "--lora.alpha", "8", "--lora.use_rslora"],
+}
+
+
+@pytest.fixture(scope="module")
+def family_bases(tmp_path_factory) -> dict[str, Path]:
+    from tests.helpers import hf_family_folder
+
+    return {family: Path(hf_family_folder(tmp_path_factory.mktemp(family), family)) for family in ("qwen2", "qwen3")}
+
+
+@pytest.mark.parametrize("family, case", list(FAMILY_CASES), ids=["-".join(c) for c in FAMILY_CASES])
+def test_family_adapter_loads_in_peft_with_the_merged_export_logits(family, case, family_bases, tmp_path):
+    """PEFT on transformers' Qwen2/Qwen3 class with titan_lite's adapter = titan_lite's adapted model = its merged
+    export loaded by transformers."""
+    from titan_lite.checkpoint.hf import gather_full_state_dict
+
+    base_folder = family_bases[family]
+    plan, model = titan_lora(base_folder, *FAMILY_CASES[(family, case)], flavor="hf", assets=base_folder)
+    assert (plan.model_args.family, plan.model_args.qkv_bias) == (family, family == "qwen2")
+    pretend_trained(model)
+    transform = next(iter(plan.transforms))
+    transform.export([model], tmp_path, step=3)
+    merged_sd, args = transform.export_state_dict(gather_full_state_dict([model], torch.float32), plan.model_args)
+    write_hf_folder(merged_sd, args, str(tmp_path / "merged"), torch.float32, str(base_folder))
+    with torch.no_grad():
+        ours = model(TOKENS)
+    base = hf_logits(hf_model(base_folder))
+    theirs = hf_logits(load_with_peft(base_folder, tmp_path / "step-3-adapter"))
+    merged = hf_model(tmp_path / "merged")
+    assert type(merged).__name__ == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+    assert (theirs - base).abs().max() > 1e-2  # the adapter is applied
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
+    torch.testing.assert_close(hf_logits(merged), theirs, atol=1e-4, rtol=0)
 
 
 def test_unpermuted_rotary_rows_would_be_caught(hf_base, tmp_path, monkeypatch):

@@ -45,18 +45,21 @@ class LoRALinear(nn.Module):
 
     `weight` [out, in] keeps nn.Linear's name; `lora_a` [rank, in], `lora_b` [out, rank] and DoRA's `magnitude`
     [out] sit beside it as parameters of this module (so tensor parallelism can place each one). PiSSA's initial
-    factors are kept as frozen `pissa_a0` / `pissa_b0` when `keep_init` is set.
+    factors are kept as frozen `pissa_a0` / `pissa_b0` when `keep_init` is set. A biased linear (Qwen2's q/k/v) keeps
+    its frozen `bias` [out], added after everything else: DoRA rescales W x + s B A x, not the bias, as PEFT does.
     """
 
     # Another transform may compute the base product W x its own way (a float8 matmul, say): fn(x, W) -> x W^T.
     base_linear = None
 
     def __init__(self, in_features: int, out_features: int, rank: int, scale: float, dropout: float = 0.0,
-                 dora: bool = False, init: str = "default", keep_init: bool = False, keep_sparsity: bool = False):
+                 dora: bool = False, init: str = "default", keep_init: bool = False, keep_sparsity: bool = False,
+                 bias: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.rank, self.scale, self.init = (
             in_features, out_features, rank, scale, init)
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.lora_a = nn.Parameter(torch.empty(rank, in_features))
         self.lora_b = nn.Parameter(torch.empty(out_features, rank))
         self.magnitude = nn.Parameter(torch.empty(out_features)) if dora else None
@@ -78,6 +81,12 @@ class LoRALinear(nn.Module):
         return {"lora_a": init_a, "lora_b": _zeros, "magnitude": _ones, "pissa_a0": _zeros, "pissa_b0": _zeros}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.with_bias(self.unbiased_forward(x))
+
+    def with_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + _like(self.bias, y)
+
+    def unbiased_forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = _like(self.weight, x)
         dropped = self.dropout(x)
         if self.keep_sparsity:

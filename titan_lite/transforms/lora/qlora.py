@@ -33,9 +33,9 @@ class NF4LoRALinear(LoRALinear):
     """A LoRALinear whose frozen weight may be NF4: the base product through torchao's NF4 linear (it keeps the
     4-bit weight for backward and dequantizes it there, one weight at a time), the adapter through autograd."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def unbiased_forward(self, x: torch.Tensor) -> torch.Tensor:
         if not is_nf4(self.weight):
-            return super().forward(x)
+            return super().unbiased_forward(x)
         dropped = self.dropout(x)
         base = F.linear(x, self.weight)  # NF4's __torch_function__: torchao's LinearNF4
         update = F.linear(F.linear(dropped, _like(self.lora_a, x)), _like(self.lora_b, x))

@@ -1,7 +1,7 @@
 """Tensor parallelism of LoRALinear: colwise and rowwise styles that place the adapters beside the sharded base.
 
-Colwise (wq, wk, wv, w1, w3; the output dim is split): W Shard(0), A replicated, B Shard(0) (and DoRA's magnitude,
-per output row, Shard(0)); each rank computes its own output columns of W x + s B A x, nothing to reduce.
+Colwise (wq, wk, wv, w1, w3; the output dim is split): W Shard(0), A replicated, B Shard(0) (and DoRA's magnitude and
+a bias, per output row, Shard(0)); each rank computes its own output columns of W x + s B A x, nothing to reduce.
 Rowwise (wo, w2; the input dim is split): W Shard(1), A Shard(1), B replicated, magnitude replicated; each rank's
 W x and B (A x) are partial sums over its input slice, and their sum is reduced once, by the style's output
 redistribution (the reduce-scatter to sequence shards), exactly like the base alone.
@@ -17,9 +17,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from titan_lite.transforms.lora.module import LoRALinear
 
 COLWISE_PLACEMENTS = {"weight": Shard(0), "lora_a": Replicate(), "lora_b": Shard(0), "magnitude": Shard(0),
-                      "pissa_a0": Replicate(), "pissa_b0": Shard(0)}
+                      "pissa_a0": Replicate(), "pissa_b0": Shard(0), "bias": Shard(0)}
 ROWWISE_PLACEMENTS = {"weight": Shard(1), "lora_a": Shard(1), "lora_b": Replicate(), "magnitude": Replicate(),
-                      "pissa_a0": Shard(1), "pissa_b0": Replicate()}
+                      "pissa_a0": Shard(1), "pissa_b0": Replicate(), "bias": Replicate()}
 
 
 def place_parameters(placements: dict[str, Placement], _name: str, module: nn.Module, mesh: DeviceMesh) -> None:

@@ -127,7 +127,7 @@ class LoraTransform(Transform):
                 with torch.device(linear.weight.device):  # the meta device: nothing is allocated
                     adapted = module_class(linear.in_features, linear.out_features, spec.rank, spec.scale,
                                          self.c.dropout, self.c.use_dora, self.c.init, keep_init=self.options.pissa,
-                                         keep_sparsity=self.keep_sparsity)
+                                         keep_sparsity=self.keep_sparsity, bias=linear.bias is not None)
                 setattr(parent, short, adapted)
         self.freeze_and_cast(model)
 
