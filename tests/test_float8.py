@@ -201,3 +201,36 @@ def test_each_recipe_trains_close_to_fp32(recipe):
     assert 1e-4 < error < 0.05, error  # float8 (e4m3: 3 mantissa bits) differs, but little
     got.float().logsumexp(-1).mean().backward()
     assert all(model.get_submodule(n).weight.grad is not None for n in float8_names(model))
+
+
+FAMILY_OPTIONS = ("bias", "q_norm.weight", "k_norm.weight")
+
+
+@pytest.mark.parametrize("flavor", ["tiny_qwen2", "tiny_qwen3"])
+def test_family_blocks_convert_with_their_biases_and_train_close_to_fp32(flavor):
+    """q/k/v biases (Qwen2.5) stay on their Float8Linear, in high precision; the q/k norms (Qwen3) are not linears
+    and stay as they are. The float8 model is within float8's rounding of fp32; one with the biases dropped or the
+    norms reset is not."""
+    (transform,) = build_transforms(config())
+    reference, model, wrong = (Llama(flavor_args(flavor)) for _ in range(3))
+    reference.init_weights(seed=3)
+    with torch.no_grad():
+        for name, p in reference.named_parameters():  # biases and norm weights far from their init (0, 1)
+            if name.endswith(FAMILY_OPTIONS):
+                p.add_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    transform.convert(model)
+    model.load_state_dict(reference.state_dict())
+    wrong.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        for name, p in wrong.named_parameters():
+            if name.endswith(FAMILY_OPTIONS):
+                p.fill_(0.0 if name.endswith("bias") else 1.0)
+    assert len(float8_names(model)) == 4 * 7
+    wq = model.layers["0"].attention.wq
+    assert (wq.bias is not None) == (flavor == "tiny_qwen2") and (wq.bias is None or wq.bias.dtype == torch.float32)
+    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
+    expected, got, off = reference(tokens), model(tokens), wrong(tokens)
+    error, wrong_error = (((logits - expected).norm() / expected.norm()).item() for logits in (got, off))
+    assert 1e-4 < error < 0.02 < 0.04 < wrong_error, (error, wrong_error)
+    got.float().logsumexp(-1).mean().backward()
+    assert all(model.get_submodule(n).weight.grad is not None for n in float8_names(model))

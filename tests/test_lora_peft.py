@@ -155,6 +155,27 @@ def test_family_adapter_loads_in_peft_with_the_merged_export_logits(family, case
     torch.testing.assert_close(hf_logits(merged), theirs, atol=1e-4, rtol=0)
 
 
+def test_family_qlora_quantizes_weights_not_biases_and_matches_its_merged_export(family_bases, tmp_path):
+    """QLoRA on Qwen2.5's biased q/k/v: the weights in NF4, the biases kept in float32 and added; the merged export
+    (the dequantized base plus the adapters) gives transformers' Qwen2 class the adapted model's logits."""
+    from titan_lite.checkpoint.hf import gather_full_state_dict
+    from titan_lite.transforms.nf4 import is_nf4
+
+    base_folder = family_bases["qwen2"]
+    plan, model = titan_lora(base_folder, "--lora.rank", "4", "--lora.alpha", "8", "--lora.base_dtype", "nf4",
+                             flavor="hf", assets=base_folder)
+    wq = model.layers["0"].attention.wq
+    assert is_nf4(wq.weight) and not is_nf4(wq.bias) and wq.bias.dtype == torch.float32
+    pretend_trained(model)
+    merged_sd, args = next(iter(plan.transforms)).export_state_dict(gather_full_state_dict([model], torch.float32),
+                                                                     plan.model_args)
+    write_hf_folder(merged_sd, args, str(tmp_path / "merged"), torch.float32, str(base_folder))
+    with torch.no_grad():
+        ours = model(TOKENS)
+    assert (ours - hf_logits(hf_model(base_folder))).abs().max() > 1e-2
+    torch.testing.assert_close(hf_logits(hf_model(tmp_path / "merged")), ours, atol=1e-4, rtol=0)
+
+
 def test_unpermuted_rotary_rows_would_be_caught(hf_base, tmp_path, monkeypatch):
     """The logit comparison above detects an export that forgets to permute q/k lora_B rows to HF's layout."""
     monkeypatch.setattr(peft_io, "_rows_to_hf", lambda module, tensor, args: tensor)
