@@ -3,6 +3,7 @@ transformers load with the same logits, exports load back into the same class, t
 bit-exact, the published shapes are the flavors', and what the decoder cannot represent is one line naming the key."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -196,3 +197,58 @@ def test_what_the_decoder_cannot_represent_is_one_line_naming_the_key(family, ov
     with pytest.raises(ConfigError) as exc:
         args_from_hf_config(config, source="config.json")
     assert str(exc.value) == f"config.json: {message}"
+
+
+# ------------------------------------------------------------------------------------------ scripts
+
+TEXT = Path(__file__).resolve().parents[1] / "titan_lite/data/corpus/shakespeare/validation/midsummer_nights_dream.txt"
+
+
+def transformers_mean_nll(folder: Path, seq_len: int, windows: int) -> float:
+    """The mean token NLL transformers' own class gives on the same windows (the tokenizer is titan_lite's, checked
+    against the tokenizers library in test_tokenizer.py)."""
+    from titan_lite.data.tokenizer import build_tokenizer
+    from titan_lite.eval.perplexity import read_text, text_windows
+
+    ids = build_tokenizer(str(folder)).encode(read_text(str(TEXT)), bos=True, eos=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        losses = [model(input_ids=w[None], labels=w[None]).loss.item() for w in text_windows(ids, seq_len, windows)]
+    return sum(losses) / len(losses)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eval_ppl_script_gives_the_perplexity_transformers_gives(family, tmp_path, capsys):
+    from tests.helpers import hf_family_folder
+
+    folder = Path(hf_family_folder(tmp_path / family, family))
+    argv = ["--hf_assets_path", str(folder), "--data", str(TEXT), "--seq_len", "32", "--max_windows", "6"]
+    assert load_script("eval_ppl").main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    nll = float(lines[-2].rsplit("mean NLL: ", 1)[1])
+    assert nll == pytest.approx(transformers_mean_nll(folder, 32, 6), rel=1e-5)
+    assert float(lines[-1].removeprefix("perplexity: ")) == pytest.approx(math.exp(nll), rel=1e-4)
+
+
+def test_prune_script_keeps_qwen2_biases_and_writes_what_transformers_loads(tmp_path, capsys):
+    """Wanda 50% on Qwen2.5's shape: every block linear's rows half zeros, the q/k/v biases and the norms as they
+    were, a Qwen2ForCausalLM folder whose logits are the pruned titan_lite model's."""
+    from tests.helpers import hf_family_folder
+
+    source = Path(hf_family_folder(tmp_path / "qwen2", "qwen2"))
+    argv = ["--hf_assets_path", str(source), "--output_dir", str(tmp_path / "pruned"), "--method", "wanda",
+            "--calib_path", str(TEXT), "--nsamples", "4", "--seq_len", "32"]
+    assert load_script("prune").main(argv) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("pruned model written to")
+    before, after = safetensors_of(source), safetensors_of(tmp_path / "pruned")
+    assert sorted(after) == sorted(before)
+    for name, tensor in after.items():
+        if name.endswith("_proj.weight"):
+            assert ((tensor == 0).sum(1) == tensor.shape[1] // 2).all(), name
+        else:
+            assert torch.equal(tensor, before[name]), name  # biases, norms, embeddings
+    pruned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pruned").eval()
+    assert type(pruned).__name__ == "Qwen2ForCausalLM"
+    with torch.no_grad():
+        torch.testing.assert_close(load_titan(tmp_path / "pruned")(tokens()), pruned(tokens()).logits, atol=1e-5,
+                                   rtol=0)
