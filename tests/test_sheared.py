@@ -3,6 +3,7 @@ the targets in a short run, compile without graph breaks, and masks/gradients un
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -122,9 +123,13 @@ def test_bad_config_values_are_refused_at_config_time(args, message):
 
 
 def converted(targets: Targets, seed: int = 0) -> Llama:
-    model = Llama(tiny_args())
+    model = Llama(targets.args)
     convert_model(model, targets, seed)
     model.init_weights(seed=0)
+    with torch.no_grad():  # a family's q/k/v biases and q/k norms away from their init (zeros, ones)
+        for name, param in model.named_parameters():
+            if name.endswith((".bias", "q_norm.weight", "k_norm.weight")):
+                param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())))
     return model
 
 
@@ -318,9 +323,12 @@ MATERIALISE_CASES = {
 }
 
 
-def masked_and_materialised(case: str):
+def masked_and_materialised(case: str, flavor: str | None = None):
     """The masked model with trained-looking deterministic gates, and its materialised state dict and args."""
-    targets = targets_from_config(Sheared(**MATERIALISE_CASES[case]), tiny_args())
+    # untied, like "tiny" (a tied model with soft hidden gates comes out untied: test_structured_materialize)
+    args = tiny_args() if flavor is None else replace(flavor_args(flavor), max_seq_len=tiny_args().max_seq_len,
+                                                      tie_word_embeddings=False)
+    targets = targets_from_config(Sheared(**MATERIALISE_CASES[case]), args)
     model = converted(targets)
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():  # trained-looking gates: distinct scores, soft values well below 1
@@ -333,9 +341,14 @@ def masked_and_materialised(case: str):
     return targets, model, new_sd, new_args
 
 
-@pytest.mark.parametrize("case", MATERIALISE_CASES)
-def test_materialised_model_equals_the_masked_model(case):
-    targets, model, new_sd, new_args = masked_and_materialised(case)
+# The families: heads removed with their q/k/v biases (Qwen2.5), q/k norms over head_dim 32 kept (Qwen3).
+FAMILY_MATERIALISE = [("all", "tiny_qwen2"), ("all", "tiny_qwen3"), ("kv_groups", "tiny_qwen2")]
+
+
+@pytest.mark.parametrize("case, flavor", [(c, None) for c in MATERIALISE_CASES] + FAMILY_MATERIALISE,
+                         ids=list(MATERIALISE_CASES) + ["-".join(c) for c in FAMILY_MATERIALISE])
+def test_materialised_model_equals_the_masked_model(case, flavor):
+    targets, model, new_sd, new_args = masked_and_materialised(case, flavor)
     inputs, _ = batch()
     small = Llama(new_args)
     small.load_state_dict(new_sd, strict=True)
@@ -349,16 +362,18 @@ def test_materialised_model_equals_the_masked_model(case):
     assert expected_param_count(binary, targets) == pytest.approx(targets.param_count(), rel=1e-3)
 
 
-@pytest.mark.parametrize("case", ["kv_groups", "all"])
-def test_the_exported_pruned_folder_gives_the_masked_models_logits_in_transformers(case, tmp_path):
+@pytest.mark.parametrize("case, flavor", [("kv_groups", None), ("all", None), ("all", "tiny_qwen2"),
+                                          ("all", "tiny_qwen3")])
+def test_the_exported_pruned_folder_gives_the_masked_models_logits_in_transformers(case, flavor, tmp_path):
     transformers = pytest.importorskip("transformers")
-    _, model, new_sd, new_args = masked_and_materialised(case)
+    _, model, new_sd, new_args = masked_and_materialised(case, flavor)
     write_hf_folder(new_sd, new_args, str(tmp_path / "pruned"), torch.float32)
     config = json.loads((tmp_path / "pruned" / "config.json").read_text())
     assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"],
             config["hidden_size"], config["intermediate_size"]) == (
         new_args.n_layers, new_args.n_heads, new_args.kv_heads, new_args.dim, new_args.ffn_dim)
-    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "pruned", torch_dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", dtype=torch.float32).eval()
+    assert hf.config.model_type == new_args.family
     inputs, _ = batch()
     with torch.no_grad():
         diff = (hf(inputs).logits - model(inputs)).abs().max().item()

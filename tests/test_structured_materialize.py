@@ -50,9 +50,8 @@ def masked_forward(sd: dict, args: LlamaArgs, tokens: torch.Tensor, masks: dict)
     for layer in range(args.n_layers):
         w = {k.removeprefix(f"layers.{layer}."): v for k, v in sd.items() if k.startswith(f"layers.{layer}.")}
         x = masked_norm(h, w["attention_norm.weight"], hz, eps)
-        q = rotate_interleaved((x @ w["attention.wq.weight"].T).view(batch, seq, -1, hd), args.rope_theta)
-        k = rotate_interleaved((x @ w["attention.wk.weight"].T).view(batch, seq, -1, hd), args.rope_theta)
-        v = (x @ w["attention.wv.weight"].T).view(batch, seq, -1, hd)
+        q, k, v = (head_projection(x, w, name, hd) for name in ("q", "k", "v"))
+        q, k = rotate_interleaved(q, args.rope_theta), rotate_interleaved(k, args.rope_theta)
         k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd) + causal
         attn = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v) * masks["head"][layer][None, None, :, None]
@@ -62,6 +61,15 @@ def masked_forward(sd: dict, args: LlamaArgs, tokens: torch.Tensor, masks: dict)
         h = h + masks["layer"][layer] * ((gated @ w["feed_forward.w2.weight"].T) * hz)
     head = sd["tok_embeddings.weight"] if args.tie_word_embeddings else sd["output.weight"]
     return masked_norm(h, sd["norm.weight"], hz, eps) @ head.T
+
+
+def head_projection(x: torch.Tensor, w: dict, name: str, head_dim: int) -> torch.Tensor:
+    """[batch, seq, heads, head_dim] of wq/wk/wv, with its bias (Qwen2) and, for q and k, the RMSNorm over head_dim
+    (Qwen3) when the layer has them."""
+    out = x @ w[f"attention.w{name}.weight"].T + w.get(f"attention.w{name}.bias", 0.0)
+    out = out.view(*x.shape[:2], -1, head_dim)
+    norm = w.get(f"attention.{name}_norm.weight")
+    return out if norm is None else norm * out * torch.rsqrt(out.square().mean(-1, keepdim=True) + 1e-6)
 
 
 def masks_of(keep: StructureKeep, args: LlamaArgs) -> dict:
@@ -79,15 +87,18 @@ def masks_of(keep: StructureKeep, args: LlamaArgs) -> dict:
 # ------------------------------------------------------------------------------------------ fixtures
 
 
-def source_model(tied: bool = False) -> tuple[LlamaArgs, dict]:
-    """The tiny flavor (4 layers, 4 heads, 2 KV heads, dim 64, ffn 192) with random weights, norms included."""
-    args = replace(flavor_args("tiny"), max_seq_len=SEQ, tie_word_embeddings=tied)
+def source_model(tied: bool = False, flavor: str = "tiny") -> tuple[LlamaArgs, dict]:
+    """A tiny flavor (4 layers, 4 heads, 2 KV heads, dim 64, ffn 192) with random weights, norms (and q/k/v biases)
+    included."""
+    args = replace(flavor_args(flavor), max_seq_len=SEQ, tie_word_embeddings=tied)
     model = Llama(args)
     model.init_weights(seed=3)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
+            if name.endswith(".bias"):
+                param.uniform_(-0.5, 0.5)
     return args, {name: t.detach().clone() for name, t in model.state_dict().items() if "rope" not in name}
 
 
@@ -129,12 +140,14 @@ def materialized_logits(new_args: LlamaArgs, sd: dict, tokens: torch.Tensor) -> 
         return model(tokens)
 
 
-CASES = ["heads_in_groups", "kv_groups", "ffn", "hidden", "layers", "combined"]
+CASES = [("tiny", case) for case in ("heads_in_groups", "kv_groups", "ffn", "hidden", "layers", "combined")]
+# The families: heads removed with their q/k/v bias entries (Qwen2.5), the q/k norms over head_dim kept (Qwen3).
+CASES += [(flavor, case) for flavor in ("tiny_qwen2", "tiny_qwen3") for case in ("kv_groups", "combined")]
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_materialized_equals_masked(case):
-    args, sd = source_model()
+@pytest.mark.parametrize("flavor, case", CASES, ids=["-".join(c) for c in CASES])
+def test_materialized_equals_masked(flavor, case):
+    args, sd = source_model(flavor=flavor)
     keep = make_keep(case, args)
     tokens = torch.randint(0, args.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     new_args, new_sd = materialize_state_dict(sd, args, keep)
@@ -156,16 +169,19 @@ def test_tied_model_with_soft_hidden_scale_comes_out_untied():
     assert materialize_state_dict(sd, args, binary)[0].tie_word_embeddings
 
 
-def test_hf_export_loads_in_transformers(tmp_path):
+@pytest.mark.parametrize("flavor", ["tiny", "tiny_qwen2", "tiny_qwen3"])
+def test_hf_export_loads_in_transformers(tmp_path, flavor):
     transformers = pytest.importorskip("transformers")
-    args, sd = source_model()
+    args, sd = source_model(flavor=flavor)
     new_args, new_sd = materialize_state_dict(sd, args, make_keep("combined", args))
     write_materialized_hf(new_sd, new_args, tmp_path / "hf", torch.float32)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"],
-            config["num_key_value_heads"], config["intermediate_size"], config["head_dim"]) == (40, 3, 2, 2, 100, 16)
+            config["num_key_value_heads"], config["intermediate_size"], config["head_dim"]) == (
+        40, 3, 2, 2, 100, args.head_dim)
+    assert config["model_type"] == args.family
     tokens = torch.randint(0, args.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(4))
-    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = hf(tokens).logits
     assert (theirs - materialized_logits(new_args, new_sd, tokens)).abs().max() < 1e-4

@@ -127,16 +127,29 @@ def reference_scores(weights: dict, args, batches) -> tuple[list[LayerScores], f
 
         def wg(linear):
             return linear.weight.detach() * linear.weight.grad
-        q = wg(block.attention.wq).view(args.n_heads, hd, -1).sum((1, 2))
+
+        def bg(linear, heads):  # a bias's entries, per head (Qwen2's q/k/v)
+            return 0.0 if linear.bias is None else (linear.bias.detach() * linear.bias.grad).view(heads, hd).sum(1)
+        q = wg(block.attention.wq).view(args.n_heads, hd, -1).sum((1, 2)) + bg(block.attention.wq, args.n_heads)
         q = q + wg(block.attention.wo).view(args.dim, args.n_heads, hd).sum((0, 2))
         kv = (wg(block.attention.wk) + wg(block.attention.wv)).view(args.kv_heads, hd, -1).sum((1, 2))
+        kv = kv + bg(block.attention.wk, args.kv_heads) + bg(block.attention.wv, args.kv_heads)
         ffn = wg(block.feed_forward.w1).sum(1) + wg(block.feed_forward.w3).sum(1) + wg(block.feed_forward.w2).sum(0)
         out.append(LayerScores(q, kv, ffn))
     return out, float(loss.detach())
 
 
-def test_scores_equal_autograd_on_a_plain_llama(process_group):
-    scores, loss, weights, batches, args = score_assembled()
+@pytest.mark.parametrize("family", [None, "qwen2", "qwen3"], ids=["llama", "qwen2", "qwen3"])
+def test_scores_equal_autograd_on_a_plain_llama(process_group, family, tmp_path):
+    """Also on transformers' Qwen2 (the q/k/v biases, non-zero, count for their heads) and Qwen3 folders."""
+    from tests.helpers import hf_family_folder
+
+    if family is None:
+        scores, loss, weights, batches, args = score_assembled()
+    else:
+        folder = Path(hf_family_folder(tmp_path / family, family, num_hidden_layers=4))
+        scores, loss, weights, batches, args = score_assembled(["--model.flavor", "hf"], load_from=folder)
+        assert args.family == family
     expected, expected_loss = reference_scores(weights, args, batches)
     assert loss == pytest.approx(expected_loss, rel=1e-6)
     for got, want in zip(scores, expected, strict=True):
@@ -241,3 +254,34 @@ def test_prune_script_on_two_processes_writes_the_model_one_process_selects(proc
     with torch.no_grad():
         got = pruned_model(tokens)
     assert (got - masked_forward(sd, args, tokens, masks_of(keep, args))).abs().max() < 1e-5
+
+
+def test_prune_script_removes_qwen2_heads_with_their_biases(tmp_path):
+    """transformers' Qwen2 folder through scripts/prune.py --method taylor_structured (one process): a smaller
+    Qwen2ForCausalLM whose logits are the source's with the removed heads and channels masked (their q/k/v bias
+    entries removed with them)."""
+    from tests.helpers import hf_family_folder
+
+    source = Path(hf_family_folder(tmp_path / "qwen2", "qwen2", num_hidden_layers=4))
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))  # not the process_group fixture's group
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "prune.py"), "--hf_assets_path", str(source), "--output_dir",
+         str(tmp_path / "pruned"), "--method", "taylor_structured", "--head_ratio", "0.5", "--ffn_ratio", "0.25",
+         "--nsamples", str(NSAMPLES), "--seq_len", str(SEQ), "--batch_size", "2"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "pruned" / "structure_report.json").read_text())
+    args = args_from_hf_config(read_hf_config(source / "config.json"))
+    keep = StructureKeep(layers=list(range(4)), q_heads=[e["q_heads"] for e in report["layers"]],
+                         kv_heads=[e["kv_heads"] for e in report["layers"]], ffn=[e["ffn"] for e in report["layers"]],
+                         hidden=list(range(args.dim)))
+    transformers = pytest.importorskip("transformers")
+    pruned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", dtype=torch.float32).eval()
+    assert type(pruned).__name__ == "Qwen2ForCausalLM" and pruned.config.num_attention_heads == 2
+    assert pruned.model.layers[0].self_attn.q_proj.bias.shape == (2 * args.head_dim,)
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    source_sd = read_hf_folder(str(source), args)
+    with torch.no_grad():
+        got = pruned(tokens).logits
+    assert (got - masked_forward(source_sd, args, tokens, masks_of(keep, args))).abs().max() < 1e-4

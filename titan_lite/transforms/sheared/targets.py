@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from titan_lite.config.schema import Sheared
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama.args import LlamaArgs
+from titan_lite.transforms.structured.materialize import family_layer_params
 
 # Gate types, in the order of the Lagrange multiplier rows.
 KINDS = ("layer", "head", "intermediate", "hidden")
@@ -62,7 +63,7 @@ def expected_params(args: LlamaArgs, layers, q_heads, kv_heads, ffn, dim) -> flo
     With counts it is the dense model's exact count; with independent gate probabilities it is the expectation."""
     hd = args.head_dim
     layer_probs = layers if isinstance(layers, (list, tuple)) else [1.0] * int(layers)
-    per_layer = sum(p * (2 * dim * hd * (q + kv) + 3 * dim * f + 2 * dim)
+    per_layer = sum(p * (2 * dim * hd * (q + kv) + 3 * dim * f + 2 * dim + family_layer_params(args, q, kv))
                     for p, q, kv, f in zip(layer_probs, q_heads, kv_heads, ffn, strict=True))
     embeddings = args.vocab_size * dim * (1 if args.tie_word_embeddings else 2)
     return float(per_layer + embeddings + dim)

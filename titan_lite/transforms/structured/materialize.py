@@ -149,7 +149,21 @@ def _slice_block(sd: dict[str, Tensor], src: int, i: int, args: LlamaArgs, keep:
         q + "feed_forward.w1.weight": sd[p + "feed_forward.w1.weight"][ffn][:, hidden],
         q + "feed_forward.w3.weight": sd[p + "feed_forward.w3.weight"][ffn][:, hidden],
         q + "feed_forward.w2.weight": w2,
+        **_family_tensors(sd, p, q, q_rows, kv_rows),
     }
+
+
+def _family_tensors(sd: dict[str, Tensor], p: str, q: str, q_rows: Tensor, kv_rows: Tensor) -> dict[str, Tensor]:
+    """A kept layer's q/k/v biases (Qwen2: the kept heads' rows) and q/k norm weights (Qwen3: one per head_dim
+    channel, shared by every head, kept whole)."""
+    out = {}
+    for name, rows in (("wq", q_rows), ("wk", kv_rows), ("wv", kv_rows)):
+        if f"{p}attention.{name}.bias" in sd:
+            out[f"{q}attention.{name}.bias"] = sd[f"{p}attention.{name}.bias"][rows]
+    for name in ("q_norm", "k_norm"):
+        if f"{p}attention.{name}.weight" in sd:
+            out[f"{q}attention.{name}.weight"] = sd[f"{p}attention.{name}.weight"].clone()
+    return out
 
 
 def materialize_state_dict(state_dict: dict[str, Tensor], args: LlamaArgs,
@@ -193,9 +207,16 @@ def write_materialized_hf(state_dict: dict[str, Tensor], args: LlamaArgs, out_di
 
 
 def param_count(args: LlamaArgs) -> int:
-    """Parameters of a Llama with these args (a tied head counted once)."""
+    """Parameters of a Llama with these args (a tied head counted once; q/k/v biases and q/k norms included)."""
     total = args.vocab_size * args.dim * (1 if args.tie_word_embeddings else 2) + args.dim
     for layer in range(args.n_layers):
         q, kv = args.heads_of(layer)
         total += 2 * args.dim * args.head_dim * (q + kv) + 3 * args.dim * args.ffn_dim_of(layer) + 2 * args.dim
+        total += family_layer_params(args, q, kv)
     return total
+
+
+def family_layer_params(args: LlamaArgs, q_heads: float, kv_heads: float) -> float:
+    """A layer's q/k/v bias entries (Qwen2) and q/k norm weights (Qwen3)."""
+    biases = (q_heads + 2 * kv_heads) * args.head_dim if args.qkv_bias else 0
+    return biases + (2 * args.head_dim if args.qk_norm else 0)

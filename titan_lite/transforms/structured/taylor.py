@@ -2,9 +2,10 @@
 assembled (FSDP/TP-sharded) model, and the uniform keep-set it selects.
 
 The importance of a group of weights is |sum over the group of W * dL/dW|, with L the mean token loss over the
-calibration windows: a query head is its wq rows and its wo columns, a KV head its wk and wv rows, an MLP channel
-its w1 and w3 rows and its w2 column. Gradients stay sharded like the weights; the per-group sums are DTensor
-reductions whose full result every rank receives, so every rank ranks the same numbers and picks the same keep-set.
+calibration windows: a query head is its wq rows (and their bias entries) and its wo columns, a KV head its wk and wv
+rows (and biases), an MLP channel its w1 and w3 rows and its w2 column. Gradients stay sharded like the weights;
+the per-group sums are DTensor reductions whose full result every rank receives, so every rank ranks the same
+numbers and picks the same keep-set.
 """
 
 import logging
@@ -88,10 +89,19 @@ def _group_sums(weight: nn.Parameter, dim: int) -> Tensor:
     return full_tensor(product.sum(dim=dim)).float().cpu()
 
 
+def _row_sums(linear: nn.Module) -> Tensor:
+    """Per output row: sum of W * dL/dW over the row, plus b * dL/db of a bias (Qwen2's q/k/v)."""
+    sums = _group_sums(linear.weight, 1)
+    if getattr(linear, "bias", None) is not None:
+        sums = sums + full_tensor(linear.bias.detach().float() * linear.bias.grad.float()).float().cpu()
+    return sums
+
+
 def layer_scores(block: nn.Module, head_dim: int) -> LayerScores:
+    """A head's q/k norm weights (Qwen3) are shared by every head: they count for no head and are all kept."""
     attention, ffn = block.attention, block.feed_forward
-    q = _group_sums(attention.wq.weight, 1) + _group_sums(attention.wo.weight, 0)
-    kv = _group_sums(attention.wk.weight, 1) + _group_sums(attention.wv.weight, 1)
+    q = _row_sums(attention.wq) + _group_sums(attention.wo.weight, 0)
+    kv = _row_sums(attention.wk) + _row_sums(attention.wv)
     channels = _group_sums(ffn.w1.weight, 1) + _group_sums(ffn.w3.weight, 1) + _group_sums(ffn.w2.weight, 0)
     return LayerScores(q.view(-1, head_dim).sum(1), kv.view(-1, head_dim).sum(1), channels)
 
