@@ -51,6 +51,49 @@ def test_cached_batched_greedy_equals_full_forwards(model):
     assert len({tuple(g) for g in got}) == len(PROMPTS)  # distinct continuations: the test has teeth
 
 
+def family_model(flavor: str) -> Llama:
+    args = flavor_args(flavor)
+    args.max_seq_len = 32
+    family = Llama(args)
+    family.init_weights(seed=0)
+    with torch.no_grad():
+        for name, p in family.named_parameters():
+            if p.dim() == 2:
+                p.mul_(3)
+            elif ".attention." in name:  # q/k/v biases and q/k norm weights away from their init
+                p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    return family.eval()
+
+
+@pytest.mark.parametrize("flavor", ["tiny_qwen3", "tiny_qwen2", "tiny_mistral"])
+def test_cached_logits_equal_full_forwards_on_the_families(flavor):
+    """q/k norms before the cache's RoPE, biased q/k/v, and the sliding window (8): two rows (one left-padded) run
+    past the window, fed one token at a time through the cache; every step's logits equal the full forward's at
+    that position (greedy tokens alone would not show a missing window here), and greedy generation equals full
+    forwards."""
+    from titan_lite.eval.generate import KVCache
+
+    family = family_model(flavor)
+    rows = [torch.randint(0, 2048, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (24, 21)]
+    prompts = [row[:5] for row in rows]  # the same prompt length; the second row padded by 3 below
+    prompts[1] = rows[1][:2]
+    tokens, real = left_padded(prompts, 0, torch.device("cpu"))
+    cache = KVCache(family.args, 2, tokens.shape[1] + 19, torch.device("cpu"))
+    positions = (real.long().cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        steps = [family(tokens, cache=cache.step(real, positions))[:, -1]]
+        for t in range(19):
+            feed = torch.tensor([[rows[0][5 + t]], [rows[1][2 + t]]])
+            steps.append(family(feed, cache=cache.step(torch.ones(2, 1, dtype=torch.bool),
+                                                      torch.tensor([[5 + t], [2 + t]])))[:, -1])
+        full = [family(torch.tensor([row]))[0] for row in rows]
+    for i, start in enumerate((4, 1)):
+        got = torch.stack([step[i] for step in steps])
+        torch.testing.assert_close(got, full[i][start:start + 20], atol=1e-4, rtol=0)
+    got = generate(family, PROMPTS, GenerationConfig(max_new_tokens=NEW), torch.device("cpu"))
+    assert got == [argmax_by_full_forwards(family, p, NEW) for p in PROMPTS]
+
+
 def test_generation_stops_at_a_stop_token(model):
     want = argmax_by_full_forwards(model, PROMPTS[2], NEW)
     stop = want[3]

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from titan_lite.models.llama import LlamaArgs
-from titan_lite.models.llama.model import apply_rope, grouped_attention, rope_cache
+from titan_lite.models.llama.model import apply_rope, grouped_attention, rope_cache, within_window
 
 
 @dataclass
@@ -30,13 +30,16 @@ class KVCache:
     """Keys and values of every layer for a batch, in slots 0..capacity-1, with which slots hold real tokens.
 
     `step(tokens_real, positions)` opens the next slots for a forward: it records their rotary rows and the
-    attention mask (each new query sees the real keys up to its own slot, and itself) that every layer then uses.
+    attention mask (each new query sees the real keys up to its own slot, and itself; with a sliding window only
+    those within the window of its position) that every layer then uses.
     """
 
     def __init__(self, args: LlamaArgs, batch: int, capacity: int, device: torch.device):
         self.rope = rope_cache(replace(args, max_seq_len=capacity), device)
         self.capacity = capacity
+        self.window = args.sliding_window
         self.real = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
+        self.positions = torch.zeros(batch, capacity, dtype=torch.long, device=device)
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.start = self.end = 0
@@ -49,10 +52,13 @@ class KVCache:
         if self.end > self.capacity:
             raise ValueError(f"KV cache of {self.capacity} slots is full")
         self.real[:, self.start:self.end] = real
+        self.positions[:, self.start:self.end] = positions
         self.rows = self.rope[positions]
         slots = torch.arange(self.end, device=real.device)
         queries = slots[self.start:, None]
         visible = self.real[:, None, :self.end] & (slots[None, :] <= queries)[None]
+        if self.window is not None:
+            visible &= within_window(positions, self.positions[:, :self.end], self.window)
         self.mask = (visible | (slots[None, :] == queries)[None])[:, None]  # [batch, 1, seq, end]
         return self
 
