@@ -129,6 +129,21 @@ def test_two_processes_equal_one(hf_folder, one_process, tmp_path):
     assert_same_metrics(results, one_process[0])
 
 
+@pytest.mark.slow  # the script and lm_eval's HF backend on 3 documents per task
+@pytest.mark.parametrize("flavor", ["tiny_mistral"])
+def test_family_folder_equals_lm_eval_hf_backend(flavor, tmp_path):
+    """A Mistral with a sliding window (8) shorter than the requests: titan_lite's forward and KV-cache generation
+    window as transformers' MistralForCausalLM does (loglikelihoods, rolling sums and greedy continuations)."""
+    folder = write_test_hf_folder(tmp_path / "hf", flavor=flavor)
+    assert json.loads((folder / "config.json").read_text())["sliding_window"] == 8
+    output = tmp_path / "out"
+    assert load_script().main(script_args(f"pretrained={folder},dtype=float32", output, limit=3)) == 0
+    results, samples = written(output)
+    want_results, want_samples = reference_samples(f"pretrained={folder}", limit=3)
+    assert_same_answers(samples, want_samples)
+    assert_same_metrics(results, want_results)
+
+
 LORA_TOML = """
 [lora]
 rank = 4
