@@ -4,6 +4,7 @@ bit-exact, the published shapes are the flavors', and what the decoder cannot re
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -252,3 +253,39 @@ def test_prune_script_keeps_qwen2_biases_and_writes_what_transformers_loads(tmp_
     with torch.no_grad():
         torch.testing.assert_close(load_titan(tmp_path / "pruned")(tokens()), pruned(tokens()).logits, atol=1e-5,
                                    rtol=0)
+
+
+# ------------------------------------------------------------------------------------------ configs
+
+SHIPPED = [("qwen3_8b_lora.toml", "1", 24, "lora"), ("qwen3_8b_qlora.toml", "1", 24, "lora"),
+           ("mistral_7b_lora.toml", "1", 24, "lora"), ("qwen2.5_7b_wanda.toml", "8", 80, "prune")]
+
+
+@pytest.mark.parametrize("config, ngpu, gib, transform", SHIPPED, ids=[c[0] for c in SHIPPED])
+def test_shipped_family_configs_plan_with_dry_run(config, ngpu, gib, transform, capsys, monkeypatch):
+    """Before any download (the bundled tokenizer stands in): the plan fits its devices; only data and weights are
+    missing (exit 5)."""
+    from titan_lite.config import parse_args
+    from titan_lite.dry_run import dry_run
+
+    monkeypatch.setenv("NGPU", ngpu)
+    cfg = parse_args(["--job.config_file", f"train_configs/{config}", "--model.hf_assets_path", "./assets/tokenizer",
+                      "--dry_run.device_memory_gib", str(gib)])
+    assert dry_run(cfg) == 5
+    out = capsys.readouterr().out
+    family = flavor_args(cfg.model.flavor).family
+    assert f"model: {family} {cfg.model.flavor}," in out and f"transforms: {transform}" in out
+    assert "dry run OK" in out and float(re.search(r"largest peak ([\d.]+) GiB", out)[1]) < gib
+
+
+def test_torchtitan_qwen3_flavor_names_are_refused_with_ours_named():
+    """torchtitan's [model] name = "qwen3", flavor = "8B" is Qwen3 8B there; here '8B' is Llama 3.1 8B."""
+    from titan_lite.config import parse_args
+    from titan_lite.job.plan import build_model_args
+
+    cfg = parse_args(["--model.name", "qwen3", "--model.flavor", "8B"])
+    with pytest.raises(ConfigError) as exc:
+        build_model_args(cfg, vocab_size=None)
+    assert str(exc.value) == ("'model.name' = 'qwen3' but 'model.flavor' = '8B' is a llama model; the qwen3 flavors "
+                              "are qwen3_0.6B, qwen3_1.7B, qwen3_4B, qwen3_8B, qwen3_14B, qwen3_32B (or 'hf' with a "
+                              "qwen3 config.json)")

@@ -22,7 +22,7 @@ from titan_lite.data.mixture import check_mixture_data
 from titan_lite.data.tokenizer import Tokenizer, build_tokenizer
 from titan_lite.distributed import choose_backend, device_type
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama import Llama, LlamaArgs, flavor_args
+from titan_lite.models.llama import FLAVORS, Llama, LlamaArgs, flavor_args
 from titan_lite.models.llama.hf import args_from_hf_config, check_args_against_hf_config, read_hf_config
 from titan_lite.parallel.context_parallel import check_sequence_lengths
 from titan_lite.parallel.fsdp import check_cpu_offload
@@ -85,6 +85,21 @@ def hf_config_path(cfg: JobConfig) -> Path | None:
 def flavor_or_hf_args(cfg: JobConfig) -> LlamaArgs:
     """The named flavor's args; flavor 'hf' takes the shape from model.hf_assets_path/config.json instead. A named
     flavor next to a config.json is checked against it (floats within a relative 1e-6)."""
+    args = _flavor_or_hf_args(cfg)
+    check_model_name(cfg.model.name, cfg.model.flavor, args)
+    return args
+
+
+def check_model_name(name: str, flavor: str, args: LlamaArgs) -> None:
+    """model.name qwen3, qwen2 or mistral must name a flavor of that family: torchtitan's Qwen3 TOMLs call Qwen3 8B
+    '8B', which is titan_lite's Llama 3.1 8B (a llama name is the default, so it is not checked)."""
+    if name in ("qwen3", "qwen2", "mistral") and args.family != name:
+        own = [f for f, a in FLAVORS.items() if a.family == name and not f.startswith("tiny")]
+        raise ConfigError(f"'model.name' = '{name}' but 'model.flavor' = '{flavor}' is a {args.family} model; "
+                          f"the {name} flavors are {', '.join(own)} (or 'hf' with a {name} config.json)")
+
+
+def _flavor_or_hf_args(cfg: JobConfig) -> LlamaArgs:
     config = hf_config_path(cfg)
     if cfg.model.flavor == HF_FLAVOR:
         if config is None or not config.is_file():
