@@ -188,18 +188,11 @@ def test_cp_attention_matches_full_causal_sdpa(cp_errors, load_balancer, n_heads
             assert err <= 1e-5, f"rank {rank} {name}: max error {err}"
 
 
-@pytest.mark.parametrize("load_balancer", MODEL_CASES)
-def test_cp_llama_matches_single_process(cp_errors, load_balancer):
+@pytest.mark.parametrize("case", [*MODEL_CASES, *FAMILY_FLAVORS])
+def test_cp_llama_matches_single_process(cp_errors, case):
+    """The tiny Llama with either load balancer; the family flavors with head-tail."""
     for rank, table in enumerate(cp_errors):
-        errors = table[f"model-{load_balancer}"]
-        assert errors["logits"] <= 1e-5, f"rank {rank} logits: {errors['logits']}"
-        assert errors["param_grads"] <= 1e-6, f"rank {rank} parameter gradients: {errors['param_grads']}"
-
-
-@pytest.mark.parametrize("flavor", FAMILY_FLAVORS)
-def test_cp_family_flavor_matches_single_process(cp_errors, flavor):
-    for rank, table in enumerate(cp_errors):
-        errors = table[f"model-{flavor}"]
+        errors = table[f"model-{case}"]
         assert errors["logits"] <= 1e-5, f"rank {rank} logits: {errors['logits']}"
         assert errors["param_grads"] <= 1e-6, f"rank {rank} parameter gradients: {errors['param_grads']}"
 

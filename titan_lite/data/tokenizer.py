@@ -322,6 +322,7 @@ class HFByteLevelBPETokenizer(Tokenizer):
     first, then normalizer -> pre-tokenizers -> BPE that merges by merge-list order (as `tokenizers` does)."""
 
     _CACHE_LIMIT = 200_000
+    _CACHE_WORD_LIMIT: int | None = None  # longer words are not cached (None: every word is)
 
     def __init__(self, path: Path):
         spec = _read_json(path)
@@ -413,7 +414,9 @@ class HFByteLevelBPETokenizer(Tokenizer):
             ids.extend(self._word_ids(piece.encode("utf-8")))
         return ids
 
-    def _word_ids(self, word: bytes) -> list[int]:
+    def _word_ids(self, word: bytes | str) -> list[int]:
+        if self._CACHE_WORD_LIMIT is not None and len(word) > self._CACHE_WORD_LIMIT:
+            return self._bpe(word)
         ids = self._cache.get(word)
         if ids is None:
             if len(self._cache) >= self._CACHE_LIMIT:
@@ -694,20 +697,10 @@ class HFByteFallbackBPETokenizer(HFByteLevelBPETokenizer):
             words = _split_before(text, self._metaspace) if self._split else [text]
         ids: list[int] = []
         for word in words:
-            ids.extend(self._cached_word_ids(word))
+            ids.extend(self._word_ids(word))
         return ids
 
-    def _cached_word_ids(self, word: str) -> list[int]:
-        if len(word) > self._CACHE_WORD_LIMIT:
-            return self._char_bpe(word)
-        ids = self._cache.get(word)
-        if ids is None:
-            if len(self._cache) >= self._CACHE_LIMIT:
-                self._cache.clear()
-            ids = self._cache[word] = self._char_bpe(word)
-        return ids
-
-    def _char_bpe(self, word: str) -> list[int]:
+    def _bpe(self, word: str) -> list[int]:
         if self._ignore_merges and word in self._piece_ids:
             return [self._piece_ids[word]]
         return merge_symbols(self._initial_symbols(word), self._merges)
