@@ -1,4 +1,6 @@
-"""The Llama model, top to bottom: RoPE, attention with GQA, SwiGLU, blocks, the model, its initialisation.
+"""The Llama model, top to bottom: RoPE, attention with GQA, SwiGLU, blocks, the model, its initialisation. The
+families are options of it (args.py): q/k/v biases (Qwen2/2.5), q/k RMSNorms over head_dim (Qwen3, attention.q_norm
+and k_norm), a sliding window (Mistral v0.1).
 
 Conventions (shared with Meta's reference checkpoints and torchtitan): module names tok_embeddings, layers.{i}
 (attention.wq/wk/wv/wo, feed_forward.w1/w2/w3, attention_norm, ffn_norm), norm, output; RoPE rotates
