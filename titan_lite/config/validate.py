@@ -337,7 +337,7 @@ def validate(cfg: JobConfig, files: bool = True) -> None:
     """Every value check that needs neither the world size nor the model; `files` also checks that the paths it
     names exist (DRY_RUN lists missing files instead)."""
     check_choices_and_unsupported(cfg)
-    check_converter_sections(cfg)
     check_ranges(cfg)
+    check_converter_sections(cfg)
     if files:
         check_paths(cfg)
