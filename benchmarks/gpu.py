@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.cli import parser
 from benchmarks.training_run import REPO, Job, estimate_bytes, measure
 
 GIB = 1024**3
@@ -327,9 +328,7 @@ def write_report(path: Path, head: list[str], lines: list[Line], command: str) -
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[2:]))
+    p = parser(__doc__, ".venv/bin/python -m benchmarks.gpu")
     p.add_argument("--cases", default=",".join(CASES), help="comma list of cases (default: all; see --list)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: check that every case runs")

@@ -52,7 +52,9 @@ def transformers_perplexity(folder: Path, opts: argparse.Namespace) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # run as a file (not -m): benchmarks/cli.py's helper is not importable here; the whole first paragraph
+    parser = argparse.ArgumentParser(prog=".venv/bin/python benchmarks/prune_quality.py",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--hf_assets_path", required=True, help="the dense (trained) HF folder")
     parser.add_argument("--eval_data", required=True, help="text to evaluate on")
     parser.add_argument("--calib_path", help="calibration text (default: the bundled training plays)")

@@ -32,6 +32,7 @@ from benchmarks.cases import (
     Variant,
     environment_of,
 )
+from benchmarks.cli import parser
 
 _LABELS = {"tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "step_s": "step s", "peak_rss_gib": "peak RSS GiB",
            "peak_tensor_gib": "tensors GiB",
@@ -42,9 +43,7 @@ _LABELS = {"tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "step_s": "step s", "
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[2:]))
+    p = parser(__doc__, ".venv/bin/python -m benchmarks.run")
     p.add_argument("--cases", default=",".join(DEFAULT_CASES), help="comma list of cases (default: %(default)s)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--repeats", type=int, default=3, help="alternating rounds per case; medians over them")

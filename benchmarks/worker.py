@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.cli import parser
 from benchmarks.kernel_floor import floor_summary, record_step
 from benchmarks.shapes import SHAPES, Shape
 from titan_lite import distributed as tl_dist
@@ -54,7 +55,7 @@ _LR, _BETAS, _EPS, _WEIGHT_DECAY, _MAX_NORM = 1e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.worker", description=__doc__.splitlines()[0])
+    p = parser(__doc__, ".venv/bin/python -m benchmarks.worker")
     p.add_argument("--impl", choices=["titan_lite", "transformers", "paired", "floor", "matmul", "wanda"],
                    required=True,
                    help="matmul: the machine's fp32 matmul rate (no shape); wanda: one-shot Wanda 50%% on the shape "
