@@ -232,7 +232,8 @@ def select_cases(names: list[str]) -> list[Case]:
         raise SystemExit(f"error: unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
     cases = [CASES[n]() for n in names]
     if not transformers_available():
-        print("transformers is not installed (pip install transformers): its side of the comparisons is skipped")
+        print("transformers is not installed (.venv/bin/pip install transformers): its side of the comparisons is "
+              "skipped")
         for case in cases:
             case.variants = [v for v in case.variants if getattr(v, "impl", None) not in ("transformers", "paired")]
     return cases

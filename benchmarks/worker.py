@@ -190,7 +190,7 @@ def transformers_step(shape: Shape) -> Callable[[int], float]:
     try:
         from transformers import LlamaConfig, LlamaForCausalLM  # optional: a test/benchmark-only dependency
     except ImportError:
-        print("error: transformers is not installed (pip install transformers); it is needed for the "
+        print("error: transformers is not installed (.venv/bin/pip install transformers); it is needed for the "
               "transformers side of the benchmark", file=sys.stderr)
         sys.exit(2)
     args = shape.args()

@@ -4,7 +4,7 @@
     python scripts/download_hf_assets.py meta-llama/Llama-3.2-1B --include weights  # ... + safetensors
     python scripts/download_hf_assets.py HuggingFaceTB/SmolLM2-135M --all --exclude 'onnx/*'
 
-Needs `pip install huggingface_hub`. Gated repos (Meta's Llama) need an account with access: run
+Needs `.venv/bin/pip install huggingface_hub`. Gated repos (Meta's Llama) need an account with access: run
 `huggingface-cli login` or set HF_TOKEN.
 """
 
@@ -16,6 +16,7 @@ from pathlib import Path
 # The checkout's titan_lite, whichever python runs the script (e.g. `.venv/bin/python scripts/...`).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from titan_lite.errors import pip_install
 from titan_lite.job.cli import ScriptParser
 
 # Named groups accepted by --include besides glob patterns.
@@ -80,7 +81,7 @@ def import_hub():
     try:
         import huggingface_hub
     except ImportError:
-        raise DownloadError("huggingface_hub is not installed: pip install huggingface_hub") from None
+        raise DownloadError(f"huggingface_hub is not installed: {pip_install('huggingface_hub')}") from None
     return huggingface_hub
 
 

@@ -265,3 +265,20 @@ def test_generate_applies_the_run_template_given_its_config():
     assert templated("What is 3 + 4?") == "Question: What is 3 + 4?\nAnswer: "
     raw = generate.prompt_template(cfg, argparse.Namespace(config=config, raw_prompts=True))
     assert raw("What is 3 + 4?") == "What is 3 + 4?"
+
+
+# ------------------------------------------------------------------------------------------ check_sparsity
+
+
+def test_check_sparsity_ends_with_whether_the_check_passed(base, capsys):
+    """The last line is the verdict (the run exits 1 on a failed check, and says so)."""
+    code, out, _ = run("check_sparsity", ["--hf", str(base), "--pattern", "2:4"], capsys)
+    summary, verdict = out.strip().splitlines()[-2:]
+    assert code == 1 and summary.startswith("result: 28 linears, 0.00% zeros; 2:4 holds in 0/28")
+    assert verdict == "check FAILED: 2:4 holds in 0/28 linears (--pattern 2:4)"
+    code, out, _ = run("check_sparsity", ["--hf", str(base), "--same_zeros_as", str(base)], capsys)
+    assert code == 0 and out.strip().splitlines()[-1] == (
+        f"check passed: zeros identical to {base} in every linear (28/28)")
+    code, out, _ = run("check_sparsity", ["--hf", str(base)], capsys)
+    assert code == 0 and out.strip().splitlines()[-1] == (
+        "check: none requested (--pattern, --same_zeros_as), the report above only")
