@@ -130,7 +130,7 @@ FIGURES = [
            rf"^lora: NF4 base \(QLoRA\): 224 frozen block linears, [\d,]+ parameters in {NUMBER} GiB .* instead of "
            rf"{NUMBER} GiB in bfloat16"),
     Figure("QLoRA 8B plan: parameters, activations, peak", "qlora_8b_plan",
-           rf"^  parameters +{NUMBER} GiB +{NUMBER} local x {NUMBER} bytes each\n(?:.*\n){{3}}  activations +{NUMBER} "
+           rf"^  parameters +{NUMBER} GiB +{NUMBER} local x {NUMBER} bytes each\n(?:.*\n)*?  activations +{NUMBER} "
            rf"GiB .*\n(?:.*\n)*?  peak +{NUMBER} GiB",
            rf"^  parameters +{NUMBER} GiB +{NUMBER} local x {NUMBER} bytes each\n  activations +{NUMBER} GiB .*\n"
            rf"  peak +{NUMBER} GiB"),
