@@ -242,7 +242,8 @@ def test_batch_size_auto_finds_a_size_and_gives_the_same_answers(hf_folder, one_
     argv = script_args(f"pretrained={hf_folder},dtype=float32", output, limit=8)
     argv[argv.index("--batch_size") + 1] = "auto:2"
     assert load_script().main([*argv, "--max_batch_size", "8"]) == 0
-    assert "lm_eval: batch size 8 (--batch_size auto:2, " in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "lm_eval: batch size 8 (--batch_size auto:2, " in captured.out + captured.err
     mine, theirs = written(output)[1], one_process[1]
     assert_same_answers(mine, {task: [s for s in theirs[task] if s["doc_id"] < 8] for task in TASKS})
 
