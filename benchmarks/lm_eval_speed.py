@@ -2,7 +2,7 @@
 backend (`lm_eval --model hf`) on the same HF folder, the same requests (the local shakespeare_choice task, repeated)
 and the same batch size, timed alternately in one process.
 
-    python -m benchmarks.lm_eval_speed --flavor debugmodel --rounds 3
+    .venv/bin/python -m benchmarks.lm_eval_speed --flavor debugmodel --rounds 3
 """
 
 import json

@@ -2,7 +2,7 @@
 model, measured the way a user would: scripts/prune.py for each method and pattern, scripts/eval_ppl.py for each
 folder, and (with --transformers) transformers' LlamaForCausalLM on the same windows as an independent check.
 
-    python benchmarks/prune_quality.py --hf_assets_path outputs/debug_tied/checkpoint/step-600-hf \\
+    .venv/bin/python benchmarks/prune_quality.py --hf_assets_path outputs/debug_tied/checkpoint/step-600-hf \\
         --eval_data titan_lite/data/corpus/shakespeare/validation/midsummer_nights_dream.txt --seq_len 256 \\
         --nsamples 64 --sparsities 0.5,0.7 --out outputs/prune_quality --transformers
 """

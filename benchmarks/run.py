@@ -1,8 +1,8 @@
 """The benchmark entry point: runs the cases' variants alternately (A/B/A/B...) in fresh processes, prints a table
 of medians and ratios with the machine's load, and writes every run to JSON.
 
-    python -m benchmarks.run                       # the default cases (see --list)
-    python -m benchmarks.run --cases train_debug --repeats 3
+    .venv/bin/python -m benchmarks.run                       # the default cases (see --list)
+    .venv/bin/python -m benchmarks.run --cases train_debug --repeats 3
 """
 
 import argparse
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(results, peak))
     print(f"\nload before: {load_before}\nload after:  {load_after}\n"
-          f"wall time {(time.perf_counter() - start) / 60:.1f} min; command: python -m benchmarks.run "
+          f"wall time {(time.perf_counter() - start) / 60:.1f} min; command: .venv/bin/python -m benchmarks.run "
           + " ".join(sys.argv[1:] if argv is None else argv))
     path = REPO / opts.json if not os.path.isabs(opts.json) else Path(opts.json)
     path.parent.mkdir(parents=True, exist_ok=True)

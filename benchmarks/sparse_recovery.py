@@ -3,7 +3,7 @@
 with the same steps and data (train_configs/sparse_recovery_cpu.toml); scripts/check_sparsity.py confirms (b) and (c)
 keep exactly the pruned folder's zeros.
 
-    python benchmarks/sparse_recovery.py --hf_assets_path outputs/debug_tied/checkpoint/step-220-hf \\
+    .venv/bin/python benchmarks/sparse_recovery.py --hf_assets_path outputs/debug_tied/checkpoint/step-220-hf \\
         --eval_data titan_lite/data/corpus/shakespeare/validation/midsummer_nights_dream.txt --out outputs/sparse_bench
 """
 

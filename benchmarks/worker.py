@@ -2,7 +2,7 @@
 
 Run by benchmarks/run.py (directly, or under torchrun for FSDP); not meant to be called by hand, but it can be:
 
-    python -m benchmarks.worker --impl titan_lite --shape debug --steps 10 --warmup 3
+    .venv/bin/python -m benchmarks.worker --impl titan_lite --shape debug --steps 10 --warmup 3
 
 With --impl paired it alternates titan_lite's and transformers' steps in this one process instead and prints their
 ratio (a check on the separate-process comparison, which also measures each process's allocator behaviour), then

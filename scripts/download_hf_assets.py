@@ -1,8 +1,8 @@
 """Download a Hugging Face repo's config and tokenizer (optionally its safetensors weights) into assets/hf/<name>.
 
-    python scripts/download_hf_assets.py meta-llama/Llama-3.2-1B                    # config + tokenizer
-    python scripts/download_hf_assets.py meta-llama/Llama-3.2-1B --include weights  # ... + safetensors
-    python scripts/download_hf_assets.py HuggingFaceTB/SmolLM2-135M --all --exclude 'onnx/*'
+    .venv/bin/python scripts/download_hf_assets.py meta-llama/Llama-3.2-1B                    # config + tokenizer
+    .venv/bin/python scripts/download_hf_assets.py meta-llama/Llama-3.2-1B --include weights  # ... + safetensors
+    .venv/bin/python scripts/download_hf_assets.py HuggingFaceTB/SmolLM2-135M --all --exclude 'onnx/*'
 
 Needs `.venv/bin/pip install huggingface_hub`. Gated repos (Meta's Llama) need an account with access: run
 `huggingface-cli login` or set HF_TOKEN.
