@@ -99,7 +99,8 @@ def platforms(platform: str) -> list[str]:
 
 def target_environment(python: str, platform: str) -> dict[str, str]:
     """The environment markers of the target machine."""
-    arch = platform.rsplit("_", 1)[-1] if platform.startswith(("manylinux", "musllinux", "linux")) else ""
+    linux = re.fullmatch(r"(?:(?:many|musl)linux(?:_\d+_\d+|2014|2010|1)?|linux)_(\w+)", platform)
+    arch = linux[1] if linux else ""
     system = "Linux" if arch else "Darwin" if platform.startswith("macosx") else "Windows"
     if system == "Darwin":
         arch = "arm64" if platform.endswith("arm64") else "x86_64"

@@ -3,6 +3,7 @@
 torch (a GPU image's python3 is a virtual environment holding a CUDA torch)."""
 
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -88,3 +89,30 @@ def test_a_runtime_wheelhouse_installs_with_the_index_switched_off(tmp_path):
     assert files["torch"].startswith(str(tmp_path / "image_torch"))  # the machine's own torch, kept
     for name in RUNTIME:  # from the wheelhouse, into the new venv
         assert files[name].startswith(str(venv)), (name, files[name])
+
+
+def load_wheelhouse():
+    spec = importlib.util.spec_from_file_location("wheelhouse", REPO / "scripts" / "wheelhouse.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_wheelhouse_resolves_for_the_targets_tags_and_markers():
+    """The two causes of the air-gapped failures: pip matched one manylinux tag exactly (packages tagged for an older
+    glibc were missed, or an old release taken), and the wheels were a hand-kept list rather than pyproject.toml's
+    closure evaluated for the target's Python."""
+    wheelhouse = load_wheelhouse()
+    tags = wheelhouse.platforms("manylinux_2_28_x86_64")
+    assert tags[:2] == ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64"] and "manylinux_2_17_x86_64" in tags
+    assert {"manylinux2014_x86_64", "manylinux1_x86_64"} <= set(tags)
+    env = wheelhouse.target_environment("3.12", "manylinux_2_28_x86_64")
+    assert env["python_version"] == "3.12" and env["platform_machine"] == "x86_64" and env["sys_platform"] == "linux"
+    resolved = {"peft": ("0.13", ["torch>=1.13", "tqdm", "colorama; python_version < '3.9'",
+                                  "setuptools; python_version >= '3.12'"]),
+                "torch": ("2.11.0", ["sympy"]), "tqdm": ("4.0", [])}
+    found, missing = wheelhouse.needed(["peft>=0.13"], resolved, env, skip={"torch"})
+    assert found == {"peft": "0.13", "tqdm": "4.0"}  # torch is the target's own: neither collected nor followed
+    assert [str(r) for r in missing] == ['setuptools; python_version >= "3.12"']  # asked for again, unconditionally
+    roots = wheelhouse.requirements(["test"])
+    assert {"transformers>=4.45", "tensorboard>=2.15", "setuptools>=64"} <= set(roots)  # test extra, runtime, backend
