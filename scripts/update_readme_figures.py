@@ -6,11 +6,13 @@ test suite runs them (tests/test_readme_figures.py); --slow adds the training ex
     .venv/bin/python scripts/update_readme_figures.py --check            # the quick figures: exit 1 on a difference
     .venv/bin/python scripts/update_readme_figures.py --check --slow     # every figure (about 8 minutes on 2 cores)
     .venv/bin/python scripts/update_readme_figures.py --slow             # run them all, write what they print
+    .venv/bin/python scripts/update_readme_figures.py --slow --from_logs # again from their saved output, no runs
 
 A new README figure is an entry in FIGURES: its `readme` pattern must match README.md exactly once, its `printed`
 pattern the command's output; each has the same number of groups, compared in order. A new command goes into
 COMMANDS (slow=True for anything that trains). Without --check, the README's groups are replaced by the printed
-values and the file is written; nothing else in it changes.
+values and the file is written; nothing else in it changes. Each command's output is kept in
+outputs/readme_figures/<command>.log (--from_logs compares or rewrites from those).
 """
 
 import argparse
@@ -30,6 +32,7 @@ from titan_lite.job.cli import ScriptParser
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+LOGS = REPO / "outputs" / "readme_figures"
 NUMBER = r"(-?[\d,]+\.?\d*)"
 
 
@@ -163,10 +166,10 @@ FIGURES = [
     Figure("Wanda 8B estimate", "wanda_estimate", rf"^estimate: peak {NUMBER} GiB",
            rf"^Wanda at 50% \(or 2:4\) plans {NUMBER} GiB"),
     # float8 against fp32, 30 steps (slow)
-    Figure("float8 30 steps: losses", "float8_30", rf"^\S*step: +5/30 +loss: +{NUMBER}(?:.*\n)*?\S*step: +30/30 +loss: "
+    Figure("float8 30 steps: losses", "float8_30", rf"step: +5/30 +loss: +{NUMBER}(?:.*\n)*?.*step: +30/30 +loss: "
            rf"+{NUMBER}", rf"--training.steps 30 --job.dump_folder outputs/float8_30 +# step 5 loss {NUMBER}, step 30 "
            rf"{NUMBER}"),
-    Figure("fp32 30 steps: losses", "fp32_30", rf"^\S*step: +5/30 +loss: +{NUMBER}(?:.*\n)*?\S*step: +30/30 +loss: "
+    Figure("fp32 30 steps: losses", "fp32_30", rf"step: +5/30 +loss: +{NUMBER}(?:.*\n)*?.*step: +30/30 +loss: "
            rf"+{NUMBER}", rf"--training.steps 30 --job.dump_folder outputs/fp32_30 +# step 5 {NUMBER}, step 30 "
            rf"{NUMBER}"),
     # the GSM8K run and lm_eval (slow)
@@ -247,7 +250,16 @@ def run_command(name: str, command: Command) -> str:
         tail = " | ".join(output.strip().splitlines()[-3:])
         raise RuntimeError(f"command {name} exited {result.returncode}: {command.line}\n  ... {tail}")
     print(f"ran {name} in {time.monotonic() - start:.1f}s", flush=True)
+    LOGS.mkdir(parents=True, exist_ok=True)
+    (LOGS / f"{name}.log").write_text(output)
     return output
+
+
+def saved_output(name: str) -> str:
+    log = LOGS / f"{name}.log"
+    if not log.is_file():
+        raise RuntimeError(f"no saved output of {name} ({log}): run the command first (without --from_logs)")
+    return log.read_text()
 
 
 def describe(f: Found) -> str:
@@ -267,6 +279,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slow", action="store_true", help="also the slow commands (training examples, lm_eval)")
     parser.add_argument("--only", help="comma list of command names (COMMANDS keys) to run")
     parser.add_argument("--jobs", type=int, default=2, help="commands run at once")
+    parser.add_argument("--from_logs", action="store_true", help="read each command's output saved by an earlier "
+                                                                  "run (outputs/readme_figures) instead of running it")
     return parser.parse_args(argv)
 
 
@@ -277,8 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     figures = [f for f in FIGURES if f.command in chosen]
     start = time.monotonic()
     try:
-        with ThreadPoolExecutor(max(1, opts.jobs)) as pool:
-            outputs = dict(zip(chosen, pool.map(lambda n: run_command(n, COMMANDS[n]), chosen), strict=True))
+        if opts.from_logs:
+            outputs = {name: saved_output(name) for name in chosen}
+        else:
+            with ThreadPoolExecutor(max(1, opts.jobs)) as pool:
+                outputs = dict(zip(chosen, pool.map(lambda n: run_command(n, COMMANDS[n]), chosen), strict=True))
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
