@@ -21,6 +21,7 @@ from lm_eval.config.evaluate_config import EvaluatorConfig
 from lm_eval.loggers import EvaluationTracker
 from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.tasks import TaskManager
+from lm_eval.tasks._yaml_loader import load_yaml
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
 from tqdm import tqdm
 
@@ -354,8 +355,6 @@ def check_local_data(tasks: list[str], folders: list[str], makers: dict[str, str
     """Each of `tasks` defined by a YAML in `folders` that reads local data files (dataset_kwargs.data_files) finds
     them: missing ones are one line naming the files and the commands that make them (`makers`: file -> command);
     lm_eval's own error comes later and names neither."""
-    from lm_eval.tasks._yaml_loader import load_yaml
-
     for yaml_file in sorted(p for folder in folders for p in Path(folder).glob("*.yaml")):
         config = load_yaml(yaml_file, resolve_func=False)
         if config.get("task") not in tasks:
