@@ -45,7 +45,8 @@ def offline_environment(**extra: str) -> dict[str, str]:
     """This environment with the index switched off: no index, no extra index, no find-links or pip config that
     could bring another copy of a wheel in (only the wheelhouse), and no PYTHONPATH to this checkout."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k != "PYTHONPATH"}
-    return env | {"PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": os.devnull} | extra
+    # PIP_NO_COMPILE: no .pyc files written at install (time only; what is installed, and from where, is the same)
+    return env | {"PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": os.devnull, "PIP_NO_COMPILE": "1"} | extra
 
 
 def run(argv: list, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
