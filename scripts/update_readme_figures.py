@@ -188,7 +188,7 @@ FIGURES = [
            rf"the rest identical to four decimals\)"),
     Figure("shakespeare tasks: two processes", "gsm8k_100",
            rf"TWO\n(?:.*\n)*?.*\|acc +\|↑  \|\s*{NUMBER}\|(?:.*\n)*?.*acc_norm +\|↑  \|\s*{NUMBER}\|(?:.*\n)*?.*"
-           rf"bits_per_byte\|↓  \|\s*{NUMBER}\|(?:.*\n)*?.*byte_perplexity\|↓  \|\s*{NUMBER}\|(?:.*\n)*?.*"
+           rf"bits_per_byte +\|↓  \|\s*{NUMBER}\|(?:.*\n)*?.*byte_perplexity\|↓  \|\s*{NUMBER}\|(?:.*\n)*?.*"
            rf"word_perplexity\|↓  \|\s*{NUMBER}\|",
            rf"printed the same figures for its two tasks \(acc {NUMBER}, acc_norm {NUMBER},\nbits_per_byte {NUMBER}, "
            rf"byte_perplexity {NUMBER}, word_perplexity {NUMBER}\)"),
