@@ -1,9 +1,9 @@
 """The GPU lane: one command that proves and measures titan_lite on a CUDA machine and writes it all to GPU.md.
 
-    python -m benchmarks.gpu                        # every case (CUDA; about 30 min on one H100)
-    python -m benchmarks.gpu --cases correctness,memory
-    python -m benchmarks.gpu --smoke                # every case with tiny shapes on CPU (what CI runs)
-    python -m benchmarks.gpu --list
+    .venv/bin/python -m benchmarks.gpu                        # every case (CUDA; about 30 min on one H100)
+    .venv/bin/python -m benchmarks.gpu --cases correctness,memory
+    .venv/bin/python -m benchmarks.gpu --smoke                # every case with tiny shapes on CPU (what CI runs)
+    .venv/bin/python -m benchmarks.gpu --list
 
 Cases: correctness (the CUDA-marked tests, `pytest -m cuda`), training throughput and MFU at torchtitan's settings
 (Llama 3.2 1B, and Llama 3.1 8B cut to the layers one GPU holds: sequence 8192, batch 1, bf16, full AC; eager,
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.cli import parser
 from benchmarks.training_run import REPO, Job, estimate_bytes, measure
 
 GIB = 1024**3
@@ -322,14 +323,12 @@ def header(lane: Lane) -> list[str]:
 def write_report(path: Path, head: list[str], lines: list[Line], command: str) -> None:
     body = "\n".join(line.text for line in lines)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("# GPU lane results\n\nWritten by `python -m benchmarks.gpu` (see its `--help`).\n\n"
+    path.write_text("# GPU lane results\n\nWritten by `.venv/bin/python -m benchmarks.gpu` (see its `--help`).\n\n"
                     + "\n".join(f"- {h}" for h in head) + f"\n\n```\n$ {command}\n{body}\n```\n")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[2:]))
+    p = parser(__doc__, ".venv/bin/python -m benchmarks.gpu")
     p.add_argument("--cases", default=",".join(CASES), help="comma list of cases (default: all; see --list)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: check that every case runs")
@@ -372,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
             print(line.text, flush=True)
         lines += got
         lines.append(Line(f"  ({name}: {time.perf_counter() - case_start:.0f} s)", "time"))
-        write_report(out, head, lines, "python -m benchmarks.gpu " + " ".join(sys.argv[1:] if argv is None else argv))
+        command = " ".join(sys.argv[1:] if argv is None else argv)
+        write_report(out, head, lines, f".venv/bin/python -m benchmarks.gpu {command}")
     counts = {s: sum(line.status == s for line in lines) for s in ("ok", "skipped", "failed")}
     print(f"result: {len(names)} cases, {counts['ok']} results, {counts['skipped']} skipped, {counts['failed']} failed "
           f"in {(time.perf_counter() - start) / 60:.1f} min; report in {out}", flush=True)

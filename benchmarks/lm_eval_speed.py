@@ -2,10 +2,9 @@
 backend (`lm_eval --model hf`) on the same HF folder, the same requests (the local shakespeare_choice task, repeated)
 and the same batch size, timed alternately in one process.
 
-    python -m benchmarks.lm_eval_speed --flavor debugmodel --rounds 3
+    .venv/bin/python -m benchmarks.lm_eval_speed --flavor debugmodel --rounds 3
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import cli
 from titan_lite.checkpoint.hf import write_hf_folder
 from titan_lite.data.tokenizer import LLAMA3_PATTERN, llama3_special_tokens
 from titan_lite.models.llama import Llama, flavor_args
@@ -92,8 +92,7 @@ def timed(fn) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser(__doc__, ".venv/bin/python -m benchmarks.lm_eval_speed")
     parser.add_argument("--flavor", default="smollm2_135M", help="model shape (titan_lite flavor), random weights")
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--copies", type=int, default=2, help="copies of the task's 160 requests per round")

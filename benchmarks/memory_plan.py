@@ -1,8 +1,9 @@
 """The memory plan measured on CPU: DRY_RUN's per-rank estimate beside the measured peak of live tensors of real
 steps of the same config, for every layout and transform it plans; the goal is each within 10%.
 
-    python -m benchmarks.memory_plan                      # tiny and smollm2_135M shapes, every case (minutes)
-    python -m benchmarks.memory_plan --shapes tiny --cases full,fsdp2
+    .venv/bin/python -m benchmarks.memory_plan               # quick: the tiny shape, 4 cases (about a minute)
+    .venv/bin/python -m benchmarks.memory_plan --all         # tiny and smollm2_135M, every case (10+ minutes)
+    .venv/bin/python -m benchmarks.memory_plan --shapes tiny --cases full,fsdp2
 
 A training case runs warm-up steps through titan_lite's Trainer in fresh processes (torchrun's for 2 ranks), then
 one step under the live-tensor count (parameters and optimizer state counted throughout: what a GPU allocator's
@@ -10,7 +11,6 @@ peak reports); the estimate is what DRY_RUN prints for that config's largest ran
 pruning pass's own plan with its measured peak.
 """
 
-import argparse
 import contextlib
 import io
 import json
@@ -21,6 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from benchmarks.cli import parser
 from benchmarks.training_run import REPO, Job, estimate_bytes, measure
 
 MIB = 1024**2
@@ -53,6 +54,9 @@ LAYOUTS = {
     "float8": ("none", 1, ["--model.converters", "quantize.linear.float8"]),
 }
 CASES = [*LAYOUTS, "wanda"]
+# The default: one shape, one process and two, a transform (about a minute on 2 idle cores); --all runs the rest.
+QUICK = (["tiny"], ["full", "ac_full", "fsdp2", "lora"])
+ALL = (["tiny", "smollm2_135M"], CASES)
 
 
 def missing(case: str) -> str | None:
@@ -142,14 +146,18 @@ def row(case: str, shape: str, r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.memory_plan", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[2:]))
-    p.add_argument("--shapes", default="tiny,smollm2_135M", help="comma list of: " + ", ".join(SHAPES))
-    p.add_argument("--cases", default=",".join(CASES), help="comma list of: " + ", ".join(CASES))
-    p.add_argument("--json", default=None, help="also write every result here")
+    p = parser(__doc__, ".venv/bin/python -m benchmarks.memory_plan")
+    p.add_argument("--shapes", help=f"comma list of: {', '.join(SHAPES)} (default: {','.join(QUICK[0])}; with "
+                                    f"--all: {','.join(ALL[0])})")
+    p.add_argument("--cases", help=f"comma list of: {', '.join(CASES)} (default: {','.join(QUICK[1])}; with --all: "
+                                   "every case)")
+    p.add_argument("--all", action="store_true", help="every case on the tiny and smollm2_135M shapes (BENCHMARKS.md's "
+                                                      "table; 10+ minutes)")
+    p.add_argument("--json", default=None, help="also write every result to this file")
     opts = p.parse_args(argv)
-    shapes, cases = opts.shapes.split(","), opts.cases.split(",")
+    default_shapes, default_cases = ALL if opts.all else QUICK
+    shapes = opts.shapes.split(",") if opts.shapes else default_shapes
+    cases = opts.cases.split(",") if opts.cases else default_cases
     bad = [s for s in shapes if s not in SHAPES] + [c for c in cases if c not in CASES]
     if bad:
         print(f"error: unknown shape or case {', '.join(bad)}; shapes: {', '.join(SHAPES)}; cases: "

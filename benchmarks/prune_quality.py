@@ -2,7 +2,7 @@
 model, measured the way a user would: scripts/prune.py for each method and pattern, scripts/eval_ppl.py for each
 folder, and (with --transformers) transformers' LlamaForCausalLM on the same windows as an independent check.
 
-    python benchmarks/prune_quality.py --hf_assets_path outputs/debug_tied/checkpoint/step-600-hf \\
+    .venv/bin/python benchmarks/prune_quality.py --hf_assets_path outputs/debug_tied/checkpoint/step-600-hf \\
         --eval_data titan_lite/data/corpus/shakespeare/validation/midsummer_nights_dream.txt --seq_len 256 \\
         --nsamples 64 --sparsities 0.5,0.7 --out outputs/prune_quality --transformers
 """
@@ -52,7 +52,9 @@ def transformers_perplexity(folder: Path, opts: argparse.Namespace) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # run as a file (not -m): benchmarks/cli.py's helper is not importable here; the whole first paragraph
+    parser = argparse.ArgumentParser(prog=".venv/bin/python benchmarks/prune_quality.py",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--hf_assets_path", required=True, help="the dense (trained) HF folder")
     parser.add_argument("--eval_data", required=True, help="text to evaluate on")
     parser.add_argument("--calib_path", help="calibration text (default: the bundled training plays)")

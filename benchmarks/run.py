@@ -1,8 +1,8 @@
 """The benchmark entry point: runs the cases' variants alternately (A/B/A/B...) in fresh processes, prints a table
 of medians and ratios with the machine's load, and writes every run to JSON.
 
-    python -m benchmarks.run                       # the default cases (see --list)
-    python -m benchmarks.run --cases train_debug --repeats 3
+    .venv/bin/python -m benchmarks.run                       # the default cases (see --list)
+    .venv/bin/python -m benchmarks.run --cases train_debug --repeats 3
 """
 
 import argparse
@@ -32,6 +32,7 @@ from benchmarks.cases import (
     Variant,
     environment_of,
 )
+from benchmarks.cli import parser
 
 _LABELS = {"tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "step_s": "step s", "peak_rss_gib": "peak RSS GiB",
            "peak_tensor_gib": "tensors GiB",
@@ -42,9 +43,7 @@ _LABELS = {"tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "step_s": "step s", "
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[2:]))
+    p = parser(__doc__, ".venv/bin/python -m benchmarks.run")
     p.add_argument("--cases", default=",".join(DEFAULT_CASES), help="comma list of cases (default: %(default)s)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--repeats", type=int, default=3, help="alternating rounds per case; medians over them")
@@ -233,7 +232,8 @@ def select_cases(names: list[str]) -> list[Case]:
         raise SystemExit(f"error: unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
     cases = [CASES[n]() for n in names]
     if not transformers_available():
-        print("transformers is not installed (pip install transformers): its side of the comparisons is skipped")
+        print("transformers is not installed (.venv/bin/pip install transformers): its side of the comparisons is "
+              "skipped")
         for case in cases:
             case.variants = [v for v in case.variants if getattr(v, "impl", None) not in ("transformers", "paired")]
     return cases
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(results, peak))
     print(f"\nload before: {load_before}\nload after:  {load_after}\n"
-          f"wall time {(time.perf_counter() - start) / 60:.1f} min; command: python -m benchmarks.run "
+          f"wall time {(time.perf_counter() - start) / 60:.1f} min; command: .venv/bin/python -m benchmarks.run "
           + " ".join(sys.argv[1:] if argv is None else argv))
     path = REPO / opts.json if not os.path.isabs(opts.json) else Path(opts.json)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@
 with the same steps and data (train_configs/sparse_recovery_cpu.toml); scripts/check_sparsity.py confirms (b) and (c)
 keep exactly the pruned folder's zeros.
 
-    python benchmarks/sparse_recovery.py --hf_assets_path outputs/debug_tied/checkpoint/step-220-hf \\
+    .venv/bin/python benchmarks/sparse_recovery.py --hf_assets_path outputs/debug_tied/checkpoint/step-220-hf \\
         --eval_data titan_lite/data/corpus/shakespeare/validation/midsummer_nights_dream.txt --out outputs/sparse_bench
 """
 
@@ -46,11 +46,14 @@ def train(opts: argparse.Namespace, pruned: Path, dump: Path, keep_sparsity: str
 
 
 def same_zeros(folder: Path, pruned: Path) -> str:
-    return script("check_sparsity.py", "--hf", str(folder), "--same_zeros_as", str(pruned)).strip().splitlines()[-1]
+    out = script("check_sparsity.py", "--hf", str(folder), "--same_zeros_as", str(pruned))
+    return next(line for line in out.splitlines() if line.startswith("result: "))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # run as a file (not -m): benchmarks/cli.py's helper is not importable here; the whole first paragraph
+    parser = argparse.ArgumentParser(prog=".venv/bin/python benchmarks/sparse_recovery.py",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--hf_assets_path", required=True, help="the dense (trained) HF folder")
     parser.add_argument("--eval_data", required=True, help="held-out text to evaluate on")
     parser.add_argument("--out", required=True, help="folder for the pruned, trained and merged models")

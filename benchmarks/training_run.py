@@ -5,10 +5,9 @@ The GPU lane (benchmarks/gpu.py) and the CPU memory plan (benchmarks/memory_plan
 rank's peak of tensor bytes over one steady step (the CUDA allocator's `max_memory_allocated` on a GPU, the live
 CPU tensors elsewhere); `estimate_bytes(job)` is what DRY_RUN prints as the largest rank's peak for that config.
 
-    python -m benchmarks.training_run --job '{"flavor": "tiny", "seq_len": 64}'    # one measurement, by hand
+    .venv/bin/python -m benchmarks.training_run --job '{"flavor": "tiny", "seq_len": 64}'    # one measurement, by hand
 """
 
-import argparse
 import contextlib
 import io
 import json
@@ -22,6 +21,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
+
+from benchmarks.cli import parser
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "TRAINING_RUN "
@@ -193,7 +194,7 @@ def _data_parallel_share(job: Job) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.training_run", description=__doc__.splitlines()[0])
+    p = parser(__doc__, ".venv/bin/python -m benchmarks.training_run")
     p.add_argument("--job", required=True, help="a Job as JSON")
     job = Job(**json.loads(p.parse_args(argv).job))
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:

@@ -2,7 +2,7 @@
 
 Run by benchmarks/run.py (directly, or under torchrun for FSDP); not meant to be called by hand, but it can be:
 
-    python -m benchmarks.worker --impl titan_lite --shape debug --steps 10 --warmup 3
+    .venv/bin/python -m benchmarks.worker --impl titan_lite --shape debug --steps 10 --warmup 3
 
 With --impl paired it alternates titan_lite's and transformers' steps in this one process instead and prints their
 ratio (a check on the separate-process comparison, which also measures each process's allocator behaviour), then
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.cli import parser
 from benchmarks.kernel_floor import floor_summary, record_step
 from benchmarks.shapes import SHAPES, Shape
 from titan_lite import distributed as tl_dist
@@ -54,7 +55,7 @@ _LR, _BETAS, _EPS, _WEIGHT_DECAY, _MAX_NORM = 1e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.worker", description=__doc__.splitlines()[0])
+    p = parser(__doc__, ".venv/bin/python -m benchmarks.worker")
     p.add_argument("--impl", choices=["titan_lite", "transformers", "paired", "floor", "matmul", "wanda"],
                    required=True,
                    help="matmul: the machine's fp32 matmul rate (no shape); wanda: one-shot Wanda 50%% on the shape "
@@ -189,7 +190,7 @@ def transformers_step(shape: Shape) -> Callable[[int], float]:
     try:
         from transformers import LlamaConfig, LlamaForCausalLM  # optional: a test/benchmark-only dependency
     except ImportError:
-        print("error: transformers is not installed (pip install transformers); it is needed for the "
+        print("error: transformers is not installed (.venv/bin/pip install transformers); it is needed for the "
               "transformers side of the benchmark", file=sys.stderr)
         sys.exit(2)
     args = shape.args()

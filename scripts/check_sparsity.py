@@ -1,7 +1,7 @@
 """Sparsity of every block linear (q, k, v, o, gate, up, down) of a Hugging Face folder, whether N:M patterns hold
 (at least N zeros in every group of M consecutive inputs of a row: 2:4 and 4:8, or --pattern), and with
---same_zeros_as whether each linear has exactly another folder's zeros. Exit status 1 when --pattern or
---same_zeros_as does not hold for every linear.
+--same_zeros_as whether each linear has exactly another folder's zeros. The last line says whether the check
+passed; exit status 1 when --pattern or --same_zeros_as does not hold for every linear.
 
     .venv/bin/python scripts/check_sparsity.py --hf outputs/sparse_recovery/checkpoint/step-150-hf \\
         --pattern unstructured --same_zeros_as outputs/debug_tied_wanda50
@@ -62,7 +62,8 @@ def linear_files(folder: str) -> dict[str, Path]:
 
 
 def check(opts: argparse.Namespace) -> tuple[str, bool]:
-    """Print a line per linear; return the summary line and whether every requested check held."""
+    """Print a line per linear and the summary line; return the verdict line and whether every requested check
+    held."""
     required = parse_pattern(opts.pattern)
     patterns = list(DEFAULT_PATTERNS)
     if required is not None and required.structured and required not in patterns:
@@ -94,13 +95,24 @@ def check(opts: argparse.Namespace) -> tuple[str, bool]:
     n = len(linears)
     summary = f"result: {n} linears, {zero_count / total:.2%} zeros; " + ", ".join(
         f"{p} holds in {held[p]}/{n}" for p in patterns)
-    ok = True
-    if required is not None:
-        ok = held[required] == n if required.structured else zero_count > 0
+    checks = []  # (what held, what failed, whether it held) for each requested check
+    if required is not None and required.structured:
+        checks.append((f"{required} holds in every linear ({n}/{n})",
+                       f"{required} holds in {held[required]}/{n} linears (--pattern {required})", held[required] == n))
+    elif required is not None:
+        checks.append((f"the linears hold zeros ({zero_count / total:.2%})",
+                       "no linear holds a zero (--pattern unstructured)", zero_count > 0))
     if reference is not None:
         summary += f"; zeros identical to {opts.same_zeros_as} in {same}/{n}"
-        ok = ok and same == n
-    return summary, ok
+        checks.append((f"zeros identical to {opts.same_zeros_as} in every linear ({n}/{n})",
+                       f"zeros identical to {opts.same_zeros_as} in {same}/{n} linears (--same_zeros_as)", same == n))
+    print(summary, flush=True)
+    if not checks:
+        return "check: none requested (--pattern, --same_zeros_as), the report above only", True
+    failed = [fail for _, fail, ok in checks if not ok]
+    if failed:
+        return f"check FAILED: {'; '.join(failed)}", False
+    return f"check passed: {'; '.join(ok_text for ok_text, _, _ in checks)}", True
 
 
 def _layer_order(name: str) -> tuple[int, str]:
@@ -112,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     outcome = {}
 
     def work() -> None:
-        summary, outcome["ok"] = check(opts)
-        print(summary, flush=True)
+        verdict, outcome["ok"] = check(opts)
+        print(verdict, flush=True)
     code = run_script(work)
     return code if code or outcome["ok"] else 1
 

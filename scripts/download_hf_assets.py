@@ -1,10 +1,10 @@
 """Download a Hugging Face repo's config and tokenizer (optionally its safetensors weights) into assets/hf/<name>.
 
-    python scripts/download_hf_assets.py meta-llama/Llama-3.2-1B                    # config + tokenizer
-    python scripts/download_hf_assets.py meta-llama/Llama-3.2-1B --include weights  # ... + safetensors
-    python scripts/download_hf_assets.py HuggingFaceTB/SmolLM2-135M --all --exclude 'onnx/*'
+    .venv/bin/python scripts/download_hf_assets.py meta-llama/Llama-3.2-1B                    # config + tokenizer
+    .venv/bin/python scripts/download_hf_assets.py meta-llama/Llama-3.2-1B --include weights  # ... + safetensors
+    .venv/bin/python scripts/download_hf_assets.py HuggingFaceTB/SmolLM2-135M --all --exclude 'onnx/*'
 
-Needs `pip install huggingface_hub`. Gated repos (Meta's Llama) need an account with access: run
+Needs `.venv/bin/pip install huggingface_hub`. Gated repos (Meta's Llama) need an account with access: run
 `huggingface-cli login` or set HF_TOKEN.
 """
 
@@ -16,6 +16,7 @@ from pathlib import Path
 # The checkout's titan_lite, whichever python runs the script (e.g. `.venv/bin/python scripts/...`).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from titan_lite.errors import pip_install
 from titan_lite.job.cli import ScriptParser
 
 # Named groups accepted by --include besides glob patterns.
@@ -80,7 +81,7 @@ def import_hub():
     try:
         import huggingface_hub
     except ImportError:
-        raise DownloadError("huggingface_hub is not installed: pip install huggingface_hub") from None
+        raise DownloadError(f"huggingface_hub is not installed: {pip_install('huggingface_hub')}") from None
     return huggingface_hub
 
 

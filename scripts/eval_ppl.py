@@ -3,9 +3,9 @@ papers: the text tokenized once, documents joined by a blank line, exp of the me
 a Hugging Face folder or a titan_lite DCP checkpoint; one process or torchrun (FSDP, --tp). The last line printed is
 `perplexity: <value>`.
 
-    python scripts/eval_ppl.py --hf_assets_path outputs/pruned-1B --data wikitext2_test.txt --seq_len 2048
-    python scripts/eval_ppl.py --hf_assets_path assets/hf/Llama-3.2-1B --checkpoint outputs/checkpoint/step-1000 \\
-        --data val.jsonl --seq_len 1024 --max_windows 64
+    .venv/bin/python scripts/eval_ppl.py --hf_assets_path outputs/pruned-1B --data wikitext2_test.txt --seq_len 2048
+    .venv/bin/python scripts/eval_ppl.py --hf_assets_path assets/hf/Llama-3.2-1B \\
+        --checkpoint outputs/checkpoint/step-1000 --data val.jsonl --seq_len 1024 --max_windows 64
 """
 
 import argparse

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from titan_lite import distributed as tl_dist
-from titan_lite.errors import ConfigError
+from titan_lite.errors import ConfigError, pip_install
 from titan_lite.job.cli import ScriptParser
 from titan_lite.job.script import is_rank0, run_script
 
@@ -26,7 +26,11 @@ from titan_lite.job.script import is_rank0, run_script
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 BUNDLED_TASKS = Path(__file__).resolve().parents[1] / "assets" / "lm_eval_tasks"
-INSTALL = "scripts/lm_eval.py needs EleutherAI's lm-evaluation-harness: pip install -e .[eval]"
+# The local data files of the bundled tasks (paths as their YAMLs give them) and the commands that make them.
+SYNTHETIC_GSM8K = (".venv/bin/python scripts/make_synthetic_gsm8k.py --output data/synthetic_gsm8k/{} "
+                   "--num_problems {} --seed {}")
+DATA_MAKERS = {"data/synthetic_gsm8k/test.jsonl": SYNTHETIC_GSM8K.format("test.jsonl", 200, 1),
+               "data/synthetic_gsm8k/train.jsonl": SYNTHETIC_GSM8K.format("train.jsonl", 2000, 0)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,7 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tasks", required=True, help="comma-separated task names, groups, tags or YAML files")
     parser.add_argument("--include_path", help="a folder of extra task YAMLs (the bundled local tasks are included)")
     parser.add_argument("--num_fewshot", type=int, help="few-shot examples per prompt (default: the task's)")
-    parser.add_argument("--batch_size", type=int, default=1, help="requests per forward on each process")
+    parser.add_argument("--batch_size", type=batch_size, default=1,
+                        help="requests per forward on each process: a number, or auto (the largest that fits, found "
+                             "on the longest requests) or auto:N (found again at N points as the requests get "
+                             "shorter), as lm_eval takes them")
+    parser.add_argument("--max_batch_size", type=int, default=64, help="the largest batch auto tries")
     parser.add_argument("--limit", type=float, help="only the first N documents of each task (a fraction if < 1)")
     parser.add_argument("--output_path", help="folder (or .json file) for the results JSON (and samples)")
     parser.add_argument("--log_samples", action="store_true", help="also write every request and response")
@@ -51,6 +59,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def batch_size(text: str) -> int | str:
+    if text == "auto" or (text.startswith("auto:") and text[5:].isdigit() and int(text[5:]) >= 1):
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"'{text}': expected a positive integer, auto or auto:N (N >= 1)")
+
+
 def seeds(text: str) -> list[int | None]:
     parts = [None if p.strip().lower() == "none" else p.strip() for p in text.split(",")]
     if len(parts) not in (1, 4) or not all(p is None or p.lstrip("-").isdigit() for p in parts):
@@ -60,8 +76,8 @@ def seeds(text: str) -> list[int | None]:
 
 
 def check_options(opts: argparse.Namespace) -> None:
-    if opts.batch_size < 1:
-        raise ConfigError(f"--batch_size {opts.batch_size}: expected at least 1")
+    if opts.max_batch_size < 1:
+        raise ConfigError(f"--max_batch_size {opts.max_batch_size}: expected at least 1")
     if opts.limit is not None and opts.limit <= 0:
         raise ConfigError(f"--limit {opts.limit}: expected a positive count or fraction")
     if opts.include_path and not Path(opts.include_path).is_dir():
@@ -75,9 +91,10 @@ def evaluate(opts: argparse.Namespace) -> None:
     spec = parse_model_args(opts.model_args)
     check_options(opts)
     if importlib.util.find_spec("lm_eval") is None:
-        raise ConfigError(INSTALL)
+        raise ConfigError("scripts/lm_eval.py needs EleutherAI's lm-evaluation-harness, the optional eval extra: "
+                          f"{pip_install(extra='eval')}")
     # lm_eval is optional: imported only once it is known to be installed
-    from titan_lite.eval.harness import ChatTemplate, TitanLM, evaluator_config, results_file
+    from titan_lite.eval.harness import ChatTemplate, TitanLM, check_local_data, evaluator_config, results_file
     from titan_lite.eval.harness import evaluate as run_harness
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -90,6 +107,7 @@ def evaluate(opts: argparse.Namespace) -> None:
                               f"(evaluate without it, or add one)")
     model_args = {k: v for k, v in vars(spec).items() if v is not None}
     opts.include_path = [str(BUNDLED_TASKS)] + ([opts.include_path] if opts.include_path else [])
+    check_local_data(opts.tasks.split(","), opts.include_path, DATA_MAKERS)  # before lm_eval indexes its tasks
     cfg, task_manager = evaluator_config(opts, model_args)  # unknown tasks fail before the model loads
     device = tl_dist.local_device()
     tl_dist.init_process_group(device, 1800)
@@ -98,7 +116,7 @@ def evaluate(opts: argparse.Namespace) -> None:
     if is_rank0():
         print(f"model {loaded.description} loaded in {time.monotonic() - start:.1f}s", flush=True)
     lm = TitanLM(loaded, device, opts.batch_size, seed=opts.seed[0] or 0, chat_template=template,
-                 name=str(tokenizer_folder(spec)))
+                 name=str(tokenizer_folder(spec)), max_batch_size=opts.max_batch_size)
     start = time.monotonic()
     results = run_harness(lm, cfg, task_manager, model_args)
     if results is not None:

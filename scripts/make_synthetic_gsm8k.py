@@ -2,7 +2,8 @@
 the answer's last line "#### N" (GSM8K's <<a+b=c>> calculator annotations are left out), seeded, so the same command
 writes the same file. Small enough that a tiny model learns some of them on a CPU in minutes.
 
-    python scripts/make_synthetic_gsm8k.py --output data/synthetic_gsm8k/train.jsonl --num_problems 2000 --seed 0
+    .venv/bin/python scripts/make_synthetic_gsm8k.py --output data/synthetic_gsm8k/train.jsonl \\
+        --num_problems 2000 --seed 0
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """Materialise a Sheared-pruning checkpoint: the pruned dense Llama (deterministic gates with the exact target
 counts, soft values folded in) as a Hugging Face folder with its new config.json (no process group, no GPU needed).
 
-    python scripts/materialize_pruned.py --checkpoint outputs/llama3_8b_sheared/checkpoint/step-3200 \
+    .venv/bin/python scripts/materialize_pruned.py --checkpoint outputs/llama3_8b_sheared/checkpoint/step-3200 \
         --config train_configs/llama3_8b_sheared.toml --output_dir outputs/llama3_8b_sheared_pruned
 """
 

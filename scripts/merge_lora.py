@@ -17,7 +17,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_lite.checkpoint.hf import read_hf_folder, write_hf_folder
-from titan_lite.checkpoint.peft import MERGED_KEY, adapter_digest, from_peft_tensors, read_peft_adapter, record_merge
+from titan_lite.checkpoint.peft import (
+    MERGED_KEY,
+    adapter_digest,
+    from_peft_tensors,
+    other_base_line,
+    read_peft_adapter,
+    record_merge,
+)
 from titan_lite.errors import ConfigError
 from titan_lite.job.cli import ScriptParser
 from titan_lite.job.script import atomic_folder, check_output_folder, require_folder, run_script
@@ -94,6 +101,9 @@ def merge(opts: argparse.Namespace) -> str:
     args = args_from_hf_config(base_config, source=f"{opts.base}/config.json")
     record = merged_before(base_config, adapter_digest(opts.adapter), opts)
     adapter, tensors = read_adapter_for(args, opts)
+    warning = other_base_line(opts.adapter, opts.base)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     modules = adapted_modules_of(tensors)
     c = adapter.config
     variants = (", rsLoRA" if c.get("use_rslora") else "") + (", DoRA" if c.get("use_dora") else "")
@@ -108,7 +118,7 @@ def merge(opts: argparse.Namespace) -> str:
     if opts.base_nf4:
         state, count = nf4_round_trip(state)
         print(f"quantized {count} block projections of the base to NF4 and back (what QLoRA trained on)", flush=True)
-    masked = sparse_merge(opts)
+    masked = sparse_merge(opts, state, modules)
     merged = merge_adapters({**state, **tensors}, peft_specs(adapter, modules), masked)
     print(f"writing {opts.output_dir}", flush=True)
     with atomic_folder(opts.output_dir) as partial:
@@ -119,12 +129,24 @@ def merge(opts: argparse.Namespace) -> str:
             f"({str(dtype).removeprefix('torch.')}) in {time.monotonic() - start:.1f}s")
 
 
-def sparse_merge(opts: argparse.Namespace) -> bool:
-    """Whether the merge masks the updates by the base's zeros (--keep_sparsity; auto: the adapter's marker)."""
-    masked = opts.keep_sparsity == "on" or (opts.keep_sparsity == "auto" and adapter_keeps_sparsity(opts.adapter))
-    if masked:
-        print("keep_sparsity: each update is masked by its base weight's zeros", flush=True)
-    return masked
+def sparse_merge(opts: argparse.Namespace, state: dict[str, torch.Tensor], modules: list[str]) -> bool:
+    """Whether the merge masks the updates by the base's zeros (--keep_sparsity; auto: the adapter's marker). A
+    masked merge onto a base whose adapted weights hold no zeros would keep nothing: refused."""
+    marker = adapter_keeps_sparsity(opts.adapter)
+    masked = opts.keep_sparsity == "on" or (opts.keep_sparsity == "auto" and marker)
+    if not masked:
+        return False
+    zeros = sum(int((state[f"{m}.weight"] == 0).sum()) for m in modules)
+    if zeros == 0:
+        why = ("--keep_sparsity on" if opts.keep_sparsity == "on" else
+               "--keep_sparsity auto (the adapter was trained with masked updates: titan_lite_sparsity.json)")
+        raise ConfigError(f"{why}, but the {len(modules)} adapted weights of --base '{opts.base}' hold no zeros: "
+                          "there is no sparsity to keep; merge onto the pruned base the adapter was trained on, or "
+                          "pass --keep_sparsity off for a dense merge")
+    total = sum(state[f"{m}.weight"].numel() for m in modules)
+    print(f"keep_sparsity: each update is masked by its base weight's zeros ({zeros / total:.2%} of the adapted "
+          "weights)", flush=True)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

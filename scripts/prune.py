@@ -4,13 +4,13 @@ peak after. Runs on one process or under torchrun (FSDP over the processes, --tp
 --method taylor_structured removes whole attention heads and MLP channels instead (first-order Taylor importance,
 LLM-Pruner style) and writes a smaller dense Llama with its own config.json, plus a structure report.
 
-    python scripts/prune.py --hf_assets_path assets/hf/Llama-3.2-1B --output_dir outputs/pruned-1B \\
+    .venv/bin/python scripts/prune.py --hf_assets_path assets/hf/Llama-3.2-1B --output_dir outputs/pruned-1B \\
         --method wanda --sparsity 0.5 --pattern 2:4 --calib_path /data/c4/en/c4-train.00000-of-01024.json.gz \\
         --nsamples 128 --seq_len 2048
     torchrun --nproc_per_node 4 scripts/prune.py ...                     # calibration split over 4 GPUs
-    python scripts/prune.py --flavor 8B --hf_assets_path assets/tokenizer --estimate_only \\
+    .venv/bin/python scripts/prune.py --flavor 8B --hf_assets_path assets/tokenizer --estimate_only \\
         --nsamples 128 --seq_len 2048 --device_memory_gib 24            # the plan only, in seconds, no weights
-    python scripts/prune.py --hf_assets_path outputs/merged --remask_from outputs/pruned-1B \\
+    .venv/bin/python scripts/prune.py --hf_assets_path outputs/merged --remask_from outputs/pruned-1B \\
         --output_dir outputs/merged-sparse                              # the zeros of a pruned folder, re-applied
     torchrun --nproc_per_node 2 scripts/prune.py --hf_assets_path assets/hf/Llama-3.1-8B \\
         --output_dir outputs/8B-taylor --method taylor_structured --head_ratio 0.25 --ffn_ratio 0.25 \\

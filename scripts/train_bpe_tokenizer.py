@@ -1,7 +1,7 @@
 """Trains a small byte-level BPE (Llama 3 pre-tokenizer) in pure Python and writes a Llama 3 tiktoken tokenizer.model.
 
 Usage:
-  python scripts/train_bpe_tokenizer.py --input a.txt b.txt --vocab_size 1792 \
+  .venv/bin/python scripts/train_bpe_tokenizer.py --input a.txt b.txt --vocab_size 1792 \
       --output assets/tokenizer/tokenizer.model
 
 --vocab_size counts the base tokens (256 bytes + merges); the Llama 3 loader appends 256 special tokens after them.

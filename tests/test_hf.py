@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from tests.helpers import spawn_gloo  # noqa: E402
 from titan_lite.checkpoint.hf import export_hf, load_hf_weights, read_hf_folder  # noqa: E402
 from titan_lite.config import JobConfig  # noqa: E402
-from titan_lite.errors import ConfigError  # noqa: E402
+from titan_lite.errors import ConfigError, pip_install  # noqa: E402
 from titan_lite.job.plan import build_model_args  # noqa: E402
 from titan_lite.models.llama import Llama, LlamaArgs, flavor_args  # noqa: E402
 from titan_lite.models.llama.hf import (  # noqa: E402
@@ -396,7 +396,8 @@ def test_download_without_huggingface_hub(monkeypatch, capsys, tmp_path):
     download = load_script("download_hf_assets")
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
     assert download.main(["org/m", "--local-dir", str(tmp_path / "m")]) == 1
-    assert capsys.readouterr().err.strip() == "error: huggingface_hub is not installed: pip install huggingface_hub"
+    assert capsys.readouterr().err.strip() == ("error: huggingface_hub is not installed: "
+                                               f"{pip_install('huggingface_hub')}")
 
 
 def test_download_offline_is_one_clear_line(tmp_path):

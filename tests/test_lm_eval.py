@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 
 from benchmarks.lm_eval_speed import write_test_hf_folder  # noqa: E402
 from tests.integration.harness import BASE_TOML, run_train  # noqa: E402
+from titan_lite.errors import pip_install  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ["shakespeare_choice", "shakespeare_rolling", "shakespeare_continue"]
@@ -211,8 +212,8 @@ def test_without_lm_eval_the_script_says_how_to_install_it(hf_folder, capsys, mo
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
     assert script.main(["--model_args", f"pretrained={hf_folder}", "--tasks", "shakespeare_choice"]) == 2
-    assert capsys.readouterr().err.strip() == "error: scripts/lm_eval.py needs EleutherAI's lm-evaluation-harness: " \
-                                              "pip install -e .[eval]"
+    assert capsys.readouterr().err.strip() == "error: scripts/lm_eval.py needs EleutherAI's lm-evaluation-harness, " \
+                                              f"the optional eval extra: {pip_install(extra='eval')}"
 
 
 def test_help_names_the_options(capsys):
@@ -243,3 +244,52 @@ def test_chat_template_renders_and_its_absence_is_one_line(hf_folder, tmp_path, 
     text = template.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
     assert text == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
                     "<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+# ------------------------------------------------------------------------------------------ the script's edges
+
+
+@pytest.mark.slow  # a third run of the script (8 documents a task) beside the one_process fixture's
+def test_batch_size_auto_finds_a_size_and_gives_the_same_answers(hf_folder, one_process, tmp_path, capsys):
+    """--batch_size auto:N as lm_eval's CLI takes it: the largest batch up to --max_batch_size that runs, found on
+    the longest requests and again at N points; the answers are those of a fixed batch size."""
+    output = tmp_path / "auto"
+    argv = script_args(f"pretrained={hf_folder},dtype=float32", output, limit=8)
+    argv[argv.index("--batch_size") + 1] = "auto:2"
+    assert load_script().main([*argv, "--max_batch_size", "8"]) == 0
+    captured = capsys.readouterr()
+    assert "lm_eval: batch size 8 (--batch_size auto:2, " in captured.out + captured.err
+    mine, theirs = written(output)[1], one_process[1]
+    assert_same_answers(mine, {task: [s for s in theirs[task] if s["doc_id"] < 8] for task in TASKS})
+
+
+@pytest.mark.parametrize("value, message", [("0", "'0': expected a positive integer, auto or auto:N (N >= 1)"),
+                                            ("auto:x", "'auto:x': expected a positive integer, auto or auto:N")])
+def test_batch_size_takes_a_number_auto_or_auto_n(value, message, capsys):
+    script = load_script()
+    assert script.parse_args(["--model_args", "pretrained=.", "--tasks", "t", "--batch_size", "auto:3"]).batch_size \
+        == "auto:3"
+    with pytest.raises(SystemExit):
+        script.parse_args(["--model_args", "pretrained=.", "--tasks", "t", "--batch_size", value])
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow  # lm_eval indexes every task it knows first: 10 to 20 s
+def test_an_unknown_task_gets_the_closest_names(hf_folder, capsys):
+    code = load_script().main(["--model_args", f"pretrained={hf_folder}", "--tasks", "shakespeare_choise"])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: lm_eval: Tasks not found: shakespeare_choise (closest names: shakespeare_choise: shakespeare_choice, "
+        "shakespeare_continue, shakespeare)")
+
+
+def test_a_bundled_task_without_its_data_names_the_file_and_the_command(hf_folder, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no data/synthetic_gsm8k here
+    code = load_script().main(["--model_args", f"pretrained={hf_folder}", "--tasks", "gsm8k_synthetic"])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: task gsm8k_synthetic reads data/synthetic_gsm8k/train.jsonl and data/synthetic_gsm8k/test.jsonl "
+        f"(relative to the current directory {tmp_path}), which do not exist; make them with: .venv/bin/python "
+        "scripts/make_synthetic_gsm8k.py --output data/synthetic_gsm8k/train.jsonl --num_problems 2000 --seed 0; "
+        ".venv/bin/python scripts/make_synthetic_gsm8k.py --output data/synthetic_gsm8k/test.jsonl --num_problems 200 "
+        "--seed 1")

@@ -67,13 +67,16 @@ def dims(**degrees) -> ParallelDims:
 
 
 @pytest.mark.parametrize("overrides, layout, message", [
-    (["--pruning.pattern", "2:4", "--pruning.sparsity", "0.6"], {},
+    (["--model.converters", "prune", "--pruning.pattern", "2:4", "--pruning.sparsity", "0.6"], {},
      "'pruning.sparsity' = 0.6 contradicts 'pruning.pattern' = '2:4'"),
-    (["--pruning.pattern", "4:8", "--pruning.blocksize", "12"], {}, "'pruning.blocksize' = 12 must be a multiple of 8"),
+    (["--model.converters", "prune", "--pruning.pattern", "4:8", "--pruning.blocksize", "12"], {},
+     "'pruning.blocksize' = 12 must be a multiple of 8"),
     ([], {"pp": 2}, "does not run under pipeline parallelism ('parallelism.pipeline_parallel_degree' = 2)"),
     ([], {"cp": 2}, "does not run under context parallelism"),
-    (["--pruning.nsamples", "9"], {"dp_shard": 2}, "'pruning.nsamples' = 9 must be a multiple of the data-parallel"),
-    (["--pruning.seq_len", "33"], {"tp": 2}, "'pruning.seq_len' = 33 must be divisible by"),
+    (["--model.converters", "prune", "--pruning.nsamples", "9"], {"dp_shard": 2},
+     "'pruning.nsamples' = 9 must be a multiple of the data-parallel"),
+    (["--model.converters", "prune", "--pruning.seq_len", "33"], {"tp": 2},
+     "'pruning.seq_len' = 33 must be divisible by"),
     (["--model.converters", "lora,prune"], {}, "list 'prune' before 'lora'"),
     (["--model.converters", "prune,lora", "--lora.init", "pissa"], {},
      "'lora.init' = 'pissa' cannot follow 'prune' in 'model.converters'"),

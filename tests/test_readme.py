@@ -1,16 +1,20 @@
 """The README's commands stay true: every run_train.sh line in it parses against the config schema, and every
 script line runs with the environment's Python as written (`.venv/bin/python scripts/...`, no activated venv) and
-parses with that script's own parser."""
+parses with that script's own parser; no line runs a bare python or pip; each module run (`-m benchmarks.x`) names a
+module of the checkout and parses with its parser; each training example writes its own output folder."""
 
+import importlib
 import importlib.util
+import os
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
 
 from titan_lite.config import parse_args, validate
-from titan_lite.errors import ConfigError
+from titan_lite.errors import ConfigError, pip_install
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -93,3 +97,84 @@ def test_readme_lists_at_least_the_workflows():
     assert len(commands) >= 6
     assert any(env.get("DRY_RUN") == "1" for env, _ in commands)
     assert any(env.get("NNODES") == "2" for env, _ in commands)
+
+
+# ------------------------------------------------------------------------------------------ as written
+
+# a command word with an argument after it: `python -m ...`, `pip install ...` (a bare `python` in prose is a name)
+BARE = re.compile(r"^(?:\$ )?(?:[A-Z_]+=\S* )*(python3?|pip3?|torchrun) +\S")
+
+
+def readme_command_lines() -> list[str]:
+    """Every line of the README's code blocks (continuations joined) and every inline code span: where a command
+    the reader copies can be."""
+    text = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S)
+    lines = [line.strip() for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    return lines + [span.strip() for span in re.findall(r"`([^`\n]+)`", prose)]
+
+
+def test_no_readme_line_runs_a_bare_python_or_pip():
+    """A bare `python`/`pip` is whatever the shell finds first, not the checkout's .venv: every command names it."""
+    bare = [line for line in readme_command_lines() if BARE.match(line)]
+    assert not bare, f"README runs a bare python or pip (use .venv/bin/python, .venv/bin/pip): {bare}"
+    assert BARE.match("pip install -e .[eval]") and BARE.match("OMP_NUM_THREADS=2 python -m benchmarks.run")
+    assert not BARE.match(".venv/bin/pip install -e '.[eval]'")
+
+
+def test_install_hints_name_the_environments_pip(monkeypatch, tmp_path):
+    """Error lines that say what to install name the pip of the Python that is running."""
+    checkout = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(checkout)
+    monkeypatch.setattr(sys, "prefix", str(checkout / ".venv"))
+    assert pip_install(extra="eval") == ".venv/bin/pip install -e '.[eval]'"
+    assert pip_install("huggingface_hub") == ".venv/bin/pip install huggingface_hub"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "prefix", "/opt/other")
+    monkeypatch.setattr(sys, "executable", "/opt/other/bin/python3")
+    assert pip_install(extra="eval") == f"/opt/other/bin/python3 -m pip install -e '{checkout}[eval]'"
+
+
+def readme_module_commands() -> list[tuple[str, list[str]]]:
+    """(module, arguments) of each `.venv/bin/python -m <module> ...` in the README."""
+    found = []
+    for line in readme_command_lines():
+        line = line.split("  #")[0].strip()
+        words = shlex.split(line) if line.startswith(".venv/bin/python -m ") else []
+        if words:
+            found.append((words[2], words[3:]))
+    return found
+
+
+def test_readme_module_runs_name_modules_of_the_checkout_and_parse():
+    """`.venv/bin/python -m benchmarks.run ...` runs from the checkout (its folder is on the path for -m): each module
+    is there, and its arguments parse with its own parser."""
+    commands = readme_module_commands()
+    modules = {m for m, _ in commands}
+    assert {"benchmarks.run", "benchmarks.memory_plan", "benchmarks.gpu", "titan_lite.train"} <= modules, modules
+    for module, args in commands:
+        assert importlib.util.find_spec(module) is not None, module
+        if module == "titan_lite.train":
+            assert args == ["--help"] or parse_args(args)
+            continue
+        code = importlib.import_module(module)
+        parser = getattr(code, "parse", None) or getattr(code, "parse_args", None)
+        if parser is not None:
+            parser(args)
+
+
+def test_each_training_example_writes_its_own_folder():
+    """Two README examples that train into one folder would mix their logs, and the second would resume (or refuse)
+    the first's checkpoints: each has its own job.dump_folder (the two-node example is one run on two nodes)."""
+    owners: dict[str, str] = {}
+    for env, args in readme_train_commands():
+        if env.get("DRY_RUN") == "1" or env.get("NODE_RANK") == "1":
+            continue
+        config = env.get("CONFIG_FILE", "train_configs/debug_model.toml")
+        cfg = parse_args(["--job.config_file", str(REPO / config), *args])
+        folder = os.path.normpath(cfg.job.dump_folder)
+        command = f"{config} {' '.join(args)}"
+        assert folder not in owners, f"README examples share {folder}: '{owners[folder]}' and '{command}'"
+        owners[folder] = command
+    assert len(owners) >= 15 and "outputs/debug" in owners

@@ -45,8 +45,8 @@ def base(tmp_path_factory) -> Path:
     return folder
 
 
-def write_adapter(folder: Path, in_features: int = ARGS.dim) -> Path:
-    """A PEFT LoRA adapter on every layer's q_proj (rank 2)."""
+def write_adapter(folder: Path, in_features: int = ARGS.dim, base_model: str | None = None) -> Path:
+    """A PEFT LoRA adapter on every layer's q_proj (rank 2), trained on `base_model` (unnamed by default)."""
     folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(1)
     tensors = {}
@@ -56,7 +56,8 @@ def write_adapter(folder: Path, in_features: int = ARGS.dim) -> Path:
         tensors[f"{prefix}.lora_B.weight"] = torch.randn(ARGS.dim, 2, generator=gen)
     save_safetensors(tensors, folder / "adapter_model.safetensors")
     (folder / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "lora_dropout": 0.0}))
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "lora_dropout": 0.0,
+         "base_model_name_or_path": base_model}))
     return folder
 
 
@@ -109,6 +110,30 @@ def test_merge_bad_inputs_are_one_line(base, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_keep_sparsity_on_onto_a_base_without_zeros_is_refused(base, tmp_path, capsys):
+    """--keep_sparsity on would keep nothing on a dense base (the run said "the base's zeros kept")."""
+    adapter = write_adapter(tmp_path / "adapter")
+    refused = run("merge_lora", ["--base", str(base), "--adapter", str(adapter), "--output_dir", str(tmp_path / "o"),
+                                 "--keep_sparsity", "on"], capsys)
+    assert_one_line(*refused, f"--keep_sparsity on, but the 4 adapted weights of --base '{base}' hold no zeros")
+    assert not (tmp_path / "o").exists()
+
+
+def test_merge_onto_another_base_than_the_adapters_warns_naming_both(base, tmp_path, capsys):
+    other = write_adapter(tmp_path / "other", base_model="meta-llama/Llama-3.1-8B")
+    code, out, err = run("merge_lora", ["--base", str(base), "--adapter", str(other), "--output_dir",
+                                        str(tmp_path / "m1")], capsys)
+    assert code == 0 and len(err) == 1, err
+    assert err[0] == (f"warning: the adapter '{other}' was trained on 'meta-llama/Llama-3.1-8B' (its "
+                      f"adapter_config.json's base_model_name_or_path), not on '{base}': on another base of the same "
+                      "shapes it gives another model than the one trained")
+    for named in (str(base), f"some-org/{base.name}"):  # the folder itself, or a hub id of the same name
+        same = write_adapter(tmp_path / f"same{len(named)}", base_model=named)
+        code, _, err = run("merge_lora", ["--base", str(base), "--adapter", str(same), "--output_dir",
+                                          str(tmp_path / f"m{len(named)}")], capsys)
+        assert code == 0 and err == [], err
+
+
 def test_ctrl_c_is_one_line_exit_130_and_leaves_no_output(base, tmp_path, capsys, monkeypatch):
     module = load_script("merge_lora")
 
@@ -140,6 +165,23 @@ def test_written_files_follow_the_umask(base, tmp_path, capsys):
         os.umask(old)
     for path in [adapter / "adapter_model.safetensors", *(tmp_path / "m").iterdir()]:
         assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+
+
+def test_copied_files_follow_the_umask_too(tmp_path):
+    """The tokenizer files an HF export copies, and a re-masked folder's copies, get the umask's permissions (a
+    plain shutil.copy keeps the source's 0644 under umask 077)."""
+    from titan_lite.transforms.pruning.remask import remask_hf_folder
+
+    sd = {name: torch.ones(shape) for name, shape in expected_shapes(ARGS).items()}
+    old = os.umask(0o077)
+    try:
+        write_hf_folder(sd, ARGS, str(tmp_path / "hf"), torch.float32, str(REPO / "assets" / "tokenizer"))
+        remask_hf_folder(tmp_path / "hf", tmp_path / "hf", tmp_path / "remasked")
+    finally:
+        os.umask(old)
+    files = [p for folder in ("hf", "remasked") for p in (tmp_path / folder).iterdir()]
+    assert {p.name for p in files} >= {"tokenizer.model", "config.json", "model.safetensors"}
+    assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o600}, {p: oct(p.stat().st_mode) for p in files}
 
 
 # -------------------------------------------------------------------------------------- convert_checkpoint
@@ -223,3 +265,20 @@ def test_generate_applies_the_run_template_given_its_config():
     assert templated("What is 3 + 4?") == "Question: What is 3 + 4?\nAnswer: "
     raw = generate.prompt_template(cfg, argparse.Namespace(config=config, raw_prompts=True))
     assert raw("What is 3 + 4?") == "What is 3 + 4?"
+
+
+# ------------------------------------------------------------------------------------------ check_sparsity
+
+
+def test_check_sparsity_ends_with_whether_the_check_passed(base, capsys):
+    """The last line is the verdict (the run exits 1 on a failed check, and says so)."""
+    code, out, _ = run("check_sparsity", ["--hf", str(base), "--pattern", "2:4"], capsys)
+    summary, verdict = out.strip().splitlines()[-2:]
+    assert code == 1 and summary.startswith("result: 28 linears, 0.00% zeros; 2:4 holds in 0/28")
+    assert verdict == "check FAILED: 2:4 holds in 0/28 linears (--pattern 2:4)"
+    code, out, _ = run("check_sparsity", ["--hf", str(base), "--same_zeros_as", str(base)], capsys)
+    assert code == 0 and out.strip().splitlines()[-1] == (
+        f"check passed: zeros identical to {base} in every linear (28/28)")
+    code, out, _ = run("check_sparsity", ["--hf", str(base)], capsys)
+    assert code == 0 and out.strip().splitlines()[-1] == (
+        "check: none requested (--pattern, --same_zeros_as), the report above only")

@@ -19,5 +19,5 @@ except _metadata.PackageNotFoundError:  # a source build without metadata: no ch
     _found = None
 if _found is not None and _torch_release(_found) < MIN_TORCH:
     _sys.stderr.write(f"error: titan_lite needs torch >= {'.'.join(map(str, MIN_TORCH))}, found torch {_found}; "
-                      "install a newer torch (your CUDA build, or pip install 'torch>=2.9')\n")
+                      f"install a newer torch (your CUDA build, or {_sys.executable} -m pip install 'torch>=2.9')\n")
     raise SystemExit(2)

@@ -57,7 +57,7 @@ def plan_rank(plan: JobPlan, rank: int) -> RolePlan:
         dims.build_mesh("cpu")  # a "cuda" mesh cannot be built on a CPU-only install; placement is identical
         pp_rank = dims.submesh("pp").get_local_rank()
         rank_plan = replace(plan, cfg=planning_config(plan.cfg), parallel_dims=dims)
-        parts, _ = build_parts(rank_plan, torch.device("cpu"), cross_entropy_sum)
+        parts, _ = build_parts(rank_plan, torch.device("cpu"), cross_entropy_sum, schedule=False)
         return plan_role(plan.cfg, plan.model_args, dims, parts, rank, pp_rank, plan.transforms)
 
 

@@ -77,6 +77,10 @@ def last_line(capsys) -> str:
     return capsys.readouterr().out.strip().splitlines()[-1]
 
 
+def last_lines(capsys, count: int) -> list[str]:
+    return capsys.readouterr().out.strip().splitlines()[-count:]
+
+
 @pytest.mark.slow
 def test_merge_script_check_script_and_unmerged_perplexity_agree(pruned, runs, tmp_path, capsys):
     """In-process (the scripts' main): the masked merge equals the run's export, check_sparsity.py confirms the
@@ -91,12 +95,15 @@ def test_merge_script_check_script_and_unmerged_perplexity_agree(pruned, runs, t
     for name, weight in linear_weights(merged).items():
         torch.testing.assert_close(weight, exported[name], atol=1e-6, rtol=0)
     assert check.main(["--hf", str(merged), "--pattern", "2:4", "--same_zeros_as", str(pruned)]) == 0
-    assert last_line(capsys) == (f"result: 28 linears, 50.00% zeros; 2:4 holds in 28/28, 4:8 holds in 28/28; zeros "
-                                 f"identical to {pruned} in 28/28")
+    assert last_lines(capsys, 2) == [
+        f"result: 28 linears, 50.00% zeros; 2:4 holds in 28/28, 4:8 holds in 28/28; zeros identical to {pruned} in "
+        "28/28",
+        f"check passed: 2:4 holds in every linear (28/28); zeros identical to {pruned} in every linear (28/28)"]
     assert merge.main(["--base", str(pruned), "--adapter", str(adapter), "--output_dir", str(dense),
                        "--keep_sparsity", "off"]) == 0
     assert check.main(["--hf", str(dense), "--pattern", "2:4"]) == 1
-    assert "2:4 holds in 0/28" in last_line(capsys)
+    summary, verdict = last_lines(capsys, 2)
+    assert "2:4 holds in 0/28" in summary and verdict == "check FAILED: 2:4 holds in 0/28 linears (--pattern 2:4)"
     ppl = {}
     for label, extra in (("merged", ["--hf_assets_path", str(merged)]),
                          ("unmerged", ["--hf_assets_path", str(pruned), "--adapter", str(adapter)])):

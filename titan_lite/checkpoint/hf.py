@@ -13,7 +13,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
-from titan_lite.checkpoint.files import save_safetensors
+from titan_lite.checkpoint.files import copy_file, save_safetensors
 from titan_lite.dtensor import copy_into_shard, full_tensor
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama.args import LlamaArgs
@@ -257,7 +257,7 @@ def _copy_tokenizer_files(assets_dir: str | None, folder: Path) -> None:
         return
     for filename in TOKENIZER_FILES:
         if (Path(assets_dir) / filename).exists():
-            shutil.copy2(Path(assets_dir) / filename, folder / filename)
+            copy_file(Path(assets_dir) / filename, folder / filename)
 
 
 def _replace_folder(tmp: Path, out: Path) -> None:

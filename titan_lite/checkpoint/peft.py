@@ -197,6 +197,29 @@ def check_peft_config(config: dict, source: str) -> None:
                           "(PEFT's path_initial_model_for_weight_conversion) first")
 
 
+def other_base_line(adapter_folder: str | Path, base: str | Path) -> str | None:
+    """A warning (one line) when the adapter's base_model_name_or_path names another model than the folder `base`, else
+    None. The same folder, a folder named like it (a hub id's last part: 'meta-llama/Llama-3.1-8B' and
+    'assets/hf/Llama-3.1-8B') or the base config.json's _name_or_path count as the same model."""
+    try:
+        named = json.loads((Path(adapter_folder) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError):
+        return None
+    if not named:
+        return None
+    base = Path(base)
+    try:
+        recorded = json.loads((base / "config.json").read_text()).get("_name_or_path")
+    except (OSError, ValueError):
+        recorded = None
+    if (Path(named).exists() and Path(named).resolve() == base.resolve()) or named == recorded or \
+            Path(named).name == base.resolve().name:
+        return None
+    return (f"the adapter '{adapter_folder}' was trained on '{named}' (its {ADAPTER_CONFIG}'s "
+            f"base_model_name_or_path), not on '{base}': on another base of the same shapes it gives another model "
+            "than the one trained")
+
+
 def adapter_tensor_shapes(folder: str | Path) -> dict[str, list[int]]:
     """PEFT tensor name -> shape, read from the safetensors header only."""
     path = Path(folder) / ADAPTER_WEIGHTS

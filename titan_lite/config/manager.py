@@ -39,6 +39,14 @@ def iter_options(cls: type = JobConfig, prefix: str = ""):
             yield key, f, hints[f.name]
 
 
+def iter_sections(cls: type = JobConfig, prefix: str = ""):
+    """Yield (dotted_key, field, section class) for every section and sub-section of the schema."""
+    for f in dataclasses.fields(cls):
+        if _is_section(f):
+            yield f"{prefix}{f.name}", f, f.default_factory
+            yield from iter_sections(f.default_factory, f"{prefix}{f.name}.")
+
+
 def all_keys() -> list[str]:
     return [k for k, _, _ in iter_options()]
 

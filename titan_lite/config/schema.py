@@ -20,9 +20,12 @@ def opt(default: Any, help: str, *, unsupported: str | None = None) -> Any:
     return field(default=default, metadata=meta)
 
 
-def section(cls: type, help: str) -> Any:
-    """A nested section (a sub-table such as [training.dataloader])."""
-    return field(default_factory=cls, metadata={"help": help, "unsupported": None})
+def section(cls: type, help: str, *, converter: str | None = None, inert: bool = False) -> Any:
+    """A nested section (a sub-table such as [training.dataloader]). `converter`: the model converter that reads it;
+    without that converter in model.converters a setting changed from its default has no effect and is refused
+    with one line (`inert`: a warning instead, for torchtitan's sections, which torchtitan accepts inert)."""
+    return field(default_factory=cls, metadata={"help": help, "unsupported": None, "converter": converter,
+                                                "inert": inert})
 
 
 @dataclass
@@ -452,7 +455,8 @@ class MXLinear:
 @dataclass
 class QuantizeLinear:
     float8: Float8Linear = section(
-        Float8Linear, "float8 training of linears (active when model.converters lists quantize.linear.float8).")
+        Float8Linear, "float8 training of linears (active when model.converters lists quantize.linear.float8).",
+        converter="quantize.linear.float8", inert=True)
     mx: MXLinear = section(MXLinear, "torchtitan MX linear options (active only via model.converters).")
 
 
@@ -563,12 +567,12 @@ class JobConfig:
     debug: Debug = section(Debug, "Seeds and determinism.")
     dry_run: DryRun = section(DryRun, "DRY_RUN=1 planning options.")
     pruning: Pruning = section(Pruning, "One-shot pruning at the start of a run (the 'prune' transform in "
-                                        "model.converters).")
+                                        "model.converters).", converter="prune")
     sheared: Sheared = section(Sheared, "Sheared-LLaMA targeted structured pruning: hard-concrete gates trained with "
                                         "a Lagrangian towards a target architecture (model.converters = "
-                                        "[\"sheared\"]).")
+                                        "[\"sheared\"]).", converter="sheared")
     memory_estimation: MemoryEstimation = section(MemoryEstimation, "torchtitan memory estimation (see DRY_RUN).")
     fault_tolerance: FaultTolerance = section(FaultTolerance, "torchft (not supported).")
-    lora: Lora = section(Lora, "LoRA adapters (active with model.converters = [\"lora\"]).")
+    lora: Lora = section(Lora, "LoRA adapters (active with model.converters = [\"lora\"]).", converter="lora")
     experimental: Experimental = section(Experimental, "torchtitan experimental hooks (not supported).")
     quantize: Quantize = section(Quantize, "torchtitan quantization converters (not supported).")

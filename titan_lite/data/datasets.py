@@ -11,7 +11,7 @@ from typing import Any, BinaryIO, Protocol
 
 import torch
 
-from titan_lite.errors import ConfigError, did_you_mean, quote_path
+from titan_lite.errors import ConfigError, did_you_mean, pip_install, quote_path
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ def parquet_columns(path: Path, columns: list[str], keys: str | None = None) -> 
     try:
         import pyarrow.parquet as pq  # optional dependency: only .parquet files need it
     except ImportError:
-        raise ConfigError(f"{path}: reading .parquet files needs pyarrow (pip install pyarrow)") from None
+        raise ConfigError(f"{path}: reading .parquet files needs pyarrow ({pip_install(extra='parquet')})") from None
     reader = pq.ParquetFile(path)
     names = reader.schema_arrow.names
     for column in columns:

@@ -3,9 +3,12 @@ three request types on titan_lite's own model and tokenizer) and `evaluate` (lm_
 metrics, results table, JSON). The one module that imports lm_eval; only scripts/lm_eval.py imports it, after
 checking that lm_eval is installed (the optional `eval` extra)."""
 
+import contextlib
+import difflib
 import json
 import logging
 from argparse import Namespace
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +20,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.config.evaluate_config import EvaluatorConfig
 from lm_eval.loggers import EvaluationTracker
 from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.tasks import TaskManager
+from lm_eval.tasks._yaml_loader import load_yaml
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
 from tqdm import tqdm
 
@@ -70,12 +75,17 @@ class TitanLM(TemplateLM):
     torchrun each process holds the whole model and lm_eval deals it a share of the requests; results meet on
     rank 0 through the collectives below."""
 
-    def __init__(self, loaded: LoadedModel, device: torch.device, batch_size: int = 1, seed: int = 0,
-                 chat_template: ChatTemplate | None = None, name: str = "titan_lite"):
+    def __init__(self, loaded: LoadedModel, device: torch.device, batch_size: int | str = 1, seed: int = 0,
+                 chat_template: ChatTemplate | None = None, name: str = "titan_lite", max_batch_size: int = 64):
         super().__init__()
         self.model, self.tok = loaded.model, loaded.tokenizer
         self.max_length = loaded.max_length
+        # an integer, or lm_eval's "auto" / "auto:N": the largest batch up to max_batch_size whose forward fits,
+        # detected on the longest requests (and again at N points as they get shorter), as its HF backend does
         self.batch_size = batch_size
+        self.batch_schedule = int(batch_size.partition(":")[2] or 1) if isinstance(batch_size, str) else 0
+        self.max_batch_size = max_batch_size
+        self.batch_sizes: dict[int, int] = {}  # lm_eval records these in the results
         self.seed = seed
         self.template = chat_template
         self._name = name.replace("/", "__")
@@ -124,7 +134,10 @@ class TitanLM(TemplateLM):
                            group_fn=lambda r: r[-2] + r[-1][:-1])
         results = []
         bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="loglikelihood requests")
-        for chunk in reorder.get_batched(n=override_bs or self.batch_size):
+        auto = self.batch_schedule > 0 and not override_bs and len(requests) > 0
+        batches = reorder.get_batched(n=0, batch_fn=self._batch_scheduler) if auto else \
+            reorder.get_batched(n=override_bs or self.batch_size)
+        for chunk in batches:
             inputs = [(ctx + cont)[-(self.max_length + 1):][:-1] for _, ctx, cont in chunk]
             logits = self._forward(inputs)
             for (key, ctx, cont), row, length in zip(chunk, logits, map(len, inputs), strict=True):
@@ -141,6 +154,38 @@ class TitanLM(TemplateLM):
                     bar.update(1)
         bar.close()
         return reorder.get_original(results)
+
+    def _batch_scheduler(self, pos: int, ordered: list) -> int:
+        """The batch size at position `pos` of the requests sorted longest first: detected once per 1 / N of them."""
+        sched = pos // max(1, len(ordered) // self.batch_schedule)
+        if sched not in self.batch_sizes:
+            previous = self.batch_sizes.get(sched - 1)
+            _, context, continuation = ordered[pos]
+            length = len((context + continuation)[-(self.max_length + 1):][:-1])
+            self.batch_sizes[sched] = previous if previous == self.max_batch_size else self.detect_batch_size(length)
+        return self.batch_sizes[sched]
+
+    @torch.no_grad()
+    def detect_batch_size(self, length: int) -> int:
+        """The largest batch, from max_batch_size down by halves, whose forward over `length` tokens runs without
+        running out of device memory; the smallest over the processes."""
+        size = self.max_batch_size
+        while size > 1:
+            try:
+                self._forward([[self.prefix_token_id] * length] * size)
+                break
+            except torch.OutOfMemoryError:
+                size //= 2
+                if self._device.type == "cuda":
+                    torch.cuda.empty_cache()
+        if self.world_size > 1:
+            found = torch.tensor(size, device=self._device)
+            dist.all_reduce(found, op=dist.ReduceOp.MIN)
+            size = int(found)
+        if self.rank == 0:
+            logger.info(f"lm_eval: batch size {size} (--batch_size {self.batch_size}, {length} tokens, at most "
+                        f"--max_batch_size {self.max_batch_size})")
+        return size
 
     def _forward(self, inputs: list[list[int]]) -> torch.Tensor:
         """Logits [batch, longest, vocab] of right-padded sequences (padding comes after: causal attention keeps it
@@ -177,7 +222,9 @@ class TitanLM(TemplateLM):
                            group_by="gen_kwargs", group_fn=lambda r: r[1])
         results = []
         bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="generate_until requests")
-        for chunk in reorder.get_batched(n=self.batch_size):
+        if self.batch_schedule and "generate" not in self.batch_sizes:  # generation fills the whole context
+            self.batch_sizes["generate"] = self.detect_batch_size(self.max_length)
+        for chunk in reorder.get_batched(n=self.batch_sizes["generate"] if self.batch_schedule else self.batch_size):
             contexts, settings = zip(*chunk, strict=True)
             for context, text in zip(contexts, self._generate(list(contexts), settings[0]), strict=True):
                 results.append(text)
@@ -268,11 +315,57 @@ def evaluator_config(opts: Namespace, model_args: dict) -> tuple[EvaluatorConfig
               "log_samples": opts.log_samples, "gen_kwargs": parse_gen_kwargs(opts.gen_kwargs),
               "apply_chat_template": opts.apply_chat_template, "seed": opts.seed, "model": "titan_lite",
               "model_args": model_args}
+    managers: list[TaskManager] = []
     try:
         cfg = EvaluatorConfig.from_cli(Namespace(**fields))
-        return cfg, cfg.process_tasks(cfg.metadata)
+        with kept(managers):
+            return cfg, cfg.process_tasks(cfg.metadata)
     except ValueError as exc:
-        raise ConfigError(f"lm_eval: {str(exc).splitlines()[0]}") from None
+        line = str(exc).splitlines()[0]
+        if line.startswith("Tasks not found: ") and managers:
+            line += closest_tasks(line.removeprefix("Tasks not found: ").split(", "), managers[-1])
+        raise ConfigError(f"lm_eval: {line}") from None
+
+
+@contextlib.contextmanager
+def kept(managers: list) -> Iterator[None]:
+    """Keep the TaskManager that EvaluatorConfig.process_tasks builds (indexing every task takes seconds): its
+    names are where the closest ones to a missing task come from."""
+    init = TaskManager.__init__
+
+    def remember(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        managers.append(self)
+    TaskManager.__init__ = remember
+    try:
+        yield
+    finally:
+        TaskManager.__init__ = init
+
+
+def closest_tasks(missing: list[str], manager: "TaskManager") -> str:
+    """' (closest names: ...)' with the closest task, group and tag names to each missing one (lm_eval names none)."""
+    known = manager.all_tasks
+    hints = [f"{name}: {', '.join(close)}" for name in missing
+             if (close := difflib.get_close_matches(name, known, n=3, cutoff=0.6))]
+    return f" (closest names: {'; '.join(hints)})" if hints else " (no task, group or tag has a close name)"
+
+
+def check_local_data(tasks: list[str], folders: list[str], makers: dict[str, str]) -> None:
+    """Each of `tasks` defined by a YAML in `folders` that reads local data files (dataset_kwargs.data_files) finds
+    them: missing ones are one line naming the files and the commands that make them (`makers`: file -> command);
+    lm_eval's own error comes later and names neither."""
+    for yaml_file in sorted(p for folder in folders for p in Path(folder).glob("*.yaml")):
+        config = load_yaml(yaml_file, resolve_func=False)
+        if config.get("task") not in tasks:
+            continue
+        files = (config.get("dataset_kwargs") or {}).get("data_files") or {}
+        missing = [path for path in (files.values() if isinstance(files, dict) else [files]) if not Path(path).exists()]
+        if missing:
+            how = "; ".join(dict.fromkeys(makers.get(path, f"see {yaml_file}") for path in missing))
+            raise ConfigError(f"task {config['task']} reads {' and '.join(missing)} (relative to the current directory "
+                              f"{Path.cwd()}), which {'does' if len(missing) == 1 else 'do'} not exist; make "
+                              f"{'it' if len(missing) == 1 else 'them'} with: {how}")
 
 
 def evaluate(lm: TitanLM, cfg: EvaluatorConfig, task_manager, model_args: dict) -> dict | None:

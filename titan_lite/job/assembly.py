@@ -17,7 +17,7 @@ from titan_lite.job.plan import JobPlan
 from titan_lite.loss import build_loss_fn
 from titan_lite.models.llama import Llama
 from titan_lite.parallel.parallelize import loss_parallel_enabled, parallelize_llama
-from titan_lite.parallel.pipeline import PipelineRunner, pipeline_llama
+from titan_lite.parallel.pipeline import PipelineRunner, pipeline_llama, split_llama
 from titan_lite.parallel.runner import ModelRunner
 from titan_lite.transforms import TransformContext
 
@@ -39,10 +39,10 @@ class BuiltModel:
         return sum(p.numel() for m in self.parts for p in m.parameters())
 
 
-def build_parts(plan: JobPlan, device: torch.device,
-                loss_fn: Callable) -> tuple[list[nn.Module], PipelineRunner | None]:
+def build_parts(plan: JobPlan, device: torch.device, loss_fn: Callable,
+                schedule: bool = True) -> tuple[list[nn.Module], PipelineRunner | None]:
     """The meta model, converted by the transforms, split into this rank's pipeline stages and parallelised
-    (still on the meta device: DRY_RUN plans from here)."""
+    (still on the meta device: DRY_RUN plans from here, without the pipeline schedule: `schedule` False)."""
     with torch.device("meta"):
         model = Llama(plan.model_args)
     # Parameters in training.dtype (init_weights rebuilds the fp32 RoPE cache); transforms may choose otherwise.
@@ -51,8 +51,10 @@ def build_parts(plan: JobPlan, device: torch.device,
     if plan.cfg.model.print_after_conversion:
         logger.info(f"model after transforms:\n{model}")
     pipeline, parts = None, [model]
-    if plan.parallel_dims.pp_enabled:
+    if plan.parallel_dims.pp_enabled and schedule:
         pipeline, parts = pipeline_llama(model, plan.parallel_dims, plan.cfg, device, loss_fn)
+    elif plan.parallel_dims.pp_enabled:
+        _, parts = split_llama(model, plan.parallel_dims, plan.cfg)
     edits = plan.transforms.tp_plan_edits()
     parts = [parallelize_llama(part, plan.parallel_dims, plan.cfg, edits) for part in parts]
     for part in parts:

@@ -2,16 +2,21 @@
 
 import copy
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineSchedule, get_schedule_class
 
 from titan_lite.config.schema import JobConfig
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama import Llama
 from titan_lite.parallel.parallel_dims import ParallelDims
+
+# torch.distributed.pipelining imports torch._dynamo (about a second): only the schedule needs it, so it is imported
+# where the stages and the schedule are built (DRY_RUN splits the model into stages without them).
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 # Schedules that run several (virtual) stages per rank; by default they get two stages per rank.
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
@@ -125,18 +130,20 @@ def stages_of_rank(rank: int, num_stages: int, pp: int, v_style: bool) -> list[i
 
 
 def prune_to_stage(model: Llama, layer_ids: list[int], is_first: bool, is_last: bool) -> Llama:
-    """A deep copy of the (meta) model holding only this stage's layers and, where it owns them, the ends."""
-    stage = copy.deepcopy(model)
+    """A deep copy of the (meta) model holding only this stage's layers and, where it owns them, the ends; only
+    those are copied (the model is cut down for the copy and restored after it)."""
     keep = {str(i) for i in layer_ids}
-    for name in list(stage.layers.keys()):
-        if name not in keep:
-            del stage.layers[name]
-    if not is_first:
-        stage.tok_embeddings = None
-    if not is_last:
-        stage.norm = None
-        stage.output = None
-    return stage
+    held = {"layers": nn.ModuleDict({name: layer for name, layer in model.layers.items() if name in keep}),
+            "tok_embeddings": model.tok_embeddings if is_first else None,
+            "norm": model.norm if is_last else None, "output": model.output if is_last else None}
+    whole = {name: getattr(model, name) for name in held}
+    try:
+        for name, module in held.items():
+            setattr(model, name, module)
+        return copy.deepcopy(model)
+    finally:
+        for name, module in whole.items():
+            setattr(model, name, module)
 
 
 # ------------------------------------------------------------------------------ microbatches
@@ -166,13 +173,15 @@ def microbatch_count(local_batch_size: int, microbatch_size: int, schedule: str,
 # ------------------------------------------------------------------------------ the schedule
 
 
-def build_schedule(schedule: str, stages: list[PipelineStage], n_microbatches: int,
-                   loss_fn: Callable | None) -> _PipelineSchedule:
+def build_schedule(schedule: str, stages: "list[PipelineStage]", n_microbatches: int,
+                   loss_fn: Callable | None) -> "_PipelineSchedule":
     """The torch schedule over this rank's stages.
 
     scale_grads=False: the loss function already carries the 1 / global-token factor, so the per-microbatch
     gradients sum to exactly the single-process gradient; torch's default would divide again by n_microbatches.
     """
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class  # see the top
+
     cls = get_schedule_class(schedule)
     if issubclass(cls, PipelineScheduleSingle):
         assert len(stages) == 1, f"{schedule} runs one stage per rank, got {len(stages)}"
@@ -180,7 +189,7 @@ def build_schedule(schedule: str, stages: list[PipelineStage], n_microbatches: i
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
-def schedule_stages(schedule: _PipelineSchedule) -> list[PipelineStage]:
+def schedule_stages(schedule: "_PipelineSchedule") -> "list[PipelineStage]":
     """The stages a schedule runs on this rank."""
     return list(schedule._stages) if hasattr(schedule, "_stages") else [schedule._stage]
 
@@ -207,7 +216,7 @@ class PipelineRunner:
         self._domain_loss: Callable | None = None
         self._domain_parts: list[torch.Tensor] = []
 
-    def attach(self, schedule: _PipelineSchedule) -> None:
+    def attach(self, schedule: "_PipelineSchedule") -> None:
         self.schedule = schedule
         stages = schedule_stages(schedule)
         # With V-style schedules one rank holds both the first and the last stage.
@@ -259,13 +268,15 @@ class PipelineRunner:
         # garbage); the real microbatches are the last len(losses) calls.
         return torch.stack(self._loss_sums[-len(losses):]).sum()
 
-    def eval_schedule(self) -> _PipelineSchedule:
+    def eval_schedule(self) -> "_PipelineSchedule":
         """A schedule of the same kind over the same stage modules, for validation batches (run it with .eval()).
 
         Fresh PipelineStage objects infer the activation shapes of validation batches (batch size and sequence
         length may differ from training) once, instead of the training stages re-inferring at every switch.
         """
         if self._eval_schedule is None:
+            from torch.distributed.pipelining import PipelineStage  # see the top
+
             old = schedule_stages(self.schedule)
             stages = [PipelineStage(s.submod, s.stage_index, s.num_stages, s.device, group=s.group) for s in old]
             n_micro = validation_microbatch_count(self.cfg, old[0].num_stages)
@@ -292,6 +303,17 @@ def check_pipeline_config(cfg: JobConfig, n_layers: int, tied_embeddings: bool) 
     return num_stages, layers, n_micro
 
 
+def split_llama(model: Llama, parallel_dims: ParallelDims, cfg: JobConfig) -> tuple[list[int], list[nn.Module]]:
+    """This rank's stage ids and their parts of the meta model (DRY_RUN plans from these; no schedule needed)."""
+    schedule_name = cfg.parallelism.pipeline_parallel_schedule
+    num_stages, layers, _ = check_pipeline_config(cfg, model.args.n_layers, model.args.tie_word_embeddings)
+    pp_mesh = parallel_dims.submesh("pp")
+    stage_ids = stages_of_rank(pp_mesh.get_local_rank(), num_stages, pp_mesh.size(),
+                               v_style=schedule_name in V_STYLE_SCHEDULES)
+    return stage_ids, [prune_to_stage(model, layers[s], is_first=s == 0, is_last=s == num_stages - 1)
+                       for s in stage_ids]
+
+
 def pipeline_llama(model: Llama, parallel_dims: ParallelDims, cfg: JobConfig, device: torch.device,
                    loss_fn: Callable) -> tuple[PipelineRunner, list[nn.Module]]:
     """Split the meta model into this rank's stages and build the schedule over them, behind a PipelineRunner.
@@ -300,16 +322,13 @@ def pipeline_llama(model: Llama, parallel_dims: ParallelDims, cfg: JobConfig, de
     activation shapes on the first step, so parallelising, materialising and initialising the parts in place
     afterwards (the trainer's order) is safe.
     """
-    schedule_name = cfg.parallelism.pipeline_parallel_schedule
-    num_stages, layers, n_micro = check_pipeline_config(cfg, model.args.n_layers, model.args.tie_word_embeddings)
-    pp_mesh = parallel_dims.submesh("pp")
-    pp_rank, pp = pp_mesh.get_local_rank(), pp_mesh.size()
-    stage_ids = stages_of_rank(pp_rank, num_stages, pp, v_style=schedule_name in V_STYLE_SCHEDULES)
-    parts, stages = [], []
-    for stage_id in stage_ids:
-        part = prune_to_stage(model, layers[stage_id], is_first=stage_id == 0, is_last=stage_id == num_stages - 1)
-        parts.append(part)
-        stages.append(PipelineStage(part, stage_id, num_stages, device, group=pp_mesh.get_group()))
+    from torch.distributed.pipelining import PipelineStage  # see the top
+
+    num_stages, _, n_micro = check_pipeline_config(cfg, model.args.n_layers, model.args.tie_word_embeddings)
+    stage_ids, parts = split_llama(model, parallel_dims, cfg)
+    group = parallel_dims.submesh("pp").get_group()
+    stages = [PipelineStage(part, stage_id, num_stages, device, group=group)
+              for stage_id, part in zip(stage_ids, parts, strict=True)]
     runner = PipelineRunner(cfg, loss_fn)
-    runner.attach(build_schedule(schedule_name, stages, n_micro, runner.scaled_loss))
+    runner.attach(build_schedule(cfg.parallelism.pipeline_parallel_schedule, stages, n_micro, runner.scaled_loss))
     return runner, parts

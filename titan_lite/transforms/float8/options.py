@@ -2,6 +2,7 @@
 matmul is emulated, and the combinations refused before launch."""
 
 import dataclasses
+import difflib
 from dataclasses import dataclass
 
 import torch
@@ -92,3 +93,18 @@ def check_options(cfg: JobConfig, options: Float8Options, dims: ParallelDims, de
             raise ConfigError(f"'{NAME}' needs a GPU with float8 (compute capability 8.9 or above), this one has "
                               f"{capability[0]}.{capability[1]}; set '{KEY}.emulate' to emulate float8 (for "
                               "correctness, not speed)")
+
+
+def check_filter_fqns(options: Float8Options, linears: list[str]) -> None:
+    """Every filter_fqns entry names some linear (a substring of its name): an entry that matches none (a typo such
+    as 'outptu') would leave nothing out, and the linear meant for high precision would train in float8."""
+    for entry in options.filter_fqns:
+        if any(entry in name for name in linears):
+            continue
+        # every dotted tail of a name (output, wq, attention.wq, ...) is an entry that would match
+        tails = sorted({".".join(name.split(".")[i:]) for name in linears for i in range(len(name.split(".")))})
+        close = difflib.get_close_matches(entry, tails, n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+        raise ConfigError(f"'{KEY}.filter_fqns' entry {entry!r} matches no linear of the model, so it keeps none in "
+                          f"high precision ({hint}the linears are named like '{linears[0]}' and '{linears[-1]}'; "
+                          "an entry matches every name containing it)")

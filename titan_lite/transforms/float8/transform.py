@@ -11,12 +11,12 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from titan_lite.config.schema import JobConfig
 from titan_lite.distributed import device_type
 from titan_lite.models.llama.args import LlamaArgs
-from titan_lite.models.llama.model import canonical_name
+from titan_lite.models.llama.model import Llama, canonical_name
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.transforms.base import PlanContext, PlanItem, Transform, TransformContext, register_transform
 from titan_lite.transforms.float8.adapters import Float8BaseLinear, takes_base_linear
 from titan_lite.transforms.float8.comms import install_byte_all_gather
-from titan_lite.transforms.float8.options import NAME, Float8Options, check_options
+from titan_lite.transforms.float8.options import NAME, Float8Options, check_filter_fqns, check_options
 from titan_lite.transforms.float8.plan import plan_items
 from titan_lite.transforms.float8.tp import float8_block_plan
 
@@ -100,6 +100,9 @@ class Float8Transform(Transform):
 
     def check(self, model_args: LlamaArgs, parallel_dims: ParallelDims) -> None:
         check_options(self.cfg, self.options, parallel_dims, self.device_type)
+        with torch.device("meta"):
+            linears = [name for name, m in Llama(model_args).named_modules() if isinstance(m, nn.Linear)]
+        check_filter_fqns(self.options, linears)
 
     def tp_plan(self, plan: dict[str, ParallelStyle], scope: str) -> dict[str, ParallelStyle]:
         """tensorwise: torchao's float8 TP styles (float8 activations in the sequence all-gathers); the rowwise

@@ -3,6 +3,7 @@ twice the rank on the original base, merging into plain weights, loading a PEFT 
 before launch), and the [lora] settings that reproduce a PEFT adapter (for the scripts)."""
 
 import json
+import logging
 import math
 import re
 from pathlib import Path
@@ -17,6 +18,7 @@ from titan_lite.checkpoint.peft import (
     adapter_tensor_shapes,
     check_peft_config,
     hf_module,
+    other_base_line,
     titan_tensor_name,
 )
 from titan_lite.errors import ConfigError
@@ -164,6 +166,10 @@ def apply_peft_adapter(cfg, folder: str | Path) -> None:
     cfg.model.converters = [*cfg.model.converters, "lora"]
     for key, value in lora_settings_from_peft(folder).items():
         setattr(cfg.lora, key, value)
+    base = cfg.checkpoint.initial_load_path or cfg.model.hf_assets_path
+    warning = other_base_line(folder, base) if base else None
+    if warning:
+        logging.getLogger("titan_lite").warning(warning)
 
 
 def lora_settings_from_peft(folder: str | Path) -> dict[str, Any]:

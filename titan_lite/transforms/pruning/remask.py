@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from titan_lite.checkpoint.files import save_safetensors
+from titan_lite.checkpoint.files import copy_tree, save_safetensors
 from titan_lite.checkpoint.hf import SafetensorsReader, weight_files
 from titan_lite.errors import ConfigError
 
@@ -24,7 +24,7 @@ def remask_hf_folder(source: str | Path, reference: str | Path, out: str | Path)
     files, reference_files = weight_files(source), weight_files(reference)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source, tmp)
+    copy_tree(source, tmp)
     linears, rezeroed = 0, 0
     try:
         with SafetensorsReader() as reader:

@@ -1,0 +1,322 @@
+"""Check, or rewrite, the figures README.md quotes from commands: every entry of FIGURES below is a figure the README
+shows, the command that prints it, and a pattern for each side; the command runs as the README gives it, from the
+checkout, and its figures must be the README's. Quick commands (plans, estimates: seconds) run by default, and the
+test suite runs them (tests/test_readme_figures.py); --slow adds the training examples (minutes).
+
+    .venv/bin/python scripts/update_readme_figures.py --check            # the quick figures: exit 1 on a difference
+    .venv/bin/python scripts/update_readme_figures.py --check --slow     # every figure (about 8 minutes on 2 cores)
+    .venv/bin/python scripts/update_readme_figures.py --slow             # run them all, write what they print
+    .venv/bin/python scripts/update_readme_figures.py --slow --from_logs # again from their saved output, no runs
+
+A new README figure is an entry in FIGURES: its `readme` pattern must match README.md exactly once, its `printed`
+pattern the command's output; each has the same number of groups, compared in order. A new command goes into
+COMMANDS (slow=True for anything that trains). Without --check, the README's groups are replaced by the printed
+values and the file is written; nothing else in it changes. Each command's output is kept in
+outputs/readme_figures/<command>.log (--from_logs compares or rewrites from those).
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+# The checkout's titan_lite (its command-line parser only: the commands below run in their own processes).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titan_lite.job.cli import ScriptParser
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+LOGS = REPO / "outputs" / "readme_figures"
+NUMBER = r"(-?[\d,]+\.?\d*)"
+
+
+@dataclass(frozen=True)
+class Command:
+    """A README command (bash, from the checkout), whether it is slow (trains), and the exit codes that mean it
+    printed its figures (a DRY_RUN without the data files exits 5 after the plan)."""
+
+    line: str
+    slow: bool = False
+    exit_codes: tuple[int, ...] = (0,)
+
+
+@dataclass(frozen=True)
+class Figure:
+    """Figures the README quotes (`readme`'s groups) and where the command prints them (`printed`'s groups)."""
+
+    name: str
+    command: str  # a key of COMMANDS
+    printed: str
+    readme: str
+
+
+DRY = (0, 5)  # a plan is printed whether or not the data files are there
+GSM8K_RUN = "outputs/lora_gsm8k_100"
+GSM8K_CONFIG = "train_configs/lora_synthetic_gsm8k_cpu.toml"
+COMMANDS = {
+    "float8_plan": Command("DRY_RUN=1 NGPU=8 CONFIG_FILE=train_configs/llama3_8b_float8.toml ./run_train.sh "
+                          "--model.hf_assets_path ./assets/tokenizer", exit_codes=DRY),
+    "8b_plan": Command("DRY_RUN=1 NGPU=8 CONFIG_FILE=train_configs/llama3_8b.toml ./run_train.sh "
+                       "--model.hf_assets_path ./assets/tokenizer", exit_codes=DRY),
+    "qlora_8b_plan": Command("DRY_RUN=1 NGPU=1 CONFIG_FILE=train_configs/llama3_8b_qlora.toml ./run_train.sh "
+                             "--dry_run.device_memory_gib 24", exit_codes=DRY),
+    "qlora_70b_plan": Command("DRY_RUN=1 NGPU=2 CONFIG_FILE=train_configs/llama3_70b_qlora.toml ./run_train.sh "
+                              "--dry_run.device_memory_gib 24", exit_codes=DRY),
+    "lora_8b_plan": Command("DRY_RUN=1 NGPU=8 CONFIG_FILE=train_configs/llama3_8b_lora_gsm8k.toml ./run_train.sh "
+                            "--model.hf_assets_path ./assets/tokenizer --training.dataset_path "
+                            "/data/gsm8k/main/train-00000-of-00001.parquet", exit_codes=DRY),
+    "sparsegpt_estimate": Command(".venv/bin/python scripts/prune.py --flavor 8B --hf_assets_path assets/tokenizer "
+                                  "--estimate_only --method sparsegpt --nsamples 128 --seq_len 2048 "
+                                  "--device_memory_gib 24"),
+    "wanda_estimate": Command(".venv/bin/python scripts/prune.py --flavor 8B --hf_assets_path assets/tokenizer "
+                              "--estimate_only --method wanda --nsamples 128 --seq_len 2048 --device_memory_gib 24"),
+    "float8_30": Command("./run_train.sh --model.converters quantize.linear.float8 --training.steps 30 "
+                         "--job.dump_folder outputs/float8_30", slow=True),
+    "fp32_30": Command("./run_train.sh --training.steps 30 --job.dump_folder outputs/fp32_30", slow=True),
+    # The GSM8K section's 100-step run and lm_eval on it (the Evaluation section quotes the same run).
+    "gsm8k_100": Command(" && ".join([
+        ".venv/bin/python scripts/make_synthetic_gsm8k.py --output data/synthetic_gsm8k/train.jsonl --num_problems "
+        "2000 --seed 0",
+        ".venv/bin/python scripts/make_synthetic_gsm8k.py --output data/synthetic_gsm8k/test.jsonl --num_problems 200 "
+        "--seed 1",
+        f"rm -rf {GSM8K_RUN}",  # a finished run in the folder would not train again
+        "CONFIG_FILE=train_configs/lora_synthetic_gsm8k_cpu.toml ./run_train.sh --training.steps 100 "
+        f"--checkpoint.interval 100 --job.dump_folder {GSM8K_RUN}",
+        f".venv/bin/python scripts/lm_eval.py --model_args pretrained={GSM8K_RUN}/checkpoint/step-100-hf,max_length=96 "
+        "--tasks gsm8k_synthetic --num_fewshot 0 --gen_kwargs max_gen_toks=24 --limit 100 --batch_size 50",
+        f".venv/bin/python scripts/lm_eval.py --model_args pretrained={GSM8K_RUN}/checkpoint/step-100-hf "
+        "--tasks shakespeare_choice,shakespeare_rolling,shakespeare_continue --batch_size 16 --output_path "
+        "outputs/lm_eval",
+        "echo CHECKPOINT",
+        f".venv/bin/python scripts/lm_eval.py --model_args checkpoint={GSM8K_RUN}/checkpoint/step-100,"
+        f"config={GSM8K_CONFIG} --tasks shakespeare_choice,shakespeare_rolling,shakespeare_continue --batch_size 16",
+        "echo TWO",
+        ".venv/bin/torchrun --standalone --nproc_per_node 2 scripts/lm_eval.py --model_args "
+        f"checkpoint={GSM8K_RUN}/checkpoint/step-100,config={GSM8K_CONFIG} --tasks "
+        "shakespeare_choice,shakespeare_rolling --batch_size 16"]), slow=True),
+}
+
+
+def table_row(task: str, filter_: str, metric: str) -> str:
+    """An lm_eval results-table row's value and stderr (`task` blank on a task's later rows)."""
+    return (rf"^\|{task}\s*\|[^|\n]*\|{filter_}\s*\|[^|\n]*\|{metric}\s*\|[^|\n]*\|\s*{NUMBER}\|±\s*\|\s*"
+            rf"({NUMBER[1:-1]}|N/A)\|$")
+
+
+TABLE_ROWS = [("gsm8k_synthetic", "flexible-extract", "exact_match"), ("", "strict-match", "exact_match"),
+              ("shakespeare_choice", "none", "acc"), ("", "none", "acc_norm"),
+              ("shakespeare_continue", "none", "exact_match"), ("shakespeare_rolling", "none", "bits_per_byte"),
+              ("", "none", "byte_perplexity")]
+
+
+FIGURES = [
+    # float8 training: DRY_RUN of the float8 config, and llama3_8b.toml's buffers beside it
+    Figure("float8 plan: buffers, overlap, peak", "float8_plan",
+           rf"^  buffers +{NUMBER} GiB.*\n  overlap +{NUMBER} GiB.*\n  peak +{NUMBER} GiB$",
+           rf"^  buffers +{NUMBER} GiB  FSDP: 525,340,672.*\n  overlap +{NUMBER} GiB.*\n  peak +{NUMBER} GiB\n```"),
+    Figure("float8 plan: activations", "float8_plan", rf"^  activations +{NUMBER} GiB  AC selective op",
+           rf"^  activations +{NUMBER} GiB  AC selective op; \.\.\. float8 casts"),
+    Figure("float8 plan: buffers, the prose", "float8_plan", rf"^  buffers +{NUMBER} GiB",
+           rf"^\({NUMBER} GiB of buffers against"),
+    Figure("float8 plan against llama3_8b.toml: buffers", "8b_plan", rf"^  buffers +{NUMBER} GiB",
+           rf"GiB of buffers against {NUMBER} GiB for `llama3_8b.toml`"),
+    # QLoRA plans
+    Figure("QLoRA 8B plan: NF4 storage", "qlora_8b_plan",
+           rf"^lora: NF4 base \(QLoRA\): 224 frozen block linears, [\d,]+ parameters in {NUMBER} GiB .* instead of "
+           rf"{NUMBER} GiB in bfloat16",
+           rf"^lora: NF4 base \(QLoRA\): 224 frozen block linears, [\d,]+ parameters in {NUMBER} GiB .* instead of "
+           rf"{NUMBER} GiB in bfloat16"),
+    Figure("QLoRA 8B plan: parameters, activations, peak", "qlora_8b_plan",
+           rf"^  parameters +{NUMBER} GiB +{NUMBER} local x {NUMBER} bytes each\n(?:.*\n)*?  activations +{NUMBER} "
+           rf"GiB .*\n(?:.*\n)*?  peak +{NUMBER} GiB",
+           rf"^  parameters +{NUMBER} GiB +{NUMBER} local x {NUMBER} bytes each\n  activations +{NUMBER} GiB .*\n"
+           rf"  peak +{NUMBER} GiB"),
+    Figure("QLoRA 8B plan: the last line", "qlora_8b_plan",
+           rf"^dry run OK: 1 ranks; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",
+           rf"^dry run OK: 1 ranks; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB"),
+    Figure("QLoRA 8B plan: the prose", "qlora_8b_plan", rf"^  peak +{NUMBER} GiB",
+           rf"fits\n24 GiB at {NUMBER} GiB"),
+    Figure("QLoRA 70B plan: parameters, buffers", "qlora_70b_plan",
+           rf"^  parameters +{NUMBER} GiB +{NUMBER} local x {NUMBER} bytes each \(offloaded to CPU\)\n(?:.*\n)*?  "
+           rf"buffers +{NUMBER} GiB .*dequantization of one weight \({NUMBER} elements\)",
+           rf"^  parameters +{NUMBER} GiB +{NUMBER} local x {NUMBER} bytes each \(offloaded to CPU\)\n  buffers +"
+           rf"{NUMBER} GiB  FSDP: \.\.\. NF4 dequantization of one weight \({NUMBER} elements\)"),
+    Figure("QLoRA 70B plan: the last line", "qlora_70b_plan",
+           rf"^dry run OK: 2 ranks; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",
+           rf"^dry run OK: 2 ranks; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB"),
+    Figure("QLoRA 70B plan: the prose", "qlora_70b_plan", rf"^  peak +{NUMBER} GiB", rf"offload of the sharded "
+           rf"parameters and optimizer state\) peaks at {NUMBER} GiB"),
+    # LoRA 8B plan
+    Figure("LoRA 8B plan: peak", "lora_8b_plan", rf"^  peak +{NUMBER} GiB",
+           rf"adapter state: {NUMBER} GiB estimated peak per GPU for either 8B config"),
+    # pruning estimates
+    Figure("SparseGPT 8B estimate", "sparsegpt_estimate",
+           rf"^  weights +{NUMBER} GiB.*\n(?:.*\n)  calibration cache +{NUMBER} GiB.*\n  statistics +{NUMBER} GiB.*\n"
+           rf"  working +{NUMBER} GiB.*\n  peak +{NUMBER} GiB\n  verdict: fits: peak {NUMBER} GiB of 24.00 GiB, "
+           rf"head-room {NUMBER} GiB\nestimate: peak {NUMBER} GiB",
+           rf"^  weights +{NUMBER} GiB.*\n(?:.*\n)  calibration cache +{NUMBER} GiB.*\n  statistics +{NUMBER} GiB.*\n"
+           rf"  working +{NUMBER} GiB.*\n  peak +{NUMBER} GiB\n  verdict: fits: peak {NUMBER} GiB of 24.00 GiB, "
+           rf"head-room {NUMBER} GiB\nestimate: peak {NUMBER} GiB"),
+    Figure("Wanda 8B estimate", "wanda_estimate", rf"^estimate: peak {NUMBER} GiB",
+           rf"^Wanda at 50% \(or 2:4\) plans {NUMBER} GiB"),
+    # float8 against fp32, 30 steps (slow)
+    Figure("float8 30 steps: losses", "float8_30", rf"step: +5/30 +loss: +{NUMBER}(?:.*\n)*?.*step: +30/30 +loss: "
+           rf"+{NUMBER}", rf"--training.steps 30 --job.dump_folder outputs/float8_30 +# step 5 loss {NUMBER}, step 30 "
+           rf"{NUMBER}"),
+    Figure("fp32 30 steps: losses", "fp32_30", rf"step: +5/30 +loss: +{NUMBER}(?:.*\n)*?.*step: +30/30 +loss: "
+           rf"+{NUMBER}", rf"--training.steps 30 --job.dump_folder outputs/fp32_30 +# step 5 {NUMBER}, step 30 "
+           rf"{NUMBER}"),
+    # the GSM8K run and lm_eval (slow)
+    Figure("GSM8K run: answer accuracy at step 100", "gsm8k_100",
+           r"answer accuracy at step 100 \(first evaluation\): (\d+)/100",
+           r"^The run's own evaluation at step 100: `answer accuracy at step 100 \(first evaluation\): (\d+)/100`"),
+    Figure("GSM8K run: token accuracy", "gsm8k_100", rf"validate step: 100 .*token_accuracy: {NUMBER}",
+           rf"\(token accuracy\s+{NUMBER}, eval loss"),
+    Figure("GSM8K run: eval loss", "gsm8k_100", rf"validate step: 100 +loss: +{NUMBER}",
+           rf"\(token accuracy\s+[\d.]+, eval loss {NUMBER}\)"),
+    *(Figure(f"lm_eval table: {task or 'its'} {filter_} {metric}", "gsm8k_100", table_row(task, filter_, metric),
+             table_row(task, filter_, metric)) for task, filter_, metric in TABLE_ROWS),
+    Figure("shakespeare tasks: word perplexity, one process and the checkpoint", "gsm8k_100",
+           rf"word_perplexity\|↓  \|\s*{NUMBER}\|(?:.*\n)*?CHECKPOINT\n(?:.*\n)*?.*word_perplexity\|↓  \|\s*{NUMBER}\|",
+           rf"^\| *\| *\|none  \| *0\|word_perplexity\|↓  \|{NUMBER}\|(?:.*\n)*?table \(word_perplexity {NUMBER}, "
+           rf"the rest identical to four decimals\)"),
+    Figure("shakespeare tasks: two processes", "gsm8k_100",
+           rf"TWO\n(?:.*\n)*?.*\|acc +\|↑  \|\s*{NUMBER}\|(?:.*\n)*?.*acc_norm +\|↑  \|\s*{NUMBER}\|(?:.*\n)*?.*"
+           rf"bits_per_byte +\|↓  \|\s*{NUMBER}\|(?:.*\n)*?.*byte_perplexity\|↓  \|\s*{NUMBER}\|(?:.*\n)*?.*"
+           rf"word_perplexity\|↓  \|\s*{NUMBER}\|",
+           rf"printed the same figures for its two tasks \(acc {NUMBER}, acc_norm {NUMBER},\nbits_per_byte {NUMBER}, "
+           rf"byte_perplexity {NUMBER}, word_perplexity {NUMBER}\)"),
+]
+
+
+# ------------------------------------------------------------------------------------------ checking
+
+
+@dataclass
+class Found:
+    figure: Figure
+    readme: list[str] | None  # None: the README pattern does not match exactly once
+    printed: list[str] | None  # None: the command's output does not hold it
+    spans: list[tuple[int, int]]
+
+    @property
+    def same(self) -> bool:
+        return self.readme is not None and self.readme == self.printed
+
+
+def readme_values(figure: Figure, text: str) -> tuple[list[str] | None, list[tuple[int, int]]]:
+    matches = list(re.finditer(figure.readme, text, flags=re.M))
+    if len(matches) != 1:
+        return None, []
+    match = matches[0]
+    return list(match.groups()), [match.span(i) for i in range(1, len(match.groups()) + 1)]
+
+
+def printed_values(figure: Figure, output: str) -> list[str] | None:
+    match = re.search(figure.printed, output, flags=re.M)
+    return list(match.groups()) if match else None
+
+
+def compare(figures: list[Figure], outputs: dict[str, str], text: str) -> list[Found]:
+    found = []
+    for figure in figures:
+        readme, spans = readme_values(figure, text)
+        found.append(Found(figure, readme, printed_values(figure, outputs[figure.command]), spans))
+    return found
+
+
+def rewrite(text: str, found: list[Found]) -> str:
+    """The README with every figure its command printed put in place of the quoted one."""
+    edits = sorted(((span, value) for f in found if f.readme is not None and f.printed is not None
+                    for span, value in zip(f.spans, f.printed, strict=True)), reverse=True)
+    for (start, end), value in edits:
+        text = text[:start] + value + text[end:]
+    return text
+
+
+def run_command(name: str, command: Command) -> str:
+    """The command's output (stdout and stderr), run with bash from the checkout as a user runs it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
+    start = time.monotonic()
+    result = subprocess.run(["bash", "-c", command.line], cwd=REPO, env=env, capture_output=True, text=True)
+    output = result.stdout + result.stderr
+    if result.returncode not in command.exit_codes:
+        tail = " | ".join(output.strip().splitlines()[-3:])
+        raise RuntimeError(f"command {name} exited {result.returncode}: {command.line}\n  ... {tail}")
+    print(f"ran {name} in {time.monotonic() - start:.1f}s", flush=True)
+    LOGS.mkdir(parents=True, exist_ok=True)
+    (LOGS / f"{name}.log").write_text(output)
+    return output
+
+
+def saved_output(name: str) -> str:
+    log = LOGS / f"{name}.log"
+    if not log.is_file():
+        raise RuntimeError(f"no saved output of {name} ({log}): run the command first (without --from_logs)")
+    return log.read_text()
+
+
+def describe(f: Found) -> str:
+    if f.readme is None:
+        return f"MISSING {f.figure.name}: its pattern does not match README.md exactly once"
+    if f.printed is None:
+        return f"NOT PRINTED {f.figure.name}: command {f.figure.command} printed no such figure"
+    if f.same:
+        return f"ok {f.figure.name}: {', '.join(f.readme)}"
+    return f"DIFFERS {f.figure.name}: README {', '.join(f.readme)}; printed {', '.join(f.printed)}"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = ScriptParser(__doc__)
+    parser.add_argument("--check", action="store_true", help="compare only (exit 1 on a difference); without it the "
+                                                             "README's figures are rewritten")
+    parser.add_argument("--slow", action="store_true", help="also the slow commands (training examples, lm_eval)")
+    parser.add_argument("--only", help="comma list of command names (COMMANDS keys) to run")
+    parser.add_argument("--jobs", type=int, default=2, help="commands run at once")
+    parser.add_argument("--from_logs", action="store_true", help="read each command's output saved by an earlier "
+                                                                  "run (outputs/readme_figures) instead of running it")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args(argv)
+    chosen = {name for name, c in COMMANDS.items() if (opts.slow or not c.slow)
+              and (not opts.only or name in opts.only.split(","))}
+    figures = [f for f in FIGURES if f.command in chosen]
+    start = time.monotonic()
+    try:
+        if opts.from_logs:
+            outputs = {name: saved_output(name) for name in chosen}
+        else:
+            with ThreadPoolExecutor(max(1, opts.jobs)) as pool:
+                outputs = dict(zip(chosen, pool.map(lambda n: run_command(n, COMMANDS[n]), chosen), strict=True))
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    text = README.read_text()
+    found = compare(figures, outputs, text)
+    for f in found:
+        print(describe(f), flush=True)
+    wrong = [f for f in found if not f.same]
+    elapsed = f"{len(found)} figures from {len(chosen)} commands in {time.monotonic() - start:.0f}s"
+    if not wrong:
+        print(f"result: README.md quotes what its commands print: {elapsed}", flush=True)
+        return 0
+    if opts.check or any(f.readme is None or f.printed is None for f in wrong):
+        rerun = f".venv/bin/python scripts/update_readme_figures.py{' --slow' if opts.slow else ''}"
+        print(f"result: {len(wrong)} of {elapsed} differ from README.md ({'; '.join(f.figure.name for f in wrong)}); "
+              f"rewrite them with: {rerun}", flush=True)
+        return 1
+    README.write_text(rewrite(text, found))
+    print(f"result: README.md rewritten: {len(wrong)} of {elapsed} now as printed", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

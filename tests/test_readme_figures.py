@@ -1,0 +1,50 @@
+"""The README's figures stay true: scripts/update_readme_figures.py runs the quick commands (plans and estimates) and
+compares what they print with what README.md quotes; the training examples (slow) are checked by the same script with
+--slow. Here: the quick check itself, the registry's patterns against the README, and that a difference is caught and
+rewritten."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script():
+    path = REPO / "scripts" / "update_readme_figures.py"
+    spec = importlib.util.spec_from_file_location("update_readme_figures", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+FIGURES = load_script()
+
+
+def test_every_figure_is_quoted_once_and_printed_by_a_known_command():
+    """For the slow figures too: the README pattern matches exactly once, both sides have as many groups."""
+    text = (REPO / "README.md").read_text()
+    for figure in FIGURES.FIGURES:
+        assert figure.command in FIGURES.COMMANDS, figure.name
+        values, _ = FIGURES.readme_values(figure, text)
+        assert values is not None, f"{figure.name}: its README pattern does not match README.md exactly once"
+        assert re.compile(figure.printed).groups == len(values), figure.name
+    assert sum(not c.slow for c in FIGURES.COMMANDS.values()) >= 5
+
+
+def test_a_figure_the_command_no_longer_prints_is_caught_and_rewritten():
+    figure = FIGURES.Figure("peak", "plan", rf"^  peak +{FIGURES.NUMBER} GiB", rf"^peak {FIGURES.NUMBER} GiB \(8B\)")
+    readme = "intro\npeak 47.48 GiB (8B)\nend\n"
+    (found,) = FIGURES.compare([figure], {"plan": "...\n  peak            40.97 GiB\n"}, readme)
+    assert not found.same and FIGURES.describe(found) == "DIFFERS peak: README 47.48; printed 40.97"
+    assert FIGURES.rewrite(readme, [found]) == "intro\npeak 40.97 GiB (8B)\nend\n"
+
+
+@pytest.mark.slow  # seven DRY_RUN plans and estimates, two at a time: about 30 s
+def test_the_quick_figures_are_what_their_commands_print(capsys):
+    code = FIGURES.main(["--check"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.strip().splitlines()[-1].startswith("result: README.md quotes what its commands print: ")
