@@ -67,6 +67,7 @@ def check_ranges(cfg: JobConfig) -> None:
     check_pipeline(cfg)
     check_pruning(cfg)
     check_sheared(cfg)
+    check_distill(cfg)
 
 
 def check_training(cfg: JobConfig) -> None:
@@ -268,6 +269,22 @@ def check_sheared(cfg: JobConfig) -> None:
     for key in ("mask_lr", "lambda_lr"):
         _require(getattr(s, key) > 0, f"'sheared.{key}' must be positive, got {getattr(s, key)}")
     _require(s.target_tp_degree >= 1, f"'sheared.target_tp_degree' must be at least 1, got {s.target_tp_degree}")
+
+
+def check_distill(cfg: JobConfig) -> None:
+    d = cfg.distill
+    if not d.enable:
+        return
+    _require(bool(d.teacher_path), "'distill.enable' = true needs 'distill.teacher_path': a Hugging Face folder, a DCP "
+                                   "step folder, or 'base' (the student's own frozen base)")
+    _require(0 <= d.alpha <= 1, f"'distill.alpha' must be in [0, 1], got {d.alpha}")
+    _require(d.temperature > 0, f"'distill.temperature' must be positive, got {d.temperature}")
+    _require(cfg.parallelism.pipeline_parallel_degree == 1,
+             f"'distill.enable' does not run under pipeline parallelism ('parallelism.pipeline_parallel_degree' = "
+             f"{cfg.parallelism.pipeline_parallel_degree}): the teacher's logits would have to follow the student's "
+             "microbatches through the stages; use FSDP/HSDP, TP and CP")
+    _require(not cfg.data_mixture.enable, "'distill.enable' cannot go with 'data_mixture.enable': the mixture weighs "
+                                          "domains by their cross entropy, not by the distillation loss")
 
 
 def check_checkpoint(cfg: JobConfig) -> None:
