@@ -101,6 +101,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="memory per device for the verdict (default: the visible GPU's, else 80)")
     parser.add_argument("--remask_from", help="instead of pruning: zero --hf_assets_path's linear weights where this "
                                               "pruned HF folder has zeros (e.g. after merging a LoRA adapter)")
+    ratios = parser.add_argument_group("layer ratios (magnitude, wanda, sparsegpt; unstructured)")
+    ratios.add_argument("--layer_ratios", choices=("uniform", "owl"), default="uniform",
+                        help="every layer at --sparsity, or OWL's outlier-weighted sparsities (a layer with more "
+                             "outlier Wanda scores is pruned less; they average --sparsity)")
+    ratios.add_argument("--owl_lambda", type=float, default=0.08,
+                        help="OWL: the layers' sparsities span 2 x lambda around --sparsity")
+    ratios.add_argument("--owl_m", type=float, default=5.0,
+                        help="OWL: a score is an outlier above M x its layer's mean score")
     structured = parser.add_argument_group("taylor_structured")
     structured.add_argument("--head_ratio", type=float, default=0.0,
                             help="fraction of attention heads removed in every layer (of the query heads of each KV "
@@ -124,7 +132,9 @@ def pruning_config(opts: argparse.Namespace, device_type: str) -> JobConfig:
              "--pruning.pattern", opts.pattern, "--pruning.nsamples", str(opts.nsamples),
              "--pruning.seq_len", str(opts.seq_len), "--pruning.batch_size", str(opts.batch_size),
              "--pruning.blocksize", str(opts.blocksize), "--pruning.percdamp", str(opts.percdamp),
-             "--pruning.hold_masks", "false", "--checkpoint.export_dtype", dtype]
+             "--pruning.hold_masks", "false", "--checkpoint.export_dtype", dtype,
+             "--pruning.layer_ratios", opts.layer_ratios, "--pruning.owl_lambda", str(opts.owl_lambda),
+             "--pruning.owl_m", str(opts.owl_m)]
     if opts.skip:
         extra += ["--pruning.skip", ",".join(opts.skip)]
     if opts.calib_path:
@@ -181,7 +191,16 @@ def prune(opts: argparse.Namespace) -> None:
               f"({transform.measured.source}), estimated {format_bytes(transform.plan.peak)}", flush=True)
         linears = report["pruned_linears"]
         print(f"pruned model written to {out}: {linears['sparsity']:.2%} of the weights of {linears['count']} linear "
-              f"layers are zero ({opts.method} {opts.pattern}); report {out / REPORT_NAME}", flush=True)
+              f"layers are zero ({opts.method} {opts.pattern}{owl_summary(report)}); report {out / REPORT_NAME}",
+              flush=True)
+
+
+def owl_summary(report: dict) -> str:
+    """', OWL layer sparsities 0.4521 to 0.5473' for an OWL report, else ''."""
+    if "owl" not in report:
+        return ""
+    sparsities = [layer["sparsity"] for layer in report["owl"]["layers"].values()]
+    return f", OWL layer sparsities {min(sparsities):.4f} to {max(sparsities):.4f}"
 
 
 def remask(opts: argparse.Namespace) -> None:

@@ -503,6 +503,11 @@ class Pruning:
                                  "only exports, turns it off.")
     mask_gradients: bool = opt(True, "While training: zero the gradients of pruned weights (clipping and AdamW see "
                                      "the sparse model), besides re-applying the masks after every optimizer step.")
+    layer_ratios: Literal["uniform", "owl"] = opt(
+        "uniform", "Each layer's sparsity: uniform (every layer at 'sparsity'), or owl (outlier-weighted, OWL: a layer "
+        "with more outlier Wanda scores is pruned less; the layers average 'sparsity'). Unstructured only.")
+    owl_lambda: float = opt(0.08, "OWL: the layers' sparsities span 2 x owl_lambda around 'sparsity'.")
+    owl_m: float = opt(5.0, "OWL: a Wanda score counts as an outlier above owl_m x its layer's mean score.")
 
 
 @dataclass

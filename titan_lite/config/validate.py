@@ -248,6 +248,16 @@ def check_pruning(cfg: JobConfig) -> None:
     for key in ("nsamples", "seq_len", "batch_size", "blocksize"):
         _require(getattr(p, key) >= 1, f"'pruning.{key}' must be at least 1, got {getattr(p, key)}")
     _require(p.percdamp > 0, f"'pruning.percdamp' must be positive, got {p.percdamp}")
+    if p.layer_ratios == "owl":
+        _require(p.pattern == "unstructured", f"'pruning.layer_ratios' = 'owl' gives each layer its own sparsity, but "
+                                              f"'pruning.pattern' = '{p.pattern}' zeroes exactly the same fraction of "
+                                              "every layer; use pattern 'unstructured' or layer_ratios 'uniform'")
+        _require(p.owl_m > 0, f"'pruning.owl_m' must be positive, got {p.owl_m}")
+        low, high = p.sparsity - 2 * p.owl_lambda, p.sparsity + 2 * p.owl_lambda
+        _require(p.owl_lambda > 0 and low >= 0 and high < 1,
+                 f"'pruning.owl_lambda' = {p.owl_lambda} with 'pruning.sparsity' = {p.sparsity}: a layer's sparsity "
+                 f"may lie anywhere in sparsity +- 2 x owl_lambda = [{low:g}, {high:g}], which must be within [0, 1) "
+                 "(and owl_lambda positive)")
 
 
 def check_sheared(cfg: JobConfig) -> None:
