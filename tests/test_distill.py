@@ -224,6 +224,8 @@ REFUSALS = [
      "does not run under pipeline parallelism"),
     (lambda tmp: ["--distill.enable", "--distill.teacher_path", "base"],
      "no transform of 'model.converters' = [] keeps a base apart from what it trains"),
+    (lambda tmp: ["--distill.enable", "--distill.teacher_path", "base", "--model.converters", "lora"],
+     "with 'distill.alpha' = 1: the student starts as its own base, so the KL and its gradient are zero"),
     (lambda tmp: ["--distill.enable", "--distill.teacher_path", teacher_folder(tmp, vocab=4096)],
      "has a vocabulary of 4,096 tokens but the student ('model.flavor' = 'tiny') has 2,048"),
     (lambda tmp: ["--distill.enable", "--distill.teacher_path", teacher_folder(tmp, swap_tokens=True)],

@@ -129,6 +129,10 @@ def check_objective(plan: JobPlan) -> None:
             raise ConfigError(f"'distill.teacher_path' = '{SELF_TEACHER}' runs the student's frozen base as the "
                               f"teacher, but no transform of 'model.converters' = {cfg.model.converters} keeps a base "
                               "apart from what it trains (adapters do); name a teacher folder instead")
+        if cfg.distill.alpha == 1:
+            raise ConfigError(f"'distill.teacher_path' = '{SELF_TEACHER}' with 'distill.alpha' = 1: the student starts "
+                              "as its own base, so the KL and its gradient are zero and nothing would train; set "
+                              "alpha below 1 (the KL then keeps the fine-tuned model near its base)")
         return
     tplan = teacher_plan(plan, device_type())
     check_initial_weights(tplan.cfg)
