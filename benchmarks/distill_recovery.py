@@ -1,7 +1,8 @@
-"""Recovery of a pruned model measured the way a user runs it: the dense model depth-pruned (scripts/prune.py --method
-depth), then the same steps on the same data twice from the pruned folder (train_configs/distill_recovery_cpu.toml):
-plain training (cross entropy) and distillation from the dense model; held-out perplexity (scripts/eval_ppl.py) of
-the dense, pruned and both recovered models, and each run's throughput.
+"""Recovery of a pruned model measured the way a user runs it: the dense model width-pruned (scripts/prune.py --method
+taylor_structured, half the heads and MLP channels) or depth-pruned (--method depth), then the same steps on the same
+data twice from the pruned folder (train_configs/distill_recovery_cpu.toml): plain training (cross entropy) and
+distillation from the dense model; held-out perplexity (scripts/eval_ppl.py) of the dense, pruned and both recovered
+models, and each run's throughput.
 
     python benchmarks/distill_recovery.py --hf_assets_path outputs/debug_tied/checkpoint/step-600-hf \\
         --eval_data titan_lite/data/corpus/shakespeare/validation/midsummer_nights_dream.txt --out outputs/distill_bench
@@ -56,21 +57,29 @@ def main() -> None:
     parser.add_argument("--hf_assets_path", required=True, help="the dense (trained) HF folder: the teacher")
     parser.add_argument("--eval_data", required=True, help="held-out text to evaluate on")
     parser.add_argument("--out", required=True, help="folder for the pruned and recovered models")
-    parser.add_argument("--remove_layers", type=int, default=2, help="blocks removed by depth pruning")
+    parser.add_argument("--prune", choices=("width", "depth"), default="width",
+                        help="width: taylor_structured at --ratio of the heads and MLP channels; depth: "
+                             "--remove_layers blocks")
+    parser.add_argument("--ratio", type=float, default=0.5, help="width: fraction of heads and channels removed")
+    parser.add_argument("--remove_layers", type=int, default=2, help="depth: blocks removed")
     parser.add_argument("--steps", type=int, default=100, help="steps of each recovery run (the recipe's 100)")
     parser.add_argument("--seq_len", type=int, default=256)
     parser.add_argument("--nsamples", type=int, default=32, help="calibration windows of the depth pruning")
     parser.add_argument("--max_windows", type=int, help="evaluate only the first K windows")
     opts = parser.parse_args()
     out = Path(opts.out)
-    pruned = out / f"depth-{opts.remove_layers}"
-    script("prune.py", "--hf_assets_path", opts.hf_assets_path, "--output_dir", str(pruned), "--method", "depth",
-           "--remove_layers", str(opts.remove_layers), "--nsamples", str(opts.nsamples), "--seq_len",
-           str(opts.seq_len))
+    if opts.prune == "width":
+        pruned, what = out / f"taylor-{opts.ratio:g}", f"width-pruned, {opts.ratio:.0%} of heads and channels"
+        how = ["--method", "taylor_structured", "--head_ratio", str(opts.ratio), "--ffn_ratio", str(opts.ratio)]
+    else:
+        pruned, what = out / f"depth-{opts.remove_layers}", f"depth-pruned, {opts.remove_layers} blocks removed"
+        how = ["--method", "depth", "--remove_layers", str(opts.remove_layers)]
+    script("prune.py", "--hf_assets_path", opts.hf_assets_path, "--output_dir", str(pruned), *how, "--nsamples",
+           str(opts.nsamples), "--seq_len", str(opts.seq_len), "--batch_size", "4")
     plain, plain_tps = train(opts, pruned, out / "plain", distill=False)
     distilled, distill_tps = train(opts, pruned, out / "distilled", distill=True)
     rows = [("dense (the teacher)", perplexity(opts, Path(opts.hf_assets_path)), None),
-            (f"depth-pruned, {opts.remove_layers} blocks removed", perplexity(opts, pruned), None),
+            (what, perplexity(opts, pruned), None),
             (f"plain training, {opts.steps} steps", perplexity(opts, plain), plain_tps),
             (f"distillation, {opts.steps} steps", perplexity(opts, distilled), distill_tps)]
     print("\n| model | perplexity | training tokens/s |\n| --- | --- | --- |")
