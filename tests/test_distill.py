@@ -234,7 +234,17 @@ REFUSALS = [
      "has no config.json (not downloaded yet?): the teacher's shape is unknown; set 'distill.teacher_flavor'"),
     (lambda tmp: ["--distill.enable", "--distill.teacher_path", str(teacher_folder(tmp))],
      "no model.safetensors or model.safetensors.index.json"),
+    (lambda tmp: ["--distill.enable", "--distill.teacher_path", dcp_step_folder(tmp)],
+     "is a DCP checkpoint, but its run's config"),
 ]
+
+
+def dcp_step_folder(tmp: Path) -> str:
+    """A folder that looks like a DCP step (a .metadata file) in a run folder without its config.toml."""
+    step = tmp / "run" / "checkpoint" / "step-3"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"")
+    return str(step)
 
 
 @pytest.mark.parametrize("argv, message", REFUSALS, ids=range(len(REFUSALS)))

@@ -6,12 +6,21 @@ Every run sees the same global batch of 8 sequences per step (one-window documen
 the teacher is the tiny flavor perturbed away from the student's initialisation.
 """
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.integration.harness import Run, assert_losses_close, one_window_dataset, perturbed_hf_folder, run_train
+from tests.integration.harness import (
+    REPO,
+    Run,
+    assert_losses_close,
+    one_window_dataset,
+    perturbed_hf_folder,
+    run_train,
+)
 
 SEQ_LEN, GLOBAL_BATCH, STEPS = 64, 8, 3
 DISTILL = ["--distill.enable", "--distill.alpha", "0.5", "--distill.temperature", "2", "--training.steps", str(STEPS)]
@@ -83,3 +92,19 @@ def test_the_self_teacher_equals_an_explicit_copy_of_the_base(common, tmp_path):
     assert_losses_close(copy, own.tb_losses(), 1e-6)
     assert scalars(own, "distill/kl")[1] == 0.0 and scalars(copy, "distill/kl")[1] == 0.0
     assert scalars(own, "distill/kl")[STEPS] > 0  # the adapters moved the student away from its base
+
+
+def test_a_dcp_teacher_with_its_runs_config_equals_the_hf_teacher(common, reference, tmp_path):
+    """The teacher as a DCP step folder (scripts/convert_checkpoint.py hf-to-dcp) whose shape comes from the run's
+    config.toml two folders up: the same losses as the HF folder it came from."""
+    hf = common[common.index("--distill.teacher_path") + 1]
+    step = tmp_path / "teacher_run" / "checkpoint" / "step-7"
+    convert = subprocess.run([sys.executable, str(REPO / "scripts" / "convert_checkpoint.py"), "hf-to-dcp", hf,
+                              str(step)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert convert.returncode == 0, convert.stderr[-2000:]
+    (tmp_path / "teacher_run" / "config.toml").write_text('[model]\nflavor = "tiny"\n'
+                                                          'hf_assets_path = "./assets/tokenizer"\n')
+    run = run_train([*common, "--training.local_batch_size", "8", "--distill.teacher_path", str(step)],
+                    tmp_path / "run")
+    assert f"distill: teacher tiny from '{step}'" in run.output, run.output[-3000:]
+    assert_losses_close(run, reference.tb_losses(), 1e-6)
