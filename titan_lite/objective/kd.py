@@ -107,11 +107,8 @@ class ChunkedDistillSum(torch.autograd.Function):
         kl = torch.empty(student.shape[0], dtype=torch.float32, device=student.device)
         ce = torch.empty_like(kl)
         for rows in _row_blocks(student.shape[0], student.shape[1], student.device):
-            kl[rows], ce[rows], block_grad = _block(student[rows], teacher[rows], labels[rows], valid[rows], spec,
-                                                    shard, grad is not None)
-            if grad is not None:
-                grad[rows].copy_(block_grad)
-            del block_grad
+            kl[rows], ce[rows] = _block(student[rows], teacher[rows], labels[rows], valid[rows], spec, shard,
+                                        grad[rows] if grad is not None else None)
         kl_sum, ce_sum = (kl * valid).sum(), (ce * valid).sum()
         t2 = spec.temperature ** 2
         loss = spec.alpha * t2 * kl_sum + (1 - spec.alpha) * ce_sum
@@ -140,65 +137,66 @@ def _gradient_buffer(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tens
 
 
 def _block(s_raw: torch.Tensor, t_raw: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, spec: DistillLoss,
-           shard: VocabShard, with_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(row KL, row cross entropy, gradient of alpha T^2 KL + (1 - alpha) CE for the block's valid rows or None)
-    of one block of rows (this rank's vocab columns), in float32."""
-    inv_t = 1.0 / spec.temperature
-    log_p = s_raw.to(torch.float32, copy=True)  # becomes log softmax(s / T)
-    log_q = t_raw.to(torch.float32, copy=True)  # becomes log softmax(t / T)
-    if spec.temperature != 1.0:
-        log_p.mul_(inv_t)
-        log_q.mul_(inv_t)
-    plain_ce = spec.temperature == 1.0  # the cross entropy's softmax (T = 1) is the student's
-    maxima = [log_p.amax(dim=1), log_q.amax(dim=1)] + ([] if plain_ce else [s_raw.amax(dim=1).float()])
-    maxima = shard.max_(torch.stack(maxima))
-    log_p.sub_(maxima[0][:, None])
-    log_q.sub_(maxima[1][:, None])
-    p, q = log_p.exp(), log_q.exp()
-    sums = [p.sum(dim=1), q.sum(dim=1)]
-    ce_probs = None
-    if not plain_ce:
-        ce_probs = s_raw.float().sub(maxima[2][:, None]).exp_()
-        sums.append(ce_probs.sum(dim=1))
-    sums = shard.sum_(torch.stack(sums))
+           shard: VocabShard, grad_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row KL, row cross entropy) of one block of rows (this rank's vocab columns), in float32; with grad_rows (the
+    block's rows of the gradient buffer, possibly the teacher's own logits: read before written) the gradient of
+    alpha T^2 KL + (1 - alpha) CE, zero on ignored rows, is written there.
+
+    With z = (logits - their row maximum) / T and Z the rows' exponential sums, log softmax = z - log Z, so log q -
+    log p = (z_t - z_s) + (log Z_s - log Z_t) and KL(q || p) = sum(exp(z_t) (z_t - z_s)) / Z_t + log Z_s - log Z_t
+    (the weights summing to 1 over the whole vocabulary): the log-softmaxes are never written out."""
+    reverse, plain_ce = spec.kind == "reverse", spec.temperature == 1.0  # at T = 1 the CE's softmax is the KL's
+    maxima = shard.max_(torch.stack([s_raw.amax(dim=1).float(), t_raw.amax(dim=1).float()]))
+    z_s, z_t = _shifted(s_raw, maxima[0], spec.temperature), _shifted(t_raw, maxima[1], spec.temperature)
+    p, q = z_s.exp(), z_t.exp()  # unnormalised: divided by their sums where used
+    ce_exp = None if plain_ce else torch.sub(s_raw, maxima[0][:, None]).exp_()  # float32: the maxima are
+    sums = shard.sum_(torch.stack([p.sum(dim=1), q.sum(dim=1)] + ([] if plain_ce else [ce_exp.sum(dim=1)])))
     log_sums = sums.log()
-    log_p.sub_(log_sums[0][:, None])
-    log_q.sub_(log_sums[1][:, None])
-    p.div_(sums[0][:, None])
-    q.div_(sums[1][:, None])
-    diff = torch.sub(log_p, log_q) if spec.kind == "reverse" else torch.sub(log_q, log_p)
-    del log_p, log_q
-    weighted = torch.mul(diff, p if spec.kind == "reverse" else q)
+    # log p - log q (forward: log q - log p) but for a constant per row, `shift`
+    diff, shift = (z_s.sub_(z_t), log_sums[1] - log_sums[0]) if reverse else (z_t.sub_(z_s), log_sums[0] - log_sums[1])
+    del z_s, z_t
+    weights, weight_sum = (p, sums[0]) if reverse else (q, sums[1])
     local, in_shard = labels - shard.offset, (labels >= shard.offset) & (labels < shard.offset + s_raw.shape[1])
     local = torch.where(in_shard, local, 0)
     target = s_raw.gather(1, local[:, None]).squeeze(1).float() * in_shard
-    kl_target = shard.sum_(torch.stack([weighted.sum(dim=1), target]))
-    del weighted
-    kl = kl_target[0]
-    lse = (maxima[0] + log_sums[0]) if plain_ce else (maxima[2] + log_sums[2])
-    ce = lse - kl_target[1]
-    if not with_grad:
-        return kl, ce, None
-    if ce_probs is None:
-        ce_probs = p if spec.alpha < 1 else None
-    else:
-        ce_probs.div_(sums[2][:, None])
-    grad = _block_gradient(p, q, diff, kl, ce_probs, local, in_shard, valid, spec)
-    return kl, ce, grad
+    dots = torch.linalg.vecdot(weights, diff, dim=1)
+    dots_target = shard.sum_(torch.stack([dots, target]))
+    kl = dots_target[0] / weight_sum + shift
+    lse = maxima[0] + (log_sums[0] if plain_ce else log_sums[2])
+    ce = lse - dots_target[1]
+    if grad_rows is not None:
+        out = grad_rows if grad_rows.dtype == torch.float32 else torch.empty_like(p)
+        _write_gradient(out, p, q, diff, shift - kl, ce_exp, sums, local, in_shard, valid, spec)
+        if out is not grad_rows:
+            grad_rows.copy_(out)
+    return kl, ce
 
 
-def _block_gradient(p: torch.Tensor, q: torch.Tensor, diff: torch.Tensor, kl: torch.Tensor,
-                    ce_probs: torch.Tensor | None, local_labels: torch.Tensor, in_shard: torch.Tensor,
-                    valid: torch.Tensor, spec: DistillLoss) -> torch.Tensor:
-    """d(alpha T^2 KL + (1 - alpha) CE)/ds of a block's rows (zero on ignored rows), reusing diff's memory.
-    For the reverse kind diff holds log p - log q; for the forward kind it is not needed."""
-    kl_weight = spec.alpha * spec.temperature
+def _shifted(logits: torch.Tensor, row_max: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A new float32 tensor (logits - row_max) / T (the subtraction promotes bf16 logits to the maxima's float32)."""
+    z = torch.sub(logits, row_max[:, None])
+    return z if temperature == 1.0 else z.mul_(1.0 / temperature)
+
+
+def _write_gradient(out: torch.Tensor, p: torch.Tensor, q: torch.Tensor, diff: torch.Tensor, offset: torch.Tensor,
+                    ce_exp: torch.Tensor | None, sums: torch.Tensor, local_labels: torch.Tensor,
+                    in_shard: torch.Tensor, valid: torch.Tensor, spec: DistillLoss) -> None:
+    """d(alpha T^2 KL + (1 - alpha) CE)/ds of a block's rows into `out` (float32), the softmax normalisations and the
+    ignored rows folded into per-row factors. Forward: T (p - q); reverse: T p (log p - log q - KL), where diff +
+    offset is log p - log q - KL (diff is consumed); cross entropy: softmax(s) - onehot."""
+    rows_in = valid.float()
+    kl_weight, ce_weight = spec.alpha * spec.temperature * rows_in, (1 - spec.alpha) * rows_in
+    ce_sum = sums[0] if ce_exp is None else sums[2]
     if spec.kind == "reverse":
-        grad = diff.sub_(kl[:, None]).mul_(p).mul_(kl_weight)
+        torch.mul(diff.add_(offset[:, None]).mul_(p), (kl_weight / sums[0])[:, None], out=out)
+        if spec.alpha < 1:
+            out.addcmul_(p if ce_exp is None else ce_exp, (ce_weight / ce_sum)[:, None])
     else:
-        grad = torch.sub(p, q, out=diff).mul_(kl_weight)
+        p_weight = kl_weight + (ce_weight if ce_exp is None else 0)  # at T = 1 the CE's probabilities are p
+        torch.mul(p, (p_weight / sums[0])[:, None], out=out)
+        out.addcmul_(q, (-kl_weight / sums[1])[:, None])
+        if ce_exp is not None and spec.alpha < 1:
+            out.addcmul_(ce_exp, (ce_weight / ce_sum)[:, None])
     if spec.alpha < 1:
-        grad.add_(ce_probs, alpha=1 - spec.alpha)
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, local_labels] -= (1 - spec.alpha) * in_shard.float()
-    return grad.mul_(valid[:, None])
+        rows = torch.arange(out.shape[0], device=out.device)
+        out[rows, local_labels] -= ce_weight * in_shard.float()
