@@ -3,8 +3,8 @@ whole or vocab-sharded (loss parallel) logits, with its gradient made in the for
 
 KL is KL(teacher_T || student_T) (kind "forward", Minitron's) or KL(student_T || teacher_T) ("reverse"), of the
 softmaxes at temperature T. Per block of rows everything runs in float32: the row maxima and exponential sums (all-
-reduced over the vocab shards when the logits are sharded: a distributed logsumexp), both log-softmaxes, the row KL,
-the cross entropy at T = 1, and the gradient of the block, written in the logits' dtype into the teacher's logits
+reduced over the vocab shards when the logits are sharded: a distributed logsumexp), the row KL from the shifted
+logits and those sums, the cross entropy at T = 1, and the gradient of the block, written into the teacher's logits
 (consumed: after the loss they hold the student's gradient; a new buffer when their dtype or layout differs). So
 the loss adds no [tokens, vocab] tensor beyond the two logits, and no float32 one (on CPU fp32 logits are already
 float32; the temporaries are float32 blocks of _CHUNK_ELEMENTS).
