@@ -197,6 +197,27 @@ class PairedVariant(Variant):
 
 
 @dataclass
+class DistillVariant(Variant):
+    """Distillation's step cost on a shape: plain steps, distilled steps and the teacher's forward alone, alternating
+    in one process (benchmarks.worker --impl distill); the teacher is a random model of `teacher`'s flavor."""
+
+    shape: str = "debug"
+    teacher: str | None = None  # a flavor; None = the shape's own (a teacher the student's size)
+
+    def command(self, settings: Settings) -> tuple[list[str], dict[str, str]]:
+        args = ["-m", "benchmarks.worker", "--impl", "distill", "--shape", self.shape, "--steps", str(settings.steps),
+                "--warmup", str(settings.warmup)] + (["--teacher", self.teacher] if self.teacher else [])
+        return [sys.executable, *args], {"OMP_NUM_THREADS": str(settings.threads)}
+
+    def metrics(self, out: RunOutput) -> dict[str, float]:
+        r = _single_result(self.label, out)
+        plain, distilled = statistics.median(r["step_s"]), statistics.median(r["distill_step_s"])
+        return {"step_s": plain, "distill_step_s": distilled, "teacher_forward_s": statistics.median(
+                r["teacher_forward_s"]), "teacher_cost_s": distilled - plain,
+                "peak_rss_gib": r["peak_rss_bytes"] / 2**30, "foreign_cores": _foreign_cores(r)}
+
+
+@dataclass
 class DryRunVariant(Variant):
     """DRY_RUN=1 planning of a full-size job, as `run_train.sh` runs it: wall time and peak RSS of the process."""
 
@@ -389,6 +410,28 @@ def _float8(shape: str) -> Case:
 
 for _shape in ("debug", "tiny"):
     register_case(f"float8_{_shape}")(lambda s=_shape: _float8(s))
+
+
+def _distill(shape: str, teacher: str | None) -> Case:
+    variant = DistillVariant(f"student {SHAPES[shape].flavor}, teacher {teacher or SHAPES[shape].flavor}",
+                             shape=shape, teacher=teacher)
+    v = variant.label
+    # Goal (issue 33): the teacher adds at most its forward pass to a step, about a third of a step of its size.
+    return Case(f"distill_{shape}", f"distillation's step cost, {SHAPES[shape].batch} x {SHAPES[shape].seq_len} "
+                "tokens, 1 process; plain, distilled steps and the teacher's forward alternating in one process",
+                [variant],
+                [Ratio("distilled / plain step time", "distill_step_s", v, v, higher_is_better=False,
+                       denominator_metric="step_s"),
+                 Ratio("teacher's cost in a step / its forward alone", "teacher_cost_s", v, v, target=1.0,
+                       higher_is_better=False, denominator_metric="teacher_forward_s"),
+                 Ratio("teacher's forward / plain step", "teacher_forward_s", v, v, higher_is_better=False,
+                       denominator_metric="step_s")],
+                columns=("step_s", "distill_step_s", "teacher_forward_s", "teacher_cost_s", "peak_rss_gib"),
+                min_rounds=3)
+
+
+register_case("distill_debug")(lambda: _distill("debug", None))
+register_case("distill_tiny")(lambda: _distill("tiny", None))  # smoke tests
 
 
 @register_case("dry_run")

@@ -39,7 +39,8 @@ _LABELS = {"tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "step_s": "step s", "
            "wall_s": "wall s", "cpu_s": "CPU s", "gflops": "GFLOP/s", "cpu_s_per_step": "CPU s/step",
            "sys_s_per_step": "sys s/step",
            "prune_s": "prune s", "floor_s": "floor s", "transformers_step_s": "HF step s",
-           "kernel_floor_s": "kernels s"}
+           "kernel_floor_s": "kernels s", "distill_step_s": "distilled s", "teacher_forward_s": "teacher fwd s",
+           "teacher_cost_s": "teacher cost s"}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

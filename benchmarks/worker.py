@@ -4,6 +4,10 @@ Run by benchmarks/run.py (directly, or under torchrun for FSDP); not meant to be
 
     .venv/bin/python -m benchmarks.worker --impl titan_lite --shape debug --steps 10 --warmup 3
 
+With --impl distill it trains the shape with distillation from a teacher (a random HF folder of --teacher's flavor)
+and alternates, in this one process, plain steps (cross entropy), distilled steps and the teacher's forward alone:
+what the teacher adds to a step against what its forward costs.
+
 With --impl paired it alternates titan_lite's and transformers' steps in this one process instead and prints their
 ratio (a check on the separate-process comparison, which also measures each process's allocator behaviour), then
 each step's kernel floor (its matmuls and attention kernels replayed alone, benchmarks/kernel_floor.py) and the most
@@ -35,14 +39,16 @@ from benchmarks.cli import parser
 from benchmarks.kernel_floor import floor_summary, record_step
 from benchmarks.shapes import SHAPES, Shape
 from titan_lite import distributed as tl_dist
+from titan_lite.checkpoint.hf import write_hf_folder
 from titan_lite.config import parse_args
 from titan_lite.dry_run import plan_rank
 from titan_lite.job.assembly import assemble_model
 from titan_lite.job.plan import plan_job
 from titan_lite.job.script import start_job
+from titan_lite.loss import Objective
 from titan_lite.metrics.flops import num_flops_per_token, peak_flops
 from titan_lite.metrics.memory import measure_peak
-from titan_lite.models.llama import Llama, LlamaArgs
+from titan_lite.models.llama import Llama, LlamaArgs, flavor_args
 from titan_lite.models.llama.hf import args_to_hf_config
 from titan_lite.models.llama.model import canonical_name
 from titan_lite.train import Trainer
@@ -56,7 +62,7 @@ _LR, _BETAS, _EPS, _WEIGHT_DECAY, _MAX_NORM = 1e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = parser(__doc__, ".venv/bin/python -m benchmarks.worker")
-    p.add_argument("--impl", choices=["titan_lite", "transformers", "paired", "floor", "matmul", "wanda"],
+    p.add_argument("--impl", choices=["titan_lite", "transformers", "paired", "floor", "matmul", "wanda", "distill"],
                    required=True,
                    help="matmul: the machine's fp32 matmul rate (no shape); wanda: one-shot Wanda 50%% on the shape "
                         "(random weights) against its floor, one forward pass over the same calibration windows; "
@@ -83,6 +89,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="titan_lite, one process: also report DRY_RUN's estimated peak of the same run (planned with "
                         "the CPU's float32 compute) and the storage of the frozen block linears against bfloat16")
     p.add_argument("--nsamples", type=int, default=32, help="wanda: calibration windows of the shape's seq_len")
+    p.add_argument("--teacher", default=None, help="distill: the teacher's flavor (default: the shape's)")
     p.add_argument("--profile", default=None, help="write a torch.profiler table of 2 steps after the timed ones")
     return p.parse_args(argv)
 
@@ -153,6 +160,52 @@ def tensor_peak_bytes(trainer: Trainer, step: Callable[[int], float], i: int) ->
     with measure_peak(torch.device("cpu"), [p for m in trainer.model_parts for p in m.parameters()] + state) as peak:
         step(i)
     return peak.bytes
+
+
+# ------------------------------------------------------------------------------------------ distill
+
+
+def distill_steps(shape: Shape, opts: argparse.Namespace, dump_folder: str) -> dict:
+    """Plain steps, distilled steps and the teacher's forward alone, alternating on one trainer (the objective
+    switched per step) over the same batches, each round in turn order reversed: per-step seconds of each."""
+    teacher_args = flavor_args(opts.teacher or shape.flavor)
+    teacher = Llama(teacher_args)
+    teacher.init_weights(seed=1)
+    folder = os.path.join(dump_folder, "teacher")
+    write_hf_folder(dict(teacher.named_parameters()), teacher_args, folder, torch.float32, "assets/tokenizer")
+    del teacher
+    opts.overrides = f"{opts.overrides or ''} --distill.enable --distill.teacher_path {folder}"
+    step, trainer = titan_lite_step(shape, opts, dump_folder)
+    runner = trainer.model.runner
+    distilled, plain = runner.objective, Objective(runner.loss_fn)
+    batches = [random_batch(shape, trainer.plan.model_args.vocab_size, seed=i)[0] for i in range(4)]
+
+    def with_objective(objective: Objective) -> Callable[[int], float]:
+        def run(i: int) -> float:
+            runner.use_objective(objective)
+            return step(i)
+        return run
+
+    def teacher_forward(i: int) -> float:
+        with runner.context():
+            distilled.teacher_logits(lambda model: runner.logits(model, batches[i % len(batches)]))
+        return 0.0
+    work = {"step_s": with_objective(plain), "distill_step_s": with_objective(distilled),
+            "teacher_forward_s": teacher_forward}
+    for i in range(opts.warmup):
+        for fn in work.values():
+            fn(i)
+    times: dict[str, list[float]] = {name: [] for name in work}
+    busy0, cpu0, wall0 = machine_busy_seconds(), time.process_time(), time.perf_counter()
+    for i in range(opts.warmup, opts.warmup + opts.steps):
+        for name in (list(work) if i % 2 else list(work)[::-1]):
+            start = time.perf_counter()
+            work[name](i)
+            times[name].append(time.perf_counter() - start)
+    wall, cpu, busy1 = time.perf_counter() - wall0, time.process_time() - cpu0, machine_busy_seconds()
+    return {**times, "losses": [0.0], "wall_s": wall, "own_cpu_s": cpu,
+            "machine_busy_s": None if busy0 is None or busy1 is None else busy1 - busy0,
+            "teacher_flavor": opts.teacher or shape.flavor}
 
 
 # ------------------------------------------------------------------------------------------ wanda
@@ -360,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
             result = paired_steps(shape, opts, dump_folder)
         elif opts.impl == "floor":
             result = steps_against_floor(shape, opts, dump_folder)
+        elif opts.impl == "distill":
+            result = distill_steps(shape, opts, dump_folder)
         else:
             trainer, planned = None, None
             if opts.impl == "titan_lite":
@@ -387,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                                             a.n_layers, a.n_heads, a.head_dim, shape.seq_len),
     )
     print_results(result)
-    if opts.impl in ("titan_lite", "wanda", "paired", "floor"):
+    if opts.impl in ("titan_lite", "wanda", "paired", "floor", "distill"):
         tl_dist.shutdown()
     return 0
 

@@ -2,7 +2,9 @@
 Hugging Face folder plus a per-layer sparsity report. Prints the memory plan before calibrating and the measured
 peak after. Runs on one process or under torchrun (FSDP over the processes, --tp for tensor parallelism).
 --method taylor_structured removes whole attention heads and MLP channels instead (first-order Taylor importance,
-LLM-Pruner style) and writes a smaller dense Llama with its own config.json, plus a structure report.
+LLM-Pruner style) and writes a smaller dense Llama with its own config.json, plus a structure report; --method depth
+removes whole blocks (ShortGPT's block influence, or --layers_to_remove) and writes a shallower one, plus a depth
+report. --layer_ratios owl gives each layer of magnitude, Wanda or SparseGPT its own sparsity (OWL).
 
     .venv/bin/python scripts/prune.py --hf_assets_path assets/hf/Llama-3.2-1B --output_dir outputs/pruned-1B \\
         --method wanda --sparsity 0.5 --pattern 2:4 --calib_path /data/c4/en/c4-train.00000-of-01024.json.gz \\
@@ -15,6 +17,8 @@ LLM-Pruner style) and writes a smaller dense Llama with its own config.json, plu
     torchrun --nproc_per_node 2 scripts/prune.py --hf_assets_path assets/hf/Llama-3.1-8B \\
         --output_dir outputs/8B-taylor --method taylor_structured --head_ratio 0.25 --ffn_ratio 0.25 \\
         --nsamples 10 --seq_len 64                                      # whole heads and MLP channels removed
+    python scripts/prune.py --hf_assets_path assets/hf/Llama-3.1-8B --output_dir outputs/8B-depth24 \
+        --method depth --remove_layers 8 --nsamples 64 --seq_len 2048   # the 8 least influential blocks removed
 """
 
 import argparse
@@ -30,11 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_lite.checkpoint.hf import export_hf, gather_full_state_dict
 from titan_lite.config import JobConfig
-from titan_lite.dry_run import device_memory_gib, pass_verdict, plan_passes
+from titan_lite.dry_run import device_memory_gib, pass_verdict, plan_passes, with_rank_parts
 from titan_lite.errors import ConfigError
 from titan_lite.job.assembly import assemble_model, calibration_source, hf_weight_loader
 from titan_lite.job.cli import ScriptParser
-from titan_lite.job.plan import plan_job
+from titan_lite.job.plan import JobPlan, plan_job
 from titan_lite.job.script import (
     DTYPES,
     atomic_folder,
@@ -49,9 +53,18 @@ from titan_lite.job.script import (
 from titan_lite.metrics.memory import measure_peak
 from titan_lite.models.llama.args import LlamaArgs
 from titan_lite.parallel.memory_estimate import GIB
-from titan_lite.transforms.pruning.memory_plan import format_bytes
+from titan_lite.transforms import PassPlan
+from titan_lite.transforms.pruning.memory_plan import format_bytes, precision
 from titan_lite.transforms.pruning.remask import remask_hf_folder
 from titan_lite.transforms.pruning.transform import REPORT_NAME, sparsity_report, write_report
+from titan_lite.transforms.structured.depth import (
+    block_influence,
+    blocks_to_remove,
+    check_depth_layout,
+    check_removal,
+    depth_keep,
+    depth_pass_plan,
+)
 from titan_lite.transforms.structured.materialize import (
     StructureKeep,
     materialize_state_dict,
@@ -67,6 +80,7 @@ from titan_lite.transforms.structured.taylor import (
 )
 
 STRUCTURE_REPORT_NAME = "structure_report.json"
+DEPTH_REPORT_NAME = "depth_report.json"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,9 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="HF folder: config.json, tokenizer and safetensors (only the tokenizer with "
                              "--estimate_only and --flavor)")
     parser.add_argument("--output_dir", help="the pruned HF folder to write (replaced if it exists)")
-    parser.add_argument("--method", choices=("wanda", "magnitude", "sparsegpt", "taylor_structured"),
-                        default="wanda", help="unstructured or N:M pruning (wanda, magnitude, sparsegpt), or whole "
-                                              "heads and MLP channels removed (taylor_structured)")
+    parser.add_argument("--method", choices=("wanda", "magnitude", "sparsegpt", "taylor_structured", "depth"),
+                        default="wanda", help="unstructured or N:M pruning (wanda, magnitude, sparsegpt), whole "
+                                              "heads and MLP channels removed (taylor_structured), or whole blocks "
+                                              "removed (depth)")
     parser.add_argument("--sparsity", type=float, default=0.5, help="fraction of each pruned linear set to zero")
     parser.add_argument("--pattern", choices=("unstructured", "2:4", "4:8"), default="unstructured",
                         help="which weights compete: a whole row, or N of every M consecutive inputs")
@@ -101,6 +116,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="memory per device for the verdict (default: the visible GPU's, else 80)")
     parser.add_argument("--remask_from", help="instead of pruning: zero --hf_assets_path's linear weights where this "
                                               "pruned HF folder has zeros (e.g. after merging a LoRA adapter)")
+    ratios = parser.add_argument_group("layer ratios (magnitude, wanda, sparsegpt; unstructured)")
+    ratios.add_argument("--layer_ratios", choices=("uniform", "owl"), default="uniform",
+                        help="every layer at --sparsity, or OWL's outlier-weighted sparsities (a layer with more "
+                             "outlier Wanda scores is pruned less; they average --sparsity)")
+    ratios.add_argument("--owl_lambda", type=float, default=0.08,
+                        help="OWL: the layers' sparsities span 2 x lambda around --sparsity")
+    ratios.add_argument("--owl_m", type=float, default=5.0,
+                        help="OWL: a score is an outlier above M x its layer's mean score")
     structured = parser.add_argument_group("taylor_structured")
     structured.add_argument("--head_ratio", type=float, default=0.0,
                             help="fraction of attention heads removed in every layer (of the query heads of each KV "
@@ -112,6 +135,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  "kv_group: remove whole KV groups (a KV head and its query heads)")
     structured.add_argument("--keep_first_last", action="store_true",
                             help="keep the first and last layers at full width (refused: see the README)")
+    depth = parser.add_argument_group("depth")
+    depth.add_argument("--remove_layers", type=int,
+                       help="remove this many blocks: those of lowest block influence 1 - cos(input, output)")
+    depth.add_argument("--layers_to_remove", help="remove these blocks instead (comma list of indices, e.g. 20,21)")
     opts = parser.parse_args(argv)
     if not opts.estimate_only and not opts.output_dir:
         parser.error("--output_dir is required (or pass --estimate_only)")
@@ -124,7 +151,9 @@ def pruning_config(opts: argparse.Namespace, device_type: str) -> JobConfig:
              "--pruning.pattern", opts.pattern, "--pruning.nsamples", str(opts.nsamples),
              "--pruning.seq_len", str(opts.seq_len), "--pruning.batch_size", str(opts.batch_size),
              "--pruning.blocksize", str(opts.blocksize), "--pruning.percdamp", str(opts.percdamp),
-             "--pruning.hold_masks", "false", "--checkpoint.export_dtype", dtype]
+             "--pruning.hold_masks", "false", "--checkpoint.export_dtype", dtype,
+             "--pruning.layer_ratios", opts.layer_ratios, "--pruning.owl_lambda", str(opts.owl_lambda),
+             "--pruning.owl_m", str(opts.owl_m)]
     if opts.skip:
         extra += ["--pruning.skip", ",".join(opts.skip)]
     if opts.calib_path:
@@ -181,7 +210,16 @@ def prune(opts: argparse.Namespace) -> None:
               f"({transform.measured.source}), estimated {format_bytes(transform.plan.peak)}", flush=True)
         linears = report["pruned_linears"]
         print(f"pruned model written to {out}: {linears['sparsity']:.2%} of the weights of {linears['count']} linear "
-              f"layers are zero ({opts.method} {opts.pattern}); report {out / REPORT_NAME}", flush=True)
+              f"layers are zero ({opts.method} {opts.pattern}{owl_summary(report)}); report {out / REPORT_NAME}",
+              flush=True)
+
+
+def owl_summary(report: dict) -> str:
+    """', OWL layer sparsities 0.4521 to 0.5473' for an OWL report, else ''."""
+    if "owl" not in report:
+        return ""
+    sparsities = [layer["sparsity"] for layer in report["owl"]["layers"].values()]
+    return f", OWL layer sparsities {min(sparsities):.4f} to {max(sparsities):.4f}"
 
 
 def remask(opts: argparse.Namespace) -> None:
@@ -281,19 +319,170 @@ def prune_structured(opts: argparse.Namespace) -> None:
         dist.barrier()
 
 
-def refuse_structured_flags(opts: argparse.Namespace) -> None:
-    raise ConfigError(f"--head_ratio, --ffn_ratio, --head_mode and --keep_first_last apply to --method "
-                      f"taylor_structured, not {opts.method}")
+# ------------------------------------------------------------------------------------------ depth
+
+
+def removal_list(opts: argparse.Namespace) -> list[int] | None:
+    """--layers_to_remove as indices (None when the lowest-influence blocks are chosen)."""
+    if opts.layers_to_remove is None:
+        return None
+    try:
+        return [int(i) for i in opts.layers_to_remove.split(",")]
+    except ValueError:
+        raise ConfigError(f"--layers_to_remove '{opts.layers_to_remove}' is not a comma list of block indices "
+                          "(e.g. 20,21)") from None
+
+
+def check_depth_options(opts: argparse.Namespace) -> None:
+    if (opts.remove_layers is None) == (opts.layers_to_remove is None):
+        raise ConfigError("--method depth needs one of --remove_layers K (the K blocks of lowest influence) or "
+                          "--layers_to_remove i,j (those blocks)")
+    if opts.remove_layers is not None and opts.remove_layers < 1:
+        raise ConfigError(f"--remove_layers {opts.remove_layers} must be at least 1")
+    removal_list(opts)
+    if not opts.estimate_only:
+        check_output(opts)
+    if opts.calib_path:
+        check_text_data("--calib_path", opts.calib_path)
+
+
+def depth_config(opts: argparse.Namespace, device_type: str) -> JobConfig:
+    """The source model's job for scoring: its own shapes, weights and compute in the chosen dtype."""
+    dtype = resolve_dtype(opts.dtype, device_type)
+    extra = ["--checkpoint.export_dtype", dtype]
+    if opts.device_memory_gib is not None:
+        extra += ["--dry_run.device_memory_gib", str(opts.device_memory_gib)]
+    return job_config(opts.hf_assets_path, opts.flavor, dtype, opts.seq_len, opts.tp, extra)
+
+
+def depth_plan(plan: JobPlan, cfg: JobConfig, opts: argparse.Namespace) -> PassPlan:
+    """The scoring pass's memory on rank 0 of the plan's world, for an accelerator (parts on the meta device)."""
+    def of(parts, dims):
+        p = precision(cfg, dims, "cuda", getattr(torch, cfg.training.dtype))
+        return depth_pass_plan(plan.model_args, dims, parts, opts.nsamples, opts.batch_size, opts.seq_len, p)
+    return with_rank_parts(plan, 0, of)
+
+
+def estimate_depth(opts: argparse.Namespace) -> None:
+    check_depth_options(opts)
+    cfg = depth_config(opts, "cuda")
+    plan = plan_job(cfg, opts.ngpu)
+    check_depth_layout(plan.parallel_dims)
+    check_removal_count(opts, plan.model_args.n_layers)
+    capacity = device_memory_gib(cfg)
+    scoring = depth_plan(plan, cfg, opts)
+    print(f"{cfg.model.flavor}: {plan.full_param_count():,} parameters, {plan.model_args.n_layers} blocks; depth, "
+          f"{opts.nsamples} x {opts.seq_len} calibration tokens in batches of {opts.batch_size}; "
+          f"{plan.parallel_dims.describe()}; {cfg.training.dtype}")
+    print("memory plan per device:")
+    print("\n".join([*scoring.rows, f"  verdict: {pass_verdict(scoring, capacity)}"]))
+    if scoring.peak / GIB > capacity:
+        raise ConfigError(f"the plan does not fit: {scoring.peak / GIB:.2f} GiB per device against {capacity:.2f} GiB; "
+                          f"{scoring.advice}")
+    print(f"estimate: peak {scoring.peak / GIB:.2f} GiB per device fits {capacity:.2f} GiB")
+
+
+def check_removal_count(opts: argparse.Namespace, n_layers: int) -> None:
+    removed = removal_list(opts)
+    if removed is not None:
+        check_removal(removed, n_layers, "--layers_to_remove")
+    elif opts.remove_layers >= n_layers:
+        raise ConfigError(f"--remove_layers {opts.remove_layers} would remove every one of the model's {n_layers} "
+                          "blocks; keep at least one")
+
+
+def depth_report(opts: argparse.Namespace, args: LlamaArgs, new_args: LlamaArgs, scores: list[float],
+                 removed: list[int], seconds: float) -> dict:
+    before, after = param_count(args), param_count(new_args)
+    return {
+        "method": "depth", "importance": "block influence: 1 - mean over tokens of cos(block input, block output)",
+        "chosen_by": "--layers_to_remove" if opts.layers_to_remove else f"--remove_layers {opts.remove_layers}",
+        "calibration": {"path": opts.calib_path or "shakespeare", "nsamples": opts.nsamples, "seq_len": opts.seq_len},
+        "block_influence": {str(i): score for i, score in enumerate(scores)},
+        "removed": removed, "kept": [i for i in range(args.n_layers) if i not in removed],
+        "parameters": {"before": before, "after": after, "removed_fraction": 1 - after / before},
+        "seconds": round(seconds, 3),
+    }
+
+
+def prune_depth(opts: argparse.Namespace) -> None:
+    """Score every block on the sharded model (every rank gets the same scores), choose the blocks, and let rank 0
+    write the shallower model."""
+    check_depth_options(opts)
+    begin = time.monotonic()
+    device_type = "cpu" if not torch.accelerator.is_available() else torch.accelerator.current_accelerator().type
+    cfg = depth_config(opts, device_type)
+    plan, device = start_job(cfg)
+    check_depth_layout(plan.parallel_dims)
+    args = plan.model_args
+    check_removal_count(opts, args.n_layers)
+    built = assemble_model(plan, device, load=hf_weight_loader(plan, opts.hf_assets_path))
+    if is_rank0():
+        p = precision(cfg, plan.parallel_dims, device_type, getattr(torch, cfg.training.dtype))
+        scoring = depth_pass_plan(args, plan.parallel_dims, built.parts, opts.nsamples, opts.batch_size, opts.seq_len,
+                                  p)
+        print("\n".join([scoring.title, *scoring.rows]), flush=True)
+    dataset, path = ("text", opts.calib_path) if opts.calib_path else ("shakespeare", None)
+    windows = calibration_source(plan, device)(dataset, path, opts.nsamples, opts.seq_len, opts.batch_size)
+    batches = local_calibration(windows, opts.nsamples, plan.parallel_dims, device, path or dataset)
+    baseline = [t for part in built.parts for t in (*part.parameters(), *part.buffers())]
+    with measure_peak(device, baseline) as measured:
+        scores = block_influence(built.runner, batches, device)
+    removed = removal_list(opts) or blocks_to_remove(scores, opts.remove_layers)
+    if is_rank0():
+        print("block influence (1 - cos): " + ", ".join(f"{i}: {s:.6f}" for i, s in enumerate(scores)), flush=True)
+        print(f"peak memory per device {format_bytes(measured.bytes)} ({measured.source})", flush=True)
+    dtype = getattr(torch, cfg.training.dtype)
+    sd = gather_full_state_dict(built.parts, dtype, plan.parallel_dims)
+    del built
+    if is_rank0():
+        new_args, new_sd = materialize_state_dict(sd, args, depth_keep(args, removed))
+        out = Path(opts.output_dir)
+        print(f"writing {out}", flush=True)
+        report = depth_report(opts, args, new_args, scores, removed, time.monotonic() - begin)
+        report["memory"] = {"measured_peak_bytes": measured.bytes, "measured_by": measured.source}
+        with atomic_folder(out) as partial:
+            write_materialized_hf(new_sd, new_args, partial, dtype, opts.hf_assets_path)
+            write_report(report, partial / DEPTH_REPORT_NAME)
+        p = report["parameters"]
+        print(f"pruned model written to {out}: blocks {removed} removed, {args.n_layers} -> {new_args.n_layers} "
+              f"blocks; {p['before']:,} -> {p['after']:,} parameters (-{p['removed_fraction']:.1%}); report "
+              f"{out / DEPTH_REPORT_NAME}", flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ------------------------------------------------------------------------------------------ entry
+
+
+def refuse_flags(opts: argparse.Namespace) -> str | None:
+    """The line for flags of another method than the chosen one, or None."""
+    structured = opts.head_ratio or opts.ffn_ratio or opts.keep_first_last or opts.head_mode != "per_group_query"
+    if structured and opts.method != "taylor_structured":
+        return (f"--head_ratio, --ffn_ratio, --head_mode and --keep_first_last apply to --method taylor_structured, "
+                f"not {opts.method}")
+    if (opts.remove_layers is not None or opts.layers_to_remove is not None) and opts.method != "depth":
+        return f"--remove_layers and --layers_to_remove apply to --method depth, not {opts.method}"
+    if opts.layer_ratios != "uniform" and opts.method in ("taylor_structured", "depth"):
+        return f"--layer_ratios applies to magnitude, wanda and sparsegpt, not {opts.method}"
+    return None
+
+
+def refuse(line: str) -> None:
+    raise ConfigError(line)
 
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     if opts.remask_from:
         return run_script(lambda: remask(opts))
+    line = refuse_flags(opts)
+    if line is not None:
+        return run_script(lambda: refuse(line))
     if opts.method == "taylor_structured":
         return run_script(lambda: prune_structured(opts))
-    if opts.head_ratio or opts.ffn_ratio or opts.keep_first_last or opts.head_mode != "per_group_query":
-        return run_script(lambda: refuse_structured_flags(opts))
+    if opts.method == "depth":
+        return run_script(lambda: estimate_depth(opts) if opts.estimate_only else prune_depth(opts))
     return run_script(lambda: estimate(opts) if opts.estimate_only else prune(opts))
 
 

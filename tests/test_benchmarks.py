@@ -138,3 +138,20 @@ def test_floor_worker_prints_a_lora_steps_kernel_floor():
     # per adapted projection: 2 forward matmuls of the adapter beside the frozen one's
     assert floor["matmul_calls"] > 7 * SHAPES["tiny"].args().n_layers * 3 and len(result["step_s"]) == 2
     assert line.endswith(f"{statistics.median(result['step_s']) / floor['floor_s']:.2f}x its floor")
+
+
+def test_distill_worker_alternates_plain_and_distilled_steps_and_the_teachers_forward():
+    """--impl distill: one trainer with a teacher, its objective switched per step; the case reads the teacher's cost
+    in a step (distilled - plain) against its forward alone."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.worker", "--impl", "distill", "--shape", "tiny",
+                           "--steps", "2", "--warmup", "1"],
+                          cwd=REPO, env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    case = CASES["distill_tiny"]()
+    (variant,) = case.variants
+    m = variant.metrics(RunOutput(proc.stdout, 0, 1.0, 1.0, 2**30))
+    result = json.loads([x for x in proc.stdout.splitlines() if x.startswith(RESULT_PREFIX)][0].split(" ", 1)[1])
+    assert [len(result[k]) for k in ("step_s", "distill_step_s", "teacher_forward_s")] == [2, 2, 2]
+    assert result["teacher_flavor"] == "tiny" and m["teacher_forward_s"] > 0
+    assert m["teacher_cost_s"] == pytest.approx(m["distill_step_s"] - m["step_s"])
+    assert [r.denominator_metric for r in case.ratios] == ["step_s", "teacher_forward_s", "step_s"]

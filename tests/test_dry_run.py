@@ -268,3 +268,22 @@ def test_plan_before_downloading_lists_what_is_missing_and_exits_5(tmp_path, mon
     assert out.rstrip().splitlines()[-1] == ("the real run cannot start yet: 2 file(s) of the checklist above are "
                                              "missing (exit 5)")
     assert err == "" and not (tmp_path / "out").exists()
+
+
+def test_llama3_8b_minitron_distillation_counts_the_teacher_on_8_ranks(c4_shard):
+    """The 4.5B width-pruned student and its frozen 8B teacher on 8 GPUs: the teacher's bf16 eighth (no gradients or
+    AdamW state) and its logits are in the plan, the teacher's missing folder is on the checklist."""
+    run = dry_run("llama3_8b_minitron.toml", c4_shard, ngpu=8)
+    assert run.returncode == 5, run.stdout + run.stderr  # the student's weights and the teacher are not here
+    assert "model: llama3 8B_minitron_width, 4,512,746,496 parameters, 32 layers" in run.stdout
+    assert (f"distill: teacher 8B from './assets/hf/Llama-3.1-8B', {LLAMA_8B_PARAMS:,} parameters in bfloat16, "
+            "frozen (no gradients or optimizer state)") in run.stdout
+    assert "'distill.teacher_path' = 'assets/hf/Llama-3.1-8B': no Hugging Face folder" in run.stdout
+    assert f"teacher {LLAMA_8B_PARAMS // 8:,} local x bfloat16 (frozen)" in run.stdout
+    assert "teacher logits 8,192 x 128,256" in run.stdout
+    student = 4_512_746_496 // 8 * 4
+    params_gib = float(re.search(r"parameters\s+([\d.]+) GiB", run.stdout)[1])
+    assert params_gib == pytest.approx((student + LLAMA_8B_PARAMS // 8 * 2) / GIB, abs=0.01)
+    assert len(run.verdicts()) == 1
+    assert_verdict_consistent(run, 80.0)
+    assert_plans_fast_and_small(run)

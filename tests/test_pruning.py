@@ -4,6 +4,7 @@ memory plan against the measured peak on two model sizes, and masks identical on
 
 import math
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from titan_lite.checkpoint.hf import read_hf_folder, write_hf_folder
 from titan_lite.config import parse_args, validate
 from titan_lite.dtensor import full_tensor
 from titan_lite.errors import ConfigError
-from titan_lite.job.assembly import assemble_model
+from titan_lite.job.assembly import assemble_model, calibration_source
 from titan_lite.job.plan import plan_job
 from titan_lite.models.llama import Llama, flavor_args
 from titan_lite.parallel.parallel_dims import ParallelDims
@@ -25,6 +26,7 @@ from titan_lite.transforms.pruning.masks import (
     lowest_per_row,
     masked_linears,
 )
+from titan_lite.transforms.pruning.owl import OutlierCount, owl_sparsities
 from titan_lite.transforms.pruning.remask import remask_hf_folder
 from titan_lite.transforms.pruning.sparsegpt import inverse_hessian_factor, sparsegpt_prune
 from titan_lite.transforms.pruning.transform import check_layout
@@ -253,7 +255,8 @@ def test_memory_plan_matches_the_measured_peak(process_group, flavor, method, pa
 # ------------------------------------------------------------------------------------------ layouts
 
 
-LAYOUT_CASES = [("wanda", "unstructured"), ("sparsegpt", "2:4")]
+LAYOUT_CASES = [("wanda", "unstructured", ()), ("sparsegpt", "2:4", ()),
+                ("sparsegpt", "unstructured", ("--pruning.layer_ratios", "owl", "--pruning.owl_m", "3"))]
 
 
 def masks_of(overrides: list[str], world: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -268,10 +271,11 @@ def _layout_worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo")
     try:
         results = {}
-        for method, pattern in LAYOUT_CASES:
-            case = ["--pruning.method", method, "--pruning.pattern", pattern]
-            results[("fsdp2", method, pattern)] = masks_of(case, 2)
-            results[("tp2", method, pattern)] = masks_of([*case, "--parallelism.tensor_parallel_degree", "2"], 2)
+        for method, pattern, extra in LAYOUT_CASES:
+            case = ["--pruning.method", method, "--pruning.pattern", pattern, *extra]
+            results[("fsdp2", method, pattern, extra)] = masks_of(case, 2)
+            results[("tp2", method, pattern, extra)] = masks_of([*case, "--parallelism.tensor_parallel_degree", "2"],
+                                                                2)
         if rank == 0:
             torch.save(results, out)
         dist.barrier()
@@ -283,10 +287,10 @@ def test_masks_on_fsdp2_and_tp2_equal_one_process(process_group, tmp_path):
     out = tmp_path / "layouts.pt"
     spawn_on_free_port(_layout_worker, 2, str(out))
     results = torch.load(out)
-    for method, pattern in LAYOUT_CASES:
-        single = masks_of(["--pruning.method", method, "--pruning.pattern", pattern], 1)
+    for method, pattern, extra in LAYOUT_CASES:
+        single = masks_of(["--pruning.method", method, "--pruning.pattern", pattern, *extra], 1)
         for layout in ("fsdp2", "tp2"):
-            got = results[(layout, method, pattern)]
+            got = results[(layout, method, pattern, extra)]
             assert got.keys() == single.keys()
             for name, (mask, weight) in single.items():
                 assert torch.equal(got[name][0], mask), (layout, method, name)
@@ -307,3 +311,98 @@ def test_remask_puts_a_pruned_folders_zeros_back_into_a_dense_one(tmp_path):
     assert linears == 28 and rezeroed == sum(int((t == 0).sum()) for n, t in pruned.items() if linear(n))
     out = read_hf_folder(str(tmp_path / "out"), args)
     assert all(torch.equal(out[n], pruned[n]) for n in out)
+
+
+# ------------------------------------------------------------------------------------------ OWL's layer ratios
+
+
+def reference_owl(outlier_ratios: list[float], sparsity: float, lamda: float) -> list[float]:
+    """luuyin/OWL lib/prune_all.py (prune_wanda_outlier) as written there, in numpy: the layer sparsities."""
+    import numpy as np  # the reference's own library, for its transcription only
+
+    all_layer_ratio = np.array(outlier_ratios)
+    all_layer_ratio = ((all_layer_ratio - all_layer_ratio.min()) * (1 / (all_layer_ratio.max() - all_layer_ratio.min())
+                                                                    * lamda * 2))
+    all_layer_ratio = all_layer_ratio - np.mean(all_layer_ratio) + (1 - sparsity)
+    return [1 - r for r in all_layer_ratio]
+
+
+def reference_outlier_ratio(scores: list[torch.Tensor], m: float) -> float:
+    """OWL's check_outlier_mean on a layer's scores concatenated (torch.mean, strictly above M x mean, in %)."""
+    flat = torch.cat([s.flatten() for s in scores])
+    return float((flat > torch.mean(flat) * m).sum()) / flat.numel() * 100
+
+
+def test_owl_sparsities_reproduce_the_reference_and_average_the_target():
+    ratios = [6.96, 7.12, 7.10, 7.18, 5.02, 9.4]
+    for sparsity, lam in ((0.5, 0.08), (0.7, 0.08), (0.6, 0.2)):
+        ours = owl_sparsities(ratios, sparsity, lam)
+        assert ours == pytest.approx(reference_owl(ratios, sparsity, lam), abs=1e-12)
+        assert sum(ours) / len(ours) == pytest.approx(sparsity, abs=1e-12)
+        assert max(ours) - min(ours) == pytest.approx(2 * lam, abs=1e-12)
+        assert ours.index(min(ours)) == ratios.index(max(ratios))  # most outliers: pruned least
+    assert owl_sparsities([3.0, 3.0, 3.0], 0.5, 0.08) == [0.5, 0.5, 0.5]
+
+
+def test_owl_counts_a_layers_outliers_like_the_reference():
+    g = torch.Generator().manual_seed(0)
+    scores = [torch.randn(48, 64, generator=g).abs() ** 3, torch.randn(64, 32, generator=g).abs()]
+    count = OutlierCount(5.0)
+    for add in (count.add, count.count):
+        for s in scores:
+            add(s)
+    assert count.ratio == pytest.approx(reference_outlier_ratio(scores, 5.0), abs=1e-9)
+
+
+def dense_outlier_ratios(plan, dense_state: dict[str, torch.Tensor], m: float) -> list[float]:
+    """Each layer's OWL outlier ratio computed independently: the dense model run whole (each block sees the dense
+    blocks' outputs) on the calibration windows, Wanda's ||x_j|| from hooks on every linear, OWL's count."""
+    model = Llama(plan.model_args)
+    model.load_state_dict(dense_state, strict=False)
+    squares: dict[str, torch.Tensor] = {}
+
+    def hook(name, module, args, output):
+        x = args[0].reshape(-1, args[0].shape[-1]).double()
+        squares[name] = squares.get(name, 0) + (x * x).sum(0)
+    linears = {n: mod for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear) and "layers." in n}
+    handles = [mod.register_forward_hook(partial(hook, n)) for n, mod in linears.items()]
+    p = plan.cfg.pruning
+    with torch.no_grad():
+        for inputs, _ in calibration_source(plan, torch.device("cpu"))(p.dataset, p.dataset_path, p.nsamples,
+                                                                        p.seq_len, p.batch_size):
+            model(inputs)
+    for handle in handles:
+        handle.remove()
+    ratios = []
+    for layer in range(plan.model_args.n_layers):
+        names = [n for n in linears if n.startswith(f"layers.{layer}.")]
+        scores = [linears[n].weight.abs() * squares[n].sqrt().float()[None, :] for n in names]
+        ratios.append(reference_outlier_ratio(scores, m))
+    return ratios
+
+
+@pytest.mark.parametrize("method", ["wanda", "magnitude"])
+def test_owl_prunes_every_layer_at_its_outlier_weighted_ratio(process_group, dense, method):
+    built, plan = build(["--model.converters", "prune", "--pruning.method", method, "--pruning.sparsity", "0.6",
+                         "--pruning.layer_ratios", "owl", "--pruning.owl_m", "3", "--pruning.owl_lambda", "0.1",
+                         *CALIBRATION])
+    expected = reference_owl(dense_outlier_ratios(plan, dense, 3.0), 0.6, 0.1)
+    result = next(iter(plan.transforms)).result
+    for layer in result.layers:
+        assert layer.target_sparsity == pytest.approx(expected[int(layer.name.split(".")[1])], abs=1e-9), layer.name
+    pruned = full_state(built.parts)
+    for name, _ in masked_linears(built.parts):
+        w, s = pruned[f"{name}.weight"], expected[int(name.split(".")[1])]
+        if method == "wanda":
+            assert (w == 0).sum(1).tolist() == [int(w.shape[1] * s)] * w.shape[0], name
+        else:
+            assert int((w == 0).sum()) == int(w.numel() * s), name
+    assert sum(expected) / len(expected) == pytest.approx(0.6, abs=1e-12) and max(expected) - min(expected) > 0.19
+
+
+def test_owl_with_an_n_m_pattern_is_one_line():
+    cfg = parse_args(["--job.config_file", BASE, "--model.converters", "prune", "--pruning.pattern", "2:4",
+                      "--pruning.layer_ratios", "owl"])
+    with pytest.raises(ConfigError, match="'pruning.layer_ratios' = 'owl' gives each layer its own sparsity, but "
+                                          "'pruning.pattern' = '2:4'"):
+        validate(cfg)

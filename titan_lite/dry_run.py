@@ -3,11 +3,13 @@
 import contextlib
 import copy
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 # The fake backend's store: torch ships it only under torch.testing (it is what torchtitan's dry run uses too).
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -19,10 +21,12 @@ from titan_lite.job.estimate import PassPlan, RolePlan, plan_role
 from titan_lite.job.plan import JobPlan, gather_assets, plan_with_tokenizer
 from titan_lite.loss import cross_entropy_sum
 from titan_lite.metrics.memory import device_capacity_gib
+from titan_lite.objective import ObjectivePlan, plan_objective, teacher_files_problem
 from titan_lite.parallel import memory_estimate as me
 from titan_lite.parallel.parallel_dims import ParallelDims
 
 DEFAULT_DEVICE_MEMORY_GIB = 80.0
+T = TypeVar("T")
 
 
 def planned_world_size() -> int:
@@ -49,16 +53,25 @@ def planning_config(cfg: JobConfig) -> JobConfig:
     return plan
 
 
-def plan_rank(plan: JobPlan, rank: int) -> RolePlan:
-    """Build rank `rank`'s parts exactly as the trainer would (on the meta device), then plan them."""
+def with_rank_parts(plan: JobPlan, rank: int, use: Callable[[list[nn.Module], ParallelDims], T]) -> T:
+    """use(parts, dims) on rank `rank`'s parts, built exactly as the trainer would (on the meta device, in a fake
+    process group of the plan's world size)."""
     world = plan.parallel_dims.world_size
     with fake_process_group(rank, world):
         dims = ParallelDims.from_config(plan.cfg.parallelism, world)
         dims.build_mesh("cpu")  # a "cuda" mesh cannot be built on a CPU-only install; placement is identical
-        pp_rank = dims.submesh("pp").get_local_rank()
         rank_plan = replace(plan, cfg=planning_config(plan.cfg), parallel_dims=dims)
         parts, _ = build_parts(rank_plan, torch.device("cpu"), cross_entropy_sum, schedule=False)
-        return plan_role(plan.cfg, plan.model_args, dims, parts, rank, pp_rank, plan.transforms)
+        return use(parts, dims)
+
+
+def plan_rank(plan: JobPlan, rank: int, objective: ObjectivePlan | None = None) -> RolePlan:
+    """Plan rank `rank`'s parts (with what the objective holds: a distillation teacher)."""
+    def role(parts: list[nn.Module], dims: ParallelDims) -> RolePlan:
+        extra = objective.memory(plan.cfg, dims) if objective is not None else []
+        return plan_role(plan.cfg, plan.model_args, dims, parts, rank, dims.submesh("pp").get_local_rank(),
+                         plan.transforms, extra)
+    return with_rank_parts(plan, rank, role)
 
 
 def plan_passes(plan: JobPlan, rank: int = 0) -> list[PassPlan]:
@@ -164,14 +177,17 @@ def dry_run(cfg: JobConfig) -> int:
     start, MISSING_FILES (5) when only files are missing; raises ConfigError (exit 2) when the plan cannot run or
     does not fit."""
     tokenizer, missing = gather_assets(cfg)
+    missing += [problem] if (problem := teacher_files_problem(cfg)) else []
     plan = plan_with_tokenizer(cfg, planned_world_size(), tokenizer, count_epochs=not missing)
+    objective = plan_objective(plan)
     capacity = device_memory_gib(cfg)
-    for line in summary_lines(plan) + plan.transforms.plan_lines(plan.model_args) + checklist_lines(missing):
+    lines = summary_lines(plan) + plan.transforms.plan_lines(plan.model_args) + (objective.lines() if objective else [])
+    for line in lines + checklist_lines(missing):
         print(line, flush=True)
     print(f"memory per device, estimated against {capacity:.2f} GiB:", flush=True)
     roles = []
     for rank in ranks_to_plan(plan.parallel_dims):
-        roles.append(plan_rank(plan, rank))
+        roles.append(plan_rank(plan, rank, objective))
         print("\n".join(role_lines(roles[-1], plan.parallel_dims, capacity)), flush=True)
     worst = max(roles, key=lambda role: role.estimate.total)
     for pass_plan in roles[0].passes:  # every data-parallel rank does the same work

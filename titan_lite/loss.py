@@ -1,4 +1,7 @@
-"""The training loss: token-sum cross entropy with IGNORE_INDEX, and whether it is compiled."""
+"""The training loss: token-sum cross entropy with IGNORE_INDEX, whether it is compiled, and the objective the
+runner calls (cross entropy here; distillation in titan_lite/objective/)."""
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -103,3 +106,25 @@ def build_loss_fn(compile_cfg: Compile, loss_parallel: bool, per_sample: bool = 
     if compile_cfg.enable and "loss" in compile_cfg.components and not loss_parallel:
         return torch.compile(fn, backend=compile_cfg.backend)
     return fn
+
+
+class Objective:
+    """What training minimises for one microbatch, as a token-loss sum (callers normalise by the global token count):
+    here the cross entropy of the student's logits. titan_lite/objective/ adds distillation, whose frozen teacher
+    runs through `teacher_logits` on the same inputs as the student, by the runner's one model-forward path."""
+
+    def __init__(self, loss_fn: Callable):
+        self.loss_fn = loss_fn
+
+    def teacher_logits(self, forward: Callable[[torch.nn.Module], torch.Tensor]) -> torch.Tensor | None:
+        """A teacher's logits for this microbatch (forward(model) runs a model on its inputs), or None."""
+        return None
+
+    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor,
+                 teacher_logits: torch.Tensor | None = None) -> torch.Tensor:
+        return self.loss_fn(logits, labels)
+
+    def step_metrics(self, global_sum: Callable[[torch.Tensor], torch.Tensor],
+                     global_tokens: torch.Tensor) -> dict[str, float]:
+        """Scalars of the step's loss parts, logged with the training line (collective when not empty)."""
+        return {}

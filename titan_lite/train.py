@@ -35,6 +35,7 @@ from titan_lite.loss import IGNORE_INDEX
 from titan_lite.metrics.flops import num_flops_per_token
 from titan_lite.metrics.logger import MetricsProcessor, add_log_file, init_logger
 from titan_lite.metrics.profiler import maybe_enable_memory_snapshot, maybe_enable_profiling
+from titan_lite.objective import build_objective, check_objective
 from titan_lite.optim.lr_scheduler import LRSchedule
 from titan_lite.optim.optimizer import build_optimizer
 from titan_lite.parallel.grad_norm import clip_grad_norm
@@ -86,6 +87,7 @@ class Trainer:
         ACTIVITY.now("building the model")
         self.model = self.build_model()
         self.model_parts = self.model.parts
+        self.build_objective()
         self.optimizer = build_optimizer(cfg.optimizer, self.model_parts, self.device,
                                          self.transforms.param_groups(self.model_parts))
         self.transforms.bind_optimizer(self.optimizer)
@@ -113,6 +115,12 @@ class Trainer:
                     f"({built.param_count():,} held by rank {self.rank}); {self.parallel_dims.describe()}; "
                     f"gradient accumulation {self.plan.grad_accum}")
         return built
+
+    def build_objective(self) -> None:
+        """The runner's objective: cross entropy, or distillation with its frozen teacher (not checkpointed)."""
+        objective = build_objective(self.plan, self.model_parts, self.device, self.seed, self.model.runner.loss_fn)
+        self.model.runner.use_objective(objective)
+        self.objective_metrics: dict[str, float] = {}
 
     def checkpoint_folder(self) -> Path:
         return Path(self.cfg.job.dump_folder) / self.cfg.checkpoint.folder
@@ -177,6 +185,8 @@ class Trainer:
         for inputs, labels, *domains in microbatches:
             loss_sum += self.model.runner.forward_backward(inputs, labels, scale, *domains,
                                                            domain_sums=domain_sums).to(torch.float64)
+        self.objective_metrics = self.model.runner.objective.step_metrics(
+            lambda sums: self.model.runner.global_sum(sums, loss_values=True), global_tokens)
         self.add_transform_loss(step)
         self.maybe_poison_gradients_for_test(step)
         grad_norm = self.clip_gradients()
@@ -305,7 +315,7 @@ class Trainer:
         ACTIVITY.now(f"in step {step} (forward, backward, gradient reductions)")
         loss, grad_norm = self.train_step(microbatches, step)
         if self.metrics.should_log(step) or step == cfg.training.steps:
-            extra = self.transforms.metrics(self.model_parts)
+            extra = {**self.transforms.metrics(self.model_parts), **self.objective_metrics}
             self.metrics.log(step, loss, grad_norm, lr,
                              extra=extra if self.mixture is None else {**extra, **self.mixture.metrics()})
         if self.validator is not None and step % cfg.validation.freq == 0:
@@ -372,7 +382,7 @@ def warn_surprises(cfg: JobConfig) -> None:
 def run(cfg: JobConfig) -> int:
     """Validate, then: the pre-launch check (run_train.sh before torchrun), DRY_RUN, or training."""
     if os.environ.get("TITAN_LITE_CHECK_ONLY") == "1":
-        check_before_launch(cfg, planned_world_size())
+        check_objective(check_before_launch(cfg, planned_world_size()))
         return 0
     if cfg.comm.mode != "default" or os.environ.get("DRY_RUN") == "1":
         validate(cfg, files=False)
@@ -380,6 +390,7 @@ def run(cfg: JobConfig) -> int:
     # Each rank checks what run_train.sh used to check in a separate process before torchrun (one process start
     # less per launch); a user error still ends the run in one line through the launcher.
     plan = check_before_launch(cfg, int(os.environ.get("WORLD_SIZE", planned_world_size())))
+    check_objective(plan)
     save_config(cfg)
     warn_surprises(cfg)
     logger.info(f"job: {cfg.job.description}")

@@ -510,6 +510,11 @@ class Pruning:
                                  "only exports, turns it off.")
     mask_gradients: bool = opt(True, "While training: zero the gradients of pruned weights (clipping and AdamW see "
                                      "the sparse model), besides re-applying the masks after every optimizer step.")
+    layer_ratios: Literal["uniform", "owl"] = opt(
+        "uniform", "Each layer's sparsity: uniform (every layer at 'sparsity'), or owl (outlier-weighted, OWL: a layer "
+        "with more outlier Wanda scores is pruned less; the layers average 'sparsity'). Unstructured only.")
+    owl_lambda: float = opt(0.08, "OWL: the layers' sparsities span 2 x owl_lambda around 'sparsity'.")
+    owl_m: float = opt(5.0, "OWL: a Wanda score counts as an outlier above owl_m x its layer's mean score.")
 
 
 @dataclass
@@ -546,6 +551,25 @@ class Sheared:
 
 
 @dataclass
+class Distill:
+    enable: bool = opt(False, "Train on a frozen teacher's logits (knowledge distillation): loss = alpha x T^2 x "
+                              "KL + (1 - alpha) x cross entropy over the trained tokens.")
+    teacher_path: str = opt("", "The teacher: a Hugging Face folder (config.json, safetensors, tokenizer), a DCP step "
+                                "folder of a titan_lite run (its shape from teacher_config), or 'base': the student's "
+                                "own frozen base with the adapters switched off (LoRA/QLoRA; no second copy).")
+    teacher_flavor: str = opt("", "The teacher's flavor (default: the shape of teacher_path/config.json, or "
+                                  "teacher_config's model.flavor); names one when the folder is not there yet "
+                                  "(DRY_RUN).")
+    teacher_config: str = opt("", "For a DCP teacher: the TOML of the run that wrote it (default: the config.toml "
+                                  "that run saved two folders above the step folder).")
+    alpha: float = opt(1.0, "Weight of the KL term; 1 - alpha weighs the cross entropy (1.0: logits only, Minitron's "
+                            "choice).")
+    temperature: float = opt(1.0, "Softmax temperature T of both logits in the KL term (the term is scaled by T^2).")
+    kind: Literal["forward", "reverse"] = opt(
+        "forward", "forward: KL(teacher || student), mass-covering; reverse: KL(student || teacher), mode-seeking.")
+
+
+@dataclass
 class JobConfig:
     job: Job = section(Job, "The job: where outputs go.")
     profiling: Profiling = section(Profiling, "torch.profiler traces and memory snapshots.")
@@ -571,6 +595,7 @@ class JobConfig:
     sheared: Sheared = section(Sheared, "Sheared-LLaMA targeted structured pruning: hard-concrete gates trained with "
                                         "a Lagrangian towards a target architecture (model.converters = "
                                         "[\"sheared\"]).", converter="sheared")
+    distill: Distill = section(Distill, "Knowledge distillation from a frozen teacher (its logits train the student).")
     memory_estimation: MemoryEstimation = section(MemoryEstimation, "torchtitan memory estimation (see DRY_RUN).")
     fault_tolerance: FaultTolerance = section(FaultTolerance, "torchft (not supported).")
     lora: Lora = section(Lora, "LoRA adapters (active with model.converters = [\"lora\"]).", converter="lora")

@@ -97,6 +97,7 @@ def check_ranges(cfg: JobConfig) -> None:
     check_pipeline(cfg)
     check_pruning(cfg)
     check_sheared(cfg)
+    check_distill(cfg)
 
 
 def check_training(cfg: JobConfig) -> None:
@@ -277,6 +278,16 @@ def check_pruning(cfg: JobConfig) -> None:
     for key in ("nsamples", "seq_len", "batch_size", "blocksize"):
         _require(getattr(p, key) >= 1, f"'pruning.{key}' must be at least 1, got {getattr(p, key)}")
     _require(p.percdamp > 0, f"'pruning.percdamp' must be positive, got {p.percdamp}")
+    if p.layer_ratios == "owl":
+        _require(p.pattern == "unstructured", f"'pruning.layer_ratios' = 'owl' gives each layer its own sparsity, but "
+                                              f"'pruning.pattern' = '{p.pattern}' zeroes exactly the same fraction of "
+                                              "every layer; use pattern 'unstructured' or layer_ratios 'uniform'")
+        _require(p.owl_m > 0, f"'pruning.owl_m' must be positive, got {p.owl_m}")
+        low, high = p.sparsity - 2 * p.owl_lambda, p.sparsity + 2 * p.owl_lambda
+        _require(p.owl_lambda > 0 and low >= 0 and high < 1,
+                 f"'pruning.owl_lambda' = {p.owl_lambda} with 'pruning.sparsity' = {p.sparsity}: a layer's sparsity "
+                 f"may lie anywhere in sparsity +- 2 x owl_lambda = [{low:g}, {high:g}], which must be within [0, 1) "
+                 "(and owl_lambda positive)")
 
 
 def check_sheared(cfg: JobConfig) -> None:
@@ -298,6 +309,22 @@ def check_sheared(cfg: JobConfig) -> None:
     for key in ("mask_lr", "lambda_lr"):
         _require(getattr(s, key) > 0, f"'sheared.{key}' must be positive, got {getattr(s, key)}")
     _require(s.target_tp_degree >= 1, f"'sheared.target_tp_degree' must be at least 1, got {s.target_tp_degree}")
+
+
+def check_distill(cfg: JobConfig) -> None:
+    d = cfg.distill
+    if not d.enable:
+        return
+    _require(bool(d.teacher_path), "'distill.enable' = true needs 'distill.teacher_path': a Hugging Face folder, a DCP "
+                                   "step folder, or 'base' (the student's own frozen base)")
+    _require(0 <= d.alpha <= 1, f"'distill.alpha' must be in [0, 1], got {d.alpha}")
+    _require(d.temperature > 0, f"'distill.temperature' must be positive, got {d.temperature}")
+    _require(cfg.parallelism.pipeline_parallel_degree == 1,
+             f"'distill.enable' does not run under pipeline parallelism ('parallelism.pipeline_parallel_degree' = "
+             f"{cfg.parallelism.pipeline_parallel_degree}): the teacher's logits would have to follow the student's "
+             "microbatches through the stages; use FSDP/HSDP, TP and CP")
+    _require(not cfg.data_mixture.enable, "'distill.enable' cannot go with 'data_mixture.enable': the mixture weighs "
+                                          "domains by their cross entropy, not by the distillation loss")
 
 
 def check_checkpoint(cfg: JobConfig) -> None:

@@ -2,6 +2,7 @@
 formats, extra step memory and the passes they run before training) and returns the plan; the formulas on shapes
 live in parallel/memory_estimate.py."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +21,7 @@ from titan_lite.parallel import memory_estimate as me
 from titan_lite.parallel.fsdp import reshard_after_forward
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.parallelize import loss_parallel_enabled
-from titan_lite.transforms import PassPlan, PlanContext, Transforms
+from titan_lite.transforms import PassPlan, PlanContext, PlanItem, Transforms
 
 # Mesh dimensions whose shards FSDP gathers; a parameter's other shard dimensions (TP) stay split when gathered.
 DATA_PARALLEL_MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "fsdp")
@@ -147,10 +148,12 @@ def param_bytes(params: list[torch.Tensor]) -> int:
 
 
 def estimate_rank(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, parts: list[nn.Module], pp_rank: int,
-                  transforms: Transforms | None = None) -> tuple[me.MemoryEstimate, int]:
+                  transforms: Transforms | None = None,
+                  extra: Sequence[PlanItem] = ()) -> tuple[me.MemoryEstimate, int]:
     """(memory estimate, local parameter count) of the built parts of one rank. Parameters count in the format the
     transforms store them in (else the dtype the model was built in); gradients and AdamW's two moments exist only
-    for trainable parameters; the transforms' extra step memory is added by category."""
+    for trainable parameters; the transforms' extra step memory, and `extra` (the objective's: a teacher), are added
+    by category."""
     transforms = transforms if transforms is not None else Transforms([])
     offloaded = cfg.training.enable_cpu_offload and (dims.fsdp_enabled or dims.dp_replicate_enabled)
     named = named_params(parts)
@@ -174,7 +177,7 @@ def estimate_rank(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, parts: li
     grads = on_device * param_bytes(trainable)
     sizes = dict(zip(CATEGORIES, (on_device * stored, grads, 2 * grads, activations, buffers), strict=True))
     ctx = PlanContext(cfg, args, dims, parts, compute_bytes(cfg)[0])
-    for item in transforms.plan_memory(ctx):
+    for item in [*transforms.plan_memory(ctx), *extra]:
         sizes[item.category] += item.nbytes
         notes[item.category] = f"{notes[item.category]}; {item.note}" if notes.get(item.category) else item.note
     one_microbatch = microbatching(cfg, dims)[1] == 1 and gradient_accumulation_steps(cfg, dims.dp_degree) == 1
@@ -237,9 +240,10 @@ def fsdp_reduce_scatters(cfg: JobConfig, dims: ParallelDims, parts: list[nn.Modu
 
 
 def plan_role(plan_cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, parts: list[nn.Module], rank: int,
-              pp_rank: int, transforms: Transforms) -> RolePlan:
-    """The plan of one rank from its built parts: the training step's estimate and the transforms' passes."""
-    estimate, local = estimate_rank(plan_cfg, args, dims, parts, pp_rank, transforms)
+              pp_rank: int, transforms: Transforms, extra: Sequence[PlanItem] = ()) -> RolePlan:
+    """The plan of one rank from its built parts: the training step's estimate (with the objective's `extra`
+    memory) and the transforms' passes."""
+    estimate, local = estimate_rank(plan_cfg, args, dims, parts, pp_rank, transforms, extra)
     passes = transforms.pass_plans(PlanContext(plan_cfg, args, dims, parts, compute_bytes(plan_cfg)[0]))
     return RolePlan(rank=rank, pp_rank=pp_rank, layers=[[int(k) for k in p.layers.keys()] for p in parts],
                     has_embeddings=any(p.tok_embeddings is not None for p in parts),

@@ -11,7 +11,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from titan_lite.config.schema import JobConfig
 from titan_lite.distributed import compute_dtype
 from titan_lite.dtensor import full_tensor
-from titan_lite.loss import IGNORE_INDEX, build_loss_fn
+from titan_lite.loss import IGNORE_INDEX, Objective, build_loss_fn
 from titan_lite.parallel.context_parallel import shard_batch
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.parallelize import loss_parallel_enabled
@@ -35,6 +35,16 @@ class ModelRunner:
         self.pipeline = pipeline
         self.loss_parallel = loss_parallel_enabled(parallel_dims, cfg)
         self.sample_loss_fn = build_loss_fn(cfg.compile, self.loss_parallel, per_sample=True)  # data mixtures only
+        self.objective = Objective(loss_fn)  # what forward_backward minimises: cross entropy unless replaced
+
+    def use_objective(self, objective: Objective) -> None:
+        """Train with another objective (distillation); validation keeps measuring the cross entropy."""
+        self.objective = objective
+
+    def logits(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+        """A model's logits for this rank's inputs: the one forward path of the student and of an objective's
+        teacher, so both see the same inputs (and whatever else a batch gives the model)."""
+        return model(inputs)
 
     def context(self) -> contextlib.ExitStack:
         """Loss parallel under TP (the loss runs on vocab-sharded logits); autocast when mixed precision is asked
@@ -66,12 +76,13 @@ class ModelRunner:
             if self.pipeline is not None:
                 loss_sum = self.pipeline.step(inputs, labels, scale, domains, domain_sums, self.domain_loss)
             else:
-                logits = self.model_parts[0](inputs)
+                teacher_logits = self.objective.teacher_logits(lambda model: self.logits(model, inputs))
+                logits = self.logits(self.model_parts[0], inputs)
                 if domains is None:
-                    loss_sum = self.loss_fn(logits, labels)
+                    loss_sum = self.objective.loss_sum(logits, labels, teacher_logits)
                 else:
                     loss_sum = self.domain_loss(logits, labels, domains, domain_sums)
-                del logits
+                del logits, teacher_logits
                 (loss_sum * scale).backward()
         return full_tensor(loss_sum.detach())
 
@@ -100,7 +111,7 @@ class ModelRunner:
             if self.pipeline is not None:
                 loss = self.pipeline.evaluate(inputs, labels)
             else:
-                logits = self.model_parts[0](inputs)
+                logits = self.logits(self.model_parts[0], inputs)
                 loss = self.loss_fn(logits, labels)
                 correct = (full_tensor(logits).argmax(dim=-1) == labels).sum().double()
         return full_tensor(loss).double(), (labels != IGNORE_INDEX).sum().double(), correct

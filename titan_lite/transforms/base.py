@@ -20,6 +20,8 @@ calls the hooks of the configured transforms (`[model] converters`) in order and
   export              extra artifacts at the end of a run (adapter folders, reports)
   after_parallelize   one model part once TP, CP, AC, compile and FSDP are applied (on the meta device, before
                       materialisation): e.g. install an FSDP custom all-gather
+  base_function       a context in which the model computes the function it was loaded with, without what the
+                      transform trains (adapters off): distillation's self-teacher, no second copy of the model
 
 The plan hooks (DRY_RUN, and scripts that plan a pass) let a transform say what it changes in the memory plan; the
 estimate (`titan_lite/job/estimate.py`) calls them and nothing outside `transforms/` names a transform:
@@ -45,6 +47,7 @@ parameter's local name to `fn(full_tensor, generator)`; Llama.init_weights calls
 as every other parameter, so a transform's parameters start identically on every layout.
 """
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,6 +218,14 @@ class Transform:
     def after_parallelize(self, model: nn.Module, parallel_dims: ParallelDims) -> None:
         """One parallelised model part (still on the meta device): e.g. set an FSDP module's custom all-gather."""
 
+    # ------------------------------------------------------------------------------ the base function
+
+    def base_function(self, model_parts: list[nn.Module]) -> contextlib.AbstractContextManager | None:
+        """A context in which the parts compute the function they were loaded with, without what this transform
+        trains (adapters switched off), or None when the transform keeps no such base apart. Asked with no parts
+        before launch (whether it can), entered around a forward under no_grad (distillation's self-teacher)."""
+        return None
+
 
 _REGISTRY: dict[str, Callable[[JobConfig], Transform]] = {}
 
@@ -336,6 +347,19 @@ class Transforms:
     def after_parallelize(self, model: nn.Module, parallel_dims: ParallelDims) -> None:
         for t in self.items:
             t.after_parallelize(model, parallel_dims)
+
+    def base_function(self, model_parts: list[nn.Module]) -> contextlib.AbstractContextManager | None:
+        """Every transform's base-function context, entered together, or None when none keeps a base apart."""
+        contexts = [c for t in self.items if (c := t.base_function(model_parts)) is not None]
+        return _entered_together(contexts) if contexts else None
+
+
+@contextlib.contextmanager
+def _entered_together(contexts: list[contextlib.AbstractContextManager]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
 
 
 def _first(values: Iterator[float | None], default: float) -> float:

@@ -90,6 +90,10 @@ FLAVORS: dict[str, LlamaArgs] = {
     # 3686, intermediate 8602: 4.20B parameters), for continued pre-training of the result.
     "8B_sheared": LlamaArgs(dim=3686, n_layers=26, n_heads=24, n_kv_heads=8, vocab_size=128256, ffn_dim=8602,
                             explicit_head_dim=128, **_LLAMA31_ROPE),
+    # Llama-3.1-Minitron-4B-Width's shapes (Llama 3.1 8B width-pruned: hidden 4096 -> 3072, intermediate 14336 ->
+    # 9216, every head kept at width 128): the student of train_configs/llama3_8b_minitron.toml (4.51B parameters).
+    "8B_minitron_width": LlamaArgs(dim=3072, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=9216,
+                                   explicit_head_dim=128, **_LLAMA31_ROPE),
     "70B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, ffn_dim=28672,
                      **_LLAMA31_ROPE),
     "405B": LlamaArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256, ffn_dim=53248,

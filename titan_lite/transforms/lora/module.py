@@ -1,7 +1,9 @@
 """LoRALinear (a frozen weight with a low-rank adapter beside it: LoRA, rsLoRA, DoRA) and the adapter algebra:
 scales, merging, PiSSA's principal factors, balanced re-factoring."""
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +71,7 @@ class LoRALinear(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         # lora.keep_sparsity: the update is masked by the base's zeros (see sparse.py)
         self.keep_sparsity = keep_sparsity
+        self.adapters_off = False  # set by adapters_off(): the module computes its base function
 
     @property
     def dora(self) -> bool:
@@ -87,6 +90,8 @@ class LoRALinear(nn.Module):
         return y if self.bias is None else y + _like(self.bias, y)
 
     def unbiased_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.adapters_off:
+            return self.base_forward(x)
         weight = _like(self.weight, x)
         dropped = self.dropout(x)
         if self.keep_sparsity:
@@ -102,6 +107,17 @@ class LoRALinear(nn.Module):
             return gain * (base + self.scale * update)
         # With dropout the magnitude rescales the dropped input's base product, as PEFT does.
         return base + (gain - 1) * self._base(dropped, weight) + gain * self.scale * update
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The function the module was loaded with, without the adapter: W x; PiSSA's W is the residual, so its
+        initial factors are added back (s B0 A0 x), which gives the original weight's product."""
+        out = self._base_product(x)
+        if hasattr(self, "pissa_a0"):
+            out = out + self.scale * F.linear(F.linear(x, _like(self.pissa_a0, x)), _like(self.pissa_b0, x))
+        return out
+
+    def _base_product(self, x: torch.Tensor) -> torch.Tensor:
+        return self._base(x, _like(self.weight, x))
 
     def _base(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight) if self.base_linear is None else self.base_linear(x, weight)
@@ -134,6 +150,18 @@ class LoRALinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
                 f"scale={self.scale:.6g}, dora={self.dora}" + (", keep_sparsity=True" if self.keep_sparsity else ""))
+
+
+@contextlib.contextmanager
+def adapters_off(modules: list[LoRALinear]) -> Iterator[None]:
+    """Within it the modules compute their base function (distillation's self-teacher); restored on exit."""
+    for module in modules:
+        module.adapters_off = True
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.adapters_off = False
 
 
 class _LoRAProduct(torch.autograd.Function):

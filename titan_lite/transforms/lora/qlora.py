@@ -34,7 +34,7 @@ class NF4LoRALinear(LoRALinear):
     4-bit weight for backward and dequantizes it there, one weight at a time), the adapter through autograd."""
 
     def unbiased_forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not is_nf4(self.weight):
+        if not is_nf4(self.weight) or self.adapters_off:
             return super().unbiased_forward(x)
         dropped = self.dropout(x)
         base = F.linear(x, self.weight)  # NF4's __torch_function__: torchao's LinearNF4
@@ -45,6 +45,9 @@ class NF4LoRALinear(LoRALinear):
         if not (self.training and isinstance(self.dropout, nn.Dropout)):
             return gain * (base + self.scale * update)
         return base + (gain - 1) * F.linear(dropped, self.weight) + gain * self.scale * update
+
+    def _base_product(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight) if is_nf4(self.weight) else super()._base_product(x)
 
     def weight_norm(self) -> torch.Tensor:
         """Row norms of the dequantized W + scale B A in float32."""

@@ -36,7 +36,7 @@ from titan_lite.transforms.lora.adapters import (
     pissa_as_lora,
     without_pissa_init,
 )
-from titan_lite.transforms.lora.module import ADAPTER_PARAMS, PISSA_INIT_PARAMS, LoRALinear
+from titan_lite.transforms.lora.module import ADAPTER_PARAMS, PISSA_INIT_PARAMS, LoRALinear, adapters_off
 from titan_lite.transforms.lora.options import PROJECTIONS, LoraOptions
 from titan_lite.transforms.lora.qlora import (
     NF4,
@@ -336,6 +336,10 @@ class LoraTransform(Transform):
                            readme(self.c, "residual", f"step-{step}-pissa-residual-base"))
         logger.info(f"lora: PiSSA adapters of step {step}: {out} is a plain LoRA of rank {2 * self.c.rank} for the "
                     f"ORIGINAL base; {residual} (rank {self.c.rank}) applies to the residual base")
+
+    def base_function(self, model_parts: list[nn.Module]):
+        """The frozen base alone: every adapter switched off (PiSSA's initial factors added back)."""
+        return adapters_off([m for _, m in lora_modules(model_parts)])
 
     # ------------------------------------------------------------------------------ plan hooks
 

@@ -5,7 +5,9 @@ hooks on the block's linears accumulate their input statistics (one accumulator 
 linears), the statistics are all-reduced over the data-parallel ranks, every linear of the block is pruned, and the
 cached hidden states go through the pruned block to become the next block's inputs. Blocks are called directly, so
 FSDP gathers one block at a time; hooks see each linear's whole input (a tensor-parallel rowwise input is gathered).
-Masks are chosen on the full weight matrix, identically on every rank, and each rank keeps its shard.
+Masks are chosen on the full weight matrix, identically on every rank, and each rank keeps its shard. With OWL's
+layer ratios (pruning.layer_ratios = "owl") a first pass through the dense blocks scores every layer's outliers
+(owl.py) and sets each layer's sparsity before the pruning pass.
 """
 
 import contextlib
@@ -28,7 +30,8 @@ from titan_lite.errors import ConfigError
 from titan_lite.models.llama.model import canonical_name
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.transforms.pruning.masks import attach_mask, shard_like
-from titan_lite.transforms.pruning.methods import Method, build_method
+from titan_lite.transforms.pruning.methods import InputSquares, Method, build_method
+from titan_lite.transforms.pruning.owl import OutlierCount, owl_sparsities
 
 logger = logging.getLogger("titan_lite")
 
@@ -67,6 +70,7 @@ class LayerResult:
     name: str
     shape: list[int]
     pruned: int
+    target_sparsity: float  # the layer's ratio: pruning.sparsity, or OWL's for its layer
 
     @property
     def sparsity(self) -> float:
@@ -81,6 +85,7 @@ class PruneResult:
     skipped: list[str] = field(default_factory=list)
     windows: int = 0
     seconds: float = 0.0
+    outlier_ratios: dict[str, float] = field(default_factory=dict)  # OWL's D_l (percent) by layer id
 
 
 def block_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -124,6 +129,8 @@ class OneShotPruner:
         self.dims = parallel_dims
         self.device = device
         self.forward_context = forward_context
+        self.owl = cfg.layer_ratios == "owl"
+        self.layer_sparsity: dict[str, float] = {}  # by layer id; pruning.sparsity where absent
 
     @torch.no_grad()
     def run(self, model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> PruneResult:
@@ -134,10 +141,13 @@ class OneShotPruner:
         # Compiled blocks run eagerly: the statistics hooks are Python side effects.
         with torch.compiler.set_stance("force_eager"):
             hidden: list[torch.Tensor] = []
-            if self.method.needs_calibration:
+            if self.method.needs_calibration or self.owl:
                 tokens = self.local_windows(batches)
                 result.windows = sum(t.shape[0] for t in tokens) * self.dims.dp_degree
                 hidden = self.embed(model, tokens)
+            if self.owl:
+                result.outlier_ratios = self.owl_pass(model, targets, hidden)
+                hidden = self.embed(model, tokens) if self.method.needs_calibration else []
             layer_ids = list(model.layers.keys())
             for position, layer_id in enumerate(layer_ids):
                 block_begin = time.monotonic()
@@ -148,10 +158,48 @@ class OneShotPruner:
                     self.propagate(block, hidden, model.rope_cache)
                 if isinstance(block, FSDPModule):
                     block.reshard()
+                at = f" at sparsity {self.sparsity_of(layer_id):.4f}" if self.owl else ""
                 logger.info(f"prune: block {position + 1}/{len(layer_ids)}: {len(block_targets)} linears "
-                            f"({self.cfg.method}, {self.cfg.pattern}) in {time.monotonic() - block_begin:.1f}s")
+                            f"({self.cfg.method}, {self.cfg.pattern}){at} in {time.monotonic() - block_begin:.1f}s")
         result.seconds = time.monotonic() - begin
         return result
+
+    def sparsity_of(self, layer_id: str) -> float:
+        return self.layer_sparsity.get(layer_id, self.cfg.sparsity)
+
+    # ---------------------------------------------------------------------------------- OWL's layer ratios
+
+    def owl_pass(self, model: nn.Module, targets: dict[str, list[Target]],
+                 hidden: list[torch.Tensor]) -> dict[str, float]:
+        """Every layer's outlier ratio on the dense model (block by block, Wanda's statistics), then each layer's
+        sparsity (self.layer_sparsity); returns the ratios. `hidden` ends as the last block's inputs."""
+        counts: dict[str, OutlierCount] = {}
+        layer_ids = list(model.layers.keys())
+        for position, layer_id in enumerate(layer_ids):
+            block, block_targets = model.layers[layer_id], targets.get(layer_id, [])
+            if block_targets:
+                stats = self.collect_statistics(block, block_targets, hidden, model.rope_cache, InputSquares)
+                counts[layer_id] = self.count_outliers(block_targets, stats)
+            if position < len(layer_ids) - 1:
+                self.propagate(block, hidden, model.rope_cache)
+            if isinstance(block, FSDPModule):
+                block.reshard()
+        sparsities = owl_sparsities([c.ratio for c in counts.values()], self.cfg.sparsity, self.cfg.owl_lambda)
+        self.layer_sparsity = dict(zip(counts, sparsities, strict=True))
+        logger.info("prune: OWL layer sparsities (outlier ratio %): " + ", ".join(
+            f"{layer} {self.layer_sparsity[layer]:.4f} ({c.ratio:.3f})" for layer, c in counts.items()))
+        return {layer: c.ratio for layer, c in counts.items()}
+
+    def count_outliers(self, targets: list[Target], stats: dict) -> OutlierCount:
+        """D_l of one layer: its linears' Wanda scores (full weights, the same on every rank) against M x their
+        mean, scored twice (sum, then count) so that one linear's scores are alive at a time."""
+        norms = {group: accumulator.sum.sqrt().float() for group, accumulator in stats.items()}
+        count = OutlierCount(self.cfg.owl_m)
+        for add in (count.add, count.count):
+            for target in targets:
+                weight = full_tensor(target.module.weight.detach()).to(torch.float32, copy=True)
+                add(weight.abs_().mul_(norms[target.group][None, :]))
+        return count
 
     # ---------------------------------------------------------------------------------- calibration data
 
@@ -200,13 +248,14 @@ class OneShotPruner:
         return results
 
     def collect_statistics(self, block: nn.Module, targets: list[Target], hidden: list[torch.Tensor],
-                           rope: torch.Tensor) -> dict:
-        """One accumulator per input group, filled by a hook on the group's first linear over this rank's
-        calibration batches, then summed over the data-parallel ranks."""
+                           rope: torch.Tensor, make_statistics: Callable | None = None) -> dict:
+        """One accumulator per input group (the method's, or make_statistics'), filled by a hook on the group's
+        first linear over this rank's calibration batches, then summed over the data-parallel ranks."""
+        make_statistics = make_statistics or self.method.statistics
         stats, handles = {}, []
         for target in targets:
             if target.group not in stats:
-                stats[target.group] = self.method.statistics(target.in_features, self.device)
+                stats[target.group] = make_statistics(target.in_features, self.device)
                 handles.append(target.module.register_forward_hook(partial(accumulate, stats[target.group])))
         try:
             with self.forward_context():
@@ -227,14 +276,15 @@ class OneShotPruner:
         weight = target.module.weight
         full = full_tensor(weight.detach())
         full = full.to(torch.float32, copy=self.method.updates_weights)
-        pruned = self.method.prune(full, prepared)
+        sparsity = self.sparsity_of(target.layer)
+        pruned = self.method.prune(full, prepared, sparsity)
         if self.method.updates_weights:
             copy_into_shard(weight, full.to(weight.dtype))
         keep = shard_like(weight, ~pruned)
         local_tensor(weight).mul_(local_tensor(keep))
         if self.cfg.hold_masks:
             attach_mask(target.module, keep)
-        return LayerResult(target.name, list(weight.shape), int(pruned.sum()))
+        return LayerResult(target.name, list(weight.shape), int(pruned.sum()), sparsity)
 
     def propagate(self, block: nn.Module, hidden: list[torch.Tensor], rope: torch.Tensor) -> None:
         """The pruned block's outputs replace its inputs, batch by batch (no second copy of the cache)."""

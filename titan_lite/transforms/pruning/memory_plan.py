@@ -16,7 +16,7 @@ from titan_lite.parallel.memory_estimate import GIB
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.transforms.pruning.calibration import Target, find_targets
 from titan_lite.transforms.pruning.masks import SORT_CHUNK_ELEMENTS
-from titan_lite.transforms.pruning.methods import build_method
+from titan_lite.transforms.pruning.methods import build_method, calibrates
 
 FP32, FP64, INT64, BOOL = 4, 8, 8, 1
 MIB = 1024**2
@@ -198,7 +198,9 @@ def plan_pruning(cfg: Pruning, args: LlamaArgs, dims: ParallelDims, parts: list[
     weights, local_params = weight_bytes(parts)
     all_targets = [t for ts in targets.values() for t in ts]
     masks = sum(_local_numel(t.module.weight) for t in all_targets) * BOOL if cfg.hold_masks else 0
-    calibrating = method.needs_calibration
+    calibrating = calibrates(cfg)
+    owl = cfg.layer_ratios == "owl"  # a first pass through the dense blocks, with Wanda's statistics
+    stats_name = "wanda" if owl and name == "magnitude" else name
     per_rank = cfg.nsamples // dims.dp_degree if calibrating else 0
     cache = per_rank * (cfg.seq_len // dims.tp) * args.dim * p.hidden
     tokens = cfg.batch_size * cfg.seq_len
@@ -208,15 +210,17 @@ def plan_pruning(cfg: Pruning, args: LlamaArgs, dims: ParallelDims, parts: list[
     for layer, layer_targets in targets.items():
         layer_id = int(layer)
         groups = _groups(layer_targets)
-        stats = {g: statistics_bytes(name, members[0].in_features) for g, members in groups.items()}
+        stats = {g: statistics_bytes(stats_name, members[0].in_features) for g, members in groups.items()}
         if calibrating:
-            hooks = hook_temporaries(name, layer_targets, tokens, args, layer_id, dims.tp, p)
-            forward = block_gather + block_forward_bytes(args, layer_id, tokens, dims.tp, p, hooks)
+            forward = block_gather + max(
+                block_forward_bytes(args, layer_id, tokens, dims.tp, p,
+                                    hook_temporaries(hooks_of, layer_targets, tokens, args, layer_id, dims.tp, p))
+                for hooks_of in {stats_name, "wanda" if owl else stats_name})
             stats_peak = max(stats_peak, sum(stats.values()))
             forward_peak = max(forward_peak, forward)
         remaining = sum(stats.values())
         for group, members in groups.items():
-            transient, kept = prepare_bytes(name, members[0].in_features) if calibrating else (0, 0)
+            transient, kept = prepare_bytes(name, members[0].in_features) if method.needs_calibration else (0, 0)
             linear = max(linear_pruning_bytes(name, cfg, *t.module.weight.shape, p, gathered) for t in members)
             phase = max(remaining + transient, remaining - stats[group] + kept + linear)
             if phase > prune_peak:
@@ -233,9 +237,10 @@ def plan_pruning(cfg: Pruning, args: LlamaArgs, dims: ParallelDims, parts: list[
         "masks": (f"1 byte per local pruned weight ({len(all_targets)} linears)" if cfg.hold_masks
                   else "not held (pruning.hold_masks = false)"),
         "calibration cache": (f"{per_rank} sequences x {cfg.seq_len // dims.tp} tokens x {args.dim}: one block's "
-                              f"inputs, replaced by its outputs" if calibrating else "none (magnitude needs no data)"),
+                              f"inputs, replaced by its outputs" + ("; OWL's dense pass first" if owl else "")
+                              if calibrating else "none (magnitude needs no data)"),
         "statistics": {"wanda": "input-channel norms (float64)", "sparsegpt": "fp32 Hessians of one block's inputs",
-                       "magnitude": "none"}[name],
+                       "magnitude": "none"}[stats_name],
         "working": phase_note,
     }
     return PruningMemoryPlan(weights, masks, cache, stats_peak, working, notes)

@@ -28,7 +28,8 @@ class InputSquares:
 class Method:
     """How one method prunes. `statistics` makes the accumulator a group of linears sharing one input fills;
     `prepare` turns the all-reduced statistics into what `prune` needs (once per group); `prune` takes the full
-    fp32 weight, may update it in place (`updates_weights`), and returns the pruned positions."""
+    fp32 weight and the layer's sparsity, may update the weight in place (`updates_weights`), and returns the pruned
+    positions."""
 
     needs_calibration = True
     updates_weights = False
@@ -44,7 +45,7 @@ class Method:
     def prepare(self, stats):
         return None
 
-    def prune(self, weight: torch.Tensor, prepared) -> torch.Tensor:
+    def prune(self, weight: torch.Tensor, prepared, sparsity: float) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -53,8 +54,8 @@ class Magnitude(Method):
 
     needs_calibration = False
 
-    def prune(self, weight: torch.Tensor, prepared) -> torch.Tensor:
-        return pruned_positions(weight.abs(), self.sparsity, self.pattern, per_row=False)
+    def prune(self, weight: torch.Tensor, prepared, sparsity: float) -> torch.Tensor:
+        return pruned_positions(weight.abs(), sparsity, self.pattern, per_row=False)
 
 
 class Wanda(Method):
@@ -66,8 +67,8 @@ class Wanda(Method):
     def prepare(self, stats: InputSquares) -> torch.Tensor:
         return stats.sum.sqrt().float()
 
-    def prune(self, weight: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-        return pruned_positions(weight.abs() * norms[None, :], self.sparsity, self.pattern, per_row=True)
+    def prune(self, weight: torch.Tensor, norms: torch.Tensor, sparsity: float) -> torch.Tensor:
+        return pruned_positions(weight.abs() * norms[None, :], sparsity, self.pattern, per_row=True)
 
 
 class SparseGPT(Method):
@@ -81,9 +82,9 @@ class SparseGPT(Method):
     def prepare(self, stats: Hessian) -> tuple[torch.Tensor, torch.Tensor]:
         return inverse_hessian_factor(stats.sum, self.cfg.percdamp)
 
-    def prune(self, weight: torch.Tensor, prepared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def prune(self, weight: torch.Tensor, prepared: tuple[torch.Tensor, torch.Tensor], sparsity: float) -> torch.Tensor:
         factor, dead = prepared
-        return sparsegpt_prune(weight, factor, dead, self.sparsity, self.pattern, self.cfg.blocksize)
+        return sparsegpt_prune(weight, factor, dead, sparsity, self.pattern, self.cfg.blocksize)
 
 
 METHODS = {"magnitude": Magnitude, "wanda": Wanda, "sparsegpt": SparseGPT}
@@ -91,3 +92,8 @@ METHODS = {"magnitude": Magnitude, "wanda": Wanda, "sparsegpt": SparseGPT}
 
 def build_method(cfg: Pruning) -> Method:
     return METHODS[cfg.method](cfg)
+
+
+def calibrates(cfg: Pruning) -> bool:
+    """Whether the pass reads calibration data: the method's statistics, or OWL's outlier scores (magnitude too)."""
+    return build_method(cfg).needs_calibration or cfg.layer_ratios == "owl"

@@ -30,7 +30,7 @@ from titan_lite.transforms.pruning.masks import (
     masked_linears,
 )
 from titan_lite.transforms.pruning.memory_plan import PruningMemoryPlan, format_bytes, plan_pruning, precision
-from titan_lite.transforms.pruning.methods import build_method
+from titan_lite.transforms.pruning.methods import calibrates
 
 logger = logging.getLogger("titan_lite")
 REPORT_NAME = "sparsity_report.json"
@@ -61,9 +61,9 @@ def check_layout(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims) -> None:
     if dims.cp_enabled:
         raise ConfigError(f"the 'prune' transform does not run under context parallelism "
                           f"('parallelism.context_parallel_degree' = {dims.cp}); use FSDP and/or tensor parallelism")
-    if build_method(p).needs_calibration and p.dataset_path is not None and Path(p.dataset_path).exists():
+    if calibrates(p) and p.dataset_path is not None and Path(p.dataset_path).exists():
         check_dataset(p.dataset, p.dataset_path, "pruning")  # text to calibrate on (DRY_RUN lists a missing path)
-    if build_method(p).needs_calibration and p.nsamples % dims.dp_degree:
+    if calibrates(p) and p.nsamples % dims.dp_degree:
         raise ConfigError(f"'pruning.nsamples' = {p.nsamples} must be a multiple of the data-parallel degree "
                           f"{dims.dp_degree}: every rank calibrates on the same number of sequences")
     if p.seq_len % dims.tp:
@@ -130,10 +130,11 @@ class PruneTransform(Transform):
         baseline = [t for part in ctx.model_parts for t in (*part.parameters(), *part.buffers())]
         with measure_peak(ctx.device, baseline) as self.measured:
             pruner = OneShotPruner(p, ctx.parallel_dims, ctx.device, ctx.runner.context)
-            self.result = pruner.run(model, batches if pruner.method.needs_calibration else [])
+            self.result = pruner.run(model, batches if calibrates(p) else [])
         pruned = sum(layer.pruned for layer in self.result.layers)
         total = sum(layer.shape[0] * layer.shape[1] for layer in self.result.layers)
-        logger.info(f"prune: {p.method} {p.pattern} pruned {pruned:,} of {total:,} weights "
+        owl = " with OWL layer ratios" if p.layer_ratios == "owl" else ""
+        logger.info(f"prune: {p.method} {p.pattern}{owl} pruned {pruned:,} of {total:,} weights "
                     f"({pruned / max(total, 1):.2%}) in {len(self.result.layers)} linears in "
                     f"{self.result.seconds:.1f}s; peak memory measured {format_bytes(self.measured.bytes)} "
                     f"({self.measured.source}), estimated {format_bytes(self.plan.peak)}")
@@ -222,6 +223,7 @@ def sparsity_report(model_parts: list[nn.Module], cfg: JobConfig, dims: Parallel
     one-shot pass's settings, timing and memory."""
     p = cfg.pruning
     counts, skipped = zero_counts(model_parts, cfg, dims)
+    targets = {layer.name: layer.target_sparsity for layer in result.layers} if result is not None else {}
     weights = sum(shape[0] * shape[1] for shape, _ in counts.values())
     zeros = sum(z for _, z in counts.values())
     parameters = sum(param.numel() for part in model_parts for param in part.parameters())
@@ -233,9 +235,16 @@ def sparsity_report(model_parts: list[nn.Module], cfg: JobConfig, dims: Parallel
                            "sparsity": zeros / max(weights, 1)},
         "model": {"parameters": parameters, "zeros": zeros, "sparsity": zeros / max(parameters, 1)},
         "skipped": skipped,
-        "layers": {name: {"shape": shape, "zeros": z, "sparsity": z / (shape[0] * shape[1])}
+        "layer_ratios": p.layer_ratios,
+        "layers": {name: {"shape": shape, "zeros": z, "sparsity": z / (shape[0] * shape[1]),
+                          **({"target_sparsity": targets[name]} if name in targets else {})}
                    for name, (shape, z) in counts.items()},
     }
+    if result is not None and result.outlier_ratios:
+        layer_sparsity = {name.split(".")[1]: s for name, s in targets.items()}
+        report["owl"] = {"lambda": p.owl_lambda, "m": p.owl_m, "layers": {
+            layer: {"outlier_ratio_percent": ratio, "sparsity": layer_sparsity[layer]}
+            for layer, ratio in result.outlier_ratios.items()}}
     if result is not None:
         report["seconds"] = round(result.seconds, 3)
         report["calibration"]["windows"] = result.windows
