@@ -47,6 +47,11 @@ class JobPlan:
     epochs_counted: bool = False  # training.steps was set from training.epochs
 
     @property
+    def block_causal(self) -> bool:
+        """Whether packed documents attend only within themselves (the batches then carry document ids)."""
+        return self.model_args.attn_mask_type == "block_causal"
+
+    @property
     def global_batch_size(self) -> int:
         return self.cfg.training.local_batch_size * self.parallel_dims.dp_degree * self.grad_accum
 
@@ -105,6 +110,8 @@ def build_model_args(cfg: JobConfig, vocab_size: int | None, transforms: Transfo
     """The model's args (flavor or config.json) with the longest sequence the run (or a transform's pass) uses,
     checked against the tokenizer's vocabulary (None: no tokenizer yet, DRY_RUN before the download)."""
     args = flavor_or_hf_args(cfg)
+    args.attn_type = cfg.model.attn_type or args.attn_type
+    args.attn_mask_type = cfg.model.attn_mask_type or args.attn_mask_type
     args.max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0,
                            transforms.sequence_length() if transforms is not None else 0)
     if vocab_size is not None and vocab_size > args.vocab_size:
@@ -159,14 +166,15 @@ def plan_with_tokenizer(cfg: JobConfig, world_size: int, tokenizer: Tokenizer | 
     epochs_counted = cfg.training.epochs is not None and count_epochs and tokenizer is not None
     if epochs_counted:
         cfg.training.steps = steps_for_epochs(cfg, tokenizer, cfg.training.local_batch_size * dims.dp_degree
-                                              * grad_accum)
+                                              * grad_accum, documents=args.attn_mask_type == "block_causal")
     transforms.check(args, dims)
     return JobPlan(cfg, tokenizer, args, dims, grad_accum, transforms, epochs_counted)
 
 
-def steps_for_epochs(cfg: JobConfig, tokenizer: Tokenizer, global_batch: int) -> int:
-    """ceil(training.epochs x samples per epoch / global batch), logged once per process."""
-    samples = _counted_samples(cfg, tokenizer)
+def steps_for_epochs(cfg: JobConfig, tokenizer: Tokenizer, global_batch: int, documents: bool = False) -> int:
+    """ceil(training.epochs x samples per epoch / global batch), logged once per process. `documents`: packed
+    windows hold whole examples (block_causal), which changes how many windows an epoch has."""
+    samples = _counted_samples(cfg, tokenizer, documents)
     steps = max(1, math.ceil(cfg.training.epochs * samples / global_batch))
     if steps != cfg.training.steps:
         logger.info(f"training.epochs = {cfg.training.epochs:g}: {samples:,} samples per epoch / global batch "
@@ -174,10 +182,11 @@ def steps_for_epochs(cfg: JobConfig, tokenizer: Tokenizer, global_batch: int) ->
     return steps
 
 
-def _counted_samples(cfg: JobConfig, tokenizer: Tokenizer) -> int:
+def _counted_samples(cfg: JobConfig, tokenizer: Tokenizer, documents: bool) -> int:
     t = cfg.training
-    key = (t.dataset, t.dataset_path, t.seq_len, repr(cfg.instruct), tokenizer_path(cfg))
-    return _SAMPLE_COUNTS.get(key) or _SAMPLE_COUNTS.setdefault(key, samples_per_epoch(cfg, "training", tokenizer))
+    key = (t.dataset, t.dataset_path, t.seq_len, repr(cfg.instruct), tokenizer_path(cfg), documents)
+    return _SAMPLE_COUNTS.get(key) or _SAMPLE_COUNTS.setdefault(key, samples_per_epoch(cfg, "training", tokenizer,
+                                                                                       documents))
 
 
 _SAMPLE_COUNTS: dict[tuple, int] = {}  # one count per process: the pre-launch check and the trainer both plan

@@ -28,6 +28,10 @@ class LlamaArgs:
     layer_ffn_dims: list[int] | None = None
     # Per-head width when it is not dim // n_heads (structured pruning keeps head_dim while dim or n_heads shrink).
     explicit_head_dim: int | None = None
+    # torchtitan's attention options: the kernel (sdpa; flex: FlexAttention on CUDA) and the mask (causal, or
+    # block_causal: packed documents attend only within themselves).
+    attn_type: str = "sdpa"
+    attn_mask_type: str = "causal"
 
     @property
     def kv_heads(self) -> int:
@@ -83,6 +87,11 @@ FLAVORS: dict[str, LlamaArgs] = {
                       **_LLAMA31_ROPE),
     # Llama 2
     "llama2_7B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, ffn_dim=11008, rope_theta=10000.0),
+    # torchtitan's flavors with FlexAttention and block-causal masks (last, so a config.json matches the plain ones)
+    "debugmodel_flex_attn": LlamaArgs(dim=256, n_layers=6, n_heads=16, vocab_size=2048, ffn_dim=768,
+                                      rope_theta=500000.0, attn_type="flex", attn_mask_type="block_causal"),
+    "8B_flex": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336,
+                         attn_type="flex", attn_mask_type="block_causal", **_LLAMA31_ROPE),
 }
 
 

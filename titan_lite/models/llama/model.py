@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_lite.dtensor import copy_into_shard
 from titan_lite.models.llama.args import LlamaArgs
+from titan_lite.models.llama.flex import BlockMask, document_block_mask, flex_attend
 
 # ------------------------------------------------------------------------------------------ RoPE
 
@@ -113,14 +114,43 @@ def _fused_kernel_takes_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a
                                                 torch.backends.cuda.can_use_cudnn_attention))
 
 
+def block_causal_mask(query_documents: torch.Tensor, query_index: torch.Tensor, key_documents: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """The additive SDPA mask of packed documents, [batch, 1, queries, keys]: 0 where a query may attend (a key of its
+    own document at or before it), -inf elsewhere. Queries are given by their documents [batch, queries] and global
+    indices [queries]; keys are the whole sequence [batch, keys]. Additive in the compute dtype, built once per
+    forward: every layer's SDPA then reads (and saves for backward) this one tensor, where a boolean mask would be
+    converted again by each call."""
+    keys = torch.arange(key_documents.shape[1], device=key_documents.device)
+    allowed = (query_documents[:, :, None] == key_documents[:, None, :]) & (query_index[:, None] >= keys[None, :])
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))[:, None]
+
+
 class CausalAttention(nn.Module):
-    """softmax(QK^T / sqrt(d)) V with a causal mask; a module so context parallel can swap it.
+    """softmax(QK^T / sqrt(d)) V with a causal mask, or the block-causal mask of packed documents when the forward
+    gets one; a module so context parallel can swap it. flex: FlexAttention's block mask on CUDA.
 
     q: [batch, heads, seq, head_dim]; k, v: [batch, kv_heads, seq, head_dim] with kv_heads dividing heads (GQA).
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return grouped_attention(q, k, v, is_causal=True)
+    def __init__(self, flex: bool = False):
+        super().__init__()
+        self.flex = flex
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+        if mask is None:
+            return grouped_attention(q, k, v, is_causal=True)
+        if isinstance(mask, BlockMask):
+            return flex_attend(q, k, v, mask)
+        return grouped_attention(q, k, v, attn_mask=mask)
+
+    def document_mask(self, documents: torch.Tensor, dtype: torch.dtype):
+        """The mask of documents [batch, seq] for this attention: a FlexAttention block mask (flex, on CUDA), else
+        block_causal_mask's."""
+        if self.flex and documents.device.type == "cuda":
+            return document_block_mask(documents)
+        return block_causal_mask(documents, torch.arange(documents.shape[1], device=documents.device), documents,
+                                 dtype)
 
 
 class Attention(nn.Module):
@@ -132,14 +162,18 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
-        self.inner_attention = CausalAttention()
+        self.inner_attention = CausalAttention(flex=args.attn_type == "flex")
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None,
+                mask=None) -> torch.Tensor:
         batch, seq, _ = x.shape
-        return self.wo(self.head_outputs(x, rope, cache).reshape(batch, seq, -1))
+        return self.wo(self.head_outputs(x, rope, cache, mask).reshape(batch, seq, -1))
 
-    def head_outputs(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        """Each head's attention output before wo: [batch, seq, heads, head_dim] (a transform may gate heads)."""
+    def head_outputs(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None,
+                     mask=None) -> torch.Tensor:
+        """Each head's attention output before wo: [batch, seq, heads, head_dim] (a transform may gate heads).
+        rope: the cache of every position [max_seq, pairs, 2], or each token's own rows [batch, seq, pairs, 2];
+        mask: the packed documents' mask (None: causal)."""
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
@@ -148,10 +182,11 @@ class Attention(nn.Module):
         if cache is not None:
             out = cache.attend(q, k, v)
         else:
-            q, k = apply_rope(q, rope[:seq]), apply_rope(k, rope[:seq])
+            rows = rope if rope.dim() == 4 else rope[:seq]
+            q, k = apply_rope(q, rows), apply_rope(k, rows)
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             # K/V keep their n_kv_heads: the inner attention expands them, after any gather (context parallel).
-            out = self.inner_attention(q, k, v)
+            out = self.inner_attention(q, k, v) if mask is None else self.inner_attention(q, k, v, mask)
         return out.transpose(1, 2)
 
 
@@ -222,8 +257,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim_of(layer_id))
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, cache=cache)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None,
+                mask=None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, cache=cache, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -244,19 +280,38 @@ class Llama(nn.Module):
         self.tie_embeddings()
         self.register_buffer("rope_cache", rope_cache(args), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [batch, seq] (or hidden states on a later pipeline stage) -> logits or hidden states.
 
         `cache` (generation only, see titan_lite.eval.generate): attention reads and extends the cache's keys and
         values at its positions, and only the last position's logits are computed. Training never passes one.
+        `positions` and `documents` (packed documents, attn_mask_type block_causal): every input token's RoPE
+        position [batch, seq] and the document id of every key position [batch, kv_seq] (the whole sequence under
+        context parallel); each token attends only within its document. The mask is built once, for every layer.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope, mask = self.rope_cache, None
+        if documents is not None:
+            rope, mask = self.rope_cache[positions], self.document_mask(documents, h)
         for key, layer in self.layers.items():
-            h = layer(h, self.rope_cache) if cache is None else layer(h, self.rope_cache, cache.layer(int(key)))
+            if cache is not None:
+                h = layer(h, rope, cache.layer(int(key)))
+            else:
+                h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)
         if cache is not None:
             h = h[:, -1:]
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def document_mask(self, documents: torch.Tensor, h: torch.Tensor):
+        """The mask of documents for this model's attention (plain or context parallel), in the compute dtype."""
+        block = next(iter(self.layers.values()), None)
+        if block is None:
+            return None
+        device = h.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+        return block.attention.inner_attention.document_mask(documents, dtype)
 
     def tie_embeddings(self) -> None:
         """Where the args tie them, make the output head share the embedding's parameter. Moving a model to real
