@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 INSTRUCT_SUFFIXES = (".jsonl", ".json", ".parquet")
 SAVED_DATASET = "state.json"  # what marks a folder written by datasets' save_to_disk
 SPLITS = ("all", "train", "heldout")
+PAD_DOCUMENT = -1  # the document id of the padding after the last whole record of a window
 # Held-out selection works in millionths of the fraction: exact integer arithmetic, the same on every machine.
 _PPM = 1_000_000
 
@@ -334,7 +335,7 @@ class InstructionSource:
     def _whole_record_windows(self, records: Iterator[tuple[int, list, list]],
                               window: int) -> Iterator[tuple[Sample, int]]:
         """(window sample, index of the first record not in it): records placed whole, in order, until the next
-        does not fit; the rest of the window is padding (a document of its own that trains nothing)."""
+        does not fit; the rest of the window is padding (document PAD_DOCUMENT, which trains nothing)."""
         placed: list[tuple[list[int], list[bool]]] = []
         used, last = 0, None
         for index, ids, mask in records:
@@ -352,7 +353,7 @@ class InstructionSource:
             tokens, trained, documents = tokens + ids, trained + mask, documents + [doc] * len(ids)
         pad = window - len(tokens)
         pad_id = self.tokenizer.pad_id if self.tokenizer.pad_id >= 0 else self.tokenizer.eos_id
-        return packed_sample(tokens + [pad_id] * pad, documents + [len(placed)] * pad, trained + [False] * pad)
+        return packed_sample(tokens + [pad_id] * pad, documents + [PAD_DOCUMENT] * pad, trained + [False] * pad)
 
     def _state(self, epoch: int, index: int, tokens: list[int], trained: list[bool]) -> dict[str, Any]:
         return {"epoch": epoch, "index": index, "tokens": list(tokens), "trained": list(trained)}
