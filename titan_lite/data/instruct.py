@@ -418,13 +418,15 @@ def build_instruction_source(cfg: JobConfig, section: str, tokenizer: TokenizerL
                              instruct_format(cfg, tokenizer), documents)
 
 
-def check_instruction_data(cfg: JobConfig, section: str) -> None:
+def check_instruction_data(cfg: JobConfig, section: str, tokenizer=None) -> None:
     """Config-time: the file is there and its records of the split read (fields, JSON, conversation roles) up to
     the first one with something to train on (empty responses only would train nothing); with a chat template,
-    the template loads and renders that record; a conversation without one is refused."""
+    the template loads and renders those records (with the tokenizer's bos and eos, when given); a conversation
+    without one is refused."""
     file, split = instruction_file_and_split(cfg, section)
-    template = load_chat_template(cfg.instruct.chat_template, tokenizer_folder(cfg)) if cfg.instruct.chat_template \
-        else None
+    template = None
+    if cfg.instruct.chat_template:
+        template = load_chat_template(cfg.instruct.chat_template, tokenizer_folder(cfg), tokenizer)
     found = False
     for _, record in InstructionSource("instruct", file, None, 1, split, infinite=False).examples():
         if isinstance(record, Conversation) and template is None:

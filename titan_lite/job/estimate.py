@@ -111,11 +111,21 @@ def compute_bytes(cfg: JobConfig) -> tuple[int, str]:
     return dtype.itemsize, str(dtype).removeprefix("torch.")
 
 
-def activation_shape(cfg: JobConfig, dims: ParallelDims, microbatch: int, loss_parallel: bool) -> me.ActivationShape:
+def activation_shape(cfg: JobConfig, dims: ParallelDims, microbatch: int, loss_parallel: bool,
+                     args: LlamaArgs | None = None) -> me.ActivationShape:
     c, _ = compute_bytes(cfg)
     return me.ActivationShape(tokens=microbatch * cfg.training.seq_len // dims.cp, compute_bytes=c, tp=dims.tp,
                               cp=dims.cp, loss_parallel=loss_parallel, seq_len=cfg.training.seq_len,
-                              fused_rms_norm=True, chunked_loss=not loss_parallel and not loss_compiled(cfg))
+                              fused_rms_norm=True, chunked_loss=not loss_parallel and not loss_compiled(cfg),
+                              document_mask=document_mask_kind(cfg, args))
+
+
+def document_mask_kind(cfg: JobConfig, args: LlamaArgs | None) -> str | None:
+    """The mask packed documents attend with on the planned device: flex (a FlexAttention block mask, CUDA only),
+    sdpa (an additive mask), or None (causal)."""
+    if args is None or args.attn_mask_type != "block_causal":
+        return None
+    return "flex" if args.attn_type == "flex" and cfg.dry_run.device_type == "cuda" else "sdpa"
 
 
 def loss_compiled(cfg: JobConfig) -> bool:
@@ -188,7 +198,7 @@ def estimate_activations(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, pa
                          pp_rank: int) -> tuple[me.ActivationPeak, str]:
     """Peak activation bytes of the rank's stages, with the microbatches a pipeline keeps in flight."""
     microbatch, n_micro = microbatching(cfg, dims)
-    shape = activation_shape(cfg, dims, microbatch, loss_parallel_enabled(dims, cfg))
+    shape = activation_shape(cfg, dims, microbatch, loss_parallel_enabled(dims, cfg), args)
     schedule = cfg.parallelism.pipeline_parallel_schedule if dims.pp_enabled else None
     in_flight = me.in_flight_microbatches(schedule, dims.pp, pp_rank, n_micro, len(parts))
     ac = cfg.activation_checkpoint
@@ -196,7 +206,9 @@ def estimate_activations(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, pa
     seq_note = f"seq {cfg.training.seq_len}" + (f" / cp {dims.cp}" if dims.cp > 1 else "")
     ac_note = ac.mode if ac.mode != "selective" else f"selective {ac.selective_ac_option}"
     note = (f"AC {ac_note}; microbatch {microbatch} x {seq_note}, {in_flight:g} in flight, {compute_bytes(cfg)[1]}"
-            + (f", TP {dims.tp} (sequence parallel)" if dims.tp > 1 else ""))
+            + (f", TP {dims.tp} (sequence parallel)" if dims.tp > 1 else "")
+            + (f", block-causal {shape.document_mask} mask {me.document_mask_bytes(args, shape) / me.GIB:.2f} GiB "
+               "per microbatch" if shape.document_mask else ""))
     return me.activation_peak(args, stages, shape, in_flight), note
 
 

@@ -198,21 +198,22 @@ def check_seed_checkpoint_layout(cfg: JobConfig, dims: ParallelDims) -> None:
                           f"got {dims.describe()}")
 
 
-def check_section_data(cfg: JobConfig, section: str) -> None:
-    """The data of [training] or [validation] is there and its first document or example reads."""
+def check_section_data(cfg: JobConfig, section: str, tokenizer: Tokenizer | None = None) -> None:
+    """The data of [training] or [validation] is there and its first document or example reads (and renders with
+    the chat template, which sees the tokenizer's special tokens)."""
     s = getattr(cfg, section)
     if s.dataset == "instruct":
-        check_instruction_data(cfg, section)
+        check_instruction_data(cfg, section, tokenizer)
     else:
         check_dataset(s.dataset, s.dataset_path, section)
 
 
-def check_training_data(cfg: JobConfig) -> None:
+def check_training_data(cfg: JobConfig, tokenizer: Tokenizer | None = None) -> None:
     """[training]'s dataset, or every domain of [data_mixture] when it replaces it."""
     if cfg.data_mixture.enable:
         check_mixture_data(cfg.data_mixture)
     else:
-        check_section_data(cfg, "training")
+        check_section_data(cfg, "training", tokenizer)
 
 
 def check_validation_examples(cfg: JobConfig, dp_degree: int) -> None:
@@ -280,9 +281,9 @@ def gather_assets(cfg: JobConfig) -> tuple[Tokenizer | None, list[str]]:
     data, initial weights). The launch refuses the first; DRY_RUN lists them all and plans anyway."""
     problems: list[str] = []
     tokenizer = _noting(problems, lambda: build_tokenizer(tokenizer_path(cfg)))
-    _noting(problems, lambda: check_training_data(cfg))
+    _noting(problems, lambda: check_training_data(cfg, tokenizer))
     if cfg.validation.enable:
-        _noting(problems, lambda: check_section_data(cfg, "validation"))
+        _noting(problems, lambda: check_section_data(cfg, "validation", tokenizer))
     _noting(problems, lambda: check_initial_weights(cfg))
     for transform in _buildable_transforms(cfg):
         _noting(problems, transform.check_inputs)
