@@ -1,6 +1,7 @@
 """The job plan: tokenizer, model args, parallel degrees, accumulation and transforms, derived once from the config."""
 
 import importlib
+import itertools
 import logging
 import math
 import os
@@ -15,7 +16,7 @@ from titan_lite.checkpoint.hf import weight_files
 from titan_lite.checkpoint.manager import check_source_before_launch, initial_source
 from titan_lite.config.schema import JobConfig
 from titan_lite.config.validate import validate
-from titan_lite.data.dataloader import samples_per_epoch
+from titan_lite.data.dataloader import build_section_source, samples_per_epoch
 from titan_lite.data.datasets import check_dataset, check_enough_tokens, resolve_shards
 from titan_lite.data.instruct import check_instruction_data, count_split_examples
 from titan_lite.data.mixture import check_mixture_data
@@ -216,14 +217,20 @@ def check_training_data(cfg: JobConfig, tokenizer: Tokenizer | None = None) -> N
         check_section_data(cfg, "training", tokenizer)
 
 
-def check_validation_examples(cfg: JobConfig, dp_degree: int) -> None:
+def check_validation_examples(cfg: JobConfig, plan: "JobPlan") -> None:
     """Instruction validation holds one full batch (validation.local_batch_size on every data-parallel rank): the
-    pass drops a partial last batch, so fewer would measure nothing (a NaN loss)."""
+    pass drops a partial last batch, so fewer would measure nothing (a NaN loss). Packed, it counts sequences."""
+    dp_degree = plan.parallel_dims.dp_degree
     needed = cfg.validation.local_batch_size * dp_degree
-    found = count_split_examples(cfg, "validation", needed)
+    what = "packed sequences" if cfg.instruct.packing else "examples"
+    if cfg.instruct.packing:
+        source = build_section_source(cfg, "validation", plan.tokenizer, infinite=False, documents=plan.block_causal)
+        found = sum(1 for _ in itertools.islice(source.samples(), needed))
+    else:
+        found = count_split_examples(cfg, "validation", needed)
     if found < needed:
         where = cfg.validation.dataset_path or f"the held-out split of {cfg.training.dataset_path}"
-        raise ConfigError(f"validation on '{where}' has {found} examples: fewer than one batch of "
+        raise ConfigError(f"validation on '{where}' has {found} {what}: fewer than one batch of "
                           f"'validation.local_batch_size' = {cfg.validation.local_batch_size} x {dp_degree} "
                           "data-parallel rank(s); lower it, or add validation data")
 
@@ -236,7 +243,7 @@ def check_data_volume(cfg: JobConfig, plan: "JobPlan") -> None:
     for section in ("training", "validation") if cfg.validation.enable else ("training",):
         s = getattr(cfg, section)
         if section == "validation" and s.dataset == "instruct":
-            check_validation_examples(cfg, plan.parallel_dims.dp_degree)
+            check_validation_examples(cfg, plan)
         if s.dataset == "instruct" or (section == "training" and cfg.data_mixture.enable):
             continue
         where = s.dataset_path if s.dataset_path is not None else s.dataset
