@@ -202,7 +202,7 @@ def test_llama3_8b_chat_lora_fits_24_gib_with_its_mask_planned(tmp_path, base):
     # complete but for the base weights (initial_load_in_hf) that the bundled assets folder lacks
     assert run.returncode == 5, run.stdout + run.stderr
     assert "1 missing or unreadable" in run.stdout and "no model.safetensors" in run.stdout
-    assert "microbatch 1 x seq 4096, 1 in flight, bfloat16, block-causal sdpa mask 0.03 GiB per microbatch" \
+    assert "microbatch 1 x seq 4096, 1 in flight, bfloat16, block-causal (sdpa) 0.03 GiB of mask and RoPE rows" \
         in run.stdout  # 4096 x 4096 bfloat16 query-key pairs
     assert len(run.verdicts()) == 1
     assert_verdict_consistent(run, 24.0)

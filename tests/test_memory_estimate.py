@@ -186,8 +186,7 @@ def test_peak_activation_estimate_matches_cpu_forward_backward(args, batch, seq,
 
 @pytest.mark.parametrize("mode", ["none", "full"])
 def test_document_mask_estimate_matches_cpu_forward(mode):
-    """Packed documents (block_causal): what a forward keeps on top of the causal one is the mask and the RoPE rows,
-    once for all layers, under any AC policy."""
+    """Packed documents (block_causal): what a forward keeps on top of the causal one, under two AC policies."""
     from titan_lite.data.datasets import document_positions
 
     args, batch, seq = SMALL_GQA, 2, 128
@@ -196,9 +195,14 @@ def test_document_mask_estimate_matches_cpu_forward(mode):
     causal = measured_saved_bytes(model, batch, seq, args.vocab_size)
     packed = measured_saved_bytes(model, batch, seq, args.vocab_size, documents=documents,
                                   positions=document_positions(documents))
-    shape = me.ActivationShape(tokens=batch * seq, compute_bytes=4, seq_len=seq, document_mask="sdpa")
-    assert me.document_mask_bytes(args, shape) == batch * seq * seq * 4 + batch * seq * args.head_dim * 4
-    assert abs(me.document_mask_bytes(args, shape) - (packed - causal)) <= 0.1 * (packed - causal), (packed, causal)
+    policies = layer_policies(model, mode, "op")
+    # eager on a CPU: attention per document, each layer's document outputs kept beside the joined one (without AC)
+    spans = me.ActivationShape(tokens=batch * seq, compute_bytes=4, seq_len=seq, document_mask="spans")
+    estimate = me.document_mask_bytes(args, spans, policies)
+    assert abs(estimate - (packed - causal)) <= 0.1 * (packed - causal), (estimate, packed - causal)
+    # the dense additive mask (CUDA, compiled blocks): batch x seq x seq in the compute dtype, and the RoPE rows
+    dense = me.ActivationShape(tokens=batch * seq, compute_bytes=2, seq_len=seq, document_mask="sdpa")
+    assert me.document_mask_bytes(args, dense) == batch * seq * seq * 2 + batch * seq * args.head_dim * 4
 
 
 def test_selective_every_second_layer_wraps_layers_2_and_4():

@@ -17,6 +17,7 @@ from titan_lite.job.plan import gradient_accumulation_steps
 from titan_lite.models.llama import LlamaArgs
 from titan_lite.models.llama.model import canonical_name
 from titan_lite.parallel import memory_estimate as me
+from titan_lite.parallel.compile import compiles_model
 from titan_lite.parallel.fsdp import reshard_after_forward
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.parallelize import loss_parallel_enabled
@@ -121,11 +122,16 @@ def activation_shape(cfg: JobConfig, dims: ParallelDims, microbatch: int, loss_p
 
 
 def document_mask_kind(cfg: JobConfig, args: LlamaArgs | None) -> str | None:
-    """The mask packed documents attend with on the planned device: flex (a FlexAttention block mask, CUDA only),
-    sdpa (an additive mask), or None (causal)."""
+    """How packed documents attend on the planned device: flex (a FlexAttention block mask, CUDA), spans (causal
+    attention per document: eager on a CPU, without context parallel), sdpa (an additive mask), or None (causal)."""
     if args is None or args.attn_mask_type != "block_causal":
         return None
-    return "flex" if args.attn_type == "flex" and cfg.dry_run.device_type == "cuda" else "sdpa"
+    device, compiled = cfg.dry_run.device_type, compiles_model(cfg.compile)
+    if args.attn_type == "flex" and device == "cuda" and cfg.parallelism.context_parallel_degree == 1:
+        return "flex"
+    if device == "cpu" and not compiled and cfg.parallelism.context_parallel_degree == 1:
+        return "spans"
+    return "sdpa"
 
 
 def loss_compiled(cfg: JobConfig) -> bool:
@@ -207,8 +213,9 @@ def estimate_activations(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, pa
     ac_note = ac.mode if ac.mode != "selective" else f"selective {ac.selective_ac_option}"
     note = (f"AC {ac_note}; microbatch {microbatch} x {seq_note}, {in_flight:g} in flight, {compute_bytes(cfg)[1]}"
             + (f", TP {dims.tp} (sequence parallel)" if dims.tp > 1 else "")
-            + (f", block-causal {shape.document_mask} mask {me.document_mask_bytes(args, shape) / me.GIB:.2f} GiB "
-               "per microbatch" if shape.document_mask else ""))
+            + (f", block-causal ({shape.document_mask}) {me.document_mask_bytes(args, shape) / me.GIB:.2f} GiB "
+               "of mask and RoPE rows per microbatch" if shape.document_mask in ("sdpa", "flex") else "")
+            + (", block-causal (attention per document)" if shape.document_mask == "spans" else ""))
     return me.activation_peak(args, stages, shape, in_flight), note
 
 

@@ -8,6 +8,8 @@ on import and export (see hf.py).
 
 import math
 import zlib
+from dataclasses import dataclass
+from itertools import pairwise
 from typing import Protocol
 
 import torch
@@ -126,9 +128,26 @@ def block_causal_mask(query_documents: torch.Tensor, query_index: torch.Tensor, 
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))[:, None]
 
 
+@dataclass(frozen=True)
+class DocumentSpans:
+    """The documents of a batch as (start, end) runs of every row: eager CPU attention attends within each run alone
+    (causal SDPA per document), which skips every query-key pair of two documents, where a dense mask computes them
+    all and masks them out (Σ len² instead of seq² per row)."""
+
+    rows: tuple[tuple[tuple[int, int], ...], ...]
+
+    @classmethod
+    def of(cls, documents: torch.Tensor) -> "DocumentSpans":
+        rows = []
+        for row in documents.tolist():
+            starts = [0] + [i for i in range(1, len(row)) if row[i] != row[i - 1]]
+            rows.append(tuple(pairwise([*starts, len(row)])))
+        return cls(tuple(rows))
+
+
 class CausalAttention(nn.Module):
-    """softmax(QK^T / sqrt(d)) V with a causal mask, or the block-causal mask of packed documents when the forward
-    gets one; a module so context parallel can swap it. flex: FlexAttention's block mask on CUDA.
+    """softmax(QK^T / sqrt(d)) V with a causal mask, or block-causal over packed documents when the forward gets a
+    document mask; a module so context parallel can swap it. flex: FlexAttention's block mask on CUDA.
 
     q: [batch, heads, seq, head_dim]; k, v: [batch, kv_heads, seq, head_dim] with kv_heads dividing heads (GQA).
     """
@@ -142,13 +161,19 @@ class CausalAttention(nn.Module):
             return grouped_attention(q, k, v, is_causal=True)
         if isinstance(mask, BlockMask):
             return flex_attend(q, k, v, mask)
+        if isinstance(mask, DocumentSpans):
+            return torch.cat([torch.cat([grouped_attention(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e],
+                                                           is_causal=True) for s, e in row], dim=2)
+                              for b, row in enumerate(mask.rows)])
         return grouped_attention(q, k, v, attn_mask=mask)
 
-    def document_mask(self, documents: torch.Tensor, dtype: torch.dtype):
-        """The mask of documents [batch, seq] for this attention: a FlexAttention block mask (flex, on CUDA), else
-        block_causal_mask's."""
+    def document_mask(self, documents: torch.Tensor, dtype: torch.dtype, compiled: bool = False):
+        """The mask of documents [batch, seq] for this attention: a FlexAttention block mask (flex, on CUDA), the
+        documents' spans (eager on a CPU), else block_causal_mask's dense one (CUDA's kernels, compiled blocks)."""
         if self.flex and documents.device.type == "cuda":
             return document_block_mask(documents)
+        if documents.device.type == "cpu" and not compiled:
+            return DocumentSpans.of(documents)
         return block_causal_mask(documents, torch.arange(documents.shape[1], device=documents.device), documents,
                                  dtype)
 
@@ -311,7 +336,10 @@ class Llama(nn.Module):
             return None
         device = h.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
-        return block.attention.inner_attention.document_mask(documents, dtype)
+        inner = block.attention.inner_attention
+        if isinstance(inner, CausalAttention):  # compiled blocks (torch.compile's wrapper) take tensor masks only
+            return inner.document_mask(documents, dtype, compiled=hasattr(block, "_orig_mod"))
+        return inner.document_mask(documents, dtype)
 
     def tie_embeddings(self) -> None:
         """Where the args tie them, make the output head share the embedding's parameter. Moving a model to real
