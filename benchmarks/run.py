@@ -38,7 +38,8 @@ _LABELS = {"tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "step_s": "step s", "
            "wall_s": "wall s", "cpu_s": "CPU s", "gflops": "GFLOP/s", "cpu_s_per_step": "CPU s/step",
            "sys_s_per_step": "sys s/step",
            "prune_s": "prune s", "floor_s": "floor s", "transformers_step_s": "HF step s",
-           "kernel_floor_s": "kernels s"}
+           "kernel_floor_s": "kernels s", "trained_tokens_per_s": "trained tok/s", "trained_pct": "trained %",
+           "real_pct": "not padding %"}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

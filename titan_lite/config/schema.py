@@ -71,8 +71,8 @@ class Model:
     name: Literal["llama3", "llama2", "llama"] = opt("llama3", "Model family.")
     flavor: str = opt(
         "debugmodel", "Model size preset: debugmodel, debugmodel_gqa, debugmodel_tied, tiny, smollm2_135M, 1B, 3B, "
-        "8B, 8B_sheared, 70B, 405B, llama2_7B; or 'hf': the shape of hf_assets_path/config.json. A preset next to a "
-        "config.json is checked against it.")
+        "8B, 8B_sheared, 70B, 405B, llama2_7B, debugmodel_flex_attn, 8B_flex; or 'hf': the shape of "
+        "hf_assets_path/config.json. A preset next to a config.json is checked against it.")
     hf_assets_path: str | None = opt(
         "./assets/tokenizer", "Folder with tokenizer files (tokenizer.model or tokenizer.json) and, optionally, HF "
         "config.json and weights.")
