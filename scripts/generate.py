@@ -108,14 +108,11 @@ def run(opts: argparse.Namespace, overrides: list[str]) -> str:
         batches = ([line.rstrip("\n")] for line in sys.stdin if line.strip()) if interactive else [prompts]
         for batch in batches:
             shown, ids = zip(*(render(p) for p in batch), strict=True)
-            completions = iter(generate_text(model, plan.tokenizer, list(shown), gen, device, opts.batch_size,
-                                             prompt_ids=list(ids)))
-            while True:
-                start = time.monotonic()
-                completion = next(completions, None)
-                elapsed += time.monotonic() - start
-                if completion is None:
-                    break
+            start = time.monotonic()
+            completions = generate_text(model, plan.tokenizer, list(shown), gen, device, opts.batch_size,
+                                        prompt_ids=list(ids))
+            elapsed += time.monotonic() - start
+            for completion in completions:
                 count, new_tokens = count + 1, new_tokens + len(completion.tokens)
                 print(completion.text if interactive else f"--- [{count}] {completion.prompt}\n{completion.text}",
                       flush=True)
