@@ -236,7 +236,8 @@ class ChatPackingVariant(Variant):
                 "tokens_per_s": sum(r["total_per_step"]) / seconds, "step_s": statistics.median(r["step_s"]),
                 "trained_pct": 100 * sum(r["trained_per_step"]) / sum(r["total_per_step"]),
                 "real_pct": 100 * sum(r["real_per_step"]) / sum(r["total_per_step"]),
-                "peak_rss_gib": r["peak_rss_bytes"] / 2**30, "foreign_cores": _foreign_cores(r)}
+                "peak_rss_gib": r["peak_rss_bytes"] / 2**30, "foreign_cores": _foreign_cores(r),
+                "flops_per_token": r["flops_per_token"]}
 
 
 @dataclass

@@ -25,6 +25,7 @@ from pathlib import Path
 from benchmarks.worker import RESULT_PREFIX, measure, peak_rss_bytes
 from titan_lite.config import parse_args
 from titan_lite.loss import IGNORE_INDEX
+from titan_lite.metrics.flops import num_flops_per_token
 from titan_lite.train import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,11 +77,14 @@ def chat_step(layout: str, folder: Path, batches: int):
         loss, _ = trainer.train_step(prefetched[i % len(prefetched)], i + 1)
         return loss
 
+    a = trainer.plan.model_args
+    flops = num_flops_per_token(trainer.plan.full_param_count(), a.vocab_size * a.dim, a.n_layers, a.n_heads,
+                                a.head_dim, SEQ_LEN)
     trained = [sum(int((labels != IGNORE_INDEX).sum()) for _, labels, *_ in mb) for mb in prefetched]
     total = [sum(inputs.numel() for inputs, *_ in mb) for mb in prefetched]
     pad_id = trainer.plan.tokenizer.eos_id
     real = [sum(int((inputs != pad_id).sum()) for inputs, *_ in mb) for mb in prefetched]
-    return step, trained, total, real
+    return step, trained, total, real, flops
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,10 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("titan_lite").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="titan_lite_chat_bench_") as folder:
         n = opts.steps + opts.warmup
-        step, trained, total, real = chat_step(opts.layout, Path(folder), n)
+        step, trained, total, real, flops = chat_step(opts.layout, Path(folder), n)
         result = measure(step, opts.steps, opts.warmup)
     timed = range(opts.warmup, n)
-    result.update(layout=opts.layout, rank=0, world=1, peak_rss_bytes=peak_rss_bytes(), flops_per_token=0,
+    result.update(layout=opts.layout, rank=0, world=1, peak_rss_bytes=peak_rss_bytes(), flops_per_token=flops,
                   trained_per_step=[trained[i] for i in timed], total_per_step=[total[i] for i in timed],
                   real_per_step=[real[i] for i in timed])
     print(RESULT_PREFIX + json.dumps(result), flush=True)
