@@ -243,6 +243,29 @@ class DryRunVariant(Variant):
 
 
 @dataclass
+class ChatPackingVariant(Variant):
+    """The trainer's steps on chat-like examples (benchmarks/chat_packing.py): packed whole with block-causal
+    attention, the same windows attended causally, or one example per padded sequence."""
+
+    layout: str = "packed"
+
+    def command(self, settings: Settings) -> tuple[list[str], dict[str, str]]:
+        args = ["-m", "benchmarks.chat_packing", "--layout", self.layout, "--steps", str(settings.steps),
+                "--warmup", str(settings.warmup)]
+        return [sys.executable, *args], {"OMP_NUM_THREADS": str(settings.threads)}
+
+    def metrics(self, out: RunOutput) -> dict[str, float]:
+        r = _single_result(self.label, out)
+        seconds = sum(r["step_s"])
+        return {"trained_tokens_per_s": sum(r["trained_per_step"]) / seconds,
+                "tokens_per_s": sum(r["total_per_step"]) / seconds, "step_s": statistics.median(r["step_s"]),
+                "trained_pct": 100 * sum(r["trained_per_step"]) / sum(r["total_per_step"]),
+                "real_pct": 100 * sum(r["real_per_step"]) / sum(r["total_per_step"]),
+                "peak_rss_gib": r["peak_rss_bytes"] / 2**30, "foreign_cores": _foreign_cores(r),
+                "flops_per_token": r["flops_per_token"]}
+
+
+@dataclass
 class Ratio:
     """numerator's metric over denominator's (labels of variants in the same case)."""
 
@@ -462,6 +485,23 @@ def _dry_run_70b() -> Case:
                             higher_is_better=False))
     return Case("dry_run_70b", f"DRY_RUN of 70B on 64 ranks (TP 8, PP 2, FSDP 4), whole process; before: "
                 f"{BASELINE_70B}", variants, ratios, columns=("wall_s", "cpu_s", "peak_rss_gib"), min_rounds=3)
+
+
+@register_case("chat_packing")
+def _chat_packing() -> Case:
+    """Issue 32's speed targets: useful (trained) tokens per second packed + block_causal against one conversation
+    per padded sequence, and the block mask's cost over plain causal attention on the very same windows."""
+    packed, causal, padded = (ChatPackingVariant("packed, block_causal", layout="packed"),
+                              ChatPackingVariant("packed windows, causal", layout="packed_causal"),
+                              ChatPackingVariant("one per sequence, padded", layout="padded"))
+    return Case("chat_packing", "debugmodel, conversations of a log-uniform length mix, windows of 1024 tokens",
+                [packed, causal, padded],
+                [Ratio("trained tokens/s: packed block_causal / padded", "trained_tokens_per_s", packed.label,
+                       padded.label),
+                 Ratio("step time at equal tokens: block_causal / causal", "step_s", packed.label, causal.label,
+                       target=1.10, higher_is_better=False)],
+                columns=("trained_tokens_per_s", "tokens_per_s", "step_s", "trained_pct", "real_pct"),
+                min_rounds=3)
 
 
 @register_case("tiny")

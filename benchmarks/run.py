@@ -40,7 +40,8 @@ _LABELS = {"tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "step_s": "step s", "
            "sys_s_per_step": "sys s/step",
            "prune_s": "prune s", "floor_s": "floor s", "transformers_step_s": "HF step s",
            "kernel_floor_s": "kernels s", "distill_step_s": "distilled s", "teacher_forward_s": "teacher fwd s",
-           "teacher_cost_s": "teacher cost s"}
+           "teacher_cost_s": "teacher cost s", "trained_tokens_per_s": "trained tok/s",
+           "trained_pct": "trained %", "real_pct": "not padding %"}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -2,6 +2,9 @@
 completion's final number (`#### N`, `The answer is: N`, `\\boxed{N}`, else the last number) against the
 reference's, exactly as a training run's validation measures it. The model is a Hugging Face folder (plus a PEFT
 adapter) or a run's DCP checkpoint; the template and fields come from --config (the run's TOML), else the options.
+Conversations (a messages or conversations field) are problems too: the turns before the last assistant turn are
+the prompt, that turn the reference. With --chat (or a --config run with instruct.chat_template) prompts are rendered
+with the chat template (the run's, else the tokenizer folder's) and generation stops at its end-of-turn token.
 
     .venv/bin/python scripts/eval_answers.py --hf outputs/merged --data data/gsm8k/test.jsonl --problems 200
     .venv/bin/python scripts/eval_answers.py --hf assets/hf/Llama-3.1-8B \\
@@ -29,7 +32,8 @@ from titan_lite import distributed as tl_dist
 from titan_lite.config import JobConfig
 from titan_lite.config import parse_args as parse_job_args
 from titan_lite.config.schema import Instruct
-from titan_lite.data.instruct import Example, InstructionFile, in_split, instruction_file_and_split
+from titan_lite.data.chat import TOKENIZER_TEMPLATE
+from titan_lite.data.instruct import InstructionFile, Record, in_split, instruct_format, instruction_file_and_split
 from titan_lite.errors import ConfigError
 from titan_lite.eval.answer_accuracy import answer_accuracy
 from titan_lite.eval.answers import same_answer
@@ -57,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                f"{DEFAULTS.prompt_field!r})")
     parser.add_argument("--response_field", help=f"without --config: the reference answer's field (default "
                                                  f"{DEFAULTS.response_field!r})")
+    parser.add_argument("--chat", action="store_true",
+                        help="render problems with the chat template (the --config run's instruct.chat_template, else "
+                             "the tokenizer folder's) and stop at its end-of-turn token")
     parser.add_argument("--max_new_tokens", type=int, default=256, help="tokens generated per problem at most")
     parser.add_argument("--batch_size", type=int, default=8, help="problems generated together")
     parser.add_argument("--flavor", help="with --hf: the titan_lite flavor (default: the one matching config.json)")
@@ -77,14 +84,15 @@ def run_config(opts: argparse.Namespace) -> JobConfig | None:
 
 
 def instruct_settings(opts: argparse.Namespace, cfg: JobConfig | None) -> Instruct:
-    if cfg is not None:
-        return cfg.instruct
-    return Instruct(prompt_field=opts.prompt_field or DEFAULTS.prompt_field,
-                    response_field=opts.response_field or DEFAULTS.response_field,
-                    template=opts.template or DEFAULTS.template)
+    instruct = cfg.instruct if cfg is not None else Instruct(
+        prompt_field=opts.prompt_field or DEFAULTS.prompt_field,
+        response_field=opts.response_field or DEFAULTS.response_field, template=opts.template or DEFAULTS.template)
+    if opts.chat:
+        instruct.chat_template = instruct.chat_template or TOKENIZER_TEMPLATE
+    return instruct
 
 
-def problems(opts: argparse.Namespace, cfg: JobConfig | None, instruct: Instruct) -> tuple[list[Example], str]:
+def problems(opts: argparse.Namespace, cfg: JobConfig | None, instruct: Instruct) -> tuple[list[Record], str]:
     """(the first --problems examples, where they come from): --data's every example, else the run's validation
     split (the held-out examples of its training file, or its validation file)."""
     if opts.data:
@@ -116,11 +124,13 @@ def evaluate(opts: argparse.Namespace) -> str:
     tl_dist.init_process_group(device, model_cfg.comm.init_timeout_seconds)
     plan, built = build_model(model_cfg, opts.checkpoint, device)
     model = built.parts[0].to(dtype).eval()
-    print(f"{len(examples)} problems from {where}; template {instruct.template!r}", flush=True)
+    model_cfg.instruct = instruct
+    fmt = instruct_format(model_cfg, plan.tokenizer)
+    how = f"chat template {fmt.chat.template.origin}" if fmt.chat else f"template {instruct.template!r}"
+    print(f"{len(examples)} problems from {where}; {how}", flush=True)
     start = time.monotonic()
     with torch.no_grad():
-        result = answer_accuracy(model, plan.tokenizer, examples, instruct.template, opts.max_new_tokens, device,
-                                 opts.batch_size)
+        result = answer_accuracy(model, fmt, examples, opts.max_new_tokens, device, opts.batch_size)
     for line in result.sample_lines(3):
         print(f"  {line}")
     if opts.output:

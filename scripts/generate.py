@@ -1,7 +1,9 @@
 """Generate text with a titan_lite model: from a Hugging Face folder, an HF folder plus a PEFT adapter, or a DCP
 checkpoint of a run (with that run's config); prompts from --prompt, a file (one per line, or JSON lines with a
 "prompt" field), or interactively from stdin (one prompt per line, until end of input). With --config of a run that
-trained on instruction data, each prompt is put into that run's [instruct] template first (--raw_prompts: as given).
+trained on instruction data, each prompt is put into that run's [instruct] template first (--raw_prompts: as given);
+with --chat (or a --config run with instruct.chat_template) each prompt is a user turn rendered with the chat template
+(the run's, else the tokenizer folder's) and generation stops at the template's end-of-turn token.
 The tokens/s figure counts the time spent generating only (not loading, not waiting for input).
 
     .venv/bin/python scripts/generate.py --hf assets/hf/Llama-3.1-8B --adapter outputs/.../step-586-adapter \
@@ -25,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_lite import distributed as tl_dist
 from titan_lite.config.schema import JobConfig
-from titan_lite.data.instruct import prompt_text
+from titan_lite.data.chat import TOKENIZER_TEMPLATE
+from titan_lite.data.instruct import instruct_format
 from titan_lite.errors import ConfigError
 from titan_lite.eval.generate import GenerationConfig, generate_text
 from titan_lite.job.cli import ScriptParser
@@ -59,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="compute dtype (default float32 on CPU, else bfloat16)")
     parser.add_argument("--raw_prompts", action="store_true",
                         help="with --config: pass prompts as given, without the run's [instruct] template")
+    parser.add_argument("--chat", action="store_true",
+                        help="each prompt is a user turn in the chat template (the --config run's "
+                             "instruct.chat_template, else the tokenizer folder's); stop at its end-of-turn token")
     return parser.parse_known_args(argv)
 
 
@@ -94,20 +100,19 @@ def run(opts: argparse.Namespace, overrides: list[str]) -> str:
                            seed=opts.seed)
     prompts = opts.prompt + (prompts_from_file(opts.prompts_file) if opts.prompts_file else [])
     interactive = not prompts
-    template = prompt_template(cfg, opts)
+    render = PromptRenderer(cfg, opts, plan.tokenizer)
+    gen.stop_ids = render.stop_ids
     out = open(opts.output, "w") if opts.output else None
     count, new_tokens, elapsed = 0, 0, 0.0
     try:
         batches = ([line.rstrip("\n")] for line in sys.stdin if line.strip()) if interactive else [prompts]
         for batch in batches:
-            completions = iter(generate_text(model, plan.tokenizer, [template(p) for p in batch], gen, device,
-                                             opts.batch_size))
-            while True:
-                start = time.monotonic()
-                completion = next(completions, None)
-                elapsed += time.monotonic() - start
-                if completion is None:
-                    break
+            shown, ids = zip(*(render(p) for p in batch), strict=True)
+            start = time.monotonic()
+            completions = generate_text(model, plan.tokenizer, list(shown), gen, device, opts.batch_size,
+                                        prompt_ids=list(ids))
+            elapsed += time.monotonic() - start
+            for completion in completions:
                 count, new_tokens = count + 1, new_tokens + len(completion.tokens)
                 print(completion.text if interactive else f"--- [{count}] {completion.prompt}\n{completion.text}",
                       flush=True)
@@ -120,12 +125,31 @@ def run(opts: argparse.Namespace, overrides: list[str]) -> str:
             f"({new_tokens / max(elapsed, 1e-9):.1f} tokens/s)" + (f"; written to {opts.output}" if out else ""))
 
 
-def prompt_template(cfg: JobConfig, opts: argparse.Namespace):
-    """The run's instruction template (a --config whose training data is instruction data), else prompts as given."""
-    if not opts.config or opts.raw_prompts or cfg.training.dataset != "instruct":
-        return lambda prompt: prompt
-    print(f"prompts go into the run's template {cfg.instruct.template!r} (--raw_prompts: as given)", flush=True)
-    return lambda prompt: prompt_text(cfg.instruct.template, prompt)
+class PromptRenderer:
+    """prompt -> (the text the model continues, its token ids): the prompt as given (with bos), in the --config run's
+    [instruct] template, or as a user turn in the chat template (--chat, or a run with instruct.chat_template);
+    `stop_ids`: where generation stops (eos, or the chat template's end-of-turn token too)."""
+
+    def __init__(self, cfg: JobConfig, opts: argparse.Namespace, tokenizer):
+        if opts.chat and opts.raw_prompts:
+            raise ConfigError("--chat and --raw_prompts contradict each other: give one")
+        instruct_run = bool(opts.config) and cfg.training.dataset == "instruct"
+        self.chat = opts.chat or (instruct_run and bool(cfg.instruct.chat_template) and not opts.raw_prompts)
+        self.templated = instruct_run and not opts.raw_prompts
+        if self.chat:
+            cfg.instruct.chat_template = cfg.instruct.chat_template or TOKENIZER_TEMPLATE
+        self.format = instruct_format(cfg, tokenizer)
+        self.stop_ids = self.format.stop_ids()
+        if self.chat:
+            print(f"prompts are user turns of the chat template {self.format.chat.template.origin}; generation "
+                  f"stops at token ids {list(self.stop_ids)}", flush=True)
+        elif self.templated:
+            print(f"prompts go into the run's template {cfg.instruct.template!r} (--raw_prompts: as given)", flush=True)
+
+    def __call__(self, prompt: str) -> tuple[str, list[int]]:
+        if self.chat or self.templated:
+            return self.format.prompt(prompt)
+        return prompt, self.format.tokenizer.encode(prompt, bos=True, eos=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="generation settings for every generate_until task (do_sample, temperature, top_k, "
                              "max_gen_toks, until)")
     parser.add_argument("--apply_chat_template", nargs="?", const=True, default=False, metavar="TEMPLATE",
-                        help="wrap prompts in the tokenizer's chat template (tokenizer_config.json's chat_template)")
+                        help="wrap prompts in the tokenizer's chat template (chat_template.jinja or "
+                             "tokenizer_config.json's chat_template), rendered as training renders conversations")
     parser.add_argument("--seed", default="0,1234,1234,1234", type=seeds,
                         help="python, numpy, torch and few-shot seeds: one integer for all, or four (None: unset)")
     return parser.parse_args(argv)
@@ -94,14 +95,20 @@ def evaluate(opts: argparse.Namespace) -> None:
         raise ConfigError("scripts/lm_eval.py needs EleutherAI's lm-evaluation-harness, the optional eval extra: "
                           f"{pip_install(extra='eval')}")
     # lm_eval is optional: imported only once it is known to be installed
-    from titan_lite.eval.harness import ChatTemplate, TitanLM, check_local_data, evaluator_config, results_file
+    from titan_lite.eval.harness import (
+        TitanLM,
+        check_local_data,
+        evaluator_config,
+        folder_chat_template,
+        results_file,
+    )
     from titan_lite.eval.harness import evaluate as run_harness
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     template = None
     if opts.apply_chat_template:
         folder = tokenizer_folder(spec)
-        template = ChatTemplate.of_folder(folder)
+        template = folder_chat_template(folder)
         if template is None:
             raise ConfigError(f"--apply_chat_template: {folder / 'tokenizer_config.json'} has no chat_template "
                               f"(evaluate without it, or add one)")

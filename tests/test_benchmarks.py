@@ -155,3 +155,17 @@ def test_distill_worker_alternates_plain_and_distilled_steps_and_the_teachers_fo
     assert result["teacher_flavor"] == "tiny" and m["teacher_forward_s"] > 0
     assert m["teacher_cost_s"] == pytest.approx(m["distill_step_s"] - m["step_s"])
     assert [r.denominator_metric for r in case.ratios] == ["step_s", "teacher_forward_s", "step_s"]
+
+
+def test_chat_packing_case_reads_trained_tokens_and_sets_the_mask_target():
+    case = CASES["chat_packing"]()
+    packed, causal, padded = case.variants
+    assert [v.layout for v in case.variants] == ["packed", "packed_causal", "padded"]
+    mask_cost = case.ratios[1]
+    assert (mask_cost.numerator, mask_cost.denominator, mask_cost.target) == (packed.label, causal.label, 1.10)
+    result = {"step_s": [2.0, 4.0], "trained_per_step": [300, 300], "total_per_step": [1000, 1000],
+              "real_per_step": [800, 700], "peak_rss_bytes": 2**30, "machine_busy_s": None, "own_cpu_s": 6.0,
+              "wall_s": 6.0, "flops_per_token": 1e6}
+    metrics = packed.metrics(RunOutput(RESULT_PREFIX + json.dumps(result), 0, 6.0, 6.0, 2**30))
+    assert metrics["trained_tokens_per_s"] == 100 and metrics["tokens_per_s"] == 2000 / 6
+    assert metrics["trained_pct"] == 30 and metrics["real_pct"] == 75 and metrics["step_s"] == 3.0

@@ -191,3 +191,41 @@ def test_kv_cache_generation_on_cuda_equals_full_forwards():
                 seq.append(int(model(torch.tensor([seq], device=DEVICE))[0, -1].argmax()))
             want.append(seq[len(prompt):])
     assert got == want and len({tuple(g) for g in got}) == len(prompts)
+
+
+def test_flex_block_mask_on_cuda_equals_sdpa_and_one_at_a_time():
+    """attn_type flex on CUDA (FlexAttention's compiled block mask) against SDPA's additive mask on the same packed
+    batch, and both against the documents run one at a time: loss and gradients. The CPU suite checks SDPA's mask
+    (tests/test_packed_parity.py); this is the only check of the FlexAttention path."""
+    from titan_lite.data.datasets import document_positions
+    from titan_lite.loss import cross_entropy_sum
+
+    lengths = [[40, 70, 18], [128], [5, 100, 23]]
+    documents = torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] for row in lengths])
+    tokens = torch.randint(0, 2048, documents.shape, generator=torch.Generator().manual_seed(3))
+    labels = torch.randint(0, 2048, documents.shape, generator=torch.Generator().manual_seed(4))
+    labels[:, :-1][documents[:, 1:] != documents[:, :-1]] = -100  # no label across a document boundary
+    results = {}
+    for attn_type in ("flex", "sdpa"):
+        args = flavor_args("tiny")
+        args.max_seq_len, args.attn_type, args.attn_mask_type = 128, attn_type, "block_causal"
+        model = Llama(args)
+        model.init_weights(seed=0)
+        model = model.to(DEVICE)
+        docs = documents.to(DEVICE)
+        loss = cross_entropy_sum(model(tokens.to(DEVICE), positions=document_positions(docs), documents=docs),
+                                 labels.to(DEVICE))
+        loss.backward()
+        results[attn_type] = (loss.item(), {n: p.grad.float().cpu() for n, p in model.named_parameters()})
+    one = 0.0
+    for row, doc_lengths in enumerate(lengths):
+        start = 0
+        for n in doc_lengths:
+            piece = slice(start, start + n)
+            one += cross_entropy_sum(model(tokens[row:row + 1, piece].to(DEVICE)),
+                                     labels[row:row + 1, piece].to(DEVICE)).item()
+            start += n
+    assert abs(results["flex"][0] - results["sdpa"][0]) <= 1e-3 * abs(results["sdpa"][0])
+    assert abs(results["sdpa"][0] - one) <= 1e-3 * abs(one)
+    for name, grad in results["flex"][1].items():
+        torch.testing.assert_close(grad, results["sdpa"][1][name], rtol=1e-3, atol=1e-5)

@@ -190,6 +190,27 @@ def test_llama3_2_1b_workflow_fits_24_gib(c4_shard):
     assert headroom > 4  # the point of the workflow: ZeRO-3 style sharding leaves room on a 24 GB card
 
 
+@pytest.mark.parametrize("base", ["bfloat16", "nf4"], ids=["lora", "qlora"])
+def test_llama3_8b_chat_lora_fits_24_gib_with_its_mask_planned(tmp_path, base):
+    """The chat config (messages, the Llama 3 instruct template, packed block-causal) on one 24 GB GPU, with a
+    bf16 base (LoRA) or an NF4 one (QLoRA); the plan counts the mask of packed documents."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                             {"role": "assistant", "content": "Hello."}]}) + "\n")
+    run = dry_run("llama3_8b_chat_lora.toml", data, ngpu=1,
+                  extra=("--dry_run.device_memory_gib", "24", "--lora.base_dtype", base))
+    # complete but for the base weights (initial_load_in_hf) that the bundled assets folder lacks
+    assert run.returncode == 5, run.stdout + run.stderr
+    assert "1 missing or unreadable" in run.stdout and "no model.safetensors" in run.stdout
+    assert "microbatch 1 x seq 4096, 1 in flight, bfloat16, block-causal (sdpa) 0.03 GiB of mask and RoPE rows" \
+        in run.stdout  # 4096 x 4096 bfloat16 query-key pairs
+    assert len(run.verdicts()) == 1
+    assert_verdict_consistent(run, 24.0)
+    peak = run.verdicts()[0][0]
+    assert peak < (12 if base == "nf4" else 20)  # the NF4 base: about a quarter of the bf16 one's 15 GiB
+    assert_plans_fast_and_small(run)
+
+
 def test_plan_that_does_not_fit_exits_2_with_one_line(c4_shard):
     run = dry_run("llama3_8b.toml", c4_shard, ngpu=8, extra=("--dry_run.device_memory_gib", "24"))
     assert run.returncode == 2

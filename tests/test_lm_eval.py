@@ -227,9 +227,9 @@ def test_help_names_the_options(capsys):
 
 
 def test_chat_template_renders_and_its_absence_is_one_line(hf_folder, tmp_path, capsys):
-    from titan_lite.eval.harness import ChatTemplate
+    from titan_lite.eval.harness import folder_chat_template
 
-    assert ChatTemplate.of_folder(hf_folder) is None
+    assert folder_chat_template(hf_folder) is None
     code = load_script().main(["--model_args", f"pretrained={hf_folder}", "--tasks", "shakespeare_choice",
                                "--apply_chat_template"])
     assert code == 2
@@ -240,7 +240,7 @@ def test_chat_template_renders_and_its_absence_is_one_line(hf_folder, tmp_path, 
         "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
         "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
         "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")}))
-    template = ChatTemplate.of_folder(tmp_path)
+    template = folder_chat_template(tmp_path)
     text = template.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
     assert text == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
                     "<|start_header_id|>assistant<|end_header_id|>\n\n")

@@ -48,14 +48,14 @@ class LiveStorages(TorchDispatchMode):
         return out
 
 
-def measured_saved_bytes(model: torch.nn.Module, batch: int, seq: int, vocab: int) -> int:
+def measured_saved_bytes(model: torch.nn.Module, batch: int, seq: int, vocab: int, **forward_inputs) -> int:
     """Bytes of tensors alive between the end of forward (loss computed, logits dropped) and backward."""
     tokens = torch.randint(0, vocab, (batch, seq))
     targets = torch.randint(0, vocab, (batch * seq,))
     owned = _parameter_storages(model)
     tracker = LiveStorages()
     with tracker:
-        logits = model(tokens)
+        logits = model(tokens, **forward_inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets, reduction="sum")
         del logits
         # Sizes now, not at creation: FSDP frees gathered parameters by resizing their storage to zero. Parameters
@@ -182,6 +182,27 @@ def test_peak_activation_estimate_matches_cpu_forward_backward(args, batch, seq,
     shape = me.ActivationShape(tokens=batch * seq, compute_bytes=4)
     estimate = me.peak_activation_bytes(args, [(layer_policies(model, mode, "op"), True)], shape)
     assert abs(estimate - tracker.peak) <= 0.2 * tracker.peak, (estimate, tracker.peak)
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_document_mask_estimate_matches_cpu_forward(mode):
+    """Packed documents (block_causal): what a forward keeps on top of the causal one, under two AC policies."""
+    from titan_lite.data.datasets import document_positions
+
+    args, batch, seq = SMALL_GQA, 2, 128
+    model = checkpointed_model(args, mode, "op")
+    documents = torch.arange(seq).repeat(batch, 1) // 20  # documents of 20 tokens
+    causal = measured_saved_bytes(model, batch, seq, args.vocab_size)
+    packed = measured_saved_bytes(model, batch, seq, args.vocab_size, documents=documents,
+                                  positions=document_positions(documents))
+    policies = layer_policies(model, mode, "op")
+    # eager on a CPU: attention per document, each layer's document outputs kept beside the joined one (without AC)
+    spans = me.ActivationShape(tokens=batch * seq, compute_bytes=4, seq_len=seq, document_mask="spans")
+    estimate = me.document_mask_bytes(args, spans, policies)
+    assert abs(estimate - (packed - causal)) <= 0.1 * (packed - causal), (estimate, packed - causal)
+    # the dense additive mask (CUDA, compiled blocks): batch x seq x seq in the compute dtype, and the RoPE rows
+    dense = me.ActivationShape(tokens=batch * seq, compute_bytes=2, seq_len=seq, document_mask="sdpa")
+    assert me.document_mask_bytes(args, dense) == batch * seq * seq * 2 + batch * seq * args.head_dim * 4
 
 
 def test_selective_every_second_layer_wraps_layers_2_and_4():

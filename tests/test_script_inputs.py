@@ -15,6 +15,7 @@ import torch
 from titan_lite.checkpoint.files import save_safetensors
 from titan_lite.checkpoint.hf import expected_shapes, write_hf_folder
 from titan_lite.config import parse_args
+from titan_lite.data.tokenizer import build_tokenizer
 from titan_lite.job.cli import ScriptParser
 from titan_lite.models.llama.args import flavor_args
 
@@ -261,10 +262,13 @@ def test_generate_applies_the_run_template_given_its_config():
     generate = load_script("generate")
     config = str(REPO / "train_configs" / "lora_synthetic_gsm8k_cpu.toml")
     cfg = parse_args(["--job.config_file", config])
-    templated = generate.prompt_template(cfg, argparse.Namespace(config=config, raw_prompts=False))
-    assert templated("What is 3 + 4?") == "Question: What is 3 + 4?\nAnswer: "
-    raw = generate.prompt_template(cfg, argparse.Namespace(config=config, raw_prompts=True))
-    assert raw("What is 3 + 4?") == "What is 3 + 4?"
+    tokenizer = build_tokenizer(str(REPO / "assets" / "tokenizer"))
+    templated = generate.PromptRenderer(cfg, argparse.Namespace(config=config, raw_prompts=False, chat=False),
+                                        tokenizer)
+    text = "Question: What is 3 + 4?\nAnswer: "
+    assert templated("What is 3 + 4?") == (text, tokenizer.encode(text, bos=True))
+    raw = generate.PromptRenderer(cfg, argparse.Namespace(config=config, raw_prompts=True, chat=False), tokenizer)
+    assert raw("What is 3 + 4?")[0] == "What is 3 + 4?"
 
 
 # ------------------------------------------------------------------------------------------ check_sparsity

@@ -21,7 +21,7 @@ from titan_lite.checkpoint.manager import (
     warn_incomplete_saves,
 )
 from titan_lite.config import JobConfig, help_text, parse_args, to_toml, validate
-from titan_lite.data.dataloader import BatchLayout, DataLoader, build_section_loader, loader_options
+from titan_lite.data.dataloader import BatchLayout, DataLoader, build_section_loader, loader_options, split_batch
 from titan_lite.data.mixture import DomainWeights, build_domain_weights
 from titan_lite.dry_run import dry_run, planned_world_size
 from titan_lite.dtensor import full_tensor
@@ -130,9 +130,11 @@ class Trainer:
         layout = BatchLayout(t.local_batch_size, batch_mesh.get_local_rank(), batch_mesh.size(), self.plan.grad_accum)
         self.mixture: DomainWeights | None = None
         if self.cfg.data_mixture.enable:
-            self.mixture = build_domain_weights(self.cfg.data_mixture, self.plan.tokenizer, t.seq_len, self.seed)
+            self.mixture = build_domain_weights(self.cfg.data_mixture, self.plan.tokenizer, t.seq_len, self.seed,
+                                                documents=self.plan.block_causal)
             return DataLoader(self.mixture.source, layout, loader_options(t.dataloader))
-        return build_section_loader(self.cfg, "training", self.plan.tokenizer, layout)
+        return build_section_loader(self.cfg, "training", self.plan.tokenizer, layout,
+                                    documents=self.plan.block_causal)
 
     def build_checkpointer(self) -> CheckpointManager:
         world = dist.get_world_size()
@@ -162,7 +164,8 @@ class Trainer:
     # -------------------------------------------------------------------------------- one step
 
     def next_microbatches(self, data_iter) -> list[tuple[torch.Tensor, ...]]:
-        """(input_ids, labels) per microbatch on the device, with domain ids under a data mixture."""
+        """(input_ids, labels) per microbatch on the device, with document ids of packed documents (block_causal)
+        and domain ids under a data mixture."""
         return [tuple(t.to(self.device, non_blocking=True) for t in next(data_iter))
                 for _ in range(self.plan.grad_accum)]
 
@@ -182,9 +185,10 @@ class Trainer:
         scale = (self.parallel_dims.gradient_average_degree / global_tokens).to(torch.float32)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         domain_sums = self.mixture.new_sums(self.device) if self.mixture is not None else None
-        for inputs, labels, *domains in microbatches:
-            loss_sum += self.model.runner.forward_backward(inputs, labels, scale, *domains,
-                                                           domain_sums=domain_sums).to(torch.float64)
+        for batch in microbatches:
+            inputs, labels, documents, domains = split_batch(batch)
+            loss_sum += self.model.runner.forward_backward(inputs, labels, scale, domains, domain_sums=domain_sums,
+                                                           documents=documents).to(torch.float64)
         self.objective_metrics = self.model.runner.objective.step_metrics(
             lambda sums: self.model.runner.global_sum(sums, loss_values=True), global_tokens)
         self.add_transform_loss(step)

@@ -33,7 +33,7 @@ from titan_lite.models.llama.model import Llama, canonical_name
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                   "generation_config.json")
+                   "generation_config.json", "chat_template.jinja")
 # Token ids carried over from the assets' config.json into an exported one.
 _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 

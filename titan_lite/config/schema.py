@@ -77,8 +77,9 @@ class Model:
     flavor: str = opt(
         "debugmodel", "Model size preset: debugmodel, debugmodel_gqa, debugmodel_tied, tiny, smollm2_135M, 1B, 3B, "
         "8B, 8B_sheared, 70B, 405B, llama2_7B; qwen3_0.6B, qwen3_1.7B, qwen3_4B, qwen3_8B, qwen3_14B, qwen3_32B; "
-        "qwen2.5_0.5B, qwen2.5_7B, qwen2.5_72B; mistral_7B (v0.3), mistral_7B_v0.1; or 'hf': the shape of "
-        "hf_assets_path/config.json. A preset next to a config.json is checked against it.")
+        "qwen2.5_0.5B, qwen2.5_7B, qwen2.5_72B; mistral_7B (v0.3), mistral_7B_v0.1; debugmodel_flex_attn, 8B_flex "
+        "(torchtitan's FlexAttention flavors); or 'hf': the shape of hf_assets_path/config.json. A preset next to a "
+        "config.json is checked against it.")
     hf_assets_path: str | None = opt(
         "./assets/tokenizer", "Folder with tokenizer files (tokenizer.model or tokenizer.json) and, optionally, HF "
         "config.json and weights.")
@@ -87,6 +88,12 @@ class Model:
     converters: list[str] = opt(
         [], "Model transforms applied on the meta model before parallelism, in order (e.g. lora,prune).")
     print_after_conversion: bool = opt(False, "Print the model after the transforms ran.")
+    attn_type: Literal["sdpa", "flex", "varlen"] | None = opt(
+        None, "Attention kernel (torchtitan's names); None = the flavor's (sdpa; flex for the *_flex flavors). flex: "
+        "FlexAttention with a compiled block mask on CUDA, SDPA with a boolean-derived mask elsewhere.")
+    attn_mask_type: Literal["causal", "block_causal"] | None = opt(
+        None, "causal, or block_causal: packed documents attend only within themselves, RoPE positions restart at "
+        "each document and no label crosses a document boundary; None = the flavor's.")
 
 
 @dataclass
@@ -337,6 +344,18 @@ class Instruct:
     validation_fraction: float = opt(
         0.05, "With validation.dataset = instruct and no validation.dataset_path: this fraction of the training "
         "file's examples (evenly spread, the same every run) is held out for validation and never trained on.")
+    messages_field: str = opt("messages", "Field of an OpenAI-format conversation: a list of {role, content} turns, "
+                                          "roles system/user/assistant. A row with it is a conversation.")
+    conversations_field: str = opt("conversations", "Field of a ShareGPT conversation: a list of {from, value} turns, "
+                                                    "from human/gpt/system.")
+    chat_template: str = opt(
+        "", "How conversations become text: '' = none (prompt/response rows use `template`; a conversation is "
+        "refused); 'tokenizer' = the tokenizer folder's chat_template.jinja or tokenizer_config.json chat_template; or "
+        "the path of a Jinja2 template file. With a chat template a prompt/response row is one user and one assistant "
+        "turn.")
+    train_on: Literal["assistant", "last_assistant", "all"] = opt(
+        "assistant", "What carries the loss: every assistant turn (its content and the end-of-turn token after it), "
+        "the last assistant turn only, or every token of the conversation.")
 
 
 @dataclass

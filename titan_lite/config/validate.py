@@ -90,6 +90,7 @@ def check_ranges(cfg: JobConfig) -> None:
     check_parallelism(cfg)
     check_validation(cfg)
     check_instruct(cfg)
+    check_attention(cfg)
     check_data_mixture(cfg)
     check_activation_checkpoint(cfg)
     check_compile(cfg)
@@ -166,6 +167,11 @@ def check_instruct(cfg: JobConfig) -> None:
     _require(i.prompt_field != i.response_field,
              f"'instruct.prompt_field' and 'instruct.response_field' are both {i.prompt_field!r}; they must differ")
     _require("{prompt}" in i.template, f"'instruct.template' = {i.template!r} has no {{prompt}} placeholder")
+    fields = {k: getattr(i, k) for k in ("prompt_field", "response_field", "messages_field", "conversations_field")}
+    for key in ("messages_field", "conversations_field"):
+        _require(bool(fields[key].strip()), f"'instruct.{key}' must name a field, got {fields[key]!r}")
+        _require(list(fields.values()).count(fields[key]) == 1,
+                 f"'instruct.{key}' = {fields[key]!r} is also another instruct field; the fields must differ")
     _require(0 <= i.validation_fraction < 1,
              f"'instruct.validation_fraction' must be in [0, 1), got {i.validation_fraction}")
     if v.enable and v.dataset == "instruct" and v.dataset_path is None:
@@ -184,6 +190,13 @@ def check_instruct(cfg: JobConfig) -> None:
             _require(degree == 1, f"'validation.answer_problems' = {v.answer_problems} (generation) runs on one "
                                   f"process or FSDP/HSDP only, not with 'parallelism.{name}' = {degree}; set "
                                   "validation.answer_problems = 0 (loss and token accuracy still work)")
+
+
+def check_attention(cfg: JobConfig) -> None:
+    """[model] attn_type: torchtitan's varlen kernel is not part of titan_lite."""
+    _require(cfg.model.attn_type != "varlen",
+             "'model.attn_type' = 'varlen' is not supported: titan_lite attends with sdpa or flex; both take "
+             "'model.attn_mask_type' = 'block_causal' for packed documents")
 
 
 def check_data_mixture(cfg: JobConfig) -> None:

@@ -182,26 +182,39 @@ def loader_options(cfg) -> LoaderOptions:
 
 
 def build_section_loader(cfg: JobConfig, section: str, tokenizer, layout: BatchLayout, infinite: bool = True,
-                         length_multiple: int = 1) -> DataLoader:
+                         length_multiple: int = 1, documents: bool = False) -> DataLoader:
     """The loader of [training] or [validation]'s dataset: packed pre-training windows, or instruction examples
-    (dataset 'instruct', padded to the longest of each batch rounded up to length_multiple)."""
+    (dataset 'instruct', padded to the longest of each batch rounded up to length_multiple, unless packed).
+    `documents` (block-causal attention): packed windows carry document ids."""
     s = getattr(cfg, section)
-    source = build_section_source(cfg, section, tokenizer, infinite)
-    if s.dataset == "instruct":
+    source = build_section_source(cfg, section, tokenizer, infinite, documents)
+    if s.dataset == "instruct" and not cfg.instruct.packing:
         pad_id = tokenizer.pad_id if tokenizer.pad_id >= 0 else tokenizer.eos_id
         return DataLoader(source, layout, loader_options(s.dataloader),
                           collate=pad_collate(pad_id, IGNORE_INDEX, length_multiple))
     return DataLoader(source, layout, loader_options(s.dataloader))
 
 
-def build_section_source(cfg: JobConfig, section: str, tokenizer, infinite: bool = True) -> SampleSource:
+def build_section_source(cfg: JobConfig, section: str, tokenizer, infinite: bool = True,
+                         documents: bool = False) -> SampleSource:
     """The sample stream of [training] or [validation]'s dataset (instruction examples or packed windows)."""
     s = getattr(cfg, section)
     if s.dataset == "instruct":
-        return build_instruction_source(cfg, section, tokenizer, infinite)
-    return build_packed_source(s.dataset, s.dataset_path, tokenizer, s.seq_len, infinite, section)
+        return build_instruction_source(cfg, section, tokenizer, infinite, documents)
+    return build_packed_source(s.dataset, s.dataset_path, tokenizer, s.seq_len, infinite, section, documents)
 
 
-def samples_per_epoch(cfg: JobConfig, section: str, tokenizer) -> int:
+def samples_per_epoch(cfg: JobConfig, section: str, tokenizer, documents: bool = False) -> int:
     """Samples (sequences) in one pass over the section's data: what training.epochs counts in."""
-    return sum(1 for _ in build_section_source(cfg, section, tokenizer, infinite=False).samples())
+    return sum(1 for _ in build_section_source(cfg, section, tokenizer, infinite=False, documents=documents)
+               .samples())
+
+
+def split_batch(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                           torch.Tensor | None]:
+    """(inputs, labels, document ids or None, domain ids or None) of a loader batch: a source that packs documents
+    adds [batch, seq] document ids after the labels, a data mixture adds [batch] domain ids last."""
+    inputs, labels, *rest = batch
+    documents = next((t for t in rest if t.dim() == 2), None)
+    domains = next((t for t in rest if t.dim() == 1), None)
+    return inputs, labels, documents, domains

@@ -12,6 +12,7 @@ from typing import Any, BinaryIO, Protocol
 import torch
 
 from titan_lite.errors import ConfigError, did_you_mean, pip_install, quote_path
+from titan_lite.loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -232,8 +233,28 @@ def parquet_columns(path: Path, columns: list[str], keys: str | None = None) -> 
 # ---------------------------------------------------------------- packing
 
 
-# A training sample (input ids, labels) and the source's state right after it.
-Sample = tuple[torch.Tensor, torch.Tensor]
+# A training sample: (input ids, labels), or (input ids, labels, document ids) from a source that packs documents
+# for block-causal attention.
+Sample = tuple[torch.Tensor, ...]
+
+
+def packed_sample(tokens: list[int], documents: list[int], trained: list[bool] | None = None) -> Sample:
+    """(inputs, labels, document ids) of a window of seq_len + 1 tokens and their document ids: a label is kept
+    only where the next token belongs to the same document (and trains, when `trained` says which do)."""
+    ids, docs = torch.tensor(tokens, dtype=torch.long), torch.tensor(documents, dtype=torch.long)
+    keep = docs[1:] == docs[:-1]
+    if trained is not None:
+        keep &= torch.tensor(trained[1:])
+    return ids[:-1], torch.where(keep, ids[1:], IGNORE_INDEX), docs[:-1]
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """Each token's position within its document (RoPE positions that restart at every document): documents
+    [..., seq] holds the document id of every token, a document being a run of equal ids."""
+    index = torch.arange(documents.shape[-1], device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[..., 1:] = documents[..., 1:] != documents[..., :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=-1).values
 
 
 class SampleSource(Protocol):
@@ -247,33 +268,46 @@ class SampleSource(Protocol):
 class PackedSource:
     """Packs tokenized documents (bos + text + eos) into windows of seq_len + 1 tokens, in document order.
 
-    The state after a window is the epoch, the stream position after the last document read and the tokens not yet
-    packed, so a source restarted from it continues with exactly the windows that would have come next. An
-    infinite source starts a new epoch at the end of the data (the leftover tokens carry over); a finite one stops
-    (the partial last window is dropped).
+    With `documents` (block-causal attention) each window also carries every token's document id (a document cut
+    by the window's start or end is a document of the window: it starts at position 0 there) and no label crosses
+    from one document to the next.
+
+    The state after a window is the epoch, the stream position after the last document read, the tokens not yet
+    packed (and, with documents, the lengths of the document pieces among them), so a source restarted from it
+    continues with exactly the windows that would have come next. An infinite source starts a new epoch at the end
+    of the data (the leftover tokens carry over); a finite one stops (the partial last window is dropped).
     """
 
     def __init__(self, name: str, stream: DocumentStream, tokenizer: TokenizerLike, seq_len: int,
-                 infinite: bool = True):
+                 infinite: bool = True, documents: bool = False):
         self.name = name
         self.stream = stream
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         self.infinite = infinite
+        self.documents = documents
 
     def samples(self, state: dict[str, Any] | None = None) -> Iterator[tuple[Sample, dict[str, Any]]]:
         state = self._checked(state) if state is not None else {"epoch": 0, "position": {}, "buffer": []}
         epoch, start, buffer = state["epoch"], StreamPosition(**state["position"]), list(state["buffer"])
+        # the lengths of the document pieces in the buffer (a state saved without them: one piece)
+        lengths = list(state.get("lengths", [len(buffer)] if buffer else []))
         window = self.seq_len + 1
         while True:
             found = False
             for text, position in self.stream.read(start):
                 found = True
-                buffer.extend(self.tokenizer.encode(text, bos=True, eos=True))
+                ids = self.tokenizer.encode(text, bos=True, eos=True)
+                buffer.extend(ids)
+                lengths += [len(ids)] if self.documents else []
                 while len(buffer) >= window:
                     chunk, buffer = buffer[:window], buffer[window:]
-                    tokens = torch.tensor(chunk, dtype=torch.long)
-                    yield (tokens[:-1], tokens[1:]), self._state(epoch, position, buffer)
+                    if self.documents:
+                        documents, lengths = _take_documents(lengths, window)
+                        yield packed_sample(chunk, documents), self._state(epoch, position, buffer, lengths)
+                    else:
+                        tokens = torch.tensor(chunk, dtype=torch.long)
+                        yield (tokens[:-1], tokens[1:]), self._state(epoch, position, buffer, [])
             if not found and start == StreamPosition():
                 raise ConfigError(f"dataset '{self.name}' has no documents")
             if not self.infinite:
@@ -281,9 +315,10 @@ class PackedSource:
             epoch, start = epoch + 1, StreamPosition()
             logger.info("Dataset %s: starting epoch %d", self.name, epoch)
 
-    def _state(self, epoch: int, position: StreamPosition, buffer: list[int]) -> dict[str, Any]:
-        return {"epoch": epoch, "position": dataclasses.asdict(position), "buffer": list(buffer),
-                "num_shards": len(self.stream.shards)}
+    def _state(self, epoch: int, position: StreamPosition, buffer: list[int], lengths: list[int]) -> dict[str, Any]:
+        state = {"epoch": epoch, "position": dataclasses.asdict(position), "buffer": list(buffer),
+                 "num_shards": len(self.stream.shards)}
+        return state | ({"lengths": list(lengths)} if self.documents else {})
 
     def _checked(self, state: dict[str, Any]) -> dict[str, Any]:
         if "num_shards" not in state:
@@ -295,8 +330,20 @@ class PackedSource:
         return state
 
 
+def _take_documents(lengths: list[int], window: int) -> tuple[list[int], list[int]]:
+    """(the document id of each of the window's tokens, the lengths of the pieces left after it)."""
+    documents, left, rest, doc = [], window, list(lengths), 0
+    while left:
+        take = min(left, rest[0])
+        documents += [doc] * take
+        doc, left, rest[0] = doc + 1, left - take, rest[0] - take
+        if rest[0] == 0:
+            rest.pop(0)
+    return documents, rest
+
+
 def build_packed_source(dataset: str, dataset_path: str | None, tokenizer: TokenizerLike, seq_len: int,
-                        infinite: bool = True, key_prefix: str = "training") -> PackedSource:
-    """The packed source named `dataset` (see known_datasets())."""
+                        infinite: bool = True, key_prefix: str = "training", documents: bool = False) -> PackedSource:
+    """The packed source named `dataset` (see known_datasets()); `documents`: windows carry document ids."""
     stream = DocumentStream(resolve_shards(dataset, dataset_path, key_prefix))
-    return PackedSource(dataset, stream, tokenizer, seq_len, infinite)
+    return PackedSource(dataset, stream, tokenizer, seq_len, infinite, documents)

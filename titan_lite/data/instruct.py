@@ -1,26 +1,40 @@
-"""Instruction data: prompt/response examples from a .jsonl, .json (array) or .parquet file, formatted with a prompt
-template and tokenized with the loss on response tokens only, one example per sample or packed; and the held-out
-split carved from the training file."""
+"""Instruction data: prompt/response examples and conversations (OpenAI `messages`, ShareGPT `conversations`) from a
+.jsonl, .json (array) or .parquet file or a Hugging Face `datasets` folder (save_to_disk), formatted with a prompt
+template or the model's chat template and tokenized with the loss on what the assistant says; one example per
+sample, packed back to back, or packed whole into windows with document ids (block-causal attention); and the
+held-out split carved from the training file."""
 
+import importlib
 import itertools
 import json
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from titan_lite.config.schema import Instruct, JobConfig
-from titan_lite.data.datasets import Sample, TokenizerLike, parquet_columns
+from titan_lite.data.chat import (
+    ChatEncoder,
+    Conversation,
+    TemplateFailure,
+    conversation_of,
+    load_chat_template,
+    openai_turns,
+    sharegpt_turns,
+)
+from titan_lite.data.datasets import Sample, TokenizerLike, packed_sample, parquet_columns
 from titan_lite.errors import ConfigError
 from titan_lite.loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
 INSTRUCT_SUFFIXES = (".jsonl", ".json", ".parquet")
+SAVED_DATASET = "state.json"  # what marks a folder written by datasets' save_to_disk
 SPLITS = ("all", "train", "heldout")
+PAD_DOCUMENT = -1  # the document id of the padding after the last whole record of a window
 # Held-out selection works in millionths of the fraction: exact integer arithmetic, the same on every machine.
 _PPM = 1_000_000
 
@@ -29,6 +43,10 @@ _PPM = 1_000_000
 class Example:
     prompt: str
     response: str
+    where: str = field(default="", compare=False)  # file and row, for error lines
+
+
+Record = Example | Conversation
 
 
 def is_held_out(index: int, fraction: float) -> bool:
@@ -50,30 +68,41 @@ def prompt_text(template: str, prompt: str) -> str:
 
 
 class InstructionFile:
-    """The examples of one file, in file order, from any example index on."""
+    """The records of one file (or saved `datasets` folder), in order, from any index on: a row with the messages
+    field is an OpenAI conversation, one with the conversations field a ShareGPT one, any other a prompt/response
+    example."""
 
     def __init__(self, path: Path, cfg: Instruct, key: str):
         self.path = path
         self.cfg = cfg
         self.key = key  # the config key that named the file, for error lines
+        if path.is_dir():
+            if not (path / SAVED_DATASET).is_file():
+                splits = sorted(p.name for p in path.iterdir() if (p / SAVED_DATASET).is_file())
+                hint = f" (a DatasetDict: name one split's folder, e.g. '{path / splits[0]}')" if splits else ""
+                raise ConfigError(f"'{key}' = '{path}' is a folder without {SAVED_DATASET}: not a dataset saved "
+                                  f"with datasets' save_to_disk{hint}")
+            return
         if not path.is_file():
             raise ConfigError(f"'{key}' = '{path}' is not a file (instruction data is one .jsonl, .json or .parquet "
-                              "file)")
+                              "file, or a folder saved with datasets' save_to_disk)")
         if not path.name.endswith(INSTRUCT_SUFFIXES):
             raise ConfigError(f"'{key}' = '{path}' must end in one of {', '.join(INSTRUCT_SUFFIXES)} for "
-                              "dataset 'instruct'")
+                              "dataset 'instruct' (or be a folder saved with datasets' save_to_disk)")
 
-    def examples(self, start: int = 0) -> Iterator[tuple[int, Example]]:
-        """(index, example) for every example from index `start` on; a malformed record is one error line."""
-        if self.path.suffix == ".parquet":
-            records = self._parquet_records()
+    def examples(self, start: int = 0) -> Iterator[tuple[int, Record]]:
+        """(index, record) for every record from index `start` on; a malformed one is one error line."""
+        if self.path.is_dir():
+            records = self._columnar_records(self._saved_dataset_rows)
+        elif self.path.suffix == ".parquet":
+            records = self._columnar_records(self._parquet_rows)
         elif self.path.suffix == ".json":
             records = self._json_array_records()
         else:
             records = self._json_line_records()
         for index, (where, record) in enumerate(records):
             if index >= start:
-                yield index, self._example(record, where)
+                yield index, self._record(record, where)
 
     def _json_line_records(self) -> Iterator[tuple[str, Any]]:
         with open(self.path, "rb") as f:
@@ -90,24 +119,76 @@ class InstructionFile:
         for number, record in enumerate(records):
             yield f"{self.path}: element {number}", record
 
-    def _parquet_records(self) -> Iterator[tuple[str, Any]]:
-        fields = [self.cfg.prompt_field, self.cfg.response_field]
-        for row, values in enumerate(parquet_columns(self.path, fields, "instruct.prompt_field and "
-                                                                         "instruct.response_field"), start=1):
-            yield f"{self.path}: row {row}", dict(zip(fields, values, strict=True))
+    def _columnar_records(self, rows) -> Iterator[tuple[str, Any]]:
+        """Rows of a parquet file or saved dataset as objects of the columns one format needs: the messages
+        column, else the conversations column, else the prompt and response columns."""
+        for row, record in enumerate(rows(), start=1):
+            yield f"{self.path}: row {row}", record
 
-    def _example(self, record: Any, where: str) -> Example:
+    def _columns(self, names: list[str]) -> tuple[list[str], str]:
+        """(the columns to read, the config keys that name them)."""
+        for key in ("messages_field", "conversations_field"):
+            if getattr(self.cfg, key) in names:
+                return [getattr(self.cfg, key)], f"instruct.{key}"
+        return [self.cfg.prompt_field, self.cfg.response_field], "instruct.prompt_field and instruct.response_field"
+
+    def _parquet_rows(self) -> Iterator[dict[str, Any]]:
+        columns, keys = self._columns(_parquet_names(self.path))
+        for values in parquet_columns(self.path, columns, keys):
+            yield dict(zip(columns, values, strict=True))
+
+    def _saved_dataset_rows(self) -> Iterator[dict[str, Any]]:
+        """The rows of a `datasets` save_to_disk folder: its .arrow files (Arrow IPC streams, in state.json's
+        order), read with pyarrow; no `datasets` import, no network."""
+        ipc = _pyarrow_module(self.path, "ipc")
+        state = _parsed((self.path / SAVED_DATASET).read_bytes(), str(self.path / SAVED_DATASET), "a JSON object")
+        files = [f.get("filename") for f in state.get("_data_files", [])] if isinstance(state, dict) else []
+        if not files or not all(isinstance(f, str) for f in files):
+            raise ConfigError(f"{self.path / SAVED_DATASET}: no '_data_files' list; not a datasets save_to_disk folder")
+        for name in files:
+            with ipc.open_stream(str(self.path / name)) as reader:
+                columns, keys = self._columns(reader.schema.names)
+                missing = [c for c in columns if c not in reader.schema.names]
+                if missing:
+                    raise ConfigError(f"{self.path / name}: no '{missing[0]}' column ({keys}); columns: "
+                                      f"{', '.join(reader.schema.names)}")
+                for batch in reader:
+                    values = [batch.column(batch.schema.get_field_index(c)).to_pylist() for c in columns]
+                    for row in zip(*values, strict=True):
+                        yield dict(zip(columns, row, strict=True))
+
+    def _record(self, record: Any, where: str) -> Record:
+        c = self.cfg
         if not isinstance(record, dict):
             raise ConfigError(f"{where}: not a JSON object; each example must be an object with the fields "
-                              f"'{self.cfg.prompt_field}' and '{self.cfg.response_field}'")
+                              f"'{c.messages_field}', '{c.conversations_field}' or '{c.prompt_field}' and "
+                              f"'{c.response_field}'")
+        if record.get(c.messages_field) is not None:
+            turns = openai_turns(record[c.messages_field], where, c.messages_field)
+            return conversation_of(turns, where, c.messages_field)
+        if record.get(c.conversations_field) is not None:
+            turns = sharegpt_turns(record[c.conversations_field], where, c.conversations_field)
+            return conversation_of(turns, where, c.conversations_field)
         texts = []
         for key in ("prompt_field", "response_field"):
-            name = getattr(self.cfg, key)
+            name = getattr(c, key)
             if not isinstance(record.get(name), str):
                 found = ", ".join(sorted(record)) or "none"
-                raise ConfigError(f"{where}: no '{name}' string ('instruct.{key}'; fields found: {found})")
+                raise ConfigError(f"{where}: no '{name}' string ('instruct.{key}'; nor a '{c.messages_field}' or "
+                                  f"'{c.conversations_field}' conversation; fields found: {found})")
             texts.append(record[name])
-        return Example(*texts)
+        return Example(*texts, where=where)
+
+
+def _pyarrow_module(path: Path, name: str):
+    try:
+        return importlib.import_module(f"pyarrow.{name}")  # optional dependency: only these formats need it
+    except ImportError:
+        raise ConfigError(f"{path}: reading it needs pyarrow (pip install pyarrow)") from None
+
+
+def _parquet_names(path: Path) -> list[str]:
+    return _pyarrow_module(path, "parquet").ParquetFile(path).schema_arrow.names
 
 
 def _parsed(raw: bytes, where: str, expected: str) -> Any:
@@ -117,22 +198,76 @@ def _parsed(raw: bytes, where: str, expected: str) -> Any:
         raise ConfigError(f"{where}: not valid JSON; {expected}") from None
 
 
+class InstructFormat:
+    """How records become tokens: a prompt/response example with the prompt template (bos + template(prompt) +
+    response + eos, the response and eos trained), or, with a chat template, any record as a conversation (a
+    prompt/response example is one user and one assistant turn) rendered and trained as titan_lite.data.chat says.
+    `instruct.train_on = "all"` trains every token instead."""
+
+    def __init__(self, cfg: Instruct, tokenizer: TokenizerLike | None, chat: ChatEncoder | None = None):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.chat = chat
+
+    def encode(self, record: Record) -> tuple[list[int], list[bool]]:
+        """(tokens, whether each trains)."""
+        if self.chat is not None:
+            return self.chat.encode(self.conversation(record), record.where or "a record")
+        if isinstance(record, Conversation):
+            raise ConfigError(f"{record.where}: a conversation needs a chat template: set 'instruct.chat_template' to "
+                              "'tokenizer' (the tokenizer folder's) or a template file")
+        prompt = self.tokenizer.encode(prompt_text(self.cfg.template, record.prompt), bos=True, eos=False)
+        response = self.tokenizer.encode(record.response, bos=False, eos=True)
+        return prompt + response, [self.cfg.train_on == "all"] * len(prompt) + [True] * len(response)
+
+    @staticmethod
+    def conversation(record: Record) -> Conversation:
+        if isinstance(record, Conversation):
+            return record
+        return Conversation((("user", record.prompt), ("assistant", record.response)), where=record.where)
+
+    def problem(self, record: Record) -> tuple[str, list[int], str]:
+        """(the prompt as text, its token ids, the reference answer) of a record to generate an answer for: the
+        templated prompt, or the conversation up to its last assistant turn with the chat template's generation
+        prompt."""
+        if self.chat is None and isinstance(record, Example):
+            text = prompt_text(self.cfg.template, record.prompt)
+            return text, self.tokenizer.encode(text, bos=True, eos=False), record.response
+        if self.chat is None:
+            self.encode(record)  # the one-line error of a conversation without a chat template
+        before, reference = self.conversation(record).problem()
+        where = record.where or "a record"
+        return self.chat.prompt_text(before, where), self.chat.prompt_ids(before, where), reference
+
+    def prompt(self, text: str) -> tuple[str, list[int]]:
+        """A user's prompt as the model sees it: in the prompt template, or as one user turn of a conversation."""
+        return self.problem(Example(text, ""))[:2]
+
+    def stop_ids(self) -> tuple[int, ...]:
+        """What generation stops at: the chat template's end-of-turn token and eos, or eos."""
+        if self.chat is not None:
+            return self.chat.end_of_turn_ids()
+        return (self.tokenizer.eos_id,) if self.tokenizer.eos_id >= 0 else ()
+
+
 class InstructionSource:
-    """A sample stream of instruction examples (a SampleSource for the layout-independent DataLoader).
+    """A sample stream of instruction records (a SampleSource for the layout-independent DataLoader).
 
-    Each example becomes bos + template(prompt) + response + eos, with labels IGNORE_INDEX wherever the next
-    token is bos or prompt, so only the response and its eos carry a loss. Without packing a sample is one example
-    (cut at seq_len + 1 tokens; an example whose response is cut away entirely is skipped with a warning), to be
-    padded to the longest of its batch; with packing examples follow each other in windows of seq_len + 1 tokens,
-    as pre-training packs documents (attention crosses example boundaries, as torchtitan's packing does).
+    Each record becomes tokens and a trained mask (InstructFormat); labels are IGNORE_INDEX wherever the next token
+    does not train. Without packing a sample is one record (cut at seq_len + 1 tokens; a record whose trained tokens
+    are cut away entirely is skipped with a warning), to be padded to the longest of its batch. With packing,
+    records follow each other in windows of seq_len + 1 tokens, as pre-training packs documents (attention crosses
+    record boundaries, as torchtitan's packing does); with `documents` (attention block_causal) each window holds
+    whole records (cut at seq_len + 1 tokens alone) and padding after the last one that fits, and carries each
+    token's document id: a record sees only itself, and no label crosses from one to the next.
 
-    The state after a sample is the epoch, the index of the next example of the file and, when packing, the
-    tokens not yet packed: a source restarted from it continues with exactly the samples that would have come
-    next. An infinite source starts a new epoch at the end of the file; a finite one stops.
+    The state after a sample is the epoch, the index of the next record of the file and, when packing across
+    windows, the tokens not yet packed: a source restarted from it continues with exactly the samples that would have
+    come next. An infinite source starts a new epoch at the end of the file; a finite one stops.
     """
 
     def __init__(self, name: str, file: InstructionFile, tokenizer: TokenizerLike, seq_len: int, split: str = "all",
-                 infinite: bool = True):
+                 infinite: bool = True, fmt: InstructFormat | None = None, documents: bool = False):
         self.name = name
         self.file = file
         self.cfg = file.cfg
@@ -140,19 +275,19 @@ class InstructionSource:
         self.seq_len = seq_len
         self.split = split
         self.infinite = infinite
+        self.format = fmt if fmt is not None else InstructFormat(file.cfg, tokenizer)
+        self.documents = documents and file.cfg.packing
         self._warned = False
 
-    def examples(self, start: int = 0) -> Iterator[tuple[int, Example]]:
-        """The examples of this source's split, with their index in the file."""
-        for index, example in self.file.examples(start):
+    def examples(self, start: int = 0) -> Iterator[tuple[int, Record]]:
+        """The records of this source's split, with their index in the file."""
+        for index, record in self.file.examples(start):
             if in_split(index, self.split, self.cfg.validation_fraction):
-                yield index, example
+                yield index, record
 
-    def encode(self, example: Example) -> tuple[list[int], list[bool]]:
-        """(tokens, trained): bos + prompt (not trained) and response + eos (trained)."""
-        prompt = self.tokenizer.encode(prompt_text(self.cfg.template, example.prompt), bos=True, eos=False)
-        response = self.tokenizer.encode(example.response, bos=False, eos=True)
-        return prompt + response, [False] * len(prompt) + [True] * len(response)
+    def encode(self, record: Record) -> tuple[list[int], list[bool]]:
+        """(tokens, trained) of one record."""
+        return self.format.encode(record)
 
     def samples(self, state: dict[str, Any] | None = None) -> Iterator[tuple[Sample, dict[str, Any]]]:
         state = dict(state) if state is not None else {"epoch": 0, "index": 0, "tokens": [], "trained": []}
@@ -161,20 +296,22 @@ class InstructionSource:
         window = self.seq_len + 1
         while True:
             found = False
-            for index, example in self.examples(start):
-                found = True
-                ids, mask = self.encode(example)
-                if not self.cfg.packing:
-                    if any(mask[1:window]):
-                        yield _sample(ids[:window], mask[:window]), self._state(epoch, index + 1, [], [])
-                    else:
-                        self._warn_cut(index)
-                    continue
-                tokens, trained = tokens + ids, trained + mask
-                while len(tokens) >= window:
-                    sample = _sample(tokens[:window], trained[:window])
-                    tokens, trained = tokens[window:], trained[window:]
-                    yield sample, self._state(epoch, index + 1, tokens, trained)
+            records = self._trainable(self.examples(start), window)
+            if self.documents:
+                for sample, next_index in self._whole_record_windows(records, window):
+                    found = True
+                    yield sample, self._state(epoch, next_index, [], [])
+            else:
+                for index, ids, mask in records:
+                    found = True
+                    if not self.cfg.packing:
+                        yield _sample(ids, mask), self._state(epoch, index + 1, [], [])
+                        continue
+                    tokens, trained = tokens + ids, trained + mask
+                    while len(tokens) >= window:
+                        sample = _sample(tokens[:window], trained[:window])
+                        tokens, trained = tokens[window:], trained[window:]
+                        yield sample, self._state(epoch, index + 1, tokens, trained)
             if not found and start == 0:
                 raise ConfigError(f"'{self.file.key}' = '{self.file.path}' holds no examples for the {self.split} "
                                   f"split")
@@ -183,12 +320,47 @@ class InstructionSource:
             epoch, start = epoch + 1, 0
             logger.info("Dataset %s: starting epoch %d", self.name, epoch)
 
+    def _trainable(self, records: Iterator[tuple[int, Record]], window: int) -> Iterator[tuple[int, list, list]]:
+        """(index, tokens, trained) of each record; without packing across windows, a record cut at the window
+        with no trained token left (the first token is never a label) is skipped with a warning."""
+        for index, record in records:
+            ids, mask = self.encode(record)
+            if self.cfg.packing and not self.documents:
+                yield index, ids, mask
+            elif any(mask[1:window]):
+                yield index, ids[:window], mask[:window]
+            else:
+                self._warn_cut(index)
+
+    def _whole_record_windows(self, records: Iterator[tuple[int, list, list]],
+                              window: int) -> Iterator[tuple[Sample, int]]:
+        """(window sample, index of the first record not in it): records placed whole, in order, until the next
+        does not fit; the rest of the window is padding (document PAD_DOCUMENT, which trains nothing)."""
+        placed: list[tuple[list[int], list[bool]]] = []
+        used, last = 0, None
+        for index, ids, mask in records:
+            if placed and used + len(ids) > window:
+                yield self._document_window(placed, window), index
+                placed, used = [], 0
+            placed.append((ids, mask))
+            used, last = used + len(ids), index
+        if placed:
+            yield self._document_window(placed, window), last + 1
+
+    def _document_window(self, placed: list[tuple[list[int], list[bool]]], window: int) -> Sample:
+        tokens, trained, documents = [], [], []
+        for doc, (ids, mask) in enumerate(placed):
+            tokens, trained, documents = tokens + ids, trained + mask, documents + [doc] * len(ids)
+        pad = window - len(tokens)
+        pad_id = self.tokenizer.pad_id if self.tokenizer.pad_id >= 0 else self.tokenizer.eos_id
+        return packed_sample(tokens + [pad_id] * pad, documents + [PAD_DOCUMENT] * pad, trained + [False] * pad)
+
     def _state(self, epoch: int, index: int, tokens: list[int], trained: list[bool]) -> dict[str, Any]:
         return {"epoch": epoch, "index": index, "tokens": list(tokens), "trained": list(trained)}
 
     def _warn_cut(self, index: int) -> None:
         if not self._warned:
-            logger.warning(f"{self.file.path}: example {index} has no response token within seq_len = {self.seq_len} "
+            logger.warning(f"{self.file.path}: example {index} has no trained token within seq_len = {self.seq_len} "
                            "tokens and is skipped (so are further ones like it); raise training.seq_len")
             self._warned = True
 
@@ -214,26 +386,59 @@ def instruction_file_and_split(cfg: JobConfig, section: str) -> tuple[Instructio
     if section == "validation" and cfg.validation.dataset_path is not None:
         return InstructionFile(Path(cfg.validation.dataset_path), cfg.instruct, "validation.dataset_path"), "all"
     if cfg.training.dataset_path is None:
-        raise ConfigError("'training.dataset_path' must name a .jsonl, .json or .parquet file for dataset 'instruct'")
+        raise ConfigError("'training.dataset_path' must name a .jsonl, .json or .parquet file (or a saved datasets "
+                          "folder) for dataset 'instruct'")
     file = InstructionFile(Path(cfg.training.dataset_path), cfg.instruct, "training.dataset_path")
     if section == "validation":
         return file, "heldout"
     return file, "train" if carves_validation(cfg) else "all"
 
 
-def build_instruction_source(cfg: JobConfig, section: str, tokenizer: TokenizerLike,
-                             infinite: bool) -> InstructionSource:
-    file, split = instruction_file_and_split(cfg, section)
-    return InstructionSource("instruct", file, tokenizer, getattr(cfg, section).seq_len, split, infinite)
+def tokenizer_folder(cfg: JobConfig) -> Path | None:
+    """The folder of the run's tokenizer (model.tokenizer_path, else model.hf_assets_path; a file's folder)."""
+    path = cfg.model.tokenizer_path or cfg.model.hf_assets_path
+    if not path:
+        return None
+    return Path(path) if Path(path).is_dir() else Path(path).parent
 
 
-def check_instruction_data(cfg: JobConfig, section: str) -> None:
-    """Config-time: the file is there and its examples of the split read (fields, JSON) up to the first one with a
-    response to train on (empty responses only would train nothing)."""
+def instruct_format(cfg: JobConfig, tokenizer) -> InstructFormat:
+    """The run's InstructFormat: with instruct.chat_template, the template loaded (and checked to load) now."""
+    chat = None
+    if cfg.instruct.chat_template:
+        template = load_chat_template(cfg.instruct.chat_template, tokenizer_folder(cfg), tokenizer)
+        chat = ChatEncoder(template, tokenizer, cfg.instruct.train_on) if tokenizer is not None else None
+    return InstructFormat(cfg.instruct, tokenizer, chat)
+
+
+def build_instruction_source(cfg: JobConfig, section: str, tokenizer: TokenizerLike, infinite: bool,
+                             documents: bool = False) -> InstructionSource:
     file, split = instruction_file_and_split(cfg, section)
+    return InstructionSource("instruct", file, tokenizer, getattr(cfg, section).seq_len, split, infinite,
+                             instruct_format(cfg, tokenizer), documents)
+
+
+def check_instruction_data(cfg: JobConfig, section: str, tokenizer=None) -> None:
+    """Config-time: the file is there and its records of the split read (fields, JSON, conversation roles) up to
+    the first one with something to train on (empty responses only would train nothing); with a chat template,
+    the template loads and renders those records (with the tokenizer's bos and eos, when given); a conversation
+    without one is refused."""
+    file, split = instruction_file_and_split(cfg, section)
+    template = None
+    if cfg.instruct.chat_template:
+        template = load_chat_template(cfg.instruct.chat_template, tokenizer_folder(cfg), tokenizer)
     found = False
-    for _, example in InstructionSource("instruct", file, None, 1, split, infinite=False).examples():
-        if example.response.strip():
+    for _, record in InstructionSource("instruct", file, None, 1, split, infinite=False).examples():
+        if isinstance(record, Conversation) and template is None:
+            InstructFormat(cfg.instruct, None).encode(record)
+        if template is not None:
+            messages = InstructFormat.conversation(record).messages()
+            try:
+                template.render(messages, add_generation_prompt=False)
+            except TemplateFailure as failure:
+                raise ConfigError(f"{record.where}: the chat template ({template.origin}) fails on this "
+                                  f"conversation: {failure}") from None
+        if isinstance(record, Conversation) or record.response.strip():
             return
         found = True
     what = "examples with a non-empty response" if found else "examples"

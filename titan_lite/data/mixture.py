@@ -38,7 +38,7 @@ def draw_domain(seed: int, index: int, cumulative: list[float]) -> int:
 
 class MixtureSource:
     """A SampleSource over several PackedSources: each sample comes from domain d with probability weights[d] and
-    carries d as a third tensor. Every rank draws the same domains (same seed, same sample index).
+    carries d as a last tensor. Every rank draws the same domains (same seed, same sample index).
 
     Its state is every domain's state plus the count of samples drawn. The weights are not part of it: they are
     set between steps by DomainWeights (which checkpoints them); `version` counts the changes, so that the data
@@ -67,8 +67,8 @@ class MixtureSource:
         while True:
             domain = draw_domain(self.seed, drawn, cumulative)
             drawn += 1
-            (inputs, labels), domain_states[domain] = next(streams[domain])
-            yield (inputs, labels, torch.tensor(domain)), {"domains": list(domain_states), "drawn": drawn,
+            sample, domain_states[domain] = next(streams[domain])
+            yield (*sample, torch.tensor(domain)), {"domains": list(domain_states), "drawn": drawn,
                                                             "names": self.names}
 
     def _checked(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -175,10 +175,12 @@ def check_mixture_data(cfg: DataMixture) -> None:
         check_has_documents(shards, cfg.dataset_paths[i], f"data_mixture.dataset_paths[{i}]")
 
 
-def build_domain_weights(cfg: DataMixture, tokenizer: TokenizerLike, seq_len: int, default_seed: int) -> DomainWeights:
-    """The mixture source (packed windows of seq_len tokens per domain, endless) and its weight controller."""
+def build_domain_weights(cfg: DataMixture, tokenizer: TokenizerLike, seq_len: int, default_seed: int,
+                         documents: bool = False) -> DomainWeights:
+    """The mixture source (packed windows of seq_len tokens per domain, endless, with document ids when
+    `documents`) and its weight controller."""
     names = domain_names(cfg)
-    sources = [PackedSource(name, DocumentStream(shards), tokenizer, seq_len)
+    sources = [PackedSource(name, DocumentStream(shards), tokenizer, seq_len, documents=documents)
                for name, shards in zip(names, domain_shards(cfg), strict=True)]
     weights = cfg.weights or [1.0] * len(names)
     seed = cfg.seed if cfg.seed is not None else default_seed

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from titan_lite.data.instruct import Example, prompt_text
+from titan_lite.data.instruct import InstructFormat, Record
 from titan_lite.eval.answers import extract_answer, same_answer
 from titan_lite.eval.generate import GenerationConfig, generate_text
 from titan_lite.metrics.logger import Progress
@@ -38,18 +38,20 @@ class AnswerAccuracy:
         return lines
 
 
-def answer_accuracy(model: nn.Module, tokenizer, problems: list[Example], template: str, max_new_tokens: int,
+def answer_accuracy(model: nn.Module, fmt: InstructFormat, problems: list[Record], max_new_tokens: int,
                     device: torch.device, batch_size: int) -> AnswerAccuracy:
-    """Greedy completions of the templated prompts (stopping at eos), scored by their final number. Every rank
-    that calls this generates the same problems (FSDP: each forward gathers the same weights on every rank)."""
-    prompts = [prompt_text(template, p.prompt) for p in problems]
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0)
+    """Greedy completions of the problems' prompts as the run's format makes them (the prompt template, or the
+    conversation up to its last assistant turn in the chat template), stopping at eos or the template's end-of-turn
+    token, scored by their final number against the reference (the response, or the last assistant turn). Every
+    rank that calls this generates the same problems (FSDP: each forward gathers the same weights on every rank)."""
+    prompts, ids, references = zip(*(fmt.problem(p) for p in problems), strict=True) if problems else ((), (), ())
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, stop_ids=fmt.stop_ids())
     progress = Progress("answer accuracy: generating", len(prompts), f"completions of up to {max_new_tokens} tokens",
                         announce=True)
     completions = []
-    for completion in generate_text(model, tokenizer, prompts, cfg, device, batch_size):
+    for completion in generate_text(model, fmt.tokenizer, list(prompts), cfg, device, batch_size,
+                                    prompt_ids=list(ids)):
         completions.append(completion.text)
         progress.update(len(completions))
-    references = [p.response for p in problems]
     correct = sum(same_answer(c, r) for c, r in zip(completions, references, strict=True))
-    return AnswerAccuracy(correct, len(problems), prompts, completions, references)
+    return AnswerAccuracy(correct, len(problems), list(prompts), completions, list(references))

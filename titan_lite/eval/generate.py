@@ -166,15 +166,17 @@ class Completion:
 
 
 def generate_text(model: nn.Module, tokenizer, prompts: Sequence[str], cfg: GenerationConfig,
-                  device: torch.device, batch_size: int = 8) -> list[Completion]:
-    """Generate for text prompts (tokenized with bos), `batch_size` prompts at a time; stops at the tokenizer's
-    eos unless cfg.stop_ids says otherwise."""
+                  device: torch.device, batch_size: int = 8,
+                  prompt_ids: Sequence[Sequence[int]] | None = None) -> list[Completion]:
+    """Generate for text prompts (tokenized with bos, or given as `prompt_ids`, e.g. a chat template's rendering),
+    `batch_size` prompts at a time; stops at the tokenizer's eos unless cfg.stop_ids says otherwise."""
     if not cfg.stop_ids and tokenizer.eos_id >= 0:
         cfg = replace(cfg, stop_ids=(tokenizer.eos_id,))
     completions = []
     for start in range(0, len(prompts), batch_size):
         chunk = list(prompts[start:start + batch_size])
-        ids = [tokenizer.encode(p, bos=True, eos=False) for p in chunk]
+        ids = [tokenizer.encode(p, bos=True, eos=False) for p in chunk] if prompt_ids is None else \
+            [list(i) for i in prompt_ids[start:start + batch_size]]
         for prompt, new in zip(chunk, generate(model, ids, cfg, device), strict=True):
             completions.append(Completion(prompt, tokenizer.decode(new), new))
     return completions

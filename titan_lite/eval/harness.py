@@ -5,11 +5,9 @@ checking that lm_eval is installed (the optional `eval` extra)."""
 
 import contextlib
 import difflib
-import json
 import logging
 from argparse import Namespace
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import lm_eval
@@ -25,6 +23,7 @@ from lm_eval.tasks._yaml_loader import load_yaml
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
 from tqdm import tqdm
 
+from titan_lite.data.chat import TOKENIZER_TEMPLATE, ChatTemplate, TemplateFailure, load_chat_template
 from titan_lite.errors import ConfigError
 from titan_lite.eval.generate import GenerationConfig, generate
 from titan_lite.eval.harness_model import LoadedModel
@@ -34,38 +33,15 @@ DEFAULT_MAX_GEN_TOKS = 256  # lm_eval's HF backend's
 _SAMPLING_KEYS = {"do_sample", "temperature", "top_k", "seed"}
 
 
-@dataclass
-class ChatTemplate:
-    """tokenizer_config.json's chat_template, rendered as transformers does (sandboxed jinja2, trimmed blocks)."""
-
-    source: str
-    bos_token: str
-    eos_token: str
-
-    @classmethod
-    def of_folder(cls, folder: Path) -> "ChatTemplate | None":
-        path = folder / "tokenizer_config.json"
-        config = json.loads(path.read_text()) if path.is_file() else {}
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        if not template:
+def folder_chat_template(folder: Path) -> ChatTemplate | None:
+    """The chat template of a tokenizer folder (chat_template.jinja, else tokenizer_config.json's chat_template),
+    rendered by the code training renders conversations with (titan_lite.data.chat); None when it has none."""
+    try:
+        return load_chat_template(TOKENIZER_TEMPLATE, folder)
+    except ConfigError as exc:
+        if "no chat_template" in str(exc):
             return None
-
-        def token(key: str) -> str:
-            value = config.get(key) or ""
-            return value.get("content", "") if isinstance(value, dict) else value
-        return cls(template, token("bos_token"), token("eos_token"))
-
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment  # lm_eval's dependency, needed only for chats
-
-        def raise_exception(message: str):
-            raise ConfigError(f"the chat template refused the conversation: {message}")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.source).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                   bos_token=self.bos_token, eos_token=self.eos_token)
+        raise
 
 
 class TitanLM(TemplateLM):
@@ -268,7 +244,11 @@ class TitanLM(TemplateLM):
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if self.template is None:
             raise ConfigError("--apply_chat_template: the tokenizer has no chat_template")
-        return self.template.render(chat_history, add_generation_prompt)
+        try:
+            return self.template.render(chat_history, add_generation_prompt)
+        except TemplateFailure as failure:
+            raise ConfigError(f"--apply_chat_template: the chat template ({self.template.origin}) fails on a "
+                              f"request: {failure}") from None
 
     # ------------------------------------------------------------------ several processes
 

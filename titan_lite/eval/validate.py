@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from titan_lite.config.schema import JobConfig
-from titan_lite.data.dataloader import BatchLayout, build_section_loader
+from titan_lite.data.dataloader import BatchLayout, build_section_loader, split_batch
 from titan_lite.eval.answer_accuracy import answer_accuracy
 from titan_lite.metrics.logger import Progress
 from titan_lite.parallel.parallel_dims import ParallelDims
@@ -29,7 +29,8 @@ class Validator:
         self.device = device
         batch_mesh = parallel_dims.submesh("batch")
         layout = BatchLayout(self.cfg.local_batch_size, batch_mesh.get_local_rank(), batch_mesh.size())
-        self.loader = build_section_loader(cfg, "validation", tokenizer, layout, infinite=False)
+        self.loader = build_section_loader(cfg, "validation", tokenizer, layout, infinite=False,
+                                           documents=runner.block_causal)
         self.instruction_data = self.cfg.dataset == "instruct"
         # The last step that validates: sample completions are printed there and at the first evaluation.
         self.last_step = cfg.training.steps // self.cfg.freq * self.cfg.freq
@@ -73,8 +74,8 @@ class Validator:
         progress = Progress("validation", count, "batches")
         for done in range(count):
             progress.update(done)
-            inputs, labels = (t.to(self.device) for t in next(batches))
-            loss, tokens, correct = self.runner.eval_sums(inputs, labels)
+            inputs, labels, documents, _ = split_batch(tuple(t.to(self.device) for t in next(batches)))
+            loss, tokens, correct = self.runner.eval_sums(inputs, labels, documents)
             has_correct = correct is not None
             sums += torch.stack([loss, tokens, correct if has_correct else torch.zeros_like(tokens)])
         loss_sum = self.runner.global_sum(sums[:1].clone(), loss_values=True)
@@ -85,9 +86,10 @@ class Validator:
         return results
 
     def _answer_accuracy(self, model: nn.Module, step: int) -> float:
-        problems = [ex for _, ex in itertools.islice(self.loader.source.examples(), self.cfg.answer_problems)]
-        result = answer_accuracy(model, self.tokenizer, problems, self.instruct.template, self.cfg.max_new_tokens,
-                                 self.device, self.cfg.local_batch_size)
+        source = self.loader.source
+        problems = [ex for _, ex in itertools.islice(source.examples(), self.cfg.answer_problems)]
+        result = answer_accuracy(model, source.format, problems, self.cfg.max_new_tokens, self.device,
+                                 self.cfg.local_batch_size)
         if (self.evaluations == 0 or step == self.last_step) and self.cfg.sample_outputs > 0:
             which = "first" if self.evaluations == 0 else "last"
             logger.info(f"answer accuracy at step {step} ({which} evaluation): {result.correct}/{result.total}; "

@@ -18,6 +18,7 @@ from titan_lite.job.plan import gradient_accumulation_steps
 from titan_lite.models.llama import LlamaArgs
 from titan_lite.models.llama.model import canonical_name
 from titan_lite.parallel import memory_estimate as me
+from titan_lite.parallel.compile import compiles_model
 from titan_lite.parallel.fsdp import reshard_after_forward
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.parallelize import loss_parallel_enabled
@@ -112,11 +113,26 @@ def compute_bytes(cfg: JobConfig) -> tuple[int, str]:
     return dtype.itemsize, str(dtype).removeprefix("torch.")
 
 
-def activation_shape(cfg: JobConfig, dims: ParallelDims, microbatch: int, loss_parallel: bool) -> me.ActivationShape:
+def activation_shape(cfg: JobConfig, dims: ParallelDims, microbatch: int, loss_parallel: bool,
+                     args: LlamaArgs | None = None) -> me.ActivationShape:
     c, _ = compute_bytes(cfg)
     return me.ActivationShape(tokens=microbatch * cfg.training.seq_len // dims.cp, compute_bytes=c, tp=dims.tp,
                               cp=dims.cp, loss_parallel=loss_parallel, seq_len=cfg.training.seq_len,
-                              fused_rms_norm=True, chunked_loss=not loss_parallel and not loss_compiled(cfg))
+                              fused_rms_norm=True, chunked_loss=not loss_parallel and not loss_compiled(cfg),
+                              document_mask=document_mask_kind(cfg, args))
+
+
+def document_mask_kind(cfg: JobConfig, args: LlamaArgs | None) -> str | None:
+    """How packed documents attend on the planned device: flex (a FlexAttention block mask, CUDA), spans (causal
+    attention per document: eager on a CPU, without context parallel), sdpa (an additive mask), or None (causal)."""
+    if args is None or args.attn_mask_type != "block_causal":
+        return None
+    device, compiled = cfg.dry_run.device_type, compiles_model(cfg.compile)
+    if args.attn_type == "flex" and device == "cuda" and cfg.parallelism.context_parallel_degree == 1:
+        return "flex"
+    if device == "cpu" and not compiled and cfg.parallelism.context_parallel_degree == 1:
+        return "spans"
+    return "sdpa"
 
 
 def loss_compiled(cfg: JobConfig) -> bool:
@@ -191,7 +207,7 @@ def estimate_activations(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, pa
                          pp_rank: int) -> tuple[me.ActivationPeak, str]:
     """Peak activation bytes of the rank's stages, with the microbatches a pipeline keeps in flight."""
     microbatch, n_micro = microbatching(cfg, dims)
-    shape = activation_shape(cfg, dims, microbatch, loss_parallel_enabled(dims, cfg))
+    shape = activation_shape(cfg, dims, microbatch, loss_parallel_enabled(dims, cfg), args)
     schedule = cfg.parallelism.pipeline_parallel_schedule if dims.pp_enabled else None
     in_flight = me.in_flight_microbatches(schedule, dims.pp, pp_rank, n_micro, len(parts))
     ac = cfg.activation_checkpoint
@@ -199,7 +215,10 @@ def estimate_activations(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, pa
     seq_note = f"seq {cfg.training.seq_len}" + (f" / cp {dims.cp}" if dims.cp > 1 else "")
     ac_note = ac.mode if ac.mode != "selective" else f"selective {ac.selective_ac_option}"
     note = (f"AC {ac_note}; microbatch {microbatch} x {seq_note}, {in_flight:g} in flight, {compute_bytes(cfg)[1]}"
-            + (f", TP {dims.tp} (sequence parallel)" if dims.tp > 1 else ""))
+            + (f", TP {dims.tp} (sequence parallel)" if dims.tp > 1 else "")
+            + (f", block-causal ({shape.document_mask}) {me.document_mask_bytes(args, shape) / me.GIB:.2f} GiB "
+               "of mask and RoPE rows per microbatch" if shape.document_mask in ("sdpa", "flex") else "")
+            + (", block-causal (attention per document)" if shape.document_mask == "spans" else ""))
     return me.activation_peak(args, stages, shape, in_flight), note
 
 

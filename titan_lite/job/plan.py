@@ -1,6 +1,7 @@
 """The job plan: tokenizer, model args, parallel degrees, accumulation and transforms, derived once from the config."""
 
 import importlib
+import itertools
 import logging
 import math
 import os
@@ -15,7 +16,7 @@ from titan_lite.checkpoint.hf import weight_files
 from titan_lite.checkpoint.manager import check_source_before_launch, initial_source
 from titan_lite.config.schema import JobConfig
 from titan_lite.config.validate import validate
-from titan_lite.data.dataloader import samples_per_epoch
+from titan_lite.data.dataloader import build_section_source, samples_per_epoch
 from titan_lite.data.datasets import check_dataset, check_enough_tokens, resolve_shards
 from titan_lite.data.instruct import check_instruction_data, count_split_examples
 from titan_lite.data.mixture import check_mixture_data
@@ -45,6 +46,11 @@ class JobPlan:
     grad_accum: int
     transforms: Transforms
     epochs_counted: bool = False  # training.steps was set from training.epochs
+
+    @property
+    def block_causal(self) -> bool:
+        """Whether packed documents attend only within themselves (the batches then carry document ids)."""
+        return self.model_args.attn_mask_type == "block_causal"
 
     @property
     def global_batch_size(self) -> int:
@@ -120,6 +126,8 @@ def build_model_args(cfg: JobConfig, vocab_size: int | None, transforms: Transfo
     """The model's args (flavor or config.json) with the longest sequence the run (or a transform's pass) uses,
     checked against the tokenizer's vocabulary (None: no tokenizer yet, DRY_RUN before the download)."""
     args = flavor_or_hf_args(cfg)
+    args.attn_type = cfg.model.attn_type or args.attn_type
+    args.attn_mask_type = cfg.model.attn_mask_type or args.attn_mask_type
     args.max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0,
                            transforms.sequence_length() if transforms is not None else 0)
     if vocab_size is not None and vocab_size > args.vocab_size:
@@ -174,14 +182,15 @@ def plan_with_tokenizer(cfg: JobConfig, world_size: int, tokenizer: Tokenizer | 
     epochs_counted = cfg.training.epochs is not None and count_epochs and tokenizer is not None
     if epochs_counted:
         cfg.training.steps = steps_for_epochs(cfg, tokenizer, cfg.training.local_batch_size * dims.dp_degree
-                                              * grad_accum)
+                                              * grad_accum, documents=args.attn_mask_type == "block_causal")
     transforms.check(args, dims)
     return JobPlan(cfg, tokenizer, args, dims, grad_accum, transforms, epochs_counted)
 
 
-def steps_for_epochs(cfg: JobConfig, tokenizer: Tokenizer, global_batch: int) -> int:
-    """ceil(training.epochs x samples per epoch / global batch), logged once per process."""
-    samples = _counted_samples(cfg, tokenizer)
+def steps_for_epochs(cfg: JobConfig, tokenizer: Tokenizer, global_batch: int, documents: bool = False) -> int:
+    """ceil(training.epochs x samples per epoch / global batch), logged once per process. `documents`: packed
+    windows hold whole examples (block_causal), which changes how many windows an epoch has."""
+    samples = _counted_samples(cfg, tokenizer, documents)
     steps = max(1, math.ceil(cfg.training.epochs * samples / global_batch))
     if steps != cfg.training.steps:
         logger.info(f"training.epochs = {cfg.training.epochs:g}: {samples:,} samples per epoch / global batch "
@@ -189,10 +198,11 @@ def steps_for_epochs(cfg: JobConfig, tokenizer: Tokenizer, global_batch: int) ->
     return steps
 
 
-def _counted_samples(cfg: JobConfig, tokenizer: Tokenizer) -> int:
+def _counted_samples(cfg: JobConfig, tokenizer: Tokenizer, documents: bool) -> int:
     t = cfg.training
-    key = (t.dataset, t.dataset_path, t.seq_len, repr(cfg.instruct), tokenizer_path(cfg))
-    return _SAMPLE_COUNTS.get(key) or _SAMPLE_COUNTS.setdefault(key, samples_per_epoch(cfg, "training", tokenizer))
+    key = (t.dataset, t.dataset_path, t.seq_len, repr(cfg.instruct), tokenizer_path(cfg), documents)
+    return _SAMPLE_COUNTS.get(key) or _SAMPLE_COUNTS.setdefault(key, samples_per_epoch(cfg, "training", tokenizer,
+                                                                                       documents))
 
 
 _SAMPLE_COUNTS: dict[tuple, int] = {}  # one count per process: the pre-launch check and the trainer both plan
@@ -204,31 +214,38 @@ def check_seed_checkpoint_layout(cfg: JobConfig, dims: ParallelDims) -> None:
                           f"got {dims.describe()}")
 
 
-def check_section_data(cfg: JobConfig, section: str) -> None:
-    """The data of [training] or [validation] is there and its first document or example reads."""
+def check_section_data(cfg: JobConfig, section: str, tokenizer: Tokenizer | None = None) -> None:
+    """The data of [training] or [validation] is there and its first document or example reads (and renders with
+    the chat template, which sees the tokenizer's special tokens)."""
     s = getattr(cfg, section)
     if s.dataset == "instruct":
-        check_instruction_data(cfg, section)
+        check_instruction_data(cfg, section, tokenizer)
     else:
         check_dataset(s.dataset, s.dataset_path, section)
 
 
-def check_training_data(cfg: JobConfig) -> None:
+def check_training_data(cfg: JobConfig, tokenizer: Tokenizer | None = None) -> None:
     """[training]'s dataset, or every domain of [data_mixture] when it replaces it."""
     if cfg.data_mixture.enable:
         check_mixture_data(cfg.data_mixture)
     else:
-        check_section_data(cfg, "training")
+        check_section_data(cfg, "training", tokenizer)
 
 
-def check_validation_examples(cfg: JobConfig, dp_degree: int) -> None:
+def check_validation_examples(cfg: JobConfig, plan: "JobPlan") -> None:
     """Instruction validation holds one full batch (validation.local_batch_size on every data-parallel rank): the
-    pass drops a partial last batch, so fewer would measure nothing (a NaN loss)."""
+    pass drops a partial last batch, so fewer would measure nothing (a NaN loss). Packed, it counts sequences."""
+    dp_degree = plan.parallel_dims.dp_degree
     needed = cfg.validation.local_batch_size * dp_degree
-    found = count_split_examples(cfg, "validation", needed)
+    what = "packed sequences" if cfg.instruct.packing else "examples"
+    if cfg.instruct.packing:
+        source = build_section_source(cfg, "validation", plan.tokenizer, infinite=False, documents=plan.block_causal)
+        found = sum(1 for _ in itertools.islice(source.samples(), needed))
+    else:
+        found = count_split_examples(cfg, "validation", needed)
     if found < needed:
         where = cfg.validation.dataset_path or f"the held-out split of {cfg.training.dataset_path}"
-        raise ConfigError(f"validation on '{where}' has {found} examples: fewer than one batch of "
+        raise ConfigError(f"validation on '{where}' has {found} {what}: fewer than one batch of "
                           f"'validation.local_batch_size' = {cfg.validation.local_batch_size} x {dp_degree} "
                           "data-parallel rank(s); lower it, or add validation data")
 
@@ -241,7 +258,7 @@ def check_data_volume(cfg: JobConfig, plan: "JobPlan") -> None:
     for section in ("training", "validation") if cfg.validation.enable else ("training",):
         s = getattr(cfg, section)
         if section == "validation" and s.dataset == "instruct":
-            check_validation_examples(cfg, plan.parallel_dims.dp_degree)
+            check_validation_examples(cfg, plan)
         if s.dataset == "instruct" or (section == "training" and cfg.data_mixture.enable):
             continue
         where = s.dataset_path if s.dataset_path is not None else s.dataset
@@ -286,9 +303,9 @@ def gather_assets(cfg: JobConfig) -> tuple[Tokenizer | None, list[str]]:
     data, initial weights). The launch refuses the first; DRY_RUN lists them all and plans anyway."""
     problems: list[str] = []
     tokenizer = _noting(problems, lambda: build_tokenizer(tokenizer_path(cfg)))
-    _noting(problems, lambda: check_training_data(cfg))
+    _noting(problems, lambda: check_training_data(cfg, tokenizer))
     if cfg.validation.enable:
-        _noting(problems, lambda: check_section_data(cfg, "validation"))
+        _noting(problems, lambda: check_section_data(cfg, "validation", tokenizer))
     _noting(problems, lambda: check_initial_weights(cfg))
     for transform in _buildable_transforms(cfg):
         _noting(problems, transform.check_inputs)

@@ -1,4 +1,5 @@
-"""Context parallelism: sequence sharding (head-tail balancing), all-gather K/V attention, RoPE at global positions.
+"""Context parallelism: sequence sharding (head-tail balancing), all-gather K/V attention, RoPE at global positions,
+and the block-causal mask of packed documents for a rank's query chunks.
 
 Each CP rank holds a slice of every sequence. Attention all-gathers K and V over the CP group (the Llama 3 paper's
 approach, which runs on any backend including gloo) and attends its local queries to the whole sequence under the
@@ -12,7 +13,7 @@ from torch import nn
 
 from titan_lite.config.schema import JobConfig
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama.model import grouped_attention, within_window
+from titan_lite.models.llama.model import block_causal_mask, grouped_attention, within_window
 
 HEADTAIL = "headtail"
 
@@ -128,16 +129,25 @@ class ContextParallelAttention(nn.Module):
         self.cp_size = dist.get_world_size(group)
         self.cp_rank = dist.get_rank(group)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask`: the packed documents' mask from document_mask, else causal over global positions."""
         seq_len = q.shape[2] * self.cp_size
         positions = all_shard_positions(seq_len, self.cp_size, self.load_balancer, q.device)
         to_global_order = positions.flatten().argsort()
         k, v = (self.gather_in_global_order(t, to_global_order) for t in (k, v))
-        keys = torch.arange(seq_len, device=q.device)
-        mask = positions[self.cp_rank][:, None] >= keys[None, :]
-        if self.window is not None:
-            mask &= within_window(positions[self.cp_rank], keys, self.window)
+        if mask is None:
+            keys = torch.arange(seq_len, device=q.device)
+            mask = positions[self.cp_rank][:, None] >= keys[None, :]
+            if self.window is not None:
+                mask &= within_window(positions[self.cp_rank], keys, self.window)
         return grouped_attention(q, k, v, attn_mask=mask)
+
+    def document_mask(self, documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Block-causal mask rows of this rank's query chunks against the whole sequence of documents [batch, seq]
+        (the keys, gathered in global order): each query sees the keys of its own document at or before it."""
+        mine = shard_positions(documents.shape[1], self.cp_rank, self.cp_size, self.load_balancer, documents.device)
+        return block_causal_mask(documents.index_select(1, mine), mine, documents, dtype, self.window)
 
     def gather_in_global_order(self, t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         gathered = gather_shards(t, self.group)  # [cp, b, h, local, d]
@@ -163,8 +173,10 @@ class GlobalRopePositions:
     def __init__(self, cp_rank: int, cp_size: int, load_balancer: str | None):
         self.cp_rank, self.cp_size, self.load_balancer = cp_rank, cp_size, normalise_load_balancer(load_balancer)
 
-    def __call__(self, attention: nn.Module, args: tuple) -> tuple:
+    def __call__(self, attention: nn.Module, args: tuple) -> tuple | None:
         x, rope, *rest = args
+        if rope.dim() == 4:  # each token's own rows already (packed documents: positions within each document)
+            return None
         positions = shard_positions(x.shape[1] * self.cp_size, self.cp_rank, self.cp_size, self.load_balancer,
                                     rope.device)
         return (x, rope.index_select(0, positions), *rest)
@@ -188,7 +200,8 @@ def apply_cp(model: nn.Module, parallel_dims, cfg) -> None:
 
 def shard_batch(tensors: tuple[torch.Tensor, ...], parallel_dims,
                 load_balancer: str | None) -> tuple[torch.Tensor, ...]:
-    """This CP rank's chunks of each [batch, seq] tensor (token ids, labels), in the order the model expects."""
+    """This CP rank's chunks of each [batch, seq] tensor (token ids, labels, RoPE positions), in the order the model
+    expects."""
     cp_mesh = parallel_dims.submesh("cp")
     seq_len = tensors[0].shape[1]
     positions = shard_positions(seq_len, cp_mesh.get_local_rank(), cp_mesh.size(), load_balancer, tensors[0].device)

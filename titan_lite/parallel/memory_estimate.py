@@ -28,6 +28,9 @@ class ActivationShape:
     # logits' gradient in place from them, where F.cross_entropy (compiled, or loss parallel) saves a float32
     # log-softmax copy and allocates two more in backward.
     chunked_loss: bool = False
+    # Packed documents (attn_mask_type block_causal): "sdpa" (an additive mask in the compute dtype), "spans" (eager
+    # CPU: causal attention per document, no mask) or "flex" (FlexAttention's block mask, CUDA); None: causal.
+    document_mask: str | None = None
 
 
 def _rms_norm_bytes(args: LlamaArgs, tokens: int, s: ActivationShape) -> int:
@@ -45,7 +48,7 @@ def _attention_core_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape) ->
     kv_tokens = s.tokens * s.cp
     saved = (s.tokens * q_width * 2 + kv_tokens * kv_width * 2) * s.compute_bytes
     saved += s.tokens * (q_heads // s.tp) * FP32
-    if s.cp > 1:
+    if s.cp > 1 and s.document_mask is None:
         # this rank's causal mask rows as an additive bias, RoPE rows of its global positions, the gather order
         local_seq = s.seq_len // s.cp
         saved += local_seq * s.seq_len * s.compute_bytes + local_seq * args.head_dim * FP32 + s.seq_len * 8
@@ -88,10 +91,31 @@ def head_activation_bytes(args: LlamaArgs, s: ActivationShape) -> int:
     return _rms_norm_bytes(args, s.tokens // s.tp, s) + s.tokens * args.dim * s.compute_bytes + loss_saved
 
 
+def document_mask_bytes(args: LlamaArgs, s: ActivationShape, layer_policies: dict[int, str] | None = None) -> int:
+    """What a forward over packed documents keeps on top of a causal one: each token's RoPE rows and the mask, once
+    for all its layers (every layer's attention saves the same tensors): this rank's query rows against the whole
+    sequence as an additive mask in the compute dtype, or FlexAttention's block mask (a few int32 tensors of
+    (seq / 128)^2 blocks). Attention per document (spans) has no mask but keeps each document's output beside the
+    joined one, in every layer whose attention output is saved (no AC, or op-level AC)."""
+    if s.document_mask is None:
+        return 0
+    rope_rows = s.tokens * args.head_dim * FP32  # (cos, sin) of head_dim / 2 pairs, float32
+    microbatch, local_seq = s.tokens * s.cp // s.seq_len, s.seq_len // s.cp
+    if s.document_mask == "spans":
+        saved = [i for i, policy in (layer_policies or {}).items() if policy != FULL_AC]
+        return rope_rows + sum(s.tokens * args.heads_of(i)[0] // s.tp * args.head_dim * s.compute_bytes
+                               for i in saved)
+    if s.document_mask == "flex":
+        blocks = -(-s.seq_len // 128)
+        return rope_rows + 4 * microbatch * blocks * blocks * FP32  # kv and q block indices, full and partial
+    return rope_rows + microbatch * local_seq * s.seq_len * s.compute_bytes
+
+
 def saved_activation_bytes(args: LlamaArgs, layer_policies: dict[int, str], has_head: bool,
                            s: ActivationShape) -> int:
     """Everything one microbatch keeps for backward on one stage (layer id -> AC policy)."""
     total = sum(layer_activation_bytes(args, i, s, p) for i, p in layer_policies.items())
+    total += document_mask_bytes(args, s, layer_policies) if layer_policies else 0
     return total + (head_activation_bytes(args, s) if has_head else 0)
 
 

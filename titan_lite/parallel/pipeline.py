@@ -235,15 +235,18 @@ class PipelineRunner:
         return loss_sum * self._scale
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, domains: torch.Tensor | None = None,
-             domain_sums: torch.Tensor | None = None, domain_loss: Callable | None = None) -> torch.Tensor:
+             domain_sums: torch.Tensor | None = None, domain_loss: Callable | None = None,
+             extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Forward and backward of one local batch through the stages; gradients accumulate in the parts. With
         domains, domain_loss(output, labels, domains, sums) is the loss and the last stage adds the real
-        microbatches' per-domain sums to domain_sums (see ModelRunner.forward_backward)."""
+        microbatches' per-domain sums to domain_sums (see ModelRunner.forward_backward). `extra`: the forward's
+        keyword inputs besides the token ids ([batch, ...] tensors), cut into microbatches for every stage."""
         if domains is None:
-            return self._run(self.schedule.step, inputs, labels, scale)
+            return self._run(self.schedule.step, inputs, labels, scale, extra)
         self._domain_loss, self._domain_parts = domain_loss, [torch.zeros_like(domain_sums)]
         try:
-            loss_sum = self._run(self.schedule.step, inputs, torch.cat([labels, domains[:, None]], dim=1), scale)
+            loss_sum = self._run(self.schedule.step, inputs, torch.cat([labels, domains[:, None]], dim=1), scale,
+                                 extra)
         finally:
             self._domain_loss = None
         real = self._domain_parts[1:][-self._real_microbatches:] if self._real_microbatches else []
@@ -251,16 +254,18 @@ class PipelineRunner:
             domain_sums += part
         return loss_sum
 
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor,
+                 extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Forward only, through a twin schedule sized for validation batches."""
-        return self._run(self.eval_schedule().eval, inputs, labels, torch.ones((), device=inputs.device))
+        return self._run(self.eval_schedule().eval, inputs, labels, torch.ones((), device=inputs.device), extra)
 
-    def _run(self, run: Callable, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def _run(self, run: Callable, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor,
+             extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         self._scale, self._loss_sums = scale, []
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first_stage else ()
         kwargs = {"target": labels, "losses": losses} if self.has_last_stage else {}
-        run(*args, return_outputs=False, **kwargs)
+        run(*args, return_outputs=False, **kwargs, **(extra or {}))
         self._real_microbatches = len(losses) if self.has_last_stage else 0
         if not self.has_last_stage:
             return torch.zeros((), device=inputs.device)

@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_lite.config.schema import JobConfig
+from titan_lite.data.datasets import document_positions
 from titan_lite.distributed import compute_dtype
 from titan_lite.dtensor import full_tensor
 from titan_lite.loss import IGNORE_INDEX, Objective, build_loss_fn
@@ -16,6 +17,9 @@ from titan_lite.parallel.context_parallel import shard_batch
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.parallelize import loss_parallel_enabled
 from titan_lite.parallel.pipeline import PipelineRunner
+
+# Keyword inputs of a model forward besides the token ids (see ModelRunner.extra_inputs).
+ExtraInputs = dict[str, torch.Tensor]
 
 
 class ModelRunner:
@@ -36,15 +40,18 @@ class ModelRunner:
         self.loss_parallel = loss_parallel_enabled(parallel_dims, cfg)
         self.sample_loss_fn = build_loss_fn(cfg.compile, self.loss_parallel, per_sample=True)  # data mixtures only
         self.objective = Objective(loss_fn)  # what forward_backward minimises: cross entropy unless replaced
+        # packed documents attend only within themselves: the batches carry document ids
+        self.block_causal = getattr(model_parts[0], "args", None) is not None and \
+            model_parts[0].args.attn_mask_type == "block_causal"
 
     def use_objective(self, objective: Objective) -> None:
         """Train with another objective (distillation); validation keeps measuring the cross entropy."""
         self.objective = objective
 
-    def logits(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    def logits(self, model: nn.Module, inputs: torch.Tensor, extra: ExtraInputs) -> torch.Tensor:
         """A model's logits for this rank's inputs: the one forward path of the student and of an objective's
-        teacher, so both see the same inputs (and whatever else a batch gives the model)."""
-        return model(inputs)
+        teacher, so both see the same inputs and extra inputs (packed documents' positions and ids)."""
+        return model(inputs, **extra)
 
     def context(self) -> contextlib.ExitStack:
         """Loss parallel under TP (the loss runs on vocab-sharded logits); autocast when mixed precision is asked
@@ -58,26 +65,39 @@ class ModelRunner:
             stack.enter_context(torch.autocast(self.device.type, dtype=dtype))
         return stack
 
-    def shard(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's part of a [batch, seq] batch: its context-parallel sequence chunks, or the whole batch."""
+    def shard(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's part of [batch, seq] tensors: their context-parallel sequence chunks, or the whole batch."""
         if not self.parallel_dims.cp_enabled:
-            return inputs, labels
-        return shard_batch((inputs, labels), self.parallel_dims, self.cfg.parallelism.context_parallel_load_balancer)
+            return tensors
+        return shard_batch(tensors, self.parallel_dims, self.cfg.parallelism.context_parallel_load_balancer)
+
+    def extra_inputs(self, documents: torch.Tensor | None) -> ExtraInputs:
+        """The model's forward inputs besides the token ids, for one batch: with packed documents (block_causal),
+        every token's position in its document (this rank's context-parallel chunks of them) and the document ids
+        of the whole sequence, from which the forward builds its attention mask once. A teacher (or any other)
+        forward of the same batch takes the same: model(inputs, **extra)."""
+        if documents is None:
+            return {}
+        (positions,) = self.shard(document_positions(documents))
+        return {"positions": positions, "documents": documents}
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor,
-                         domains: torch.Tensor | None = None, domain_sums: torch.Tensor | None = None) -> torch.Tensor:
+                         domains: torch.Tensor | None = None, domain_sums: torch.Tensor | None = None,
+                         documents: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of one microbatch with loss = token-loss sum x scale; returns the detached sum.
 
         With domains (a [batch] tensor of domain ids, data mixtures) the loss is computed per sample and this
         rank's per-domain token-loss sums and token counts are added to domain_sums ([2, domains]); under pipeline
-        parallel only the last stage adds to them (callers sum them over the stages, as global_sum does)."""
+        parallel only the last stage adds to them (callers sum them over the stages, as global_sum does).
+        documents: the [batch, seq] document ids of packed documents (block_causal), or None."""
+        extra = self.extra_inputs(documents)
         inputs, labels = self.shard(inputs, labels)
         with self.context():
             if self.pipeline is not None:
-                loss_sum = self.pipeline.step(inputs, labels, scale, domains, domain_sums, self.domain_loss)
+                loss_sum = self.pipeline.step(inputs, labels, scale, domains, domain_sums, self.domain_loss, extra)
             else:
-                teacher_logits = self.objective.teacher_logits(lambda model: self.logits(model, inputs))
-                logits = self.logits(self.model_parts[0], inputs)
+                teacher_logits = self.objective.teacher_logits(lambda model: self.logits(model, inputs, extra))
+                logits = self.logits(self.model_parts[0], inputs, extra)
                 if domains is None:
                     loss_sum = self.objective.loss_sum(logits, labels, teacher_logits)
                 else:
@@ -96,22 +116,24 @@ class ModelRunner:
         return per_sample.sum()
 
     @torch.no_grad()
-    def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
+                 documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(token-loss sum, tokens with a loss) of one batch on this rank, in float64, without gradients."""
-        loss, tokens, _ = self.eval_sums(inputs, labels)
+        loss, tokens, _ = self.eval_sums(inputs, labels, documents)
         return loss, tokens
 
-    def eval_sums(self, inputs: torch.Tensor, labels: torch.Tensor
+    def eval_sums(self, inputs: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """loss_sum's two, and the tokens whose argmax prediction equals the label (None under pipeline parallel,
         where only the loss leaves the last stage)."""
+        extra = self.extra_inputs(documents)
         inputs, labels = self.shard(inputs, labels)
         correct = None
         with self.context():
             if self.pipeline is not None:
-                loss = self.pipeline.evaluate(inputs, labels)
+                loss = self.pipeline.evaluate(inputs, labels, extra)
             else:
-                logits = self.logits(self.model_parts[0], inputs)
+                logits = self.logits(self.model_parts[0], inputs, extra)
                 loss = self.loss_fn(logits, labels)
                 correct = (full_tensor(logits).argmax(dim=-1) == labels).sum().double()
         return full_tensor(loss).double(), (labels != IGNORE_INDEX).sum().double(), correct

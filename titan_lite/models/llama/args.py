@@ -37,6 +37,10 @@ class LlamaArgs:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    # torchtitan's attention options: the kernel (sdpa; flex: FlexAttention on CUDA) and the mask (causal, or
+    # block_causal: packed documents attend only within themselves).
+    attn_type: str = "sdpa"
+    attn_mask_type: str = "causal"
 
     @property
     def kv_heads(self) -> int:
@@ -129,6 +133,11 @@ FLAVORS: dict[str, LlamaArgs] = {
                             **_QWEN2),
     "tiny_mistral": LlamaArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=2048, ffn_dim=192,
                               family="mistral", sliding_window=8, rope_theta=10000.0),
+    # torchtitan's flavors with FlexAttention and block-causal masks (last, so a config.json matches the plain ones)
+    "debugmodel_flex_attn": LlamaArgs(dim=256, n_layers=6, n_heads=16, vocab_size=2048, ffn_dim=768,
+                                      rope_theta=500000.0, attn_type="flex", attn_mask_type="block_causal"),
+    "8B_flex": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336,
+                         attn_type="flex", attn_mask_type="block_causal", **_LLAMA31_ROPE),
 }
 
 

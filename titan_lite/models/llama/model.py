@@ -10,6 +10,8 @@ on import and export (see hf.py).
 
 import math
 import zlib
+from dataclasses import dataclass
+from itertools import pairwise
 from typing import Protocol
 
 import torch
@@ -19,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_lite.dtensor import copy_into_shard
 from titan_lite.models.llama.args import LlamaArgs
+from titan_lite.models.llama.flex import BlockMask, document_block_mask, flex_attend
 
 # ------------------------------------------------------------------------------------------ RoPE
 
@@ -131,25 +134,81 @@ def windowed_causal_mask(seq: int, window: int | None, device: torch.device) -> 
     return (positions[None, :] <= positions[:, None]) & within_window(positions, positions, window)
 
 
+def block_causal_mask(query_documents: torch.Tensor, query_index: torch.Tensor, key_documents: torch.Tensor,
+                      dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    """The additive SDPA mask of packed documents, [batch, 1, queries, keys]: 0 where a query may attend (a key of its
+    own document at or before it), -inf elsewhere. Queries are given by their documents [batch, queries] and global
+    indices [queries]; keys are the whole sequence [batch, keys]. Additive in the compute dtype, built once per
+    forward: every layer's SDPA then reads (and saves for backward) this one tensor, where a boolean mask would be
+    converted again by each call. With a sliding window a query also sees only the window's last keys."""
+    keys = torch.arange(key_documents.shape[1], device=key_documents.device)
+    allowed = (query_documents[:, :, None] == key_documents[:, None, :]) & (query_index[:, None] >= keys[None, :])
+    if window is not None:
+        allowed &= within_window(query_index, keys, window)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))[:, None]
+
+
+@dataclass(frozen=True)
+class DocumentSpans:
+    """The documents of a batch as (start, end) runs of every row: eager CPU attention attends within each run alone
+    (causal SDPA per document), which skips every query-key pair of two documents, where a dense mask computes them
+    all and masks them out (Σ len² instead of seq² per row)."""
+
+    rows: tuple[tuple[tuple[int, int], ...], ...]
+
+    @classmethod
+    def of(cls, documents: torch.Tensor) -> "DocumentSpans":
+        rows = []
+        for row in documents.tolist():
+            starts = [0] + [i for i in range(1, len(row)) if row[i] != row[i - 1]]
+            rows.append(tuple(pairwise([*starts, len(row)])))
+        return cls(tuple(rows))
+
+
 class CausalAttention(nn.Module):
-    """softmax(QK^T / sqrt(d)) V with a causal mask (limited to the last `window` positions when one is set); a module
-    so context parallel can swap it.
+    """softmax(QK^T / sqrt(d)) V with a causal mask (limited to the last `window` positions when one is set), or
+    block-causal over packed documents when the forward gets a document mask; a module so context parallel can swap
+    it. flex: FlexAttention's block mask on CUDA.
 
     q: [batch, heads, seq, head_dim]; k, v: [batch, kv_heads, seq, head_dim] with kv_heads dividing heads (GQA).
     """
 
-    def __init__(self, window: int | None = None):
+    def __init__(self, window: int | None = None, flex: bool = False):
         super().__init__()
         self.window = window
+        self.flex = flex
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        mask = windowed_causal_mask(q.shape[2], self.window, q.device)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
         if mask is None:
-            return grouped_attention(q, k, v, is_causal=True)
+            return self.causal(q, k, v)
+        if isinstance(mask, BlockMask):
+            return flex_attend(q, k, v, mask)
+        if isinstance(mask, DocumentSpans):
+            return torch.cat([torch.cat([self.causal(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e])
+                                         for s, e in row], dim=2)
+                              for b, row in enumerate(mask.rows)])
         return grouped_attention(q, k, v, attn_mask=mask)
 
+    def causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over one whole sequence (or document), within the sliding window when one is set."""
+        window_mask = windowed_causal_mask(q.shape[2], self.window, q.device)
+        if window_mask is None:
+            return grouped_attention(q, k, v, is_causal=True)
+        return grouped_attention(q, k, v, attn_mask=window_mask)
+
+    def document_mask(self, documents: torch.Tensor, dtype: torch.dtype, compiled: bool = False):
+        """The mask of documents [batch, seq] for this attention: a FlexAttention block mask (flex, on CUDA), the
+        documents' spans (eager on a CPU), else block_causal_mask's dense one (CUDA's kernels, compiled blocks)."""
+        if self.flex and documents.device.type == "cuda":
+            return document_block_mask(documents, self.window)
+        if documents.device.type == "cpu" and not compiled:
+            return DocumentSpans.of(documents)
+        return block_causal_mask(documents, torch.arange(documents.shape[1], device=documents.device), documents,
+                                 dtype, self.window)
+
     def extra_repr(self) -> str:
-        return f"window={self.window}" if self.window is not None else ""
+        window = [f"window={self.window}"] if self.window is not None else []
+        return ", ".join(window + (["flex"] if self.flex else []))
 
 
 class Attention(nn.Module):
@@ -164,14 +223,18 @@ class Attention(nn.Module):
         # Qwen3: one RMSNorm over head_dim, shared by every head, on q and on k.
         self.q_norm = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
-        self.inner_attention = CausalAttention(args.sliding_window)
+        self.inner_attention = CausalAttention(args.sliding_window, flex=args.attn_type == "flex")
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None,
+                mask=None) -> torch.Tensor:
         batch, seq, _ = x.shape
-        return self.wo(self.head_outputs(x, rope, cache).reshape(batch, seq, -1))
+        return self.wo(self.head_outputs(x, rope, cache, mask).reshape(batch, seq, -1))
 
-    def head_outputs(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        """Each head's attention output before wo: [batch, seq, heads, head_dim] (a transform may gate heads)."""
+    def head_outputs(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None,
+                     mask=None) -> torch.Tensor:
+        """Each head's attention output before wo: [batch, seq, heads, head_dim] (a transform may gate heads).
+        rope: the cache of every position [max_seq, pairs, 2], or each token's own rows [batch, seq, pairs, 2];
+        mask: the packed documents' mask (None: causal)."""
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
@@ -182,10 +245,11 @@ class Attention(nn.Module):
         if cache is not None:
             out = cache.attend(q, k, v)
         else:
-            q, k = apply_rope(q, rope[:seq]), apply_rope(k, rope[:seq])
+            rows = rope if rope.dim() == 4 else rope[:seq]
+            q, k = apply_rope(q, rows), apply_rope(k, rows)
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             # K/V keep their n_kv_heads: the inner attention expands them, after any gather (context parallel).
-            out = self.inner_attention(q, k, v)
+            out = self.inner_attention(q, k, v) if mask is None else self.inner_attention(q, k, v, mask)
         return out.transpose(1, 2)
 
 
@@ -256,8 +320,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim_of(layer_id))
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, cache=cache)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None,
+                mask=None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, cache=cache, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -278,19 +343,41 @@ class Llama(nn.Module):
         self.tie_embeddings()
         self.register_buffer("rope_cache", rope_cache(args), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [batch, seq] (or hidden states on a later pipeline stage) -> logits or hidden states.
 
         `cache` (generation only, see titan_lite.eval.generate): attention reads and extends the cache's keys and
         values at its positions, and only the last position's logits are computed. Training never passes one.
+        `positions` and `documents` (packed documents, attn_mask_type block_causal): every input token's RoPE
+        position [batch, seq] and the document id of every key position [batch, kv_seq] (the whole sequence under
+        context parallel); each token attends only within its document. The mask is built once, for every layer.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope, mask = self.rope_cache, None
+        if documents is not None:
+            rope, mask = self.rope_cache[positions], self.document_mask(documents, h)
         for key, layer in self.layers.items():
-            h = layer(h, self.rope_cache) if cache is None else layer(h, self.rope_cache, cache.layer(int(key)))
+            if cache is not None:
+                h = layer(h, rope, cache.layer(int(key)))
+            else:
+                h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)
         if cache is not None:
             h = h[:, -1:]
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def document_mask(self, documents: torch.Tensor, h: torch.Tensor):
+        """The mask of documents for this model's attention (plain or context parallel), in the compute dtype."""
+        block = next(iter(self.layers.values()), None)
+        if block is None:
+            return None
+        device = h.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+        inner = block.attention.inner_attention
+        if isinstance(inner, CausalAttention):  # compiled blocks (torch.compile's wrapper) take tensor masks only
+            return inner.document_mask(documents, dtype, compiled=hasattr(block, "_orig_mod"))
+        return inner.document_mask(documents, dtype)
 
     def tie_embeddings(self) -> None:
         """Where the args tie them, make the output head share the embedding's parameter. Moving a model to real

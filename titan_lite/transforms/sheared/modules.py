@@ -60,8 +60,8 @@ class GatedAttention(Attention):
         attention.register_buffer("head_z", None, persistent=False)
         return attention
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache=None) -> torch.Tensor:
-        out = self.head_outputs(x, rope, cache)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache=None, mask=None) -> torch.Tensor:
+        out = self.head_outputs(x, rope, cache, mask)
         if self.head_z is not None:
             out = out * self.head_z.to(out.dtype)[:, None]
         return self.wo(out.flatten(2))
@@ -98,10 +98,10 @@ class ShearedBlock(TransformerBlock):
         GatedFeedForward.adopt(block.feed_forward)
         return block
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache=None, mask=None) -> torch.Tensor:
         if self.input_z is not None:
             x = x * self.input_z.to(x.dtype)
-        h = x + self.gated(self.attention(self.attention_norm(x), rope, cache=cache))
+        h = x + self.gated(self.attention(self.attention_norm(x), rope, cache=cache, mask=mask))
         return h + self.gated(self.feed_forward(self.ffn_norm(h)))
 
     def gated(self, out: torch.Tensor) -> torch.Tensor:

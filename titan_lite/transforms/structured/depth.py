@@ -59,7 +59,7 @@ def block_influence(runner: ModelRunner, batches: list[tuple[Tensor, Tensor]], d
             for i, (inputs, labels) in enumerate(batches, start=1):
                 inputs, _ = runner.shard(inputs, labels)
                 with runner.context():
-                    runner.logits(model, inputs)
+                    runner.logits(model, inputs, {})
                 logger.info(f"depth: calibration batch {i}/{len(batches)} ({time.monotonic() - begin:.1f}s)")
     finally:
         for handle in handles:
