@@ -2,6 +2,7 @@
 transformers load with the same logits, exports load back into the same class, the offline conversion round trip is
 bit-exact, the published shapes are the flavors', and what the decoder cannot represent is one line naming the key."""
 
+import itertools
 import json
 import math
 import re
@@ -289,3 +290,45 @@ def test_torchtitan_qwen3_flavor_names_are_refused_with_ours_named():
     assert str(exc.value) == ("'model.name' = 'qwen3' but 'model.flavor' = '8B' is a llama model; the qwen3 flavors "
                               "are qwen3_0.6B, qwen3_1.7B, qwen3_4B, qwen3_8B, qwen3_14B, qwen3_32B (or 'hf' with a "
                               "qwen3 config.json)")
+
+
+def _reference_attention(q, k, v, documents, window):
+    """Attention written out in float64: a query sees the keys of its own document at most window - 1 positions
+    before it (GQA by repeating the K/V heads)."""
+    repeats = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(repeats, dim=1) for t in (k, v))
+    index = torch.arange(q.shape[2])
+    allowed = (documents[:, None, :, None] == documents[:, None, None, :]) & \
+        (index[:, None] >= index[None, :]) & (index[:, None] - index[None, :] < window)
+    scores = (q.double() @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    return scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
+
+
+def test_the_sliding_window_holds_inside_packed_documents():
+    """Mistral's window with block-causal packing (chat's packed documents): the per-document spans (eager CPU), the
+    dense additive mask (compiled blocks, CUDA) and plain windowed attention of each document alone all equal the
+    written-out attention; a packed tiny_mistral forward equals its documents run one at a time."""
+    from titan_lite.models.llama.model import CausalAttention
+
+    torch.manual_seed(0)
+    documents = torch.tensor([[0] * 12 + [1] * 5 + [2] * 15, [0] * 20 + [1] * 12])
+    q, k, v = torch.randn(2, 4, 32, 16), torch.randn(2, 2, 32, 16), torch.randn(2, 2, 32, 16)
+    attention = CausalAttention(window=8)
+    expected = _reference_attention(q, k, v, documents, 8)
+    for compiled in (False, True):
+        mask = attention.document_mask(documents, torch.float32, compiled=compiled)
+        torch.testing.assert_close(attention(q, k, v, mask).double(), expected, atol=1e-5, rtol=0)
+    assert not torch.allclose(CausalAttention()(q, k, v, attention.document_mask(documents, torch.float32)).double(),
+                              expected, atol=1e-3)  # the window matters in these documents
+
+    args = flavor_args("tiny_mistral")
+    model = Llama(args)
+    model.init_weights(seed=3)
+    tokens = torch.randint(0, args.vocab_size, (1, 32))
+    row = documents[:1]
+    starts = [0, 12, 17, 32]
+    positions = torch.cat([torch.arange(e - s) for s, e in itertools.pairwise(starts)])[None]
+    with torch.no_grad():
+        packed = model(tokens, positions=positions, documents=row)
+        alone = torch.cat([model(tokens[:, s:e]) for s, e in itertools.pairwise(starts)], dim=1)
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
