@@ -71,6 +71,17 @@ COMMANDS = {
     "lora_8b_plan": Command("DRY_RUN=1 NGPU=8 CONFIG_FILE=train_configs/llama3_8b_lora_gsm8k.toml ./run_train.sh "
                             "--model.hf_assets_path ./assets/tokenizer --training.dataset_path "
                             "/data/gsm8k/main/train-00000-of-00001.parquet", exit_codes=DRY),
+    "chat_8b_plan": Command("DRY_RUN=1 NGPU=1 CONFIG_FILE=train_configs/llama3_8b_chat_lora.toml ./run_train.sh "
+                            "--dry_run.device_memory_gib 24 --model.hf_assets_path ./assets/tokenizer", exit_codes=DRY),
+    "chat_8b_qlora_plan": Command("DRY_RUN=1 NGPU=1 CONFIG_FILE=train_configs/llama3_8b_chat_lora.toml ./run_train.sh "
+                                  "--dry_run.device_memory_gib 24 --model.hf_assets_path ./assets/tokenizer "
+                                  "--lora.base_dtype nf4", exit_codes=DRY),
+    **{f"{name}_plan": Command(f"DRY_RUN=1 NGPU={ngpu} CONFIG_FILE=train_configs/{name}.toml ./run_train.sh "
+                               f"--model.hf_assets_path ./assets/tokenizer{memory}", exit_codes=DRY)
+       for name, ngpu, memory in [("qwen3_8b_lora", 1, " --dry_run.device_memory_gib 24"),
+                                  ("qwen3_8b_qlora", 1, " --dry_run.device_memory_gib 24"),
+                                  ("mistral_7b_lora", 1, " --dry_run.device_memory_gib 24"),
+                                  ("qwen2.5_7b_wanda", 8, ""), ("llama3_8b_minitron", 8, "")]},
     "sparsegpt_estimate": Command(".venv/bin/python scripts/prune.py --flavor 8B --hf_assets_path assets/tokenizer "
                                   "--estimate_only --method sparsegpt --nsamples 128 --seq_len 2048 "
                                   "--device_memory_gib 24"),
@@ -139,7 +150,7 @@ FIGURES = [
            rf"  peak +{NUMBER} GiB"),
     Figure("QLoRA 8B plan: the last line", "qlora_8b_plan",
            rf"^dry run OK: 1 ranks; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",
-           rf"^dry run OK: 1 ranks; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB"),
+           rf"^  peak +[\d.]+ GiB\ndry run OK: 1 ranks; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB"),
     Figure("QLoRA 8B plan: the prose", "qlora_8b_plan", rf"^  peak +{NUMBER} GiB",
            rf"fits\n24 GiB at {NUMBER} GiB"),
     Figure("QLoRA 70B plan: parameters, buffers", "qlora_70b_plan",
@@ -155,6 +166,31 @@ FIGURES = [
     # LoRA 8B plan
     Figure("LoRA 8B plan: peak", "lora_8b_plan", rf"^  peak +{NUMBER} GiB",
            rf"adapter state: {NUMBER} GiB estimated peak per GPU for either 8B config"),
+    # chat fine-tuning: the 8B chat config with LoRA and with QLoRA
+    Figure("chat 8B LoRA plan", "chat_8b_plan",
+           rf"^  parameters +{NUMBER} GiB +{NUMBER} local x bfloat16/float32\n(?:.*\n)*?  activations +{NUMBER} GiB .*"
+           rf"block-causal \(sdpa\) {NUMBER} GiB of mask and RoPE rows per microbatch\n(?:.*\n)*?dry run OK: 1 ranks; "
+           rf"largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",
+           rf"^  parameters +{NUMBER} GiB +{NUMBER} local x bfloat16/float32\n  activations +{NUMBER} GiB .*"
+           rf"block-causal \(sdpa\) {NUMBER} GiB of mask and RoPE rows per microbatch\ndry run OK: 1 ranks; "
+           rf"largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB"),
+    Figure("chat 8B QLoRA plan", "chat_8b_qlora_plan",
+           rf"^  parameters +{NUMBER} GiB +{NUMBER} local x {NUMBER} bytes each\n(?:.*\n)*?dry run OK: 1 ranks; "
+           rf"largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",
+           rf"^\.\.\.\n  parameters +{NUMBER} GiB +{NUMBER} local x {NUMBER} bytes each\ndry run OK: 1 ranks; "
+           rf"largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB"),
+    # model families: the shipped configs' peaks
+    *(Figure(f"{name} plan: peak", f"{name}_plan", rf"^dry run OK: \d+ ranks; largest peak {NUMBER} GiB",
+             rf"`{re.escape(name)}\.toml`(?: on `NGPU=8`)? {NUMBER} GiB of")
+      for name in ("qwen3_8b_lora", "qwen3_8b_qlora", "mistral_7b_lora", "qwen2.5_7b_wanda")),
+    Figure("qwen2.5_7b_wanda plan: the pruning pass", "qwen2.5_7b_wanda_plan",
+           rf"^  peak +[\d.]+ GiB\n(?:.*\n)*?  peak +{NUMBER} GiB\n  verdict", rf"the pruning pass {NUMBER} GiB\)"),
+    # distillation: the Minitron config with its teacher
+    Figure("Minitron plan", "llama3_8b_minitron_plan",
+           rf"^  parameters +{NUMBER} GiB +{NUMBER} local x float32; teacher {NUMBER} local x bfloat16 \(frozen\)\n"
+           rf"(?:.*\n)*?  activations +{NUMBER} GiB .*\n(?:.*\n)*?  peak +{NUMBER} GiB",
+           rf"^  parameters +{NUMBER} GiB +{NUMBER} local x float32; teacher {NUMBER} local x bfloat16 \(frozen\)\n"
+           rf"  activations +{NUMBER} GiB .*\n  peak +{NUMBER} GiB"),
     # pruning estimates
     Figure("SparseGPT 8B estimate", "sparsegpt_estimate",
            rf"^  weights +{NUMBER} GiB.*\n(?:.*\n)  calibration cache +{NUMBER} GiB.*\n  statistics +{NUMBER} GiB.*\n"
