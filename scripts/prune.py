@@ -24,6 +24,7 @@ report. --layer_ratios owl gives each layer of magnitude, Wanda or SparseGPT its
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -260,6 +261,34 @@ def structured_config(opts: argparse.Namespace, device_type: str) -> JobConfig:
                       ["--activation_checkpoint.mode", "full", "--checkpoint.export_dtype", dtype])
 
 
+def calibration_batches(opts: argparse.Namespace, plan: JobPlan, device: torch.device) -> list:
+    """This rank's calibration batches: --calib_path's text, else the bundled plays."""
+    dataset, path = ("text", opts.calib_path) if opts.calib_path else ("shakespeare", None)
+    windows = calibration_source(plan, device)(dataset, path, opts.nsamples, opts.seq_len, opts.batch_size)
+    return local_calibration(windows, opts.nsamples, plan.parallel_dims, device, path or dataset)
+
+
+def write_smaller_model(opts: argparse.Namespace, sd: dict, args: LlamaArgs, keep: StructureKeep, dtype: torch.dtype,
+                        measured, report_name: str, report_of: Callable[[LlamaArgs], dict],
+                        describe: Callable[[LlamaArgs], str]) -> None:
+    """Rank 0 materialises the kept structure of the full state dict and writes it, with its report, as one folder
+    (atomically); every rank waits for it. report_of / describe: the report and the summary's words for new args."""
+    if is_rank0():
+        new_args, new_sd = materialize_state_dict(sd, args, keep)
+        out = Path(opts.output_dir)
+        print(f"writing {out}", flush=True)
+        report = report_of(new_args)
+        report["memory"] = {"measured_peak_bytes": measured.bytes, "measured_by": measured.source}
+        with atomic_folder(out) as partial:
+            write_materialized_hf(new_sd, new_args, partial, dtype, opts.hf_assets_path)
+            write_report(report, partial / report_name)
+        p = report["parameters"]
+        print(f"pruned model written to {out}: {describe(new_args)}; {p['before']:,} -> {p['after']:,} parameters "
+              f"(-{p['removed_fraction']:.1%}); report {out / report_name}", flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def structure_report(opts: argparse.Namespace, args: LlamaArgs, new_args: LlamaArgs, keep: StructureKeep,
                      loss: float, seconds: float) -> dict:
     before, after = param_count(args), param_count(new_args)
@@ -288,9 +317,7 @@ def prune_structured(opts: argparse.Namespace) -> None:
     check_taylor_layout(plan.parallel_dims)
     args = plan.model_args
     built = assemble_model(plan, device, load=hf_weight_loader(plan, opts.hf_assets_path))
-    dataset, path = ("text", opts.calib_path) if opts.calib_path else ("shakespeare", None)
-    windows = calibration_source(plan, device)(dataset, path, opts.nsamples, opts.seq_len, opts.batch_size)
-    batches = local_calibration(windows, opts.nsamples, plan.parallel_dims, device, path or dataset)
+    batches = calibration_batches(opts, plan, device)
     baseline = [t for part in built.parts for t in (*part.parameters(), *part.buffers())]
     with measure_peak(device, baseline) as measured:
         scores, loss = taylor_scores(built.runner, batches, plan.parallel_dims, args, device)
@@ -301,22 +328,11 @@ def prune_structured(opts: argparse.Namespace) -> None:
     dtype = getattr(torch, cfg.training.dtype)
     sd = gather_full_state_dict(built.parts, dtype, plan.parallel_dims)
     del built
-    if is_rank0():
-        new_args, new_sd = materialize_state_dict(sd, args, keep)
-        out = Path(opts.output_dir)
-        print(f"writing {out}", flush=True)
-        report = structure_report(opts, args, new_args, keep, loss, time.monotonic() - begin)
-        report["memory"] = {"measured_peak_bytes": measured.bytes, "measured_by": measured.source}
-        with atomic_folder(out) as partial:
-            write_materialized_hf(new_sd, new_args, partial, dtype, opts.hf_assets_path)
-            write_report(report, partial / STRUCTURE_REPORT_NAME)
-        p = report["parameters"]
-        print(f"pruned model written to {out}: {args.n_heads} -> {new_args.n_heads} heads, {args.kv_heads} -> "
-              f"{new_args.kv_heads} KV heads ({opts.head_mode}), ffn {args.ffn_dim} -> {new_args.ffn_dim} in each of "
-              f"{args.n_layers} layers; {p['before']:,} -> {p['after']:,} parameters (-{p['removed_fraction']:.1%}); "
-              f"report {out / STRUCTURE_REPORT_NAME}", flush=True)
-    if dist.is_initialized():
-        dist.barrier()
+    write_smaller_model(opts, sd, args, keep, dtype, measured, STRUCTURE_REPORT_NAME,
+                        lambda new_args: structure_report(opts, args, new_args, keep, loss, time.monotonic() - begin),
+                        lambda new_args: f"{args.n_heads} -> {new_args.n_heads} heads, {args.kv_heads} -> "
+                                         f"{new_args.kv_heads} KV heads ({opts.head_mode}), ffn {args.ffn_dim} -> "
+                                         f"{new_args.ffn_dim} in each of {args.n_layers} layers")
 
 
 # ------------------------------------------------------------------------------------------ depth
@@ -422,9 +438,7 @@ def prune_depth(opts: argparse.Namespace) -> None:
         scoring = depth_pass_plan(args, plan.parallel_dims, built.parts, opts.nsamples, opts.batch_size, opts.seq_len,
                                   p)
         print("\n".join([scoring.title, *scoring.rows]), flush=True)
-    dataset, path = ("text", opts.calib_path) if opts.calib_path else ("shakespeare", None)
-    windows = calibration_source(plan, device)(dataset, path, opts.nsamples, opts.seq_len, opts.batch_size)
-    batches = local_calibration(windows, opts.nsamples, plan.parallel_dims, device, path or dataset)
+    batches = calibration_batches(opts, plan, device)
     baseline = [t for part in built.parts for t in (*part.parameters(), *part.buffers())]
     with measure_peak(device, baseline) as measured:
         scores = block_influence(built.runner, batches, device)
@@ -435,21 +449,9 @@ def prune_depth(opts: argparse.Namespace) -> None:
     dtype = getattr(torch, cfg.training.dtype)
     sd = gather_full_state_dict(built.parts, dtype, plan.parallel_dims)
     del built
-    if is_rank0():
-        new_args, new_sd = materialize_state_dict(sd, args, depth_keep(args, removed))
-        out = Path(opts.output_dir)
-        print(f"writing {out}", flush=True)
-        report = depth_report(opts, args, new_args, scores, removed, time.monotonic() - begin)
-        report["memory"] = {"measured_peak_bytes": measured.bytes, "measured_by": measured.source}
-        with atomic_folder(out) as partial:
-            write_materialized_hf(new_sd, new_args, partial, dtype, opts.hf_assets_path)
-            write_report(report, partial / DEPTH_REPORT_NAME)
-        p = report["parameters"]
-        print(f"pruned model written to {out}: blocks {removed} removed, {args.n_layers} -> {new_args.n_layers} "
-              f"blocks; {p['before']:,} -> {p['after']:,} parameters (-{p['removed_fraction']:.1%}); report "
-              f"{out / DEPTH_REPORT_NAME}", flush=True)
-    if dist.is_initialized():
-        dist.barrier()
+    write_smaller_model(opts, sd, args, depth_keep(args, removed), dtype, measured, DEPTH_REPORT_NAME,
+                        lambda new_args: depth_report(opts, args, new_args, scores, removed, time.monotonic() - begin),
+                        lambda new_args: f"blocks {removed} removed, {args.n_layers} -> {new_args.n_layers} blocks")
 
 
 # ------------------------------------------------------------------------------------------ entry

@@ -342,19 +342,12 @@ class HFByteLevelBPETokenizer(Tokenizer):
         self._normalize = _normalizer(path, spec.get("normalizer"))
 
     def _load_model(self, path: Path, model: dict[str, Any]) -> None:
-        for key in ("continuing_subword_prefix", "end_of_word_suffix"):
-            if model.get(key):
-                raise ConfigError(f"tokenizer file '{path}': BPE option '{key}' is not supported")
-        vocab: dict[str, int] = model.get("vocab") or {}
-        if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
-            raise ConfigError(f"tokenizer file '{path}': model.vocab must map token strings to integer ids")
+        vocab = _bpe_vocab(path, model)
         self._token_ids: dict[str, int] = dict(vocab)
         self._vocab = {raw: i for tok, i in vocab.items() if (raw := _byte_level_to_bytes(tok)) is not None}
         self._id_to_bytes = {i: raw for raw, i in self._vocab.items()}
         self._merge_ranks = _merge_ranks(path, model.get("merges") or [], self._vocab)
-        self._ignore_merges = bool(model.get("ignore_merges", False))
-        unk = model.get("unk_token")
-        self._unk_id = vocab.get(unk) if unk else None
+        self._ignore_merges, self._unk_id = _merge_options(model, vocab)
 
     def _load_added_tokens(self, path: Path, added: list[dict[str, Any]]) -> None:
         for tok in added:
@@ -461,6 +454,23 @@ def _hf_tokenizer_config(folder: Path) -> dict[str, Any]:
         if (folder / name).is_file():
             config.update(_read_json(folder / name))
     return config
+
+
+def _bpe_vocab(path: Path, model: dict[str, Any]) -> dict[str, int]:
+    """A tokenizer.json BPE model's vocabulary, checked: token strings to integer ids, no options we do not apply."""
+    for key in ("continuing_subword_prefix", "end_of_word_suffix"):
+        if model.get(key):
+            raise ConfigError(f"tokenizer file '{path}': BPE option '{key}' is not supported")
+    vocab = model.get("vocab") or {}
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
+        raise ConfigError(f"tokenizer file '{path}': model.vocab must map token strings to integer ids")
+    return vocab
+
+
+def _merge_options(model: dict[str, Any], vocab: dict[str, int]) -> tuple[bool, int | None]:
+    """(ignore_merges, the unknown token's id or None) of a BPE model."""
+    unk = model.get("unk_token")
+    return bool(model.get("ignore_merges", False)), vocab.get(unk) if unk else None
 
 
 def _merge_ranks(path: Path, merges: list[Any], vocab: dict[bytes, int]) -> dict[tuple[bytes, bytes], int]:
@@ -651,20 +661,13 @@ class HFByteFallbackBPETokenizer(HFByteLevelBPETokenizer):
             n.get("type") == "Prepend" for n in normalizers)
 
     def _load_model(self, path: Path, model: dict[str, Any]) -> None:
-        for key in ("continuing_subword_prefix", "end_of_word_suffix"):
-            if model.get(key):
-                raise ConfigError(f"tokenizer file '{path}': BPE option '{key}' is not supported")
-        vocab: dict[str, int] = model.get("vocab") or {}
-        if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
-            raise ConfigError(f"tokenizer file '{path}': model.vocab must map token strings to integer ids")
+        vocab = _bpe_vocab(path, model)
         self._token_ids = dict(vocab)
         self._piece_ids = dict(vocab)
         self._byte_ids = {int(m.group(1), 16): i for tok, i in vocab.items() if (m := BYTE_TOKEN.fullmatch(tok))}
         self._id_to_bytes = {i: self._piece_bytes(tok) for tok, i in vocab.items()}
         self._merges = _char_merges(path, model.get("merges") or [], vocab)
-        self._ignore_merges = bool(model.get("ignore_merges", False))
-        unk = model.get("unk_token")
-        self._unk_id = vocab.get(unk) if unk else None
+        self._ignore_merges, self._unk_id = _merge_options(model, vocab)
         self._fuse_unk = bool(model.get("fuse_unk", False))
 
     def _piece_bytes(self, token: str) -> bytes:
