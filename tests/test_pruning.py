@@ -277,7 +277,8 @@ def _layout_worker(rank: int, port: int, out: str) -> None:
             results[("tp2", method, pattern, extra)] = masks_of([*case, "--parallelism.tensor_parallel_degree", "2"],
                                                                 2)
         if rank == 0:
-            torch.save(results, out)
+            torch.save(results, out + ".part")
+            os.replace(out + ".part", out)  # whole or absent: results_complete reads its existence
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -285,7 +286,7 @@ def _layout_worker(rank: int, port: int, out: str) -> None:
 
 def test_masks_on_fsdp2_and_tp2_equal_one_process(process_group, tmp_path):
     out = tmp_path / "layouts.pt"
-    spawn_on_free_port(_layout_worker, 2, str(out))
+    spawn_on_free_port(_layout_worker, 2, str(out), results_complete=out.exists)
     results = torch.load(out)
     for method, pattern, extra in LAYOUT_CASES:
         single = masks_of(["--pruning.method", method, "--pruning.pattern", pattern, *extra], 1)
