@@ -124,6 +124,7 @@ def show(opts: argparse.Namespace, overrides: list[str]) -> str:
             print(f"measuring: {index + 1} samples read", flush=True)
             last_report = time.monotonic()
     if opts.jsonl:
+        Path(opts.jsonl).parent.mkdir(parents=True, exist_ok=True)
         Path(opts.jsonl).write_text("".join(json.dumps(r) + "\n" for r in records))
     written = f"; {len(records)} samples written to {opts.jsonl}" if opts.jsonl else ""
     return efficiency.line() + written

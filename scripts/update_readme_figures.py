@@ -111,6 +111,12 @@ COMMANDS = {
         ".venv/bin/torchrun --standalone --nproc_per_node 2 scripts/lm_eval.py --model_args "
         f"checkpoint={GSM8K_RUN}/checkpoint/step-100,config={GSM8K_CONFIG} --tasks "
         "shakespeare_choice,shakespeare_rolling --batch_size 16"]), slow=True),
+    # The chat section's show_data listing (reads the whole packed stream for its efficiency line: about 40 s).
+    "chat_show_data": Command(" && ".join([
+        ".venv/bin/python scripts/make_synthetic_chat.py --output data/synthetic_chat/train.jsonl --num_conversations "
+        "3000 --seed 0 --tokenizer_output data/synthetic_chat/tokenizer",
+        ".venv/bin/python scripts/show_data.py --config train_configs/chat_lora_cpu.toml --count 1 --jsonl "
+        "outputs/chat_samples.jsonl"]), slow=True),
 }
 
 
@@ -201,6 +207,15 @@ FIGURES = [
            rf"head-room {NUMBER} GiB\nestimate: peak {NUMBER} GiB"),
     Figure("Wanda 8B estimate", "wanda_estimate", rf"^estimate: peak {NUMBER} GiB",
            rf"^Wanda at 50% \(or 2:4\) plans {NUMBER} GiB"),
+    # the chat example's data (slow)
+    Figure("show_data: the first sample", "chat_show_data",
+           r"^--- sample 1: (\d+) tokens, (\d+) documents, (\d+) trained",
+           r"^--- sample 1: (\d+) tokens, (\d+) documents, (\d+) trained"),
+    Figure("show_data: packing efficiency", "chat_show_data",
+           rf"^packing efficiency over {NUMBER} samples \({NUMBER} tokens\): {NUMBER} trained \({NUMBER}%\), "
+           rf"{NUMBER} not padding \({NUMBER}%\)",
+           rf"^packing efficiency over {NUMBER} samples \({NUMBER} tokens\): {NUMBER} trained \({NUMBER}%\), "
+           rf"{NUMBER} not padding \({NUMBER}%\)"),
     # float8 against fp32, 30 steps (slow)
     Figure("float8 30 steps: losses", "float8_30", rf"step: +5/30 +loss: +{NUMBER}(?:.*\n)*?.*step: +30/30 +loss: "
            rf"+{NUMBER}", rf"--training.steps 30 --job.dump_folder outputs/float8_30 +# step 5 loss {NUMBER}, step 30 "
