@@ -180,12 +180,18 @@ def estimate(opts: argparse.Namespace) -> None:
     print(f"{cfg.model.flavor}: {plan.full_param_count():,} parameters; {opts.method} {opts.pattern} at "
           f"{opts.sparsity:g}; {opts.nsamples} x {opts.seq_len} calibration tokens in batches of {opts.batch_size}; "
           f"{plan.parallel_dims.describe()}; {cfg.training.dtype}")
+    print_pass_plan(pruning, capacity, "lower --nsamples or --batch_size, use bfloat16, or shard over more devices "
+                                       "(torchrun)")
+
+
+def print_pass_plan(plan, capacity: float, advice: str) -> None:
+    """A calibration pass's memory rows and verdict; one line if it does not fit, else the estimate's last line."""
     print("memory plan per device:")
-    print("\n".join([*pruning.rows, f"  verdict: {pass_verdict(pruning, capacity)}"]))
-    if pruning.peak / GIB > capacity:
-        raise ConfigError(f"the plan does not fit: {pruning.peak / GIB:.2f} GiB per device against {capacity:.2f} GiB; "
-                          "lower --nsamples or --batch_size, use bfloat16, or shard over more devices (torchrun)")
-    print(f"estimate: peak {pruning.peak / GIB:.2f} GiB per device fits {capacity:.2f} GiB")
+    print("\n".join([*plan.rows, f"  verdict: {pass_verdict(plan, capacity)}"]))
+    if plan.peak / GIB > capacity:
+        raise ConfigError(f"the plan does not fit: {plan.peak / GIB:.2f} GiB per device against {capacity:.2f} GiB; "
+                          f"{advice}")
+    print(f"estimate: peak {plan.peak / GIB:.2f} GiB per device fits {capacity:.2f} GiB")
 
 
 def prune(opts: argparse.Namespace) -> None:
@@ -390,12 +396,7 @@ def estimate_depth(opts: argparse.Namespace) -> None:
     print(f"{cfg.model.flavor}: {plan.full_param_count():,} parameters, {plan.model_args.n_layers} blocks; depth, "
           f"{opts.nsamples} x {opts.seq_len} calibration tokens in batches of {opts.batch_size}; "
           f"{plan.parallel_dims.describe()}; {cfg.training.dtype}")
-    print("memory plan per device:")
-    print("\n".join([*scoring.rows, f"  verdict: {pass_verdict(scoring, capacity)}"]))
-    if scoring.peak / GIB > capacity:
-        raise ConfigError(f"the plan does not fit: {scoring.peak / GIB:.2f} GiB per device against {capacity:.2f} GiB; "
-                          f"{scoring.advice}")
-    print(f"estimate: peak {scoring.peak / GIB:.2f} GiB per device fits {capacity:.2f} GiB")
+    print_pass_plan(scoring, capacity, scoring.advice)
 
 
 def check_removal_count(opts: argparse.Namespace, n_layers: int) -> None:

@@ -111,6 +111,14 @@ COMMANDS = {
         ".venv/bin/torchrun --standalone --nproc_per_node 2 scripts/lm_eval.py --model_args "
         f"checkpoint={GSM8K_RUN}/checkpoint/step-100,config={GSM8K_CONFIG} --tasks "
         "shakespeare_choice,shakespeare_rolling --batch_size 16"]), slow=True),
+    # The chat section's CPU example: 400 steps with validation, then eval_answers on the held-out conversations.
+    "chat_example": Command(" && ".join([
+        ".venv/bin/python scripts/make_synthetic_chat.py --output data/synthetic_chat/train.jsonl --num_conversations "
+        "3000 --seed 0 --tokenizer_output data/synthetic_chat/tokenizer",
+        "rm -rf outputs/chat_lora_cpu",  # a finished run in the folder would not train again
+        "CONFIG_FILE=train_configs/chat_lora_cpu.toml ./run_train.sh",
+        ".venv/bin/python scripts/eval_answers.py --checkpoint outputs/chat_lora_cpu/checkpoint/step-400 --config "
+        "train_configs/chat_lora_cpu.toml --max_new_tokens 24"]), slow=True),
     # The chat section's show_data listing (reads the whole packed stream for its efficiency line: about 40 s).
     "chat_show_data": Command(" && ".join([
         ".venv/bin/python scripts/make_synthetic_chat.py --output data/synthetic_chat/train.jsonl --num_conversations "
@@ -207,7 +215,13 @@ FIGURES = [
            rf"head-room {NUMBER} GiB\nestimate: peak {NUMBER} GiB"),
     Figure("Wanda 8B estimate", "wanda_estimate", rf"^estimate: peak {NUMBER} GiB",
            rf"^Wanda at 50% \(or 2:4\) plans {NUMBER} GiB"),
-    # the chat example's data (slow)
+    # the chat example (slow)
+    *(Figure(f"chat example: validation at step {step}", "chat_example",
+             rf"validate step: {step} +loss: +{NUMBER} +token_accuracy: {NUMBER} +answer_accuracy: {NUMBER}",
+             rf"^validate step: {step} +loss: +{NUMBER} +token_accuracy: {NUMBER} +answer_accuracy: {NUMBER}")
+      for step in (100, 200, 300, 400)),
+    Figure("chat example: eval_answers", "chat_example", r"answer accuracy: (\d+)/(\d+) = ([\d.]+)",
+           r"measured the same held-out problems again: `answer accuracy: (\d+)/(\d+) = ([\d.]+)`"),
     Figure("show_data: the first sample", "chat_show_data",
            r"^--- sample 1: (\d+) tokens, (\d+) documents, (\d+) trained",
            r"^--- sample 1: (\d+) tokens, (\d+) documents, (\d+) trained"),
