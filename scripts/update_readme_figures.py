@@ -111,6 +111,15 @@ COMMANDS = {
         ".venv/bin/torchrun --standalone --nproc_per_node 2 scripts/lm_eval.py --model_args "
         f"checkpoint={GSM8K_RUN}/checkpoint/step-100,config={GSM8K_CONFIG} --tasks "
         "shakespeare_choice,shakespeare_rolling --batch_size 16"]), slow=True),
+    # Distillation and recovery: the 600-step debug_tied model of the Pruning section, then the benchmark script.
+    "distill_recovery": Command(" && ".join([
+        "rm -rf outputs/debug_tied outputs/distill_bench",
+        "./run_train.sh --model.flavor debugmodel_tied --training.steps 600 --metrics.log_freq 100 --validation.freq "
+        "200 --job.dump_folder outputs/debug_tied --checkpoint.enable --checkpoint.interval 600 "
+        "--checkpoint.last_save_in_hf",
+        ".venv/bin/python benchmarks/distill_recovery.py --hf_assets_path outputs/debug_tied/checkpoint/step-600-hf "
+        "--eval_data titan_lite/data/corpus/shakespeare/validation/midsummer_nights_dream.txt --out "
+        "outputs/distill_bench"]), slow=True),
     # The chat section's CPU example: 400 steps with validation, then eval_answers on the held-out conversations.
     "chat_example": Command(" && ".join([
         ".venv/bin/python scripts/make_synthetic_chat.py --output data/synthetic_chat/train.jsonl --num_conversations "
@@ -215,6 +224,16 @@ FIGURES = [
            rf"head-room {NUMBER} GiB\nestimate: peak {NUMBER} GiB"),
     Figure("Wanda 8B estimate", "wanda_estimate", rf"^estimate: peak {NUMBER} GiB",
            rf"^Wanda at 50% \(or 2:4\) plans {NUMBER} GiB"),
+    # distillation against plain recovery (slow; the throughputs move with the machine's load and are not checked)
+    *(Figure(f"distill recovery: {row}", "distill_recovery", rf"^\| {re.escape(row)} \| {NUMBER} \|",
+             rf"^\| {re.escape(row)} \| {NUMBER} \|")
+      for row in ("dense (the teacher)", "width-pruned, 50% of heads and channels", "plain training, 100 steps",
+                  "distillation, 100 steps")),
+    Figure("distill recovery: the result line", "distill_recovery",
+           rf"^result: after 100 steps each, distillation {NUMBER} < plain {NUMBER} \(pruned {NUMBER}, dense "
+           rf"{NUMBER}\)",
+           rf"^`result: after 100 steps each, distillation {NUMBER} < plain {NUMBER} \(pruned {NUMBER}, dense "
+           rf"{NUMBER}\)"),
     # the chat example (slow)
     *(Figure(f"chat example: validation at step {step}", "chat_example",
              rf"validate step: {step} +loss: +{NUMBER} +token_accuracy: {NUMBER} +answer_accuracy: {NUMBER}",
