@@ -157,13 +157,18 @@ def run_here(job: Job) -> dict:
     return result
 
 
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
 def measure(job: Job, timeout: float = 480, env: dict | None = None) -> dict:
     """run_here(job) in a fresh process (torchrun's for nproc > 1): every rank's figures, or {"error": line}."""
     launcher = [sys.executable, "-m", "benchmarks.training_run", "--job", json.dumps(asdict(job))]
     if job.nproc > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={job.nproc}",
                     "-m", "benchmarks.training_run", "--job", json.dumps(asdict(job))]
-    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    # a measured job is a job of its own: never the rendezvous of a process group the caller set up
+    inherited = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV}
+    full_env = dict(inherited, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
                     **(env or {}))
     full_env.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="titan_lite_results_") as folder:

@@ -1,20 +1,44 @@
-"""Fixtures for every test: each test starts with the `titan_lite` logger as the previous test found it."""
+"""Fixtures for every test: each test ends with the `titan_lite` logger and the rendezvous environment as the session
+found them."""
 
 import logging
 
 import pytest
 
+_LOG = logging.getLogger("titan_lite")
+_LOG_AT_START = (list(_LOG.handlers), _LOG.level, _LOG.propagate)
+
 
 @pytest.fixture(autouse=True)
 def restore_titan_lite_logger():
     """train.main() and MetricsProcessor call init_logger(), which stops propagation to the root logger (and so to
-    pytest's caplog); undo that after each test so later tests see the logger as they would alone."""
-    log = logging.getLogger("titan_lite")
-    handlers, level, propagate = list(log.handlers), log.level, log.propagate
+    pytest's caplog); undo that after each test so later tests see the logger as they would alone: as the session
+    found it, not as the test found it (a module-scoped fixture that ran a script has changed it before its first
+    test starts)."""
     yield
+    log = _LOG
+    handlers, level, propagate = _LOG_AT_START
     log.handlers[:] = handlers
     log.setLevel(level)  # setLevel, not .level: it also clears the loggers' cached isEnabledFor answers
     log.propagate = propagate
+
+
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def restore_rendezvous_environment():
+    """A script or trainer run in the test's process sets MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE for its own
+    single-process group; put them back after each test, so a later test's launches do not rendezvous on that port."""
+    import os
+
+    saved = {k: os.environ.get(k) for k in RENDEZVOUS_ENV}
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 # Slow without a mark of their own: every integration test launches ./run_train.sh (a fresh torch process, often
