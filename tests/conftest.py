@@ -1,5 +1,5 @@
-"""Fixtures for every test: each test ends with the `titan_lite` logger and the rendezvous environment as the session
-found them."""
+"""Fixtures for every test: each test ends with the `titan_lite` logger as the session found it and the rendezvous
+environment as the test found it."""
 
 import logging
 

@@ -145,19 +145,6 @@ def test_refusals_are_one_line(source, tmp_path, capsys, args, message):
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
-@pytest.fixture(autouse=True)
-def process_group_environment_restored():
-    """The script run in this process sets MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE for its single-process group:
-    later tests' subprocesses must not inherit them."""
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    yield
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
 def prune_script():
     spec = importlib.util.spec_from_file_location("prune_script", REPO / "scripts" / "prune.py")
     module = importlib.util.module_from_spec(spec)
