@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_lite.checkpoint.hf import export_hf, gather_full_state_dict
 from titan_lite.config import JobConfig
+from titan_lite.distributed import device_type as accelerator_type
 from titan_lite.dry_run import device_memory_gib, pass_verdict, plan_passes, with_rank_parts
 from titan_lite.errors import ConfigError
 from titan_lite.job.assembly import assemble_model, calibration_source, hf_weight_loader
@@ -196,7 +197,7 @@ def print_pass_plan(plan, capacity: float, advice: str) -> None:
 
 def prune(opts: argparse.Namespace) -> None:
     check_output(opts)
-    device_type = "cpu" if not torch.accelerator.is_available() else torch.accelerator.current_accelerator().type
+    device_type = accelerator_type()
     cfg = pruning_config(opts, device_type)
     plan, device = start_job(cfg)
     # The transform's after_load prints the memory plan, calibrates, prunes and logs the measured peak.
@@ -317,7 +318,7 @@ def prune_structured(opts: argparse.Namespace) -> None:
     materialise and write the smaller model."""
     check_structured(opts)
     begin = time.monotonic()
-    device_type = "cpu" if not torch.accelerator.is_available() else torch.accelerator.current_accelerator().type
+    device_type = accelerator_type()
     cfg = structured_config(opts, device_type)
     plan, device = start_job(cfg)
     check_taylor_layout(plan.parallel_dims)
@@ -427,7 +428,7 @@ def prune_depth(opts: argparse.Namespace) -> None:
     write the shallower model."""
     check_depth_options(opts)
     begin = time.monotonic()
-    device_type = "cpu" if not torch.accelerator.is_available() else torch.accelerator.current_accelerator().type
+    device_type = accelerator_type()
     cfg = depth_config(opts, device_type)
     plan, device = start_job(cfg)
     check_depth_layout(plan.parallel_dims)
