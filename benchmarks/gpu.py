@@ -46,7 +46,15 @@ class Lane:
 
     smoke: bool
     device: torch.device
+    test_workers: int = 1
+    log_dir: Path | None = None
     runs: dict[str, tuple[Job, dict]] = field(default_factory=dict)
+
+    def keep_log(self, name: str, text: str) -> None:
+        """A case's whole output, beside the report's one line, where --log_dir asks for it."""
+        if self.log_dir is not None and text:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            (self.log_dir / f"{name}.log").write_text(text)
 
     @property
     def cuda(self) -> bool:
@@ -119,9 +127,16 @@ def qlora_missing(lane: Lane) -> str | None:
 @case("correctness")
 def correctness(lane: Lane) -> list[Line]:
     """The CUDA-marked tests (tests/test_cuda.py); without CUDA they are all skipped, each with its reason."""
+    import importlib.util
+
+    # the tests are launches of small jobs: several at once share one GPU well (pytest-xdist, where installed)
+    workers = ["-n", str(lane.test_workers)] if lane.test_workers > 1 and importlib.util.find_spec("xdist") else []
     proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider",
-                           "tests/test_cuda.py"], cwd=REPO, capture_output=True, text=True, timeout=CASE_LIMIT_S,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+                           *workers, "tests/test_cuda.py"], cwd=REPO, capture_output=True, text=True,
+                          timeout=CASE_LIMIT_S,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                              p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)))
+    lane.keep_log("correctness", proc.stdout + proc.stderr)
     lines = proc.stdout.strip().splitlines()
     summary = lines[-1].strip("= ") if lines else "no output"
     failed = [x for x in lines if x.startswith("FAILED")]
@@ -193,6 +208,7 @@ def train_case(model: str, variant: str) -> Callable[[Lane], list[Line]]:
             return [Line(f"{name}: skipped: no CUDA device (run with --smoke for the CPU plumbing check)", "skipped")]
         job = train_job(lane, model, variant)
         result = measure(job, timeout=CASE_LIMIT_S)
+        lane.keep_log(name, result.get("log_tail", ""))
         lane.runs[name] = (job, result)
         reference = TORCHTITAN_8B.get(variant) if model == "8b" and not lane.smoke else None
         return [training_line(name, job, result, reference)]
@@ -333,6 +349,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: check that every case runs")
     p.add_argument("--out", default=None, help="the report (default: GPU.md, or outputs/gpu_smoke.md with --smoke)")
+    p.add_argument("--test_workers", type=int, default=1,
+                   help="pytest-xdist workers for the correctness case, where pytest-xdist is installed (default 1)")
+    p.add_argument("--log_dir", default=None, help="a folder for each case's whole output (a failure's traceback)")
     return p.parse_args(argv)
 
 
@@ -352,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no CUDA device here (torch.cuda.is_available() is False); run with --smoke to check the lane on "
               "CPU", file=sys.stderr)
         return 2
-    lane = Lane(smoke=opts.smoke, device=torch.device("cuda", 0) if cuda else torch.device("cpu"))
+    lane = Lane(smoke=opts.smoke, device=torch.device("cuda", 0) if cuda else torch.device("cpu"),
+                test_workers=opts.test_workers, log_dir=Path(opts.log_dir) if opts.log_dir else None)
     head = header(lane)
     print("\n".join(head), flush=True)
     out = Path(opts.out or ("outputs/gpu_smoke.md" if opts.smoke else "GPU.md"))

@@ -179,9 +179,10 @@ def measure(job: Job, timeout: float = 480, env: dict | None = None) -> dict:
             return {"error": f"timed out after {timeout:.0f} s"}
         ranks = [json.loads(f.read_text()) for f in sorted(Path(folder).glob("rank*.json"))]
     if proc.returncode != 0 or len(ranks) != job.nproc:
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-20:]
+        output = (proc.stdout + proc.stderr).strip().splitlines()
+        tail = output[-20:]
         last = next((t for t in reversed(tail) if "Error" in t or "error" in t), tail[-1] if tail else "no output")
-        return {"error": f"exit {proc.returncode}: {last.strip()}", "log_tail": "\n".join(tail)}
+        return {"error": f"exit {proc.returncode}: {last.strip()}", "log_tail": "\n".join(output[-400:])}
     first = min(ranks, key=lambda r: r["rank"])
     peaks = [r["peak_bytes"] for r in ranks]
     return first | {"peak_bytes": None if None in peaks else max(peaks), "rank_peaks": peaks,
