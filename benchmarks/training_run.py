@@ -129,6 +129,7 @@ def run_here(job: Job) -> dict:
         trainer = Trainer(job_config(job, dump))
         vocab = trainer.plan.model_args.vocab_size
         batches = [_random_batch(job.batch, job.seq_len, vocab, seed=1000 * trainer.rank + i) for i in range(4)]
+        batches = [tuple(t.to(trainer.device) for t in batch) for batch in batches]  # as the trainer's loader does
         times, losses = [], []
         for i in range(job.warmup + job.steps):
             start = time.perf_counter()

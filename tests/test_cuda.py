@@ -40,6 +40,19 @@ def losses(folder: Path, overrides: list[str], n: int = 6, env: dict | None = No
     return got
 
 
+def cpu_initial_weights(folder: Path) -> list[str]:
+    """Overrides that start a run from the tiny flavor's init drawn on the CPU: a CUDA generator draws other numbers
+    than the CPU's, so a CUDA-against-CPU comparison starts both sides from one HF folder (transforms' adapters are
+    drawn on the CPU on every device)."""
+    if not (folder / "config.json").exists():
+        args = flavor_args("tiny")
+        model = Llama(args)
+        model.init_weights(seed=0)
+        tokenizer = str(REPO / "assets/tokenizer")
+        write_hf_folder(dict(model.named_parameters()), args, str(folder), torch.float32, tokenizer)
+    return ["--checkpoint.initial_load_path", str(folder), "--checkpoint.initial_load_in_hf"]
+
+
 def assert_close(got: dict[int, float], want: dict[int, float], rel: float) -> None:
     worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
     assert worst <= rel, f"largest relative loss difference {worst:.2e} > {rel:.0e}: {got} vs {want}"
@@ -49,9 +62,10 @@ def assert_close(got: dict[int, float], want: dict[int, float], rel: float) -> N
 
 
 def test_fp32_on_cuda_matches_the_cpu_and_bf16_autocast_tracks_it(tmp_path):
-    cpu = losses(tmp_path / "cpu", FP32, env=CPU_ENV)
-    gpu = losses(tmp_path / "gpu", FP32)
-    bf16 = losses(tmp_path / "bf16", BF16)
+    init = cpu_initial_weights(tmp_path / "init")
+    cpu = losses(tmp_path / "cpu", FP32 + init, env=CPU_ENV)
+    gpu = losses(tmp_path / "gpu", FP32 + init)
+    bf16 = losses(tmp_path / "bf16", BF16 + init)
     assert_close(gpu, cpu, rel=1e-3)
     assert_close(bf16, gpu, rel=3e-2)
     assert bf16 != gpu  # autocast ran: bf16 matmuls round differently
@@ -92,7 +106,8 @@ def test_dcp_save_and_resume_on_cuda_is_exact(tmp_path):
 
 
 def test_lora_on_cuda_matches_the_cpu(tmp_path):
-    lora = FP32 + ["--model.converters", "lora", "--lora.rank", "4", "--lora.alpha", "8"]
+    lora = FP32 + cpu_initial_weights(tmp_path / "init") + ["--model.converters", "lora", "--lora.rank", "4",
+                                                             "--lora.alpha", "8"]
     assert_close(losses(tmp_path / "gpu", lora), losses(tmp_path / "cpu", lora, env=CPU_ENV), rel=1e-3)
 
 
@@ -103,7 +118,8 @@ def test_qlora_on_cuda_matches_the_cpu(tmp_path):
 
     if "nf4" not in typing.get_args(typing.get_type_hints(Lora)["base_dtype"]):
         pytest.skip("QLoRA ('lora.base_dtype = \"nf4\"') is not in this checkout")
-    qlora = FP32 + ["--model.converters", "lora", "--lora.rank", "4", "--lora.alpha", "8", "--lora.base_dtype", "nf4"]
+    qlora = FP32 + cpu_initial_weights(tmp_path / "init") + ["--model.converters", "lora", "--lora.rank", "4",
+                                                              "--lora.alpha", "8", "--lora.base_dtype", "nf4"]
     assert_close(losses(tmp_path / "gpu", qlora), losses(tmp_path / "cpu", qlora, env=CPU_ENV), rel=5e-3)
 
 
@@ -126,7 +142,8 @@ def prune_masks(hf: Path, out: Path, method: str, env: dict) -> dict[str, torch.
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "prune.py"), "--hf_assets_path", str(hf),
                            "--output_dir", str(out), "--method", method, "--nsamples", "8", "--seq_len", "64",
                            "--dtype", "float32"], cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **env})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **env, "PYTHONPATH": os.pathsep.join(
+                              p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     weights = {}
     for f in sorted(out.glob("*.safetensors")):

@@ -61,7 +61,8 @@ def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         return apply_rope_real_pairs(x, cache)
     rows = torch.view_as_complex(cache.contiguous())
     rotation = rows[:, :, None, :] if rows.dim() == 3 else rows[None, :, None, :]
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    # contiguous: a linear may return a transposed result (2:4 sparse kernels do), and complex views need stride 1
+    pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
 
 
@@ -111,6 +112,9 @@ def _fused_kernel_takes_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a
         return True  # the CPU flash kernel takes GQA, with or without a mask, and is no slower than expanding
     if q.device.type != "cuda":
         return False
+    if torch.compiler.is_compiling():
+        # SDPAParams cannot be traced: decide by the flash kernel's own conditions (half precision, no mask)
+        return attn_mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
     # On CUDA it depends on the kernel (flash: no mask, half precision) and, for the others, the torch version.
     params = torch.backends.cuda.SDPAParams(q, k, v, attn_mask, 0.0, is_causal, True)
     return any(can_use(params) for can_use in (torch.backends.cuda.can_use_flash_attention,
@@ -403,13 +407,16 @@ class Llama(nn.Module):
                     continue
                 seen.add(id(param))
                 name = canonical_name(f"{module_name}.{local_name}" if module_name else local_name)
-                full = torch.empty(param.shape, dtype=param.dtype, device=device)
-                generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                # a transform's own (small) parameters are drawn on the CPU: an adapter then starts the same on
+                # every device (a CUDA generator draws other numbers), at no cost worth counting
+                draw_on = torch.device("cpu") if local_name in owned else device
+                full = torch.empty(param.shape, dtype=param.dtype, device=draw_on)
+                generator = torch.Generator(device=draw_on).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
                 if local_name in owned:
                     owned[local_name](full, generator)
                 else:
                     init_parameter(name, full, self.args, generator)
-                copy_into_shard(param, full)
+                copy_into_shard(param, full.to(device))
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameter count (tied weights counted once); optionally without the input embedding."""
