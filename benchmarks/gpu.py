@@ -269,6 +269,22 @@ def timed_generation(model, prompts, new_tokens: int, device: torch.device) -> t
     return sum(map(len, out)) / (time.perf_counter() - start), out
 
 
+class FlatSparseLinear(torch.nn.Module):
+    """A linear whose weight is a 2:4 semi-structured sparse tensor, fed 2-D: a 3-D input goes through matmul's
+    batched path, whose `expand` the sparse tensor does not implement (seen on an H200 with torch 2.11)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        from torch.sparse import to_sparse_semi_structured
+
+        super().__init__()
+        self.weight = torch.nn.Parameter(to_sparse_semi_structured(linear.weight.data), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 @case("sparsity")
 def sparsity(lane: Lane) -> list[Line]:
     """A 2:4-pruned model's generation tokens/s with its block linears as semi-structured sparse tensors (sm80+)
@@ -296,12 +312,11 @@ def sparsity(lane: Lane) -> list[Line]:
         why = "no CUDA device" if not lane.cuda else f"compute capability {lane.capability()} < 8.0"
         return [dense, Line(f"sparsity: semi-structured sparse linears skipped: {why} (torch's 2:4 kernels need "
                             "CUDA sm80+)", "skipped")]
-    from torch.sparse import to_sparse_semi_structured
-
     try:
-        for name, module in model.named_modules():
+        for name, module in list(model.named_modules()):
             if isinstance(module, torch.nn.Linear) and name.startswith("layers."):
-                module.weight = torch.nn.Parameter(to_sparse_semi_structured(module.weight.data), requires_grad=False)
+                parent, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(parent), attr, FlatSparseLinear(module))
         with torch.no_grad():
             sparse_tps, sparse_out = timed_generation(model, prompts, new, lane.device)
     except (RuntimeError, NotImplementedError, ValueError) as error:
