@@ -332,10 +332,6 @@ CASES = [
          build=model_only_newest),
     Case("seed checkpoint over existing checkpoints", "'checkpoint.create_seed_checkpoint' = true but "
          "'{tmp}/out/checkpoint' already holds checkpoints (steps 3)", build=seed_over_checkpoints),
-    Case("HF export next to another run's checkpoints", "'checkpoint.last_save_in_hf' = true would export into "
-         "'{tmp}/out/checkpoint', which holds the checkpoints of another run (steps 3)",
-         build=lambda tmp: [a for a in checkpoint_of_another_shape(tmp) if a != "--checkpoint.enable"] +
-         ["--checkpoint.last_save_in_hf"]),
     Case("load_step that does not exist", "'checkpoint.load_step' = 7: checkpoint folder '{tmp}/out/checkpoint/step-7' "
          "does not exist", ["--checkpoint.enable", "--checkpoint.load_step", "7"]),
     Case("initial_load_path that does not exist", "'checkpoint.initial_load_path' = '/no/such/ckpt' does not exist",
