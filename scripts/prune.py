@@ -357,7 +357,10 @@ def removal_list(opts: argparse.Namespace) -> list[int] | None:
 
 
 def check_depth_options(opts: argparse.Namespace) -> None:
-    if (opts.remove_layers is None) == (opts.layers_to_remove is None):
+    if opts.remove_layers is not None and opts.layers_to_remove is not None:
+        raise ConfigError(f"--remove_layers {opts.remove_layers} and --layers_to_remove {opts.layers_to_remove} both "
+                          "choose the blocks to remove: give one, not both")
+    if opts.remove_layers is None and opts.layers_to_remove is None:
         raise ConfigError("--method depth needs one of --remove_layers K (the K blocks of lowest influence) or "
                           "--layers_to_remove i,j (those blocks)")
     if opts.remove_layers is not None and opts.remove_layers < 1:

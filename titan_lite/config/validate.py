@@ -301,7 +301,10 @@ def check_distill(cfg: JobConfig) -> None:
         return
     _require(bool(d.teacher_path), "'distill.enable' = true needs 'distill.teacher_path': a Hugging Face folder, a DCP "
                                    "step folder, or 'base' (the student's own frozen base)")
-    _require(0 <= d.alpha <= 1, f"'distill.alpha' must be in [0, 1], got {d.alpha}")
+    _require(0 <= d.alpha <= 1, f"'distill.alpha' must be in (0, 1], got {d.alpha}")
+    _require(d.alpha > 0, "'distill.alpha' = 0 weighs the teacher's KL term by 0: the run would load the teacher and "
+                          "run it every step for nothing; set alpha in (0, 1], or drop 'distill.enable' to train on "
+                          "cross entropy alone")
     _require(d.temperature > 0, f"'distill.temperature' must be positive, got {d.temperature}")
     _require(cfg.parallelism.pipeline_parallel_degree == 1,
              f"'distill.enable' does not run under pipeline parallelism ('parallelism.pipeline_parallel_degree' = "
