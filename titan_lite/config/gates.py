@@ -14,6 +14,7 @@ same words where the section is declared `inert` (see the comment above schema.J
 """
 
 import dataclasses
+import functools
 import logging
 import typing
 from collections.abc import Callable, Iterator
@@ -77,7 +78,8 @@ def _leaves(cls: type, prefix: str) -> Iterator[tuple[str, dataclasses.Field]]:
         yield f"{prefix}.{leaf}", f
 
 
-def gates(schema: type = JobConfig) -> list[Gate]:
+@functools.cache
+def gates(schema: type = JobConfig) -> tuple[Gate, ...]:
     """Every switch of the schema with the keys behind it: whole-section switches (converter, read_when) first,
     then `enable` keys, then per-key switches (a key is reported under the first gate that is off)."""
     whole, enabled, per_key = [], [], []
@@ -104,7 +106,7 @@ def gates(schema: type = JobConfig) -> list[Gate]:
             rest = [key for key, g in leaves.items() if key != f"{section}.{ENABLE}" and key not in claimed
                     and g.metadata.get("needs", AUTO) is not None]
             enabled.append(Gate(key_switch(f"{section}.{ENABLE}"), section, tuple(rest), inert))
-    return whole + enabled + per_key
+    return tuple(whole + enabled + per_key)
 
 
 def switch_names(cls: type) -> list[str]:
