@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 # The checkout's titan_lite, whichever python runs the script (e.g. `.venv/bin/python scripts/...`).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -115,7 +117,7 @@ def show(opts: argparse.Namespace, overrides: list[str]) -> str:
         if index >= max(opts.count, opts.scan) and opts.scan:
             break
         inputs, labels, *rest = sample
-        docs = rest[0] if documents else None
+        docs = sample_documents(inputs, rest, documents)
         efficiency.add(inputs, labels, docs)
         if index < opts.count:
             print_sample(index, tokenizer, inputs, labels, docs)
@@ -130,9 +132,19 @@ def show(opts: argparse.Namespace, overrides: list[str]) -> str:
     return efficiency.line() + written
 
 
+def sample_documents(inputs: torch.Tensor, rest: list, block_causal: bool) -> torch.Tensor | None:
+    """The document id of each token under block-causal attention: the packed windows' own, or, for a sample that
+    is one unpacked example (instruct.packing = false), document 0 throughout (it attends within itself, as
+    training runs it); None under causal attention."""
+    if not block_causal:
+        return None
+    return rest[0] if rest else torch.zeros_like(inputs)
+
+
 def print_sample(index: int, tokenizer, inputs, labels, documents) -> None:
     trained = int((labels != IGNORE_INDEX).sum())
-    packed = f", {len(set(documents.tolist()) - {PAD_DOCUMENT})} documents" if documents is not None else ""
+    count = len(set(documents.tolist()) - {PAD_DOCUMENT}) if documents is not None else 0
+    packed = f", {count} document{'s' * (count != 1)}" if documents is not None else ""
     print(f"--- sample {index + 1}: {inputs.numel()} tokens{packed}, {trained} trained", flush=True)
     docs = documents.tolist() if documents is not None else None
     for line in sample_lines(tokenizer, inputs.tolist(), labels.tolist(), docs):
