@@ -33,6 +33,7 @@ from titan_lite.errors import ConfigError
 from titan_lite.eval.generate import GenerationConfig, generate_text
 from titan_lite.job.cli import ScriptParser
 from titan_lite.job.inference import build_model, model_config
+from titan_lite.job.outputs import check_output_file
 from titan_lite.job.script import run_script
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -87,6 +88,8 @@ def prompts_from_file(path: str) -> list[str]:
 def run(opts: argparse.Namespace, overrides: list[str]) -> str:
     if opts.adapter and not opts.hf:
         raise ConfigError("--adapter goes with --hf (a --checkpoint run's adapters come from its checkpoint)")
+    if opts.output:
+        check_output_file("--output", opts.output)
     device = torch.device(opts.device) if opts.device else tl_dist.local_device()
     dtype = DTYPES[opts.dtype] if opts.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     cfg = model_config(opts.hf, opts.adapter, opts.checkpoint, opts.config, opts.flavor, opts.tokenizer, overrides)

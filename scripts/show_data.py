@@ -31,6 +31,7 @@ from titan_lite.data.instruct import PAD_DOCUMENT
 from titan_lite.data.tokenizer import build_tokenizer
 from titan_lite.errors import ConfigError
 from titan_lite.job.cli import ScriptParser
+from titan_lite.job.outputs import check_output_file
 from titan_lite.job.plan import build_model_args, tokenizer_path
 from titan_lite.job.script import run_script
 from titan_lite.loss import IGNORE_INDEX
@@ -105,6 +106,8 @@ class Efficiency:
 def show(opts: argparse.Namespace, overrides: list[str]) -> str:
     if opts.count < 0 or opts.scan < 0:
         raise ConfigError("--count and --scan must be at least 0")
+    if opts.jsonl:
+        check_output_file("--jsonl", opts.jsonl)
     cfg = parse_job_args(["--job.config_file", opts.config, *overrides])
     validate(cfg)
     tokenizer = build_tokenizer(tokenizer_path(cfg))
