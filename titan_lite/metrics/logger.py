@@ -90,14 +90,15 @@ class Progress:
         if announce:
             logger.info(f"{what}: {total} {unit}")
 
-    def update(self, done: int) -> None:
+    def update(self, done: float) -> None:
+        """`done` may count a unit in progress by its share (a batch of completions halfway through decoding)."""
         now = time.perf_counter()
-        if now - self.last < self.every_s or done >= self.total:
+        if now - self.last < self.every_s or done >= self.total or done <= 0:
             return
         self.last = now
         elapsed = now - self.start
-        eta = format_duration(elapsed / max(done, 1) * (self.total - done))
-        logger.info(f"{self.what}: {done}/{self.total} {self.unit} in {format_duration(elapsed)}, eta {eta}")
+        eta = format_duration(elapsed / done * (self.total - done))
+        logger.info(f"{self.what}: {int(done)}/{self.total} {self.unit} in {format_duration(elapsed)}, eta {eta}")
 
 
 @dataclass(frozen=True)
