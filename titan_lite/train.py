@@ -254,6 +254,7 @@ class Trainer:
             logger.info(f"training {cfg.training.steps} steps from step {start}; "
                         f"global batch {self.plan.global_batch_size} x {cfg.training.seq_len} tokens")
             gc.disable()
+            self.metrics.start_window(start)
             stopped = self.loop(iter(self.dataloader), stop)
             if stopped:
                 self.stop_at_step_boundary(stop, start)

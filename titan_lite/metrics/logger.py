@@ -216,7 +216,9 @@ class MetricsProcessor:
             self.writer.add_scalar(name, value, step)
         self.writer.flush()
 
-    def _start_window(self, step: int) -> None:
+    def start_window(self, step: int) -> None:
+        """Measure from here on, as after step `step`: the trainer calls it when the loop starts (after a resume, the
+        step it resumed from), so the first line's time per step, throughput and ETA cover only steps that ran."""
         self.ntokens_since_last_log = 0
         self.last_log_step = step
         reset_peak(self.device)
@@ -232,7 +234,7 @@ class MetricsProcessor:
         metrics |= {name: float(value) for name, value in extra.items()}
         logger.info(self._format_line(step, metrics, extra))
         self._write_scalars(step, metrics)
-        self._start_window(step)
+        self.start_window(step)
         return metrics
 
     def log_validation(self, step: int, loss: float, extra: dict[str, float] | None = None) -> None:
