@@ -20,7 +20,7 @@ import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from titan_lite.config.manager import iter_options, iter_sections
+from titan_lite.config.manager import given_keys, iter_options, iter_sections
 from titan_lite.config.schema import AUTO, JobConfig
 from titan_lite.errors import ConfigError
 
@@ -41,6 +41,7 @@ class Switch:
     is_on: Callable[[JobConfig], bool]
     reason: Callable[[JobConfig, bool], str]  # (config, several settings) -> why they have no effect
     fix: Callable[[JobConfig], str]  # what turns the switch on
+    key: str | None = None  # the boolean key that is the switch, if one is
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ def key_switch(key: str) -> Switch:
     """A boolean key that must be true."""
     def reason(cfg: JobConfig, several: bool) -> str:
         return f"{'they take' if several else 'it takes'} effect only with '{key}' = true, and that is false"
-    return Switch(lambda cfg: bool(value_at(cfg, key)), reason, lambda cfg: f"set --{key}")
+    return Switch(lambda cfg: bool(value_at(cfg, key)), reason, lambda cfg: f"set --{key}", key)
 
 
 def converter_switch(section: str, converter: str) -> Switch:
@@ -135,8 +136,11 @@ def _needs(key: str, f: dataclasses.Field, section: str, switches: list[str]) ->
 
 def switched_off_settings(cfg: JobConfig) -> list[tuple[str, bool]]:
     """(the one line, whether it is only a warning) for each group of settings changed from their defaults behind
-    a switch that is off."""
+    a switch that is off. Refused settings of a section are only a warning where the TOML or the command line set
+    its switch to false in so many words: a section turned off on purpose (`--distill.enable=false` for a control
+    run) keeps its other keys; one whose switch was never named was set for nothing."""
     defaults = type(cfg)()
+    given = given_keys(cfg)
     reported: set[str] = set()
     found = []
     for gate in gates(type(cfg)):
@@ -150,8 +154,9 @@ def switched_off_settings(cfg: JobConfig) -> list[tuple[str, bool]]:
         first, value = changed[0]
         n = len(changed) - 1
         more = f" (and {n} more [{gate.label}] setting{'s' * (n > 1)})" if n else ""
+        turned_off = gate.switch.key in given
         found.append((f"'{first}' = {value!r}{more} has no effect: {gate.switch.reason(cfg, bool(n))}; "
-                      f"{gate.switch.fix(cfg)} or drop the setting", gate.inert))
+                      f"{gate.switch.fix(cfg)} or drop the setting", gate.inert or turned_off))
     return found
 
 
