@@ -64,9 +64,13 @@ class Metrics:
         False, "Print metrics without ANSI colours (they are only ever printed when the output is a terminal).")
     save_tb_folder: str = opt("tb", "TensorBoard folder, relative to dump_folder.")
     save_for_all_ranks: bool = opt(
-        False, "Write TensorBoard files for every rank (each in its own rank_N folder), not just rank 0.")
+        False, "Write TensorBoard files and W&B runs for every rank (each in its own rank_N folder), not just rank 0.")
     enable_wandb: bool = opt(
-        False, "Weights & Biases logging.", unsupported="wandb logging is not part of titan_lite; use TensorBoard")
+        False, "Log the same scalars to a Weights & Biases run (with TensorBoard when both are on), from rank 0 or "
+        "every rank (save_for_all_ranks), the resolved config as the run's config; the run folder is the TensorBoard "
+        "folder's wandb/. WANDB_PROJECT (default titan_lite), WANDB_TEAM, WANDB_RUN_NAME, WANDB_RUN_ID, "
+        "WANDB_RUN_GROUP, WANDB_RUN_TAGS (a,b), WANDB_RUN_NOTES, WANDB_RUN_JOB_TYPE; a resumed run continues its W&B "
+        "run. Needs the wandb extra (pip install -e '.[wandb]'); WANDB_MODE=offline logs without an account.")
 
 
 @dataclass

@@ -24,6 +24,7 @@ from titan_lite.data.tokenizer import Tokenizer, build_tokenizer
 from titan_lite.distributed import choose_backend, device_type
 from titan_lite.errors import ConfigError
 from titan_lite.job.rope import apply_rope_settings
+from titan_lite.metrics.wandb_writer import check_wandb_installed
 from titan_lite.models.llama import FLAVORS, Llama, LlamaArgs, flavor_args
 from titan_lite.models.llama.hf import args_from_hf_config, check_args_against_hf_config, read_hf_config
 from titan_lite.parallel.context_parallel import check_sequence_lengths
@@ -342,6 +343,7 @@ def check_output_folders(cfg: JobConfig) -> None:
 def check_before_launch(cfg: JobConfig, world_size: int) -> JobPlan:
     """Everything run_train.sh checks in one quick process before torchrun starts: a user error is one line."""
     validate(cfg)
+    check_wandb_installed(cfg)
     choose_backend(torch.device(device_type()))
     tokenizer, problems = gather_assets(cfg)
     if problems:
