@@ -16,11 +16,12 @@ transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 from tests.helpers import hf_family_model  # noqa: E402
-from titan_lite.checkpoint.hf import export_hf, load_hf_weights  # noqa: E402
+from tests.test_families import load_titan  # noqa: E402
+from titan_lite.checkpoint.hf import export_hf  # noqa: E402
 from titan_lite.config import parse_args  # noqa: E402
 from titan_lite.errors import ConfigError  # noqa: E402
 from titan_lite.job.plan import build_model_args  # noqa: E402
-from titan_lite.models.llama import Llama, LlamaArgs  # noqa: E402
+from titan_lite.models.llama import LlamaArgs  # noqa: E402
 from titan_lite.models.llama.hf import args_from_hf_config  # noqa: E402
 from titan_lite.models.llama.model import rope_attention_factor, rope_cache, rope_frequencies  # noqa: E402
 
@@ -103,16 +104,6 @@ def as_published(folder: Path) -> dict:
     config["rope_scaling"] = {"type": rope_type, **rope}
     (folder / "config.json").write_text(json.dumps(config))
     return config
-
-
-def load_titan(folder: Path) -> Llama:
-    args = args_from_hf_config(json.loads((folder / "config.json").read_text()))
-    with torch.device("meta"):
-        model = Llama(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=123)  # overwritten by the load; rebuilds the RoPE cache
-    load_hf_weights([model], str(folder), args)
-    return model.eval()
 
 
 def tokens() -> torch.Tensor:
