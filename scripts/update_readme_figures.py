@@ -81,7 +81,8 @@ COMMANDS = {
        for name, ngpu, memory in [("qwen3_8b_lora", 1, " --dry_run.device_memory_gib 24"),
                                   ("qwen3_8b_qlora", 1, " --dry_run.device_memory_gib 24"),
                                   ("mistral_7b_lora", 1, " --dry_run.device_memory_gib 24"),
-                                  ("qwen2.5_7b_wanda", 8, ""), ("llama3_8b_minitron", 8, "")]},
+                                  ("qwen2.5_7b_wanda", 8, ""), ("llama3_8b_minitron", 8, ""),
+                                  ("qwen3_8b_lora_128k", 8, "")]},
     "sparsegpt_estimate": Command(".venv/bin/python scripts/prune.py --flavor 8B --hf_assets_path assets/tokenizer "
                                   "--estimate_only --method sparsegpt --nsamples 128 --seq_len 2048 "
                                   "--device_memory_gib 24"),
@@ -206,6 +207,13 @@ FIGURES = [
     *(Figure(f"{name} plan: peak", f"{name}_plan", rf"^dry run OK: \d+ ranks; largest peak {NUMBER} GiB",
              rf"`{re.escape(name)}\.toml`(?: on `NGPU=8`)? {NUMBER} GiB of")
       for name in ("qwen3_8b_lora", "qwen3_8b_qlora", "mistral_7b_lora", "qwen2.5_7b_wanda")),
+    Figure("qwen3_8b_lora_128k plan: YaRN, activations, peak", "qwen3_8b_lora_128k_plan",
+           rf"^rope: yarn x{NUMBER} over the original {NUMBER} positions, attention factor {NUMBER};(?:.*\n)*?"
+           rf"  activations +{NUMBER} GiB  AC full; microbatch 1 x seq 131072 / cp 8(?:.*\n)*?dry run OK: 8 ranks; "
+           rf"largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",
+           rf"^rope: yarn x{NUMBER} over the original {NUMBER} positions, attention factor {NUMBER};(?:.*\n)*?"
+           rf"  activations +{NUMBER} GiB  AC full; microbatch 1 x seq 131072 / cp 8(?:.*\n)*?dry run OK: 8 ranks; "
+           rf"largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB"),
     Figure("qwen2.5_7b_wanda plan: the pruning pass", "qwen2.5_7b_wanda_plan",
            rf"^  peak +[\d.]+ GiB\n(?:.*\n)*?  peak +{NUMBER} GiB\n  verdict", rf"the pruning pass {NUMBER} GiB\)"),
     # distillation: the Minitron config with its teacher

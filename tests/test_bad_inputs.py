@@ -220,8 +220,8 @@ CASES = [
          ["--comm.train_timeout_seconds", "0"]),
     Case("unknown exclude_from_loading key", "'checkpoint.exclude_from_loading' has 'weights'",
          ["--checkpoint.exclude_from_loading", "weights"]),
-    Case("unsupported feature switched on", "'metrics.enable_wandb' = True is not supported",
-         ["--metrics.enable_wandb"]),
+    Case("unsupported feature switched on", "'optimizer.early_step_in_backward' = True is not supported",
+         ["--optimizer.early_step_in_backward"]),
     Case("prefetch without workers", "'training.dataloader.prefetch_factor' = 2 needs "
          "'training.dataloader.num_workers' > 0", ["--training.dataloader.prefetch_factor", "2"]),
     Case("unknown flavor", "'model.flavor': unknown model flavor '9B'", ["--model.flavor", "9B"]),

@@ -19,6 +19,8 @@ MODEL_CASES = ["headtail", None]
 # The families' options under CP (head-tail): q/k norms with head_dim 32, q/k/v biases, a window (8) that spans
 # the chunk boundaries of a 32-token sequence.
 FAMILY_FLAVORS = ["tiny_qwen3", "tiny_qwen2", "tiny_mistral"]
+# YaRN (Qwen3's long-context RoPE) past its original context of 8: each rank's rows of the scaled cache, mscale too.
+YARN = dict(rope_scaling_type="yarn", rope_scaling_factor=4.0, rope_original_max_seq_len=8)
 
 
 def test_headtail_positions_pair_head_and_tail_chunks():
@@ -87,15 +89,17 @@ def _attention_errors(rank: int, group, load_balancer, n_heads: int, n_kv: int) 
     return errors
 
 
-def _model_errors(rank: int, parallel_dims, load_balancer, flavor: str = "tiny") -> dict:
-    """A tiny flavor with CP vs without: logits on this rank's shard and the CP-summed parameter gradients."""
+def _model_errors(rank: int, parallel_dims, load_balancer, flavor: str = "tiny", **overrides) -> dict:
+    """A tiny flavor (with `overrides` of its args) with CP vs without: logits on this rank's shard and the
+    CP-summed parameter gradients."""
+    from dataclasses import replace
+
     import torch.distributed as dist
 
     from titan_lite.models.llama import Llama, flavor_args
     from titan_lite.parallel.context_parallel import apply_cp, shard_batch
 
-    args = flavor_args(flavor)
-    args.max_seq_len = 64
+    args = replace(flavor_args(flavor), max_seq_len=64, **overrides)
     reference, model = Llama(args), Llama(args)
     for m in (reference, model):
         m.init_weights(seed=3)
@@ -159,6 +163,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             results[f"model-{lb}"] = _model_errors(rank, parallel_dims, lb)
         for flavor in FAMILY_FLAVORS:
             results[f"model-{flavor}"] = _model_errors(rank, parallel_dims, "headtail", flavor)
+        results["model-tiny_qwen3_yarn"] = _model_errors(rank, parallel_dims, "headtail", "tiny_qwen3", **YARN)
         results["gathered_shapes"] = _gathered_shard_shapes(parallel_dims)
         partial = os.path.join(out_dir, f".rank{rank}.json")
         with open(partial, "w") as f:
@@ -188,9 +193,9 @@ def test_cp_attention_matches_full_causal_sdpa(cp_errors, load_balancer, n_heads
             assert err <= 1e-5, f"rank {rank} {name}: max error {err}"
 
 
-@pytest.mark.parametrize("case", [*MODEL_CASES, *FAMILY_FLAVORS])
+@pytest.mark.parametrize("case", [*MODEL_CASES, *FAMILY_FLAVORS, "tiny_qwen3_yarn"])
 def test_cp_llama_matches_single_process(cp_errors, case):
-    """The tiny Llama with either load balancer; the family flavors with head-tail."""
+    """The tiny Llama with either load balancer; the family flavors with head-tail; Qwen3 with YaRN."""
     for rank, table in enumerate(cp_errors):
         errors = table[f"model-{case}"]
         assert errors["logits"] <= 1e-5, f"rank {rank} logits: {errors['logits']}"

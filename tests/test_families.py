@@ -187,8 +187,11 @@ def test_flavor_parameter_counts(flavor, billions):
     ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]},
      "'layer_types' has ['full_attention', 'sliding_attention']; titan_lite's qwen3 supports only 'full_attention'"),
     ("qwen3", {"attention_bias": True}, "'attention_bias' is True; titan_lite's Qwen3ForCausalLM supports only False"),
-    ("qwen2", {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
-     "'rope_scaling': rope type 'yarn' is not supported; expected 'default' or 'llama3'"),
+    ("qwen2", {"rope_scaling": {"type": "longrope", "factor": 4.0, "original_max_position_embeddings": 32768}},
+     "'rope_scaling': rope type 'longrope' is not supported; expected 'default', 'llama3', 'yarn', 'linear'"),
+    ("qwen3", {"rope_scaling": {"type": "yarn", "factor": 4.0}},
+     "'rope_scaling': rope type 'yarn' needs 'original_max_position_embeddings' (the context length the model was "
+     "pre-trained with, e.g. 32768 for Qwen2.5/Qwen3)"),
     ("mistral", {"layer_types": ["sliding_attention", "full_attention"]},
      "'layer_types' mixes ['full_attention', 'sliding_attention']; titan_lite's Mistral attends the same way in every "
      "layer"),

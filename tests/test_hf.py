@@ -281,8 +281,8 @@ def test_folder_without_weights(tmp_path):
 
 def test_unsupported_config_is_rejected():
     config = args_to_hf_config(small_args(), torch.float32)
-    with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
-        args_from_hf_config({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ConfigError, match="rope type 'longrope' is not supported"):
+        args_from_hf_config({**config, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
     with pytest.raises(ConfigError, match="head_dim 7 is odd"):
         args_from_hf_config({**config, "head_dim": 7})
 

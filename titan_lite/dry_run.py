@@ -21,6 +21,8 @@ from titan_lite.job.estimate import PassPlan, RolePlan, plan_role
 from titan_lite.job.plan import JobPlan, gather_assets, plan_with_tokenizer
 from titan_lite.loss import cross_entropy_sum
 from titan_lite.metrics.memory import device_capacity_gib
+from titan_lite.models.llama import LlamaArgs
+from titan_lite.models.llama.model import rope_attention_factor
 from titan_lite.objective import ObjectivePlan, plan_objective, teacher_files_problem
 from titan_lite.parallel import memory_estimate as me
 from titan_lite.parallel.parallel_dims import ParallelDims
@@ -134,12 +136,23 @@ def summary_lines(plan: JobPlan) -> list[str]:
         f"model: {cfg.model.name} {cfg.model.flavor}, {plan.full_param_count():,} parameters, "
         f"{plan.model_args.n_layers} layers" + (f"; transforms: {', '.join(cfg.model.converters)}"
                                                  if cfg.model.converters else ""),
+        *rope_lines(plan.model_args),
         tokenizer_line(plan),
         f"data: {t.dataset}" + (f" from '{t.dataset_path}'" if t.dataset_path else ""),
         f"batch: local {t.local_batch_size} x data-parallel {dims.dp_degree} x accumulation {plan.grad_accum} "
         f"= global {global_batch} sequences x {t.seq_len} tokens = {global_batch * t.seq_len:,} tokens per step",
         steps_line(plan, global_batch),
     ]
+
+
+def rope_lines(args: LlamaArgs) -> list[str]:
+    """The long-context RoPE scaling, when there is one (it changes no memory: the cache has the same shape)."""
+    if args.rope_scaling_factor is None:
+        return []
+    kind = args.rope_scaling_type
+    original = f" over the original {args.rope_original_max_seq_len:,} positions" if kind != "linear" else ""
+    attention = f", attention factor {rope_attention_factor(args):.4f}" if kind == "yarn" else ""
+    return [f"rope: {kind} x{args.rope_scaling_factor:g}{original}{attention}; theta {args.rope_theta:g}"]
 
 
 def steps_line(plan: JobPlan, global_batch: int) -> str:

@@ -159,7 +159,8 @@ class Trainer:
         a = self.plan.model_args
         flops = num_flops_per_token(self.plan.full_param_count(), a.vocab_size * a.dim, a.n_layers, a.n_heads,
                                     a.head_dim, self.cfg.training.seq_len, self.plan.frozen_matmul_param_count())
-        return MetricsProcessor(self.cfg, self.rank, self.device, flops, self.parallel_dims.non_data_parallel_size)
+        return MetricsProcessor(self.cfg, self.rank, self.device, flops, self.parallel_dims.non_data_parallel_size,
+                                resuming=self.resume_folder is not None)
 
     # -------------------------------------------------------------------------------- one step
 

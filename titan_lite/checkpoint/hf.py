@@ -25,6 +25,7 @@ from titan_lite.models.llama.hf import (
     hf_name,
     hf_source_names,
     read_hf_config,
+    rope_form_of,
     tensor_from_hf,
     to_hf_state_dict,
 )
@@ -238,14 +239,14 @@ def write_safetensors(sd: dict[str, Tensor], folder: Path, max_shard_bytes: int)
 def _hf_config(args: LlamaArgs, dtype: torch.dtype, assets_dir: str | None) -> dict:
     """config.json of the export; token ids, and the context length when it describes this same model, come from
     the assets' config.json (training usually runs shorter sequences than the model supports)."""
-    config = args_to_hf_config(args, dtype)
     assets_config = Path(assets_dir) / "config.json" if assets_dir else None
     if assets_config is None or not assets_config.exists():
-        return config
+        return args_to_hf_config(args, dtype)
     source = read_hf_config(assets_config)
+    config = args_to_hf_config(args, dtype, rope_form=rope_form_of(source))  # rope written as it was read
     config.update({k: source[k] for k in _TOKEN_ID_KEYS if k in source})
     try:
-        check_args_against_hf_config(args, str(assets_config))
+        check_args_against_hf_config(args, str(assets_config), rope=False)  # a run may have added YaRN
     except ConfigError:
         return config  # a different (e.g. pruned) model: its context length says nothing about this one
     config["max_position_embeddings"] = max(args.max_seq_len, int(source.get("max_position_embeddings", 0)))

@@ -54,11 +54,16 @@ class Gate:
     inert: bool  # a warning, not a refusal
 
 
-def key_switch(key: str) -> Switch:
-    """A boolean key that must be true."""
+def key_switch(key: str | tuple[str, ...]) -> Switch:
+    """A boolean key that must be true (or several, one of which must be)."""
+    keys = (key,) if isinstance(key, str) else key
+    named = " or ".join(f"'{k}'" for k in keys)
+    off = "that is false" if len(keys) == 1 else "each is false"
+
     def reason(cfg: JobConfig, several: bool) -> str:
-        return f"{'they take' if several else 'it takes'} effect only with '{key}' = true, and that is false"
-    return Switch(lambda cfg: bool(value_at(cfg, key)), reason, lambda cfg: f"set --{key}", key)
+        return f"{'they take' if several else 'it takes'} effect only with {named} = true, and {off}"
+    return Switch(lambda cfg: any(bool(value_at(cfg, k)) for k in keys), reason,
+                  lambda cfg: "set " + " or ".join(f"--{k}" for k in keys), keys[0] if len(keys) == 1 else None)
 
 
 def converter_switch(section: str, converter: str) -> Switch:
@@ -100,7 +105,7 @@ def gates(schema: type = JobConfig) -> tuple[Gate, ...]:
                 per_key.append(Gate(key_switch(f"{section}.{name}"), section, tuple(behind), inert))
         for key, g in leaves.items():
             needs = _needs(key, g, section, switches)
-            if needs and not needs.startswith(f"{section}.") and key not in claimed:
+            if needs and (not isinstance(needs, str) or not needs.startswith(f"{section}.")) and key not in claimed:
                 per_key.append(Gate(key_switch(needs), section, (key,), inert))
                 claimed.add(key)
         if ENABLE in switches:
@@ -117,13 +122,16 @@ def switch_names(cls: type) -> list[str]:
             if hints[f.name] is bool and (f.name == ENABLE or f.name.startswith(ENABLE + "_"))]
 
 
-def _needs(key: str, f: dataclasses.Field, section: str, switches: list[str]) -> str | None:
-    """The dotted boolean key that `key` takes effect behind besides its section's `enable` (None: none): its
-    declared `needs`, else the section's `enable_<name>` whose <name> its own name contains."""
+def _needs(key: str, f: dataclasses.Field, section: str, switches: list[str]) -> str | tuple[str, ...] | None:
+    """The dotted boolean key (or keys, any of which will do) that `key` takes effect behind besides its section's
+    `enable` (None: none): its declared `needs`, else the section's `enable_<name>` whose <name> its own name
+    contains."""
     needs = f.metadata.get("needs", AUTO)
     leaf = key.removeprefix(f"{section}.")
     if needs is None or leaf in switches:
         return None
+    if isinstance(needs, tuple):
+        return tuple(n if "." in n else f"{section}.{n}" for n in needs)
     if needs != AUTO:
         return needs if "." in needs else f"{section}.{needs}"
     if "." in leaf:  # a key of a sub-section: that section's own switches decide

@@ -19,10 +19,11 @@ PipelineSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "Int
 AUTO = "auto"  # `needs`: the switch the key's name and section imply (see config/gates.py)
 
 
-def opt(default: Any, help: str, *, unsupported: str | None = None, needs: str | None = AUTO) -> Any:
+def opt(default: Any, help: str, *, unsupported: str | None = None,
+        needs: str | tuple[str, ...] | None = AUTO) -> Any:
     """A config field: its default, its documentation, whether it is inert (a Literal type lists its values), and
-    the boolean key it takes effect behind (`needs`: a key of its section or a dotted one; None: read whatever the
-    section's switches say)."""
+    the boolean key it takes effect behind (`needs`: a key of its section or a dotted one, or several of which any
+    one will do; None: read whatever the section's switches say)."""
     meta = {"help": help, "unsupported": unsupported, "needs": needs}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
@@ -84,10 +85,42 @@ class Metrics:
         False, "Print metrics without ANSI colours (they are only ever printed when the output is a terminal).")
     save_tb_folder: str = opt("tb", "TensorBoard folder, relative to dump_folder.", needs="enable_tensorboard")
     save_for_all_ranks: bool = opt(
-        False, "Write TensorBoard files for every rank (each in its own rank_N folder), not just rank 0.",
-        needs="enable_tensorboard")
+        False, "Write TensorBoard files and W&B runs for every rank (each in its own rank_N folder), not just rank 0.",
+        needs=("enable_tensorboard", "enable_wandb"))
     enable_wandb: bool = opt(
-        False, "Weights & Biases logging.", unsupported="wandb logging is not part of titan_lite; use TensorBoard")
+        False, "Log the same scalars to a Weights & Biases run (with TensorBoard when both are on), from rank 0 or "
+        "every rank (save_for_all_ranks), the resolved config as the run's config; the run folder is the TensorBoard "
+        "folder's wandb/. WANDB_PROJECT (default titan_lite), WANDB_TEAM, WANDB_RUN_NAME, WANDB_RUN_ID, "
+        "WANDB_RUN_GROUP, WANDB_RUN_TAGS (a,b), WANDB_RUN_NOTES, WANDB_RUN_JOB_TYPE; a resumed run continues its W&B "
+        "run. Needs the wandb extra (pip install -e '.[wandb]'); WANDB_MODE=offline logs without an account.")
+
+
+@dataclass
+class RoPE:
+    """[model.rope]: torchtitan's RoPE config names (scaling, rope_factor, beta_fast, beta_slow, original_seq_len,
+    truncate, low/high_freq_factor, theta). Every key unset (None) keeps the flavor's or config.json's value."""
+
+    scaling: Literal["none", "llama", "llama3", "yarn", "linear", "dynamic"] | None = opt(
+        None, "Long-context RoPE scaling, as transformers computes it: yarn (Qwen2.5/Qwen3 past 32K), llama "
+        "(= llama3, Llama 3.1's), linear (positions / rope_factor), none (plain RoPE); None = the flavor's or "
+        "config.json's. dynamic is refused: its frequencies follow the longest sequence seen, so no fixed rotation "
+        "exists to train.")
+    rope_factor: float | None = opt(
+        None, "The scaling factor (transformers' factor; torchtitan's llama scaling_factor): the new context is about "
+        "factor x original_seq_len. Needed when scaling names a type the model does not already have.")
+    original_seq_len: int | None = opt(
+        None, "The context length the model was pre-trained with (transformers' original_max_position_embeddings; "
+        "Qwen2.5/Qwen3: 32768). yarn needs it; llama's default is 8192.")
+    beta_fast: float | None = opt(
+        None, "yarn: pairs turning more than this many times over original_seq_len keep their frequency (32).")
+    beta_slow: float | None = opt(
+        None, "yarn: pairs turning fewer times than this are fully interpolated (divided by rope_factor) (1).")
+    truncate: bool | None = opt(None, "yarn: round the ramp's ends outwards to whole pairs (true, as transformers).")
+    attention_factor: float | None = opt(
+        None, "yarn: what cos and sin are multiplied by; None = 0.1 ln(rope_factor) + 1 (1.1386 for 4).")
+    low_freq_factor: float | None = opt(None, "llama: the low-frequency band's factor (1).")
+    high_freq_factor: float | None = opt(None, "llama: the high-frequency band's factor (4).")
+    theta: float | None = opt(None, "RoPE base (rope_theta); None = the flavor's or config.json's.")
 
 
 @dataclass
@@ -115,6 +148,7 @@ class Model:
     attn_mask_type: Literal["causal", "block_causal"] | None = opt(
         None, "causal, or block_causal: packed documents attend only within themselves, RoPE positions restart at "
         "each document and no label crosses a document boundary; None = the flavor's.")
+    rope: RoPE = section(RoPE, "RoPE and its long-context scaling ([model.rope]); unset keys keep the model's.")
 
 
 @dataclass

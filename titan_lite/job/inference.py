@@ -9,14 +9,15 @@ from titan_lite.checkpoint.manager import CheckpointManager
 from titan_lite.config import JobConfig, parse_args
 from titan_lite.errors import ConfigError
 from titan_lite.job.assembly import BuiltModel, assemble_model, initial_weight_loader
-from titan_lite.job.plan import JobPlan, plan_job
+from titan_lite.job.plan import HF_FLAVOR, JobPlan, plan_job
 from titan_lite.models.llama.args import FLAVORS
 from titan_lite.models.llama.hf import check_args_against_hf_config
 from titan_lite.transforms import apply_peft_adapter
 
 
 def flavor_of(folder: str) -> str:
-    """The flavor whose shapes match an HF folder's config.json."""
+    """The flavor whose shapes match an HF folder's config.json, else 'hf' (config.json's own shape: a pruned model,
+    a YaRN fine-tune)."""
     config = Path(folder) / "config.json"
     for name, args in FLAVORS.items():
         try:
@@ -25,7 +26,7 @@ def flavor_of(folder: str) -> str:
         except ConfigError as exc:
             if "no such file" in str(exc) or "not valid JSON" in str(exc):
                 raise
-    raise ConfigError(f"no titan_lite flavor matches {config}; pass --flavor")
+    return HF_FLAVOR
 
 
 def model_config(hf: str | None, adapter: str | None, checkpoint: str | None, config: str | None,

@@ -23,6 +23,8 @@ from titan_lite.data.mixture import check_mixture_data
 from titan_lite.data.tokenizer import Tokenizer, build_tokenizer
 from titan_lite.distributed import choose_backend, device_type
 from titan_lite.errors import ConfigError
+from titan_lite.job.rope import apply_rope_settings
+from titan_lite.metrics.wandb_writer import check_wandb_installed
 from titan_lite.models.llama import FLAVORS, Llama, LlamaArgs, flavor_args
 from titan_lite.models.llama.hf import args_from_hf_config, check_args_against_hf_config, read_hf_config
 from titan_lite.parallel.context_parallel import check_sequence_lengths
@@ -90,10 +92,11 @@ def hf_config_path(cfg: JobConfig) -> Path | None:
 
 def flavor_or_hf_args(cfg: JobConfig) -> LlamaArgs:
     """The named flavor's args; flavor 'hf' takes the shape from model.hf_assets_path/config.json instead. A named
-    flavor next to a config.json is checked against it (floats within a relative 1e-6)."""
+    flavor next to a config.json is checked against it (floats within a relative 1e-6); then [model.rope]'s settings
+    apply (a run may add YaRN to a checkpoint published without it)."""
     args = _flavor_or_hf_args(cfg)
     check_model_name(cfg.model.name, cfg.model.flavor, args)
-    return args
+    return apply_rope_settings(args, cfg.model.rope)
 
 
 def check_model_name(name: str, flavor: str, args: LlamaArgs) -> None:
@@ -340,6 +343,7 @@ def check_output_folders(cfg: JobConfig) -> None:
 def check_before_launch(cfg: JobConfig, world_size: int) -> JobPlan:
     """Everything run_train.sh checks in one quick process before torchrun starts: a user error is one line."""
     validate(cfg)
+    check_wandb_installed(cfg)
     choose_backend(torch.device(device_type()))
     tokenizer, problems = gather_assets(cfg)
     if problems:

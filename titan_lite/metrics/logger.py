@@ -1,4 +1,5 @@
-"""Training metrics: the `titan_lite` console logger and the per-window throughput/MFU/memory report."""
+"""Training metrics: the `titan_lite` console logger, the per-window throughput/MFU/memory report and the writers
+it feeds (TensorBoard, W&B)."""
 
 import logging
 import os
@@ -14,6 +15,7 @@ from titan_lite.config import JobConfig
 from titan_lite.launcher import STDOUT_IS_TTY_ENV
 from titan_lite.metrics.flops import peak_flops
 from titan_lite.metrics.memory import device_capacity_gib, peak_memory_gib, reset_peak
+from titan_lite.metrics.wandb_writer import WandbWriter
 
 LOGGER_NAME = "titan_lite"
 LOG_FORMAT = "[titan_lite] %(asctime)s %(levelname)s %(message)s"
@@ -127,9 +129,10 @@ def colors_for(cfg: JobConfig) -> Colors:
     return Colors() if stdout_is_terminal() and not cfg.metrics.disable_color_printing else NO_COLORS
 
 
-def tensorboard_dir(cfg: JobConfig, rank: int) -> str | None:
-    """Where `rank` writes TensorBoard events, or None when it writes none."""
-    if not cfg.metrics.enable_tensorboard:
+def metrics_dir(cfg: JobConfig, rank: int) -> str | None:
+    """Where `rank` writes its scalars (TensorBoard events, the W&B run folder), or None when it writes none: rank 0,
+    or every rank in its own rank_N folder with metrics.save_for_all_ranks."""
+    if not (cfg.metrics.enable_tensorboard or cfg.metrics.enable_wandb):
         return None
     base = os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder)
     if cfg.metrics.save_for_all_ranks:
@@ -137,22 +140,52 @@ def tensorboard_dir(cfg: JobConfig, rank: int) -> str | None:
     return base if rank == 0 else None
 
 
-def _make_writer(cfg: JobConfig, rank: int):
-    folder = tensorboard_dir(cfg, rank)
-    if folder is None:
-        return None
-    from torch.utils.tensorboard import SummaryWriter  # imported lazily: it pulls in tensorboard
+class TensorBoardWriter:
+    """Scalars to TensorBoard event files, flushed at every logged step."""
 
-    return SummaryWriter(log_dir=folder)
+    def __init__(self, folder: str):
+        from torch.utils.tensorboard import SummaryWriter  # imported lazily: it pulls in tensorboard
+
+        self.writer = SummaryWriter(log_dir=folder)
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class ScalarWriters:
+    """The one place logged scalars fan out from: TensorBoard and W&B, each when enabled, both at once."""
+
+    def __init__(self, cfg: JobConfig, rank: int, resuming: bool = False):
+        folder = metrics_dir(cfg, rank)
+        self.writers = []
+        if folder is not None and cfg.metrics.enable_tensorboard:
+            self.writers.append(TensorBoardWriter(folder))
+        if folder is not None and cfg.metrics.enable_wandb:
+            self.writers.append(WandbWriter(cfg, folder, resuming))
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        for writer in self.writers:
+            writer.write(step, scalars)
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+        self.writers = []
 
 
 class MetricsProcessor:
     """Accumulates tokens between logs and reports loss, throughput, MFU and memory every `log_freq` steps."""
 
     def __init__(self, cfg: JobConfig, rank: int, device: torch.device, num_flops_per_token: float,
-                 tokens_divisor: int = 1):
+                 tokens_divisor: int = 1, resuming: bool = False):
         # tokens_divisor: the non-data-parallel degree (tp * pp * cp). Those ranks consume the same tokens,
-        # so dividing by it makes tokens/s a per-device number, as torchtitan reports it.
+        # so dividing by it makes tokens/s a per-device number, as torchtitan reports it. resuming: the run
+        # continues from its checkpoint (its W&B run continues too).
         init_logger()
         self.log_freq = cfg.metrics.log_freq
         self.total_steps = cfg.training.steps
@@ -162,7 +195,7 @@ class MetricsProcessor:
         self.tokens_divisor = tokens_divisor
         self.peak_flops = peak_flops(device)  # before the clock starts: on CPU it is measured
         self.capacity_gib = device_capacity_gib(device)
-        self.writer = _make_writer(cfg, rank)
+        self.writers = ScalarWriters(cfg, rank, resuming)
         self.ntokens_since_last_log = 0
         self.last_log_step = 0
         reset_peak(device)
@@ -210,11 +243,7 @@ class MetricsProcessor:
         return line + f"  eta: {eta}" + c.reset
 
     def _write_scalars(self, step: int, scalars: dict[str, float]) -> None:
-        if self.writer is None:
-            return
-        for name, value in scalars.items():
-            self.writer.add_scalar(name, value, step)
-        self.writer.flush()
+        self.writers.write(step, scalars)
 
     def start_window(self, step: int) -> None:
         """Measure from here on, as after step `step`: the trainer calls it when the loop starts (after a resume, the
@@ -247,7 +276,5 @@ class MetricsProcessor:
                                    **{f"validation/{name}": float(value) for name, value in extra.items()}})
 
     def close(self) -> None:
-        """Flush and close the TensorBoard writer."""
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        """Flush and close the TensorBoard and W&B writers."""
+        self.writers.close()

@@ -16,11 +16,23 @@ class LlamaArgs:
     ffn_dim: int = 768  # SwiGLU hidden size (HF `intermediate_size`)
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
-    # Llama 3.1 RoPE frequency scaling; factor None disables it.
+    # Long-context RoPE scaling, as transformers' rope types; factor None disables it. rope_scaling_type: "llama3"
+    # (Llama 3.1's frequency bands, low/high_freq_factor), "yarn" (frequencies blended from the original to the
+    # original / factor over the pairs between beta_fast and beta_slow rotations in the original context; cos and sin
+    # times an attention factor) or "linear" (every frequency / factor, i.e. positions / factor).
     rope_scaling_factor: float | None = None
+    rope_scaling_type: str = "llama3"
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq_len: int = 8192
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True  # yarn: the ramp's ends rounded outwards to whole pairs
+    # yarn's multiplier of cos and sin; None = 0.1 ln(factor) + 1, or the ratio of the two when (DeepSeek's) mscale
+    # and mscale_all_dim are given
+    rope_attention_factor: float | None = None
+    rope_mscale: float | None = None
+    rope_mscale_all_dim: float | None = None
     max_seq_len: int = 2048
     tie_word_embeddings: bool = False
     # Per-layer widths after structured pruning (None = uniform). Lengths equal n_layers.
@@ -139,6 +151,10 @@ FLAVORS: dict[str, LlamaArgs] = {
     "8B_flex": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336,
                          attn_type="flex", attn_mask_type="block_causal", **_LLAMA31_ROPE),
 }
+
+
+# The rope types a model can train with; transformers' "dynamic" is refused where it is read (hf.py, the config).
+ROPE_SCALING_TYPES = ("llama3", "yarn", "linear")
 
 
 def flavor_args(flavor: str) -> LlamaArgs:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama.args import FLAVORS, LlamaArgs
+from titan_lite.models.llama.args import FLAVORS, ROPE_SCALING_TYPES, LlamaArgs
 
 # titan_lite name (with {i} for the layer) -> HF name.
 _LAYER_NAMES = {
@@ -178,12 +178,44 @@ def from_hf_state_dict(sd: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tens
 # ------------------------------------------------------------------------------------------ config
 
 
+# yarn's optional keys with transformers' defaults: an export writes only those that differ, as published configs do.
+_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True, "attention_factor": None, "mscale": None,
+                  "mscale_all_dim": None}
+
+
 def _rope_scaling_of(args: LlamaArgs) -> dict | None:
+    """The args' scaling as transformers' rope parameters (without rope_theta), or None for plain RoPE."""
     if args.rope_scaling_factor is None:
         return None
-    return {"rope_type": "llama3", "factor": float(args.rope_scaling_factor),
-            "low_freq_factor": float(args.rope_low_freq_factor), "high_freq_factor": float(args.rope_high_freq_factor),
-            "original_max_position_embeddings": int(args.rope_original_max_seq_len)}
+    kind, factor = args.rope_scaling_type, float(args.rope_scaling_factor)
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    scaling = {"rope_type": kind, "factor": factor,
+               "original_max_position_embeddings": int(args.rope_original_max_seq_len)}
+    if kind == "llama3":
+        return {**scaling, "low_freq_factor": float(args.rope_low_freq_factor),
+                "high_freq_factor": float(args.rope_high_freq_factor)}
+    values = {"beta_fast": float(args.rope_beta_fast), "beta_slow": float(args.rope_beta_slow),
+              "truncate": args.rope_truncate, "attention_factor": args.rope_attention_factor,
+              "mscale": args.rope_mscale, "mscale_all_dim": args.rope_mscale_all_dim}
+    return {**scaling, **{k: v for k, v in values.items() if v != _YARN_DEFAULTS[k]}}
+
+
+# config.json's two ways of writing rope: transformers 4 and the published Hub configs (top-level rope_theta, and
+# rope_scaling null or a dict), transformers 5 (rope_parameters, rope_theta inside).
+ROPE_FORMS = ("rope_scaling", "rope_parameters")
+
+
+def rope_form_of(cfg: dict) -> str:
+    """Which of ROPE_FORMS a config.json uses (rope_scaling when it has neither)."""
+    return "rope_parameters" if cfg.get("rope_parameters") and not cfg.get("rope_scaling") else "rope_scaling"
+
+
+def _rope_entries(args: LlamaArgs, form: str) -> dict:
+    scaling = _rope_scaling_of(args)
+    if form == "rope_parameters":
+        return {"rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": float(args.rope_theta)}}
+    return {"rope_theta": float(args.rope_theta), "rope_scaling": scaling}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -220,9 +252,9 @@ def check_family_options(args: LlamaArgs, source: str = "model args") -> None:
                           f"{ARCHITECTURES[args.family]}")
 
 
-def args_to_hf_config(args: LlamaArgs, dtype: torch.dtype) -> dict:
+def args_to_hf_config(args: LlamaArgs, dtype: torch.dtype, rope_form: str = "rope_scaling") -> dict:
     """The config.json of the args' family (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or
-    MistralForCausalLM); rope in the Llama 3.1 `rope_scaling` form HF Hub configs use."""
+    MistralForCausalLM); rope in `rope_form`: the `rope_scaling` form HF Hub configs use, or `rope_parameters`."""
     check_family_options(args)
     config = {
         "architectures": [ARCHITECTURES[args.family]],
@@ -235,8 +267,7 @@ def args_to_hf_config(args: LlamaArgs, dtype: torch.dtype) -> dict:
         "head_dim": args.head_dim,
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
-        "rope_theta": float(args.rope_theta),
-        "rope_scaling": _rope_scaling_of(args),
+        **_rope_entries(args, rope_form),
         "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_word_embeddings,
         "hidden_act": "silu",
@@ -265,20 +296,49 @@ def _expect(cfg: dict, key: str, allowed: tuple, source: str) -> None:
         raise ConfigError(f"{source}: '{key}' is {cfg[key]!r}; titan_lite's {model} supports only {allowed[0]!r}")
 
 
-def _rope_settings(cfg: dict, source: str) -> tuple[float, dict | None]:
-    """(rope_theta, llama3 scaling or None), from transformers 4 (rope_theta + rope_scaling) or 5 (rope_parameters)
-    config files."""
+_DYNAMIC_REFUSED = ("its frequencies follow the longest sequence seen so far (transformers recomputes them whenever a "
+                    "longer one arrives), so a trained model has no fixed rotation per position; use 'yarn' or "
+                    "'linear'")
+
+
+def _rope_fields(cfg: dict, source: str) -> dict:
+    """The LlamaArgs rope fields of a config.json, from transformers 4 (rope_theta + rope_scaling) or 5
+    (rope_parameters, rope_theta inside) configs; a rope type titan_lite cannot compute is a ConfigError."""
     params = cfg.get("rope_parameters") or {}
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
     scaling = cfg.get("rope_scaling") or params
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    fields = {"rope_theta": float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    where = f"{source}: '{key}'"
     if rope_type == "default":
-        return float(theta), None
-    if rope_type != "llama3":
-        key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
-        raise ConfigError(f"{source}: '{key}': rope type '{rope_type}' is not supported; expected 'default' or "
-                          "'llama3'")
-    return float(theta), scaling
+        return fields
+    if rope_type == "dynamic":
+        raise ConfigError(f"{where}: rope type 'dynamic' is not supported: {_DYNAMIC_REFUSED}")
+    if rope_type not in ROPE_SCALING_TYPES:
+        raise ConfigError(f"{where}: rope type '{rope_type}' is not supported; expected 'default', "
+                          f"{', '.join(repr(t) for t in ROPE_SCALING_TYPES)}")
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{where}: partial_rotary_factor {scaling['partial_rotary_factor']}; titan_lite rotates "
+                          "every channel of a head (1.0)")
+    fields |= {"rope_scaling_type": rope_type, "rope_scaling_factor": float(_require(scaling, "factor", where))}
+    if rope_type == "llama3":
+        fields |= {"rope_low_freq_factor": float(scaling.get("low_freq_factor", 1.0)),
+                   "rope_high_freq_factor": float(scaling.get("high_freq_factor", 4.0)),
+                   "rope_original_max_seq_len": int(scaling.get("original_max_position_embeddings", 8192))}
+    elif rope_type == "yarn":
+        if scaling.get("original_max_position_embeddings") is None:
+            raise ConfigError(f"{where}: rope type 'yarn' needs 'original_max_position_embeddings' (the context "
+                              "length the model was pre-trained with, e.g. 32768 for Qwen2.5/Qwen3)")
+        optional = {k: scaling[k] if scaling.get(k) is not None else v for k, v in _YARN_DEFAULTS.items()}
+        fields |= {"rope_original_max_seq_len": int(scaling["original_max_position_embeddings"]),
+                   "rope_beta_fast": float(optional["beta_fast"]), "rope_beta_slow": float(optional["beta_slow"]),
+                   "rope_truncate": bool(optional["truncate"]),
+                   **{f"rope_{k}": _float(optional, k) for k in ("attention_factor", "mscale", "mscale_all_dim")}}
+    return fields
+
+
+def _float(values: dict, key: str) -> float | None:
+    return None if values[key] is None else float(values[key])
 
 
 def _family_options(cfg: dict, model_type: str, source: str) -> dict:
@@ -320,21 +380,15 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> LlamaArgs:
     head_dim = int(cfg.get("head_dim") or dim // n_heads)
     if head_dim % 2:
         raise ConfigError(f"{source}: head_dim {head_dim} is odd; rotary embeddings rotate pairs of channels")
-    theta, scaling = _rope_settings(cfg, source)
     args = LlamaArgs(
         dim=dim, n_layers=int(_require(cfg, "num_hidden_layers", source)), n_heads=n_heads,
         n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads), vocab_size=int(_require(cfg, "vocab_size", source)),
         ffn_dim=int(_require(cfg, "intermediate_size", source)), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta, max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
+        max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         layer_n_heads=cfg.get("layer_n_heads"), layer_n_kv_heads=cfg.get("layer_n_kv_heads"),
         layer_ffn_dims=cfg.get("layer_ffn_dims"), explicit_head_dim=None if head_dim == dim // n_heads else head_dim,
-        family=model_type, **_family_options(cfg, model_type, source))
-    if scaling is not None:
-        args.rope_scaling_factor = float(_require(scaling, "factor", f"{source} rope_scaling"))
-        args.rope_low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
-        args.rope_high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
-        args.rope_original_max_seq_len = int(scaling.get("original_max_position_embeddings", 8192))
+        family=model_type, **_family_options(cfg, model_type, source), **_rope_fields(cfg, source))
     return args
 
 
@@ -349,12 +403,15 @@ def read_hf_config(config_path: str | Path) -> dict:
         raise ConfigError(f"{path}: not valid JSON ({exc})") from None
 
 
+# The rope fields; those after the factor mean nothing without scaling.
+ROPE_FIELDS = ("rope_theta", "rope_scaling_factor", "rope_scaling_type", "rope_low_freq_factor",
+               "rope_high_freq_factor", "rope_original_max_seq_len", "rope_beta_fast", "rope_beta_slow",
+               "rope_truncate", "rope_attention_factor", "rope_mscale", "rope_mscale_all_dim")
 # Fields compared by check_args_against_hf_config; max_seq_len is left out (training picks its own length).
 _CHECKED_FIELDS = ("family", "dim", "n_layers", "n_heads", "kv_heads", "head_dim", "vocab_size", "ffn_dim",
-                   "norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                   "rope_original_max_seq_len", "tie_word_embeddings", "layer_n_heads", "layer_n_kv_heads",
+                   "norm_eps", *ROPE_FIELDS, "tie_word_embeddings", "layer_n_heads", "layer_n_kv_heads",
                    "layer_ffn_dims", "qkv_bias", "qk_norm", "sliding_window")
-_SCALING_FIELDS = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
+_SCALING_FIELDS = ROPE_FIELDS[2:]
 
 
 # Converted checkpoints often store float settings rounded to float32 (rms_norm_eps 9.999999747378752e-06 for 1e-5):
@@ -368,10 +425,11 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def check_args_against_hf_config(args: LlamaArgs, config_path: str) -> None:
-    """Raise ConfigError naming the first field where the model args and the HF config.json disagree."""
+def check_args_against_hf_config(args: LlamaArgs, config_path: str, rope: bool = True) -> None:
+    """Raise ConfigError naming the first field where the model args and the HF config.json disagree (`rope`
+    False: the rope settings may differ)."""
     expected = args_from_hf_config(read_hf_config(config_path), source=str(config_path))
-    for name in _CHECKED_FIELDS:
+    for name in _CHECKED_FIELDS if rope else [f for f in _CHECKED_FIELDS if f not in ROPE_FIELDS]:
         if name in _SCALING_FIELDS and args.rope_scaling_factor is None and expected.rope_scaling_factor is None:
             continue  # the scaling details mean nothing without scaling
         ours, theirs = getattr(args, name), getattr(expected, name)

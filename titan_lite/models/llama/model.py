@@ -27,11 +27,17 @@ from titan_lite.models.llama.flex import BlockMask, document_block_mask, flex_at
 
 
 def rope_frequencies(args: LlamaArgs) -> torch.Tensor:
-    """Per-pair rotation frequencies, with Llama 3.1's long-context scaling when configured."""
+    """Per-pair rotation frequencies (float64), with the args' long-context scaling when configured."""
     head_dim = args.head_dim
     freqs = 1.0 / (args.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if args.rope_scaling_factor is None:
         return freqs
+    scale = {"llama3": _llama3_frequencies, "yarn": _yarn_frequencies, "linear": _linear_frequencies}
+    return scale[args.rope_scaling_type](freqs, args)
+
+
+def _llama3_frequencies(freqs: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by the factor, short ones kept, a smooth blend in between."""
     factor, low, high = args.rope_scaling_factor, args.rope_low_freq_factor, args.rope_high_freq_factor
     old_len = args.rope_original_max_seq_len
     wavelen = 2 * math.pi / freqs
@@ -42,11 +48,53 @@ def rope_frequencies(args: LlamaArgs) -> torch.Tensor:
     return torch.where(in_between, blended, scaled)
 
 
+def _linear_frequencies(freqs: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
+    """Position interpolation: every frequency divided by the factor."""
+    return freqs / args.rope_scaling_factor
+
+
+def _yarn_frequencies(freqs: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
+    """YaRN's NTK-by-parts: pairs that turn more than beta_fast times over the original context keep their frequency,
+    pairs that turn less than beta_slow times are divided by the factor, a linear ramp over the pairs in between."""
+    dim, base = args.head_dim, args.rope_theta
+
+    def pair_turning(rotations: float) -> float:  # the (fractional) pair index that turns `rotations` times
+        return dim * math.log(args.rope_original_max_seq_len / (2 * math.pi * rotations)) / (2 * math.log(base))
+
+    low, high = pair_turning(args.rope_beta_fast), pair_turning(args.rope_beta_slow)
+    if args.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return freqs * (1 - ramp) + freqs / args.rope_scaling_factor * ramp
+
+
+def rope_attention_factor(args: LlamaArgs) -> float:
+    """What cos and sin are multiplied by (so q.k by its square): YaRN's attention factor, else 1. Applied to the
+    cache, as transformers does, rather than folded into the softmax scale (torchtitan): the logits match its."""
+    factor = args.rope_scaling_factor
+    if factor is None or args.rope_scaling_type != "yarn":
+        return 1.0
+    if args.rope_attention_factor is not None:
+        return args.rope_attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if args.rope_mscale and args.rope_mscale_all_dim:
+        return mscale(factor, args.rope_mscale) / mscale(factor, args.rope_mscale_all_dim)
+    return mscale(factor)
+
+
 def rope_cache(args: LlamaArgs, device: torch.device | None = None) -> torch.Tensor:
-    """cos and sin of every (position, pair): shape [max_seq_len, head_dim // 2, 2], float32."""
+    """cos and sin of every (position, pair), times the attention factor: shape [max_seq_len, head_dim // 2, 2],
+    float32."""
     freqs = rope_frequencies(args)
     angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), freqs)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1).to(device=device, dtype=torch.float32)
+    cache = torch.stack([angles.cos(), angles.sin()], dim=-1) * rope_attention_factor(args)
+    return cache.to(device=device, dtype=torch.float32)
 
 
 def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
