@@ -88,7 +88,8 @@ def chat_step(layout: str, folder: Path, batches: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.chat_packing", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.chat_packing",
+                                description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)

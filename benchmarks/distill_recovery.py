@@ -53,7 +53,8 @@ def train(opts: argparse.Namespace, pruned: Path, dump: Path, distill: bool) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=".venv/bin/python benchmarks/distill_recovery.py",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--hf_assets_path", required=True, help="the dense (trained) HF folder: the teacher")
     parser.add_argument("--eval_data", required=True, help="held-out text to evaluate on")
     parser.add_argument("--out", required=True, help="folder for the pruned and recovered models")

@@ -39,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             ("hf-to-dcp", "a Hugging Face folder -> a titan_lite DCP checkpoint (model only)")):
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=parser.formatter_class)
         p.add_argument("input", help="the folder to read")
-        p.add_argument("output", help="the folder to write (replaced if it exists)")
+        p.add_argument("output", help="the folder to write (a new or empty folder, or one titan_lite wrote, which "
+                                      "is replaced; any other is refused)")
         source = p.add_mutually_exclusive_group()
         source.add_argument("--flavor", help="model flavor (titan_lite.models.llama.FLAVORS)")
         source.add_argument("--hf_config", help="an HF config.json describing the model")
@@ -117,7 +118,8 @@ def dcp_to_hf(opts: argparse.Namespace) -> None:
     check_state_dict(sd, args, opts.input)
     dtype = output_dtype(opts, sd)
     print(f"writing {opts.output}", flush=True)
-    write_hf_folder(sd, args, opts.output, dtype, opts.assets, int(opts.max_shard_gb * 2**30))
+    with atomic_folder(opts.output) as partial:
+        write_hf_folder(sd, args, str(partial), dtype, opts.assets, int(opts.max_shard_gb * 2**30))
     print(f"wrote {opts.output} ({_dtype_name(dtype)})")
 
 

@@ -5,10 +5,12 @@
     .venv/bin/python scripts/download_hf_assets.py HuggingFaceTB/SmolLM2-135M --all --exclude 'onnx/*'
 
 Needs `.venv/bin/pip install huggingface_hub`. Gated repos (Meta's Llama) need an account with access: run
-`huggingface-cli login` or set HF_TOKEN.
+`huggingface-cli login` or set HF_TOKEN. The folder must be new, empty, or a download of the same repo (to add files
+or resume): files are never mixed into another folder.
 """
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +18,9 @@ from pathlib import Path
 # The checkout's titan_lite, whichever python runs the script (e.g. `.venv/bin/python scripts/...`).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan_lite.errors import pip_install
+from titan_lite.errors import ConfigError, pip_install
 from titan_lite.job.cli import ScriptParser
+from titan_lite.job.outputs import OUTPUT_MARKER, check_replaceable, mark_written
 
 # Named groups accepted by --include besides glob patterns.
 FILE_GROUPS = {
@@ -115,6 +118,24 @@ def explain(exc: Exception, repo_id: str) -> str:
     raise exc
 
 
+def check_local_dir(plan: Plan) -> None:
+    """The folder is new or empty, or holds a download of this repo (ours, or huggingface_hub's unfinished one):
+    another repo's files, or a folder of the user's, are never downloaded into."""
+    marker = plan.local_dir / OUTPUT_MARKER
+    if marker.is_file():
+        repo = json.loads(marker.read_text()).get("repo_id")
+        if repo is not None and repo != plan.repo_id:
+            raise DownloadError(f"--local_dir '{plan.local_dir}' holds a download of {repo}, not {plan.repo_id}: "
+                                "name another folder")
+        return
+    if (plan.local_dir / ".cache" / "huggingface").is_dir():
+        return  # a download huggingface_hub began there: it resumes
+    try:
+        check_replaceable("--local_dir", plan.local_dir)
+    except ConfigError as exc:
+        raise DownloadError(str(exc)) from None
+
+
 def download(plan: Plan) -> Path:
     hub = import_hub()
     try:
@@ -128,11 +149,13 @@ def download(plan: Plan) -> Path:
 def main(argv: list[str] | None = None) -> int:
     try:
         plan = build_plan(parse_args(argv))
+        check_local_dir(plan)
         path = download(plan)
+        mark_written(path, repo_id=plan.repo_id, revision=plan.revision)
     except DownloadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    files = sorted(p.name for p in path.iterdir() if p.is_file())
+    files = sorted(p.name for p in path.iterdir() if p.is_file() and p.name != OUTPUT_MARKER)
     print(f"downloaded {plan.repo_id} to {path}: {', '.join(files)}")
     return 0
 

@@ -39,6 +39,7 @@ from titan_lite.eval.answer_accuracy import answer_accuracy
 from titan_lite.eval.answers import same_answer
 from titan_lite.job.cli import ScriptParser
 from titan_lite.job.inference import build_model, model_config
+from titan_lite.job.outputs import check_output_file
 from titan_lite.job.script import run_script
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -114,6 +115,8 @@ def evaluate(opts: argparse.Namespace) -> str:
         raise ConfigError("--problems must be at least 0, --batch_size and --max_new_tokens at least 1")
     if opts.adapter and not opts.hf:
         raise ConfigError("--adapter goes with --hf (a --checkpoint run's adapters come from its checkpoint)")
+    if opts.output:
+        check_output_file("--output", opts.output)
     cfg = run_config(opts)
     instruct = instruct_settings(opts, cfg)
     examples, where = problems(opts, cfg, instruct)

@@ -30,9 +30,10 @@ from titan_lite.config.schema import JobConfig
 from titan_lite.data.chat import TOKENIZER_TEMPLATE
 from titan_lite.data.instruct import instruct_format
 from titan_lite.errors import ConfigError
-from titan_lite.eval.generate import GenerationConfig, generate_text
+from titan_lite.eval.generate import GenerationConfig, iter_completions
 from titan_lite.job.cli import ScriptParser
 from titan_lite.job.inference import build_model, model_config
+from titan_lite.job.outputs import check_output_file
 from titan_lite.job.script import run_script
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -87,6 +88,8 @@ def prompts_from_file(path: str) -> list[str]:
 def run(opts: argparse.Namespace, overrides: list[str]) -> str:
     if opts.adapter and not opts.hf:
         raise ConfigError("--adapter goes with --hf (a --checkpoint run's adapters come from its checkpoint)")
+    if opts.output:
+        check_output_file("--output", opts.output)
     device = torch.device(opts.device) if opts.device else tl_dist.local_device()
     dtype = DTYPES[opts.dtype] if opts.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     cfg = model_config(opts.hf, opts.adapter, opts.checkpoint, opts.config, opts.flavor, opts.tokenizer, overrides)
@@ -109,10 +112,10 @@ def run(opts: argparse.Namespace, overrides: list[str]) -> str:
         for batch in batches:
             shown, ids = zip(*(render(p) for p in batch), strict=True)
             start = time.monotonic()
-            completions = generate_text(model, plan.tokenizer, list(shown), gen, device, opts.batch_size,
-                                        prompt_ids=list(ids))
-            elapsed += time.monotonic() - start
-            for completion in completions:
+            # each batch's completions printed as it finishes: a long prompts file shows its progress
+            for completion in iter_completions(model, plan.tokenizer, list(shown), gen, device, opts.batch_size,
+                                               prompt_ids=list(ids)):
+                elapsed, start = elapsed + time.monotonic() - start, time.monotonic()
                 count, new_tokens = count + 1, new_tokens + len(completion.tokens)
                 print(completion.text if interactive else f"--- [{count}] {completion.prompt}\n{completion.text}",
                       flush=True)

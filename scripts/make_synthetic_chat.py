@@ -22,7 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_lite.data.tokenizer import LLAMA3_PATTERN, byte_level_alphabet, parse_tiktoken_file
+from titan_lite.errors import ConfigError
 from titan_lite.job.cli import ScriptParser
+from titan_lite.job.outputs import check_output_file, check_replaceable, mark_written
 
 BUNDLED_TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tokenizer" / "tokenizer.model"
 CHATML_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -101,6 +103,7 @@ def chat_tokenizer_folder(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    mark_written(folder)
     return folder
 
 
@@ -119,6 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     problems = [f"--num_conversations must be at least 1, got {opts.num_conversations}"] * (opts.num_conversations < 1)
     problems += [f"--max_count must be at least 1, got {opts.max_count}"] * (opts.max_count < 1)
     problems += [f"--output {opts.output!r} must end in .jsonl"] * (not opts.output.endswith(".jsonl"))
+    try:
+        check_output_file("--output", opts.output)
+        if opts.tokenizer_output:  # never files mixed into a folder of the user's
+            check_replaceable("--tokenizer_output", opts.tokenizer_output)
+    except ConfigError as exc:
+        problems.append(str(exc))
     if problems:
         print(f"error: {problems[0]}", file=sys.stderr)
         return 2

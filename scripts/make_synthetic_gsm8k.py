@@ -16,7 +16,9 @@ from pathlib import Path
 # The checkout's titan_lite, whichever python runs the script (e.g. `.venv/bin/python scripts/...`).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from titan_lite.errors import ConfigError
 from titan_lite.job.cli import ScriptParser
+from titan_lite.job.outputs import check_output_file
 
 NAMES = ("Tom", "Sara", "Ali", "Mia", "Ben", "Lea")
 ITEMS = ("apples", "pens", "books", "coins", "cards", "eggs")
@@ -87,6 +89,10 @@ def checked_ops(opts: argparse.Namespace) -> list[str]:
         raise ValueError(f"--max_operand must be at least 1, got {opts.max_operand}")
     if not opts.output.endswith(".jsonl"):
         raise ValueError(f"--output {opts.output!r} must end in .jsonl")
+    try:
+        check_output_file("--output", opts.output)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
     return ops
 
 

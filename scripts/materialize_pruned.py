@@ -21,7 +21,7 @@ from titan_lite.config import validate
 from titan_lite.errors import ConfigError
 from titan_lite.job.cli import ScriptParser
 from titan_lite.job.plan import build_model_args
-from titan_lite.job.script import check_output_folder, run_script
+from titan_lite.job.script import atomic_folder, check_output_folder, run_script
 from titan_lite.transforms.sheared import ShearedTransform
 from titan_lite.transforms.sheared.keep import GATE_PREFIX, materialize_pruned
 from titan_lite.transforms.structured.materialize import param_count, write_materialized_hf
@@ -34,8 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", required=True, help="DCP step folder of the pruning run "
                         "(e.g. <dump_folder>/checkpoint/step-N)")
     parser.add_argument("--config", required=True, help="the pruning run's TOML (model flavor and [sheared] targets)")
-    parser.add_argument("--output_dir", required=True, help="folder to write the pruned model to (replaced if it "
-                        "exists)")
+    parser.add_argument("--output_dir", required=True, help="folder to write the pruned model to "
+                        "(a new or empty folder, or one titan_lite wrote, which is replaced; any other is refused)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="dtype of the written weights (default: the "
                         "config's checkpoint.export_dtype)")
     return parser.parse_args(argv)
@@ -62,7 +62,8 @@ def materialize(opts: argparse.Namespace) -> str:
     dtype = DTYPES[opts.dtype or cfg.checkpoint.export_dtype]
     print(f"writing {opts.output_dir}", flush=True)
     try:
-        write_materialized_hf(pruned, new_args, opts.output_dir, dtype, cfg.model.hf_assets_path)
+        with atomic_folder(opts.output_dir) as partial:
+            write_materialized_hf(pruned, new_args, partial, dtype, cfg.model.hf_assets_path)
     except ValueError as exc:  # per-layer widths, which an HF config.json cannot describe
         raise ConfigError(str(exc)) from None
     return (f"materialised {opts.checkpoint}: {param_count(args):,} -> {param_count(new_args):,} parameters "

@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--adapter", required=True, help="PEFT adapter folder (adapter_config.json + "
                                                           "adapter_model.safetensors)")
     parser.add_argument("--output_dir", required=True, help="folder to write the merged model to "
-                        "(replaced if it exists)")
+                        "(a new or empty folder, or one titan_lite wrote, which is replaced; any other is refused)")
     parser.add_argument("--dtype", choices=tuple(DTYPES),
                         help="dtype of the written weights (default: the base's dtype)")
     parser.add_argument("--base_nf4", action="store_true",

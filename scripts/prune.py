@@ -90,7 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf_assets_path", required=True,
                         help="HF folder: config.json, tokenizer and safetensors (only the tokenizer with "
                              "--estimate_only and --flavor)")
-    parser.add_argument("--output_dir", help="the pruned HF folder to write (replaced if it exists)")
+    parser.add_argument("--output_dir", help="the pruned HF folder to write: a new or empty folder, or one titan_lite "
+                                             "wrote (replaced); any other is refused")
     parser.add_argument("--method", choices=("wanda", "magnitude", "sparsegpt", "taylor_structured", "depth"),
                         default="wanda", help="unstructured or N:M pruning (wanda, magnitude, sparsegpt), whole "
                                               "heads and MLP channels removed (taylor_structured), or whole blocks "
@@ -167,9 +168,11 @@ def pruning_config(opts: argparse.Namespace, device_type: str) -> JobConfig:
 
 
 def check_output(opts: argparse.Namespace) -> None:
+    """--output_dir is no input, and new, empty or a folder titan_lite wrote (its marker, or an older run's report)."""
     check_output_folder("--output_dir", opts.output_dir,
                         {"--hf_assets_path": opts.hf_assets_path, "--remask_from": opts.remask_from,
-                         "--calib_path": opts.calib_path})
+                         "--calib_path": opts.calib_path},
+                        reports=(REPORT_NAME, STRUCTURE_REPORT_NAME, DEPTH_REPORT_NAME))
 
 
 def estimate(opts: argparse.Namespace) -> None:
@@ -235,7 +238,8 @@ def remask(opts: argparse.Namespace) -> None:
     for flag, folder in (("--hf_assets_path", opts.hf_assets_path), ("--remask_from", opts.remask_from)):
         if not Path(folder).is_dir():
             raise ConfigError(f"{flag} '{folder}' is not a folder")
-    linears, rezeroed = remask_hf_folder(opts.hf_assets_path, opts.remask_from, opts.output_dir)
+    with atomic_folder(opts.output_dir) as partial:
+        linears, rezeroed = remask_hf_folder(opts.hf_assets_path, opts.remask_from, partial)
     print(f"re-applied the zeros of {opts.remask_from} to {linears} linear layers of {opts.hf_assets_path}: "
           f"{rezeroed:,} weights set back to zero; written to {opts.output_dir}")
 
@@ -357,7 +361,10 @@ def removal_list(opts: argparse.Namespace) -> list[int] | None:
 
 
 def check_depth_options(opts: argparse.Namespace) -> None:
-    if (opts.remove_layers is None) == (opts.layers_to_remove is None):
+    if opts.remove_layers is not None and opts.layers_to_remove is not None:
+        raise ConfigError(f"--remove_layers {opts.remove_layers} and --layers_to_remove {opts.layers_to_remove} both "
+                          "choose the blocks to remove: give one, not both")
+    if opts.remove_layers is None and opts.layers_to_remove is None:
         raise ConfigError("--method depth needs one of --remove_layers K (the K blocks of lowest influence) or "
                           "--layers_to_remove i,j (those blocks)")
     if opts.remove_layers is not None and opts.remove_layers < 1:

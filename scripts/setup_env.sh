@@ -13,6 +13,10 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 extra="${1:-}"
 venv="${TITAN_LITE_VENV:-$root/.venv}"
 system_python="${PYTHON_BIN:-python3}"
+# The wheelhouse as an absolute path: the checks below run from /tmp, and pip's --find-links should name one folder.
+if [ -n "${TITAN_LITE_WHEELS:-}" ] && [ -d "$TITAN_LITE_WHEELS" ]; then
+  TITAN_LITE_WHEELS="$(cd "$TITAN_LITE_WHEELS" && pwd)"
+fi
 check_runtime='import torch, torchdata, tomli, tensorboard, sentencepiece, tiktoken, safetensors, torchao, jinja2'
 check_test='import pytest, transformers, tokenizers, peft, lm_eval, wandb'
 # The oldest torch titan_lite runs on (titan_lite/__init__.py refuses older ones the same way).

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 # The checkout's titan_lite, whichever python runs the script (e.g. `.venv/bin/python scripts/...`).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -29,6 +31,7 @@ from titan_lite.data.instruct import PAD_DOCUMENT
 from titan_lite.data.tokenizer import build_tokenizer
 from titan_lite.errors import ConfigError
 from titan_lite.job.cli import ScriptParser
+from titan_lite.job.outputs import check_output_file
 from titan_lite.job.plan import build_model_args, tokenizer_path
 from titan_lite.job.script import run_script
 from titan_lite.loss import IGNORE_INDEX
@@ -103,6 +106,8 @@ class Efficiency:
 def show(opts: argparse.Namespace, overrides: list[str]) -> str:
     if opts.count < 0 or opts.scan < 0:
         raise ConfigError("--count and --scan must be at least 0")
+    if opts.jsonl:
+        check_output_file("--jsonl", opts.jsonl)
     cfg = parse_job_args(["--job.config_file", opts.config, *overrides])
     validate(cfg)
     tokenizer = build_tokenizer(tokenizer_path(cfg))
@@ -115,7 +120,7 @@ def show(opts: argparse.Namespace, overrides: list[str]) -> str:
         if index >= max(opts.count, opts.scan) and opts.scan:
             break
         inputs, labels, *rest = sample
-        docs = rest[0] if documents else None
+        docs = sample_documents(inputs, rest, documents)
         efficiency.add(inputs, labels, docs)
         if index < opts.count:
             print_sample(index, tokenizer, inputs, labels, docs)
@@ -130,9 +135,19 @@ def show(opts: argparse.Namespace, overrides: list[str]) -> str:
     return efficiency.line() + written
 
 
+def sample_documents(inputs: torch.Tensor, rest: list, block_causal: bool) -> torch.Tensor | None:
+    """The document id of each token under block-causal attention: the packed windows' own, or, for a sample that
+    is one unpacked example (instruct.packing = false), document 0 throughout (it attends within itself, as
+    training runs it); None under causal attention."""
+    if not block_causal:
+        return None
+    return rest[0] if rest else torch.zeros_like(inputs)
+
+
 def print_sample(index: int, tokenizer, inputs, labels, documents) -> None:
     trained = int((labels != IGNORE_INDEX).sum())
-    packed = f", {len(set(documents.tolist()) - {PAD_DOCUMENT})} documents" if documents is not None else ""
+    count = len(set(documents.tolist()) - {PAD_DOCUMENT}) if documents is not None else 0
+    packed = f", {count} document{'s' * (count != 1)}" if documents is not None else ""
     print(f"--- sample {index + 1}: {inputs.numel()} tokens{packed}, {trained} trained", flush=True)
     docs = documents.tolist() if documents is not None else None
     for line in sample_lines(tokenizer, inputs.tolist(), labels.tolist(), docs):

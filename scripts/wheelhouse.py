@@ -248,9 +248,9 @@ def collect(opts: argparse.Namespace) -> str:
     wheels = list(out.glob("*.whl"))
     size = sum(w.stat().st_size for w in wheels) / 2**20
     extra_arg = " test" if "test" in extras else ""  # setup_env.sh's one extra (eval: see the README)
-    return (f"wheelhouse ready: {len(wheels)} wheels ({size:,.0f} MiB) in {out} for Python {opts.python} on "
-            f"{opts.platform}, extras: {', '.join(extras) or 'none'}; {torch}; install there with: "
-            f"TITAN_LITE_WHEELS={out} scripts/setup_env.sh{extra_arg}")
+    return (f"wheelhouse ready: {len(wheels)} wheels ({size:,.0f} MiB) in {out.resolve()} for Python {opts.python} "
+            f"on {opts.platform}, extras: {', '.join(extras) or 'none'}; {torch}; install there with: "
+            f"TITAN_LITE_WHEELS={out.resolve()} scripts/setup_env.sh{extra_arg}")
 
 
 def main(argv: list[str] | None = None) -> int:

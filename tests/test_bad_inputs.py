@@ -278,7 +278,20 @@ CASES = [
         "--validation.enable", "--validation.dataset", "text", "--validation.dataset_path",
         text_file("A short play.")(tmp)[-1]]),
     Case("instruction data with empty responses only", "'training.dataset_path' = '{tmp}/i.jsonl' holds no examples "
-         "with a non-empty response", build=instruct_file(['{"question": "1 + 1?", "answer": ""}'])),
+         "with a non-empty response (or assistant turn) for the all split",
+         build=instruct_file(['{"question": "1 + 1?", "answer": ""}'])),
+    Case("chat data with empty assistant turns only", "'training.dataset_path' = '{tmp}/i.jsonl' holds no examples "
+         "with a non-empty response (or assistant turn) for the all split", ["--instruct.chat_template", str(
+             REPO / "tests" / "chat_templates" / "chatml_smollm2.jinja")], build=instruct_file([json.dumps(
+                 {"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": ""},
+                               {"role": "user", "content": "and 2 + 2?"}, {"role": "assistant", "content": " "}]})])),
+    Case("a chat template on data that is not instruct", "'instruct.chat_template' = 'tokenizer' has no effect: "
+         "[instruct] is read only when 'training.dataset' or 'validation.dataset' is 'instruct', which is not the case "
+         "here; set --training.dataset instruct (or --validation.dataset instruct) or drop the setting",
+         ["--instruct.chat_template", "tokenizer"]),
+    Case("a distillation teacher without distill.enable", "'distill.teacher_path' = '{tmp}' has no effect: it takes "
+         "effect only with 'distill.enable' = true, and that is false; set --distill.enable or drop the setting",
+         build=lambda tmp: ["--distill.teacher_path", str(tmp), "--distill.alpha", "1.0"]),
     Case("instruction validation smaller than one batch", "has 1 examples: fewer than one batch of "
          "'validation.local_batch_size' = 8 x 1 data-parallel rank(s)",
          ["--validation.enable", "--validation.dataset", "instruct", "--validation.local_batch_size", "8"],
@@ -332,10 +345,6 @@ CASES = [
          build=model_only_newest),
     Case("seed checkpoint over existing checkpoints", "'checkpoint.create_seed_checkpoint' = true but "
          "'{tmp}/out/checkpoint' already holds checkpoints (steps 3)", build=seed_over_checkpoints),
-    Case("HF export next to another run's checkpoints", "'checkpoint.last_save_in_hf' = true would export into "
-         "'{tmp}/out/checkpoint', which holds the checkpoints of another run (steps 3)",
-         build=lambda tmp: [a for a in checkpoint_of_another_shape(tmp) if a != "--checkpoint.enable"] +
-         ["--checkpoint.last_save_in_hf"]),
     Case("load_step that does not exist", "'checkpoint.load_step' = 7: checkpoint folder '{tmp}/out/checkpoint/step-7' "
          "does not exist", ["--checkpoint.enable", "--checkpoint.load_step", "7"]),
     Case("initial_load_path that does not exist", "'checkpoint.initial_load_path' = '/no/such/ckpt' does not exist",

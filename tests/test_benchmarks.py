@@ -169,3 +169,22 @@ def test_chat_packing_case_reads_trained_tokens_and_sets_the_mask_target():
     metrics = packed.metrics(RunOutput(RESULT_PREFIX + json.dumps(result), 0, 6.0, 6.0, 2**30))
     assert metrics["trained_tokens_per_s"] == 100 and metrics["tokens_per_s"] == 2000 / 6
     assert metrics["trained_pct"] == 30 and metrics["real_pct"] == 75 and metrics["step_s"] == 3.0
+
+
+ENTRY_POINTS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py")
+                      if 'if __name__ == "__main__":' in p.read_text())
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_every_benchmarks_help_states_its_whole_first_paragraph(name, monkeypatch, capsys):
+    """--help's description is the docstring's first paragraph, whole: never cut mid-sentence at a line break."""
+    import importlib
+
+    module = importlib.import_module(f"benchmarks.{name}")
+    monkeypatch.setattr(sys, "argv", [name, "--help"])
+    with pytest.raises(SystemExit) as done:
+        module.main()
+    assert done.value.code == 0
+    first = " ".join(module.__doc__.strip().split("\n\n")[0].split())
+    assert first.rstrip().endswith((".", ":", ")")), name
+    assert "".join(first.split()) in "".join(capsys.readouterr().out.split()), name  # argparse wraps at hyphens

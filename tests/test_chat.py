@@ -171,7 +171,8 @@ def test_json_parquet_and_saved_datasets_folders_read_like_jsonl(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "saved"))
     assert list(InstructionFile(tmp_path / "saved" / "train", cfg, "k").examples()) == expected
     message = one_line_error(InstructionFile, tmp_path / "saved", cfg, "training.dataset_path")
-    assert "a DatasetDict: name one split's folder" in message and str(tmp_path / "saved" / "train") in message
+    assert message == (f"'training.dataset_path' = '{tmp_path / 'saved'}' is a DatasetDict saved with datasets' "
+                       f"save_to_disk (splits: train): name one split's folder, e.g. '{tmp_path / 'saved' / 'train'}'")
 
 
 def test_bad_conversations_are_one_line_naming_file_and_row(folders, tmp_path):

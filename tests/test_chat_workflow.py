@@ -88,6 +88,38 @@ def test_show_data_on_the_cpu_example_is_transformers_rendering_and_trains_only_
     assert seen > 6  # several conversations share a window
 
 
+@pytest.mark.parametrize("packing", ["true", "false"])
+@pytest.mark.parametrize("mask", ["causal", "block_causal"])
+def test_show_data_shows_every_packing_and_mask_type_as_training_reads_them(chat_data, tmp_path, capsys, packing,
+                                                                             mask):
+    """The four combinations: packed windows (whole conversations with document ids under block_causal), or one
+    conversation per sample (under block_causal its own document, positions from 0, as training attends)."""
+    data, tokenizer = chat_data
+    out = tmp_path / "samples.jsonl"
+    code = load_script("show_data").main(["--config", str(CPU_EXAMPLE), "--count", "2", "--scan", "4", "--jsonl",
+                                          str(out), "--training.dataset_path", str(data), "--model.hf_assets_path",
+                                          str(tokenizer), "--instruct.packing", packing, "--model.attn_mask_type",
+                                          mask])
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert code == 0 and printed[-1].startswith("packing efficiency over 4 samples")
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    first = printed[0]
+    if packing == "true":
+        assert first.startswith("--- sample 1: 512 tokens, ") and len(records[0]["input_ids"]) == 512
+    else:  # one conversation, as long as it is
+        assert len(records[0]["input_ids"]) < 512 and first.startswith(f"--- sample 1: {len(records[0]['input_ids'])} "
+                                                                         "tokens, ")
+    if mask == "causal":
+        assert set(records[0]) == {"input_ids", "labels"} and printed[1] == "<|im_start|>system"
+        return
+    assert set(records[0]) == {"input_ids", "labels", "position_ids", "document_ids"}
+    assert printed[1] == "[document 0] <|im_start|>system"
+    if packing == "false":
+        n = len(records[0]["input_ids"])
+        assert ", 1 document, " in first and records[0]["document_ids"] == [0] * n
+        assert records[0]["position_ids"] == list(range(n))
+
+
 def test_show_data_help_and_errors_are_one_line(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:
         load_script("show_data").main(["--help"])

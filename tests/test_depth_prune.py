@@ -130,7 +130,8 @@ def test_lowest_scores_go_first_and_bad_removals_are_one_line():
 
 @pytest.mark.parametrize("args, message", [
     (["--method", "depth"], "needs one of --remove_layers K"),
-    (["--method", "depth", "--remove_layers", "2", "--layers_to_remove", "1"], "needs one of --remove_layers K"),
+    (["--method", "depth", "--remove_layers", "2", "--layers_to_remove", "1"],
+     "error: --remove_layers 2 and --layers_to_remove 1 both choose the blocks to remove: give one, not both"),
     (["--method", "depth", "--remove_layers", "4"], "would remove every one of the model's 4 blocks"),
     (["--method", "depth", "--layers_to_remove", "1,x"], "is not a comma list of block indices"),
     (["--method", "wanda", "--remove_layers", "2"], "apply to --method depth, not wanda"),

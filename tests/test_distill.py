@@ -217,7 +217,16 @@ def teacher_folder(tmp: Path, vocab: int = 2048, swap_tokens: bool = False) -> s
 REFUSALS = [
     (lambda tmp: ["--distill.enable"], "'distill.enable' = true needs 'distill.teacher_path'"),
     (lambda tmp: ["--distill.enable", "--distill.teacher_path", "base", "--distill.alpha", "1.5"],
-     "'distill.alpha' must be in [0, 1], got 1.5"),
+     "'distill.alpha' must be in (0, 1], got 1.5"),
+    (lambda tmp: ["--distill.enable", "--distill.teacher_path", "base", "--distill.alpha", "0"],
+     "'distill.alpha' = 0 weighs the teacher's KL term by 0: the run would load the teacher and run it every step for "
+     "nothing; set alpha in (0, 1], or drop 'distill.enable' to train on cross entropy alone"),
+    (lambda tmp: ["--distill.teacher_path", "base", "--distill.alpha", "0.5"],
+     "'distill.teacher_path' = 'base' (and 1 more [distill] setting) has no effect: they take effect only with "
+     "'distill.enable' = true, and that is false; set --distill.enable or drop the setting"),
+    (lambda tmp: ["--distill.enable", "--distill.teacher_path", teacher_folder(tmp), "--distill.teacher_flavor",
+                  "tiny_qwen4"], "'distill.teacher_flavor': unknown model flavor 'tiny_qwen4' (did you mean "
+     "'tiny_qwen3'?); known: "),
     (lambda tmp: ["--distill.enable", "--distill.teacher_path", "base", "--distill.temperature", "0"],
      "'distill.temperature' must be positive"),
     (lambda tmp: ["--distill.enable", "--distill.teacher_path", "base", "--parallelism.pipeline_parallel_degree", "2"],
@@ -231,7 +240,11 @@ REFUSALS = [
     (lambda tmp: ["--distill.enable", "--distill.teacher_path", teacher_folder(tmp, swap_tokens=True)],
      "(2,048 tokens) is not the student's in './assets/tokenizer' (2,048 tokens)"),
     (lambda tmp: ["--distill.enable", "--distill.teacher_path", str(tmp / "absent")],
-     "has no config.json (not downloaded yet?): the teacher's shape is unknown; set 'distill.teacher_flavor'"),
+     "/absent' does not exist (a Hugging Face folder, a DCP step folder of a titan_lite run, or 'base')"),
+    (lambda tmp: ["--distill.enable", "--distill.teacher_path", str(tmp / "absent"), "--distill.teacher_flavor",
+                  "tiny"], "/absent' does not exist (a Hugging Face folder, a DCP step folder of a titan_lite run"),
+    (lambda tmp: ["--distill.enable", "--distill.teacher_path", str(tmp)],
+     "has no config.json, so the teacher's shape is unknown: name its flavor in 'distill.teacher_flavor'"),
     (lambda tmp: ["--distill.enable", "--distill.teacher_path", str(teacher_folder(tmp))],
      "no model.safetensors or model.safetensors.index.json"),
     (lambda tmp: ["--distill.enable", "--distill.teacher_path", dcp_step_folder(tmp)],

@@ -1,6 +1,8 @@
 """Generation with a KV cache against full forward passes, sampling, answer extraction, and scripts/generate.py."""
 
 import importlib.util
+import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -8,12 +10,14 @@ import torch
 import torch.distributed as dist
 
 from titan_lite.checkpoint.hf import write_hf_folder
+from titan_lite.config import parse_args
 from titan_lite.eval.answers import extract_answer, same_answer
 from titan_lite.eval.generate import GenerationConfig, generate, left_padded, prompts_of
 from titan_lite.models.llama import Llama, flavor_args
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 17, 99, 3], [7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [300, 301]]
+CPU = torch.device("cpu")
 NEW = 10
 
 
@@ -101,6 +105,59 @@ def test_generation_stops_at_a_stop_token(model):
                    torch.device("cpu"))
     assert got[0] == want[:want.index(stop)]
     assert got[1] == argmax_by_full_forwards(model, PROMPTS[0], NEW, stop=stop)
+
+
+class ClockedModel(torch.nn.Module):
+    """The model on a fake clock: every forward (the prefill, each decode step) takes one second."""
+
+    def __init__(self, model: Llama, clock: list[float]):
+        super().__init__()
+        self.inner, self.args, self.clock = model, model.args, clock
+
+    def forward(self, tokens, cache=None):
+        self.clock[0] += 1.0
+        return self.inner(tokens, cache=cache)
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_answer_accuracy_reports_progress_with_a_true_eta_while_it_generates(model, monkeypatch):
+    """Two batches of two problems, 10 forwards (seconds) each: lines every 3 s while the first batch still decodes
+    (not after all the work), each one's elapsed time plus its ETA the whole 20 s."""
+    from titan_lite.data.instruct import Example, InstructFormat
+    from titan_lite.data.tokenizer import build_tokenizer
+    from titan_lite.eval import answer_accuracy as accuracy
+    from titan_lite.metrics import logger as metrics_logger
+
+    clock = [0.0]
+    monkeypatch.setattr(metrics_logger, "time", type("FakeTime", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    monkeypatch.setattr(metrics_logger.Progress.__init__, "__defaults__", (3.0, False))  # every_s = 3
+    fmt = InstructFormat(parse_args([]).instruct, build_tokenizer(str(ROOT / "assets" / "tokenizer")))
+    monkeypatch.setattr(fmt, "stop_ids", lambda: (-1,))  # no early stop: every row decodes max_new_tokens
+    metrics_logger.init_logger()  # INFO lines (conftest restores the logger)
+    handler, log = _Lines(), logging.getLogger("titan_lite")
+    log.addHandler(handler)
+    try:
+        result = accuracy.answer_accuracy(ClockedModel(model, clock), fmt, [Example(f"{i} + 1?", "#### 2")
+                                                                            for i in range(4)], 10, CPU, 2)
+    finally:
+        log.removeHandler(handler)
+    assert result.total == 4 and clock[0] == 20
+    lines = [line for line in handler.lines if line.startswith("answer accuracy: generating: ")]
+    assert lines[0] == "answer accuracy: generating: 4 completions of up to 10 tokens"
+    progress = [re.fullmatch(r"answer accuracy: generating: (\d)/4 completions of up to 10 tokens in (\d+)s, eta "
+                             r"(\d+)s", line) for line in lines[1:]]
+    assert len(progress) >= 4 and all(progress), lines
+    assert progress[0].group(1) == "0"  # during the first batch
+    for match in progress:
+        assert int(match.group(2)) + int(match.group(3)) == 20, lines
 
 
 def test_sampling_is_seeded_and_respects_top_k(model):

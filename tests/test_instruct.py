@@ -177,6 +177,24 @@ def test_json_array_and_parquet_read_like_jsonl(tmp_path: Path):
     assert "no 'query' column" in one_line_error(check_instruction_data, cfg, "training")
 
 
+def test_parquet_without_pyarrow_names_the_pip_of_this_python(tmp_path: Path, monkeypatch):
+    import importlib
+
+    from titan_lite.errors import pip_install
+
+    real = importlib.import_module
+
+    def without_pyarrow(name, *args):
+        if name.startswith("pyarrow"):
+            raise ImportError(name)
+        return real(name, *args)
+    monkeypatch.setattr(importlib, "import_module", without_pyarrow)
+    (tmp_path / "d.parquet").write_bytes(b"PAR1")
+    message = one_line_error(lambda: list(source(tmp_path / "d.parquet").examples()))
+    assert message == f"{tmp_path / 'd.parquet'}: reading it needs pyarrow ({pip_install(extra='parquet')})"
+    assert "-m pip install" in message or "bin/pip install" in message  # never a bare `pip`
+
+
 def test_field_file_and_template_errors_are_one_line(tmp_path: Path):
     path = write_jsonl(tmp_path / "d.jsonl", PROBLEMS)
     message = one_line_error(check_instruction_data, config(path, "--instruct.prompt_field", "query"), "training")

@@ -55,10 +55,12 @@ def hf_logits(model) -> torch.Tensor:
 
 
 def titan_lora(hf_base: Path, *overrides: str, flavor: str = "tiny", assets: Path = ROOT / "assets/tokenizer"):
-    """The tiny model from the HF folder through the trainer's assembly, with LoRA; (plan, model)."""
+    """The tiny model from the HF folder through the trainer's assembly, with LoRA and the end-of-run export of its
+    adapter (checkpointing and last_save_in_hf on); (plan, model)."""
     cfg = parse_args(["--model.flavor", flavor, "--training.seq_len", "32", "--activation_checkpoint.mode", "none",
                       "--model.hf_assets_path", str(assets), "--checkpoint.initial_load_in_hf",
-                      "--checkpoint.initial_load_path", str(hf_base), "--model.converters", "lora", *overrides])
+                      "--checkpoint.initial_load_path", str(hf_base), "--model.converters", "lora",
+                      "--checkpoint.enable", "--checkpoint.last_save_in_hf", *overrides])
     plan = plan_job(cfg, 1)
     return plan, assemble_model(plan, torch.device("cpu"), load=initial_weight_loader(plan)).parts[0].eval()
 

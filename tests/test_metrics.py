@@ -198,6 +198,21 @@ def test_mfu_and_throughput_arithmetic(tmp_path, clock, fixed_hw):
     assert m["time/step_s"] == pytest.approx(0.4, rel=1e-12)
 
 
+def test_the_first_line_after_a_resume_measures_only_the_steps_that_ran(tmp_path, clock, fixed_hw, records):
+    """Resumed after step 432 of 600, logging every 10: the line at step 440 covers steps 433-440 (8 steps in 8 s),
+    so time/step_s is 1 s and the ETA the 160 steps left, 2m40s (not 8 s over 440 steps, eta 3s)."""
+    mp = MetricsProcessor(make_cfg(tmp_path, "--metrics.disable_color_printing", "--training.steps", "600"), 0, CPU,
+                          num_flops_per_token=6e6)
+    clock.now = 250.0  # building the model and loading the checkpoint took a while
+    mp.start_window(432)
+    for _ in range(8):
+        mp.add_tokens(4096)
+    clock.now = 258.0
+    m = mp.log(440, loss=5.0, grad_norm=1.0, lr=1e-3)
+    assert m["time/step_s"] == pytest.approx(1.0) and m["throughput/tps"] == pytest.approx(4096.0)
+    assert records.messages[-1].startswith("step: 440/600  ") and records.messages[-1].endswith("eta: 2m40s")
+
+
 def test_console_line_plain(tmp_path, clock, fixed_hw, records):
     mp = MetricsProcessor(make_cfg(tmp_path, "--metrics.disable_color_printing"), 0, CPU, num_flops_per_token=6e6,
                           tokens_divisor=2)

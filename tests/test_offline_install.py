@@ -56,9 +56,12 @@ def run(argv: list, env: dict | None = None, cwd: Path = REPO) -> subprocess.Com
 @pytest.mark.slow  # downloads the runtime wheels (~45 MiB, 15 s) and installs them into a fresh venv (30 s)
 def test_a_runtime_wheelhouse_installs_with_the_index_switched_off(tmp_path):
     wheels = tmp_path / "wheels"
-    built = run([REPO / "scripts" / "wheelhouse.sh", wheels, "--python", PYTHON])  # here the index is reachable
+    # here the index is reachable; the folder named as the README does, relative to where the command runs
+    built = run([REPO / "scripts" / "wheelhouse.sh", "wheels/", "--python", PYTHON], cwd=tmp_path)
     assert built.returncode == 0, built.stderr
-    assert built.stdout.strip().splitlines()[-1].startswith("wheelhouse ready: "), built.stdout
+    last = built.stdout.strip().splitlines()[-1]
+    assert last.startswith("wheelhouse ready: ") and last.endswith(
+        f"install there with: TITAN_LITE_WHEELS={wheels} scripts/setup_env.sh"), built.stdout
     packages = json.loads((wheels / "titan_lite_wheelhouse.json").read_text())["packages"]
     assert RUNTIME <= set(packages) and "torch" not in packages, packages
     assert not list(wheels.glob("torch-*.whl"))
@@ -90,6 +93,20 @@ def test_a_runtime_wheelhouse_installs_with_the_index_switched_off(tmp_path):
     assert files["torch"].startswith(str(tmp_path / "image_torch"))  # the machine's own torch, kept
     for name in RUNTIME:  # from the wheelhouse, into the new venv
         assert files[name].startswith(str(venv)), (name, files[name])
+
+
+def test_the_readmes_relative_wheelhouse_path_is_read_from_where_the_command_runs(tmp_path):
+    """`TITAN_LITE_WHEELS=wheels/ scripts/setup_env.sh`, as the README writes it: the folder is found from the current
+    directory (setup_env.sh's checks run elsewhere), here to refuse one built for another Python in one line."""
+    (tmp_path / "wheels").mkdir()
+    (tmp_path / "wheels" / "titan_lite_wheelhouse.json").write_text(json.dumps({"python": "2.7", "extras": []}))
+    env = offline_environment(PYTHON_BIN=str(BASE_PYTHON), TITAN_LITE_VENV=str(tmp_path / "venv"),
+                              TITAN_LITE_WHEELS="wheels/")
+    refused = run([REPO / "scripts" / "setup_env.sh"], env, cwd=tmp_path)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"error: the wheelhouse {tmp_path / 'wheels'} holds wheels for Python 2.7, but {tmp_path / 'venv'}/bin/python "
+        f"is {PYTHON}; rebuild it with scripts/wheelhouse.sh {tmp_path / 'wheels'} --python {PYTHON}")
 
 
 def load_wheelhouse():

@@ -239,12 +239,20 @@ def test_skip_patterns_leave_those_linears_dense(process_group, dense):
         assert torch.equal(pruned[name], dense[name])
 
 
-@pytest.mark.parametrize("flavor, method, pattern", [("tiny", "sparsegpt", "unstructured"),
-                                                     ("debugmodel", "wanda", "2:4")])
-def test_memory_plan_matches_the_measured_peak(process_group, flavor, method, pattern):
+SMALL_CACHE = ("--pruning.nsamples", "8", "--pruning.seq_len", "128", "--pruning.batch_size", "2")
+# OWL at 70% with 64 x 256 calibration (the README's setting): the cache outweighs the tiny model's weights, so its
+# dense outlier pass (the cache, each linear's outlier count) and the pruning pass after it must both be planned.
+OWL = ("--pruning.layer_ratios", "owl", "--pruning.sparsity", "0.7", "--pruning.nsamples", "64", "--pruning.seq_len",
+       "256")
+
+
+@pytest.mark.parametrize("flavor, method, pattern, extra", [("tiny", "sparsegpt", "unstructured", SMALL_CACHE),
+                                                            ("debugmodel", "wanda", "2:4", SMALL_CACHE),
+                                                            ("tiny", "wanda", "unstructured", OWL),
+                                                            ("tiny", "magnitude", "unstructured", OWL)])
+def test_memory_plan_matches_the_measured_peak(process_group, flavor, method, pattern, extra):
     built, plan = build(["--model.converters", "prune", "--pruning.method", method, "--pruning.pattern", pattern,
-                         "--pruning.nsamples", "8", "--pruning.seq_len", "128", "--pruning.batch_size", "2"],
-                        flavor=flavor)
+                         *extra], flavor=flavor)
     transform = next(iter(plan.transforms))
     estimate, measured = transform.plan, transform.measured.bytes
     above_weights = measured - estimate.weights  # what calibration and pruning add

@@ -227,6 +227,98 @@ def test_prune_and_eval_refuse_before_loading(base, tmp_path, capsys):
     assert not Path(out).exists()
 
 
+# ---------------------------------------------------------------------------------------------- output folders
+
+NOT_OURS = ("is not empty (other) and was not written by titan_lite (no titan_lite_output.json): name a new or "
+            "empty folder; nothing there was changed")
+
+
+def someone_elses_folder(tmp_path: Path) -> Path:
+    """`--output_dir outputs` by mistake: a folder of other runs."""
+    folder = tmp_path / "outputs"
+    (folder / "other").mkdir(parents=True)
+    (folder / "other" / "w.bin").write_text("precious")
+    return folder
+
+
+def tree(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+FOLDER_WRITERS = {
+    "prune depth": lambda base, tmp, out: ("prune", ["--hf_assets_path", str(base), "--output_dir", out, "--method",
+                                                     "depth", "--remove_layers", "1"]),
+    "prune wanda": lambda base, tmp, out: ("prune", ["--hf_assets_path", str(base), "--output_dir", out]),
+    "prune remask": lambda base, tmp, out: ("prune", ["--hf_assets_path", str(base), "--remask_from", str(base),
+                                                      "--output_dir", out]),
+    "merge_lora": lambda base, tmp, out: ("merge_lora", ["--base", str(base), "--adapter",
+                                                         str(write_adapter(tmp / "adapter")), "--output_dir", out]),
+    "convert hf-to-dcp": lambda base, tmp, out: ("convert_checkpoint", ["hf-to-dcp", str(base), out]),
+    "materialize_pruned": lambda base, tmp, out: ("materialize_pruned", [
+        "--checkpoint", str(tmp / "step-4"), "--config", str(REPO / "train_configs" / "sheared_debugmodel_cpu.toml"),
+        "--output_dir", out]),
+    "make_synthetic_chat": lambda base, tmp, out: ("make_synthetic_chat", [
+        "--output", str(tmp / "c.jsonl"), "--num_conversations", "2", "--tokenizer_output", out]),
+}
+
+
+@pytest.mark.parametrize("writer", sorted(FOLDER_WRITERS))
+def test_a_folder_titan_lite_did_not_write_is_refused_and_left_intact(writer, base, tmp_path, capsys):
+    folder = someone_elses_folder(tmp_path)
+    before = tree(folder)
+    script, argv = FOLDER_WRITERS[writer](base, tmp_path, str(folder))
+    flag = "--tokenizer_output" if script == "make_synthetic_chat" else "output" if script == "convert_checkpoint" \
+        else "--output_dir"
+    assert_one_line(*run(script, argv, capsys), f"{flag} '{folder}' {NOT_OURS}")
+    assert tree(folder) == before
+
+
+def test_a_folder_titan_lite_wrote_is_replaced(base, tmp_path, capsys):
+    """The marker every script leaves (and an older prune run's report) let the next run replace the folder."""
+    adapter = write_adapter(tmp_path / "adapter")
+    merged = tmp_path / "merged"
+    for _ in range(2):
+        code, out, err = run("merge_lora", ["--base", str(base), "--adapter", str(adapter), "--output_dir",
+                                            str(merged)], capsys)
+        assert code == 0, err
+        assert json.loads((merged / "titan_lite_output.json").read_text())["written_by"].startswith("titan_lite")
+    older = tmp_path / "pruned"  # what prune.py wrote before markers: its report
+    older.mkdir()
+    (older / "depth_report.json").write_text("{}")
+    code, out, err = run("prune", ["--hf_assets_path", str(base), "--output_dir", str(older), "--method", "depth",
+                                   "--remove_layers", "1", "--nsamples", "4", "--seq_len", "16"], capsys)
+    assert code == 0, err
+    assert {"config.json", "depth_report.json", "titan_lite_output.json"} <= {p.name for p in older.iterdir()}
+
+
+def test_a_download_goes_only_into_a_new_folder_or_one_of_the_same_repo(tmp_path, capsys):
+    folder = someone_elses_folder(tmp_path)
+    assert run("download_hf_assets", ["org/model", "--local_dir", str(folder)], capsys)[2] == [
+        f"error: --local_dir '{folder}' {NOT_OURS}"]
+    other = tmp_path / "other_repo"
+    other.mkdir()
+    (other / "titan_lite_output.json").write_text(json.dumps({"repo_id": "org/other"}))
+    assert run("download_hf_assets", ["org/model", "--local_dir", str(other)], capsys)[2] == [
+        f"error: --local_dir '{other}' holds a download of org/other, not org/model: name another folder"]
+    assert tree(folder) == {"other/w.bin": "precious"}
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("show_data", ["--config", str(REPO / "train_configs" / "debug_model.toml"), "--jsonl", "{folder}"]),
+    ("generate", ["--hf", "{folder}", "--prompt", "x", "--output", "{folder}"]),
+    ("eval_answers", ["--hf", "{folder}", "--data", "x.jsonl", "--output", "{folder}"]),
+    ("make_synthetic_gsm8k", ["--output", "{folder}/d.jsonl"]),
+])
+def test_an_output_file_that_is_a_folder_is_one_line(script, argv, tmp_path, capsys):
+    folder = someone_elses_folder(tmp_path)
+    if script == "make_synthetic_gsm8k":
+        (folder / "d.jsonl").mkdir()
+    argv = [a.replace("{folder}", str(folder)) for a in argv]
+    flag = "--jsonl" if script == "show_data" else "--output"
+    named = folder / "d.jsonl" if script == "make_synthetic_gsm8k" else folder
+    assert_one_line(*run(script, argv, capsys), f"{flag} '{named}' is a folder; name a file to write")
+
+
 # ------------------------------------------------------------------------------------------------- help
 
 

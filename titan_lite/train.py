@@ -255,6 +255,7 @@ class Trainer:
             logger.info(f"training {cfg.training.steps} steps from step {start}; "
                         f"global batch {self.plan.global_batch_size} x {cfg.training.seq_len} tokens")
             gc.disable()
+            self.metrics.start_window(start)
             stopped = self.loop(iter(self.dataloader), stop)
             if stopped:
                 self.stop_at_step_boundary(stop, start)
@@ -335,12 +336,18 @@ class Trainer:
             gc.collect(1)
 
     def export(self) -> None:
-        """End of the run: the HF folder (last_save_in_hf) and the transforms' own artifacts."""
+        """End of the run: the HF folder (last_save_in_hf) and the transforms' own artifacts. A run that does not
+        checkpoint writes nothing, as torchtitan's (a setting that asks for an export was warned about at start)."""
         c = self.cfg.checkpoint
+        if not c.enable:
+            if c.last_save_in_hf or list(self.transforms):
+                logger.info("nothing written at the end: 'checkpoint.enable' is false (no checkpoint, no Hugging Face "
+                            "or adapter export, no pruned model or report)")
+            return
         if c.load_only:
             return
         step = self.train_state.step
-        if c.last_save_in_hf:
+        if c.last_save_in_hf and self.transforms.exports_full_model():
             out = self.checkpoint_folder() / f"step-{step}-hf"
             logger.info(f"writing the Hugging Face export of step {step} to {out}")
             export_hf(self.model_parts, self.plan.model_args, str(out), getattr(torch, c.export_dtype),

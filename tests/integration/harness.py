@@ -19,6 +19,9 @@ ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 # Every resume test runs the same 20-step LR schedule, so a shorter run's checkpoint continues it exactly.
 SCHEDULE = ["--lr_scheduler.total_steps", "20", "--checkpoint.interval", "5"]
 CKPT = ["--checkpoint.enable"]
+# A LoRA run's PEFT adapter at the end (the end-of-run exports need checkpointing on and last_save_in_hf), without the
+# merged full model.
+ADAPTER_EXPORT = ["--checkpoint.enable", "--checkpoint.last_save_in_hf", "--lora.export_merged=false"]
 
 
 @dataclass

@@ -13,6 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.distributed.checkpoint import FileSystemReader
 
 from tests.integration.harness import (
+    ADAPTER_EXPORT,
     Run,
     assert_losses_close,
     one_window_dataset,
@@ -58,7 +59,7 @@ def trainable_counts(run: Run) -> dict[int, int]:
 
 @pytest.fixture(scope="module")
 def single(data, hf_start, tmp_path_factory) -> Run:
-    run = run_train([*data, *LORA, *start(hf_start), "--training.steps", str(STEPS), "--checkpoint.enable",
+    run = run_train([*data, *LORA, *start(hf_start), "--training.steps", str(STEPS), *ADAPTER_EXPORT,
                      "--checkpoint.interval", "2"], tmp_path_factory.mktemp("single"))
     assert run.returncode == 0, run.output[-3000:]
     return run
@@ -92,7 +93,8 @@ LAYOUTS = [  # with activation checkpointing and compile on some: the trainable 
 
 @pytest.mark.parametrize("name, overrides", LAYOUTS, ids=[n for n, _ in LAYOUTS])
 def test_layout_matches_one_process(name, overrides, single, data, hf_start, tmp_path):
-    run = run_train([*data, *LORA, *start(hf_start), "--training.steps", str(STEPS), *overrides], tmp_path, ngpu=2)
+    run = run_train([*data, *LORA, *start(hf_start), "--training.steps", str(STEPS), *ADAPTER_EXPORT, *overrides],
+                    tmp_path, ngpu=2)
     assert_losses_close(run, single.tb_losses(), atol=1e-5)
     ours, theirs = grad_norms(run), grad_norms(single)
     assert all(abs(ours[s] - theirs[s]) <= 1e-5 * theirs[s] for s in theirs), (ours, theirs)
@@ -115,7 +117,7 @@ def test_adapter_only_checkpoint_resumes_exactly(single, data, hf_start, tmp_pat
     """Resume at step 2 from the adapter-only checkpoint: the base comes from the HF folder again, PiSSA's SVD is
     recomputed, and steps 3 and 4 (losses and final adapters) equal the uninterrupted run's."""
     shutil.copytree(single.dump_folder / "checkpoint" / "step-2", tmp_path / "checkpoint" / "step-2")
-    run = run_train([*data, *LORA, *start(hf_start), "--training.steps", str(STEPS), "--checkpoint.enable",
+    run = run_train([*data, *LORA, *start(hf_start), "--training.steps", str(STEPS), *ADAPTER_EXPORT,
                      "--checkpoint.interval", "2"], tmp_path)
     assert "resuming after step 2" in run.output
     assert_losses_close(run, {s: v for s, v in single.tb_losses().items() if s > 2}, atol=1e-6)

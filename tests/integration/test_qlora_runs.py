@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from tests.integration.harness import (
+    ADAPTER_EXPORT,
     REPO,
     Run,
     assert_losses_close,
@@ -106,7 +107,7 @@ def test_pp2_matches_one_process_and_its_full_checkpoint_resumes_exactly(single,
 
 def test_adapter_only_checkpoint_resumes_exactly(single, data, hf_start, tmp_path):
     shutil.copytree(ckpt(single, "step-2"), tmp_path / "checkpoint" / "step-2")
-    run = run_train([*data, *QLORA, *start(hf_start), "--training.steps", str(STEPS), "--checkpoint.enable",
+    run = run_train([*data, *QLORA, *start(hf_start), "--training.steps", str(STEPS), *ADAPTER_EXPORT,
                      "--checkpoint.interval", "2"], tmp_path)
     assert "resuming after step 2" in run.output
     assert_losses_close(run, {s: v for s, v in single.tb_losses().items() if s > 2}, atol=1e-6)

@@ -9,14 +9,23 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import time
 from pathlib import Path
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.integration.harness import CKPT, run_train, start_train, steps, tb_losses
 from titan_lite.checkpoint.manager import STALL_SECONDS_ENV, STALL_STEP_ENV, holds_training_state
 
 RESUME_TB = ["--metrics.save_tb_folder", "tb_resume"]  # the resumed run's losses, apart from the first run's
+
+
+def step_times(folder: Path) -> dict[int, float]:
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars("time/step_s")}
 
 
 def assert_ok(run) -> None:
@@ -36,6 +45,10 @@ def test_one_process_resume_is_exact(tmp_path, reference_1p):
     resumed = tb_losses(tmp_path / "tb_resume")
     assert sorted(resumed) == list(range(11, 21))
     assert {s: reference_1p[s] for s in range(11, 21)} == resumed  # bitwise: same ops, same order
+    # The first line after the resume times step 11 alone (its window starts at the step resumed from, not at 0, which
+    # made it 11 times too short and the ETA with it).
+    before, after = step_times(tmp_path / "tb"), step_times(tmp_path / "tb_resume")
+    assert after[11] >= 0.5 * statistics.median(before[s] for s in range(2, 11)), (before, after)
 
     # The same folder under a wider model: one line naming the tensor and both shapes, exit code 2, found before launch.
     wider = run_train(steps(20) + CKPT + ["--model.flavor", "debugmodel"], tmp_path)

@@ -31,3 +31,21 @@ def test_run_folder_holds_config_and_log_and_a_rerun_says_it_is_done(tmp_path):
     assert "the run is already at 'training.steps' = 3: checkpoint step-3" in again.output
     assert again.printed_losses == {}
     assert (out / "train.log").read_text().startswith(log)  # the resumed run appends
+
+
+@pytest.mark.slow  # two one-step runs: about 20 s
+def test_exports_are_written_only_by_a_run_that_checkpoints_and_asks_for_them(tmp_path):
+    """checkpoint.enable = false writes nothing, as torchtitan: the HF export and the PEFT adapter it asks for are
+    one warning at the start and one line at the end. Checkpointing on without last_save_in_hf: the checkpoint only,
+    no adapter and no base."""
+    lora = ["--training.steps", "1", "--model.converters", "lora"]
+    off = run_train([*lora, "--checkpoint.last_save_in_hf"], tmp_path / "off")
+    assert off.returncode == 0, off.output[-3000:]
+    assert ("'checkpoint.last_save_in_hf' = True has no effect: it takes effect only with 'checkpoint.enable' = "
+            "true, and that is false; set --checkpoint.enable or drop the setting") in off.output
+    assert "nothing written at the end: 'checkpoint.enable' is false" in off.output
+    assert not (tmp_path / "off" / "checkpoint").exists()
+
+    on = run_train([*lora, "--checkpoint.enable"], tmp_path / "on")
+    assert on.returncode == 0, on.output[-3000:]
+    assert sorted(p.name for p in (tmp_path / "on" / "checkpoint").iterdir()) == ["step-1"]

@@ -496,22 +496,11 @@ def weights_only_loader(cfg: Checkpoint, folder: Path) -> Callable[[list[nn.Modu
     return load
 
 
-def check_export_target(c: Checkpoint, root: Path) -> None:
-    """A run that does not checkpoint (so continues nothing) writes no HF export next to another run's checkpoints."""
-    if c.last_save_in_hf and not c.enable:
-        existing = sorted(ckpt.complete_steps(root))
-        if existing:
-            raise ConfigError(f"'checkpoint.last_save_in_hf' = true would export into '{root}', which holds the "
-                              f"checkpoints of another run (steps {', '.join(map(str, existing))}) that this run does "
-                              f"not continue ('checkpoint.enable' = false); use another 'job.dump_folder'")
-
-
 def check_source_before_launch(cfg: JobConfig, model_args) -> None:
     """Read only headers and metadata of what the run will load, so a missing, corrupt or mismatched checkpoint is
     one line before any process starts. Transforms may rename or reshape parameters: then the run itself checks."""
     root = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
     check_seed_target(cfg.checkpoint, root)
-    check_export_target(cfg.checkpoint, root)
     source = source_to_load(cfg)
     if source is None or cfg.model.converters:
         return

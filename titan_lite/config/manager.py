@@ -160,7 +160,7 @@ def _check_toml_value(key: str, value: Any, tp: Any, source: str) -> Any:
 # ---------------------------------------------------------------- building the config
 
 
-def _apply_table(obj: Any, table: dict, prefix: str, source: str) -> None:
+def _apply_table(obj: Any, table: dict, prefix: str, source: str, given: set[str]) -> None:
     hints = _field_types(type(obj))
     fields = {f.name: f for f in dataclasses.fields(obj)}
     for name, value in table.items():
@@ -172,9 +172,10 @@ def _apply_table(obj: Any, table: dict, prefix: str, source: str) -> None:
         if _is_section(f):
             if not isinstance(value, dict):
                 raise ConfigError(f"{source}: '{key}' is a section ([{key}]), got {value!r}")
-            _apply_table(getattr(obj, name), value, key + ".", source)
+            _apply_table(getattr(obj, name), value, key + ".", source, given)
         else:
             setattr(obj, name, _check_toml_value(key, value, hints[name], source))
+            given.add(key)
 
 
 def _resolve(cfg: JobConfig, key: str) -> tuple[Any, str, dataclasses.Field, Any]:
@@ -212,11 +213,12 @@ def _split_cli(argv: list[str]) -> list[tuple[str, str | None]]:
     return pairs
 
 
-def _apply_cli(cfg: JobConfig, pairs: list[tuple[str, str | None]]) -> None:
+def _apply_cli(cfg: JobConfig, pairs: list[tuple[str, str | None]], given: set[str]) -> None:
     for key, value in pairs:
         negated = key.startswith("no-") or key.startswith("no_")
         lookup = key[3:] if negated and value is None else key
         holder, leaf, _, tp = _resolve(cfg, lookup)
+        given.add(lookup)
         base, _ = _unwrap_optional(tp)
         if value is None:
             if base is not bool:
@@ -247,11 +249,22 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         raise ConfigError(f"'--job.config_file' is given {len(config_files)} different files "
                           f"({', '.join(map(repr, config_files))}); give one")
     config_file = config_files[0] if config_files else None
+    given: set[str] = set()
     if config_file:
-        _apply_table(cfg, load_toml(config_file), "", config_file)
-    _apply_cli(cfg, pairs)
+        _apply_table(cfg, load_toml(config_file), "", config_file, given)
+    _apply_cli(cfg, pairs, given)
     cfg.job.config_file = config_file
+    cfg.__dict__[_GIVEN] = frozenset(given - {"job.config_file"})
     return cfg
+
+
+_GIVEN = "_given_keys"  # an attribute beside the fields: what the TOML and the command line set
+
+
+def given_keys(cfg: JobConfig) -> frozenset[str]:
+    """The dotted keys the TOML or the command line set (whatever their value), for checks that tell a setting the
+    user made from a default; empty for a config built in code."""
+    return cfg.__dict__.get(_GIVEN, frozenset())
 
 
 # ---------------------------------------------------------------- help and printing

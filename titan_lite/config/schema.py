@@ -4,28 +4,49 @@ Section and key names follow torchtitan v0.2.2. A key with a fixed set of values
 the loader, `validate` and `--help` take the allowed values from the type. Keys of torchtitan features that
 titan_lite does not implement are declared with `unsupported=...`: they load while they keep their inert
 default and are refused with one line when switched on.
+
+Settings that take effect only behind a switch (config/gates.py) are declared here too: a section's boolean `enable`
+switches every other key of it; a boolean `enable_<name>` the keys that name it in `needs` (or contain <name>); a
+section's `converter` or `read_when`, the whole section. A setting changed while its switch is off is refused with
+one line, or warned about where the section is `inert` (torchtitan's sections, which its TOMLs carry while off).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 PipelineSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"]
+AUTO = "auto"  # `needs`: the switch the key's name and section imply (see config/gates.py)
 
 
-def opt(default: Any, help: str, *, unsupported: str | None = None) -> Any:
-    """A config field: its default, its documentation, and whether it is inert (a Literal type lists its values)."""
-    meta = {"help": help, "unsupported": unsupported}
+def opt(default: Any, help: str, *, unsupported: str | None = None,
+        needs: str | tuple[str, ...] | None = AUTO) -> Any:
+    """A config field: its default, its documentation, whether it is inert (a Literal type lists its values), and
+    the boolean key it takes effect behind (`needs`: a key of its section or a dotted one, or several of which any
+    one will do; None: read whatever the section's switches say)."""
+    meta = {"help": help, "unsupported": unsupported, "needs": needs}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
 
 
-def section(cls: type, help: str, *, converter: str | None = None, inert: bool = False) -> Any:
+@dataclass(frozen=True)
+class ReadWhen:
+    """A condition on other keys under which a section is read at all, e.g. [instruct] for an instruct dataset."""
+
+    text: str  # the condition, for the one line: "'training.dataset' or 'validation.dataset' is 'instruct'"
+    holds: Callable[[Any], bool]  # of the JobConfig
+    fix: str  # what makes it hold: "set --training.dataset instruct"
+
+
+def section(cls: type, help: str, *, converter: str | None = None, inert: bool = False,
+            read_when: ReadWhen | None = None) -> Any:
     """A nested section (a sub-table such as [training.dataloader]). `converter`: the model converter that reads it;
-    without that converter in model.converters a setting changed from its default has no effect and is refused
-    with one line (`inert`: a warning instead, for torchtitan's sections, which torchtitan accepts inert)."""
+    `read_when`: a condition on other keys. A setting changed from its default while the section's switch (the
+    converter, `read_when`, its `enable` key) is off has no effect and is refused with one line (`inert`: a warning
+    instead, for torchtitan's sections, whose published TOMLs set such keys while the switch is off)."""
     return field(default_factory=cls, metadata={"help": help, "unsupported": None, "converter": converter,
-                                                "inert": inert})
+                                                "inert": inert, "read_when": read_when})
 
 
 @dataclass
@@ -47,10 +68,10 @@ class Job:
 @dataclass
 class Profiling:
     enable_profiling: bool = opt(False, "Record torch.profiler Chrome traces.")
-    save_traces_folder: str = opt("profile_trace", "Trace folder, relative to dump_folder.")
-    profile_freq: int = opt(10, "Record one profiled window every this many steps.")
-    profiler_active: int = opt(1, "Steps recorded in each profiled window.")
-    profiler_warmup: int = opt(3, "Warm-up steps before each profiled window.")
+    save_traces_folder: str = opt("profile_trace", "Trace folder, relative to dump_folder.", needs="enable_profiling")
+    profile_freq: int = opt(10, "Record one profiled window every this many steps.", needs="enable_profiling")
+    profiler_active: int = opt(1, "Steps recorded in each profiled window.", needs="enable_profiling")
+    profiler_warmup: int = opt(3, "Warm-up steps before each profiled window.", needs="enable_profiling")
     enable_memory_snapshot: bool = opt(
         False, "Dump CUDA allocator memory snapshots (CUDA only; ignored with a warning elsewhere).")
     save_memory_snapshot_folder: str = opt("memory_snapshot", "Memory snapshot folder, relative to dump_folder.")
@@ -62,9 +83,10 @@ class Metrics:
     enable_tensorboard: bool = opt(False, "Write the logged scalars to TensorBoard event files.")
     disable_color_printing: bool = opt(
         False, "Print metrics without ANSI colours (they are only ever printed when the output is a terminal).")
-    save_tb_folder: str = opt("tb", "TensorBoard folder, relative to dump_folder.")
+    save_tb_folder: str = opt("tb", "TensorBoard folder, relative to dump_folder.", needs="enable_tensorboard")
     save_for_all_ranks: bool = opt(
-        False, "Write TensorBoard files and W&B runs for every rank (each in its own rank_N folder), not just rank 0.")
+        False, "Write TensorBoard files and W&B runs for every rank (each in its own rank_N folder), not just rank 0.",
+        needs=("enable_tensorboard", "enable_wandb"))
     enable_wandb: bool = opt(
         False, "Log the same scalars to a Weights & Biases run (with TensorBoard when both are on), from rank 0 or "
         "every rank (save_for_all_ranks), the resolved config as the run's config; the run folder is the TensorBoard "
@@ -284,17 +306,18 @@ class Checkpoint:
     interval: int = opt(500, "Save every this many steps (and at the last step).")
     initial_load_path: str | None = opt(
         None, "Checkpoint (DCP folder, or HF folder with initial_load_in_hf) to start from when no checkpoint of this "
-        "run exists.")
-    initial_load_model_only: bool = opt(True, "Load only model weights from initial_load_path.")
+        "run exists.", needs=None)
+    initial_load_model_only: bool = opt(True, "Load only model weights from initial_load_path.", needs=None)
     initial_load_in_hf: bool = opt(
-        False, "initial_load_path (default hf_assets_path) is a Hugging Face safetensors folder.")
+        False, "initial_load_path (default hf_assets_path) is a Hugging Face safetensors folder.", needs=None)
     initial_load_in_hf_quantized: bool = opt(
-        False, "Quantized HF weights.", unsupported="quantized HF checkpoints are not supported")
+        False, "Quantized HF weights.", unsupported="quantized HF checkpoints are not supported", needs=None)
     last_save_model_only: bool = opt(
         False, "The final save holds model weights only (in export_dtype). torchtitan's default is true; titan_lite's "
         "final save keeps the full training state by default so a finished run can be extended (more steps "
         "continue from the last one). With true, an extended run continues from the newest full checkpoint.")
-    last_save_in_hf: bool = opt(False, "At the end of training, also export a Hugging Face folder.")
+    last_save_in_hf: bool = opt(
+        False, "At the end of training, also export a Hugging Face folder (step-N-hf; a LoRA run's PEFT adapter too).")
     export_dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "Dtype of model-only and HF exports.")
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = opt(
         "disabled", "disabled, or async (save in a background thread).")
@@ -469,6 +492,11 @@ class Lora:
                 "in training, merge and export, so a pruned base stays exactly as sparse (N:M included). auto: on when "
                 "'prune' precedes 'lora' in model.converters; on: also for a base pruned elsewhere (pruned initial "
                 "weights: their zeros are the masks); off: plain dense updates.")
+    export_merged: bool = opt(
+        True, "What checkpoint.last_save_in_hf writes at the end besides the PEFT adapter (step-N-adapter, and "
+              "step-N-base-hf when the base was not loaded from a Hugging Face folder): the merged model step-N-hf "
+              "(W + scale B A; a full-size model); false: the adapter (and that base) only.",
+        needs="checkpoint.last_save_in_hf")
 
 
 @dataclass
@@ -621,25 +649,39 @@ class Distill:
         "forward", "forward: KL(teacher || student), mass-covering; reverse: KL(student || teacher), mode-seeking.")
 
 
+def reads_instruct(cfg: "JobConfig") -> bool:
+    """Whether a run reads [instruct]: its training data, or its validation data (validation on), is 'instruct'."""
+    return cfg.training.dataset == "instruct" or (cfg.validation.enable and cfg.validation.dataset == "instruct")
+
+
+# What a setting made while its section's switch is off gets (config/gates.py): a warning on the sections that are
+# `inert`, which are torchtitan's whose published TOMLs set keys while the switch is off ([checkpoint] interval,
+# last_save_model_only and export_dtype with enable = false; [validation] dataset, freq and steps; [profiling]
+# profile_freq; [compile] components) and which only save, observe or speed up a run; a refusal everywhere else,
+# sections added later included: there a setting made while off means a run that trains something other than what
+# its config says ([distill]'s teacher, [data_mixture]'s domains, [instruct]'s chat template, a converter's section).
 @dataclass
 class JobConfig:
     job: Job = section(Job, "The job: where outputs go.")
-    profiling: Profiling = section(Profiling, "torch.profiler traces and memory snapshots.")
-    metrics: Metrics = section(Metrics, "Console and TensorBoard metrics.")
+    profiling: Profiling = section(Profiling, "torch.profiler traces and memory snapshots.", inert=True)
+    metrics: Metrics = section(Metrics, "Console and TensorBoard metrics.", inert=True)
     model: Model = section(Model, "Which Llama, its assets and its transforms.")
     optimizer: Optimizer = section(Optimizer, "The optimizer.")
     lr_scheduler: LRScheduler = section(LRScheduler, "The learning-rate schedule.")
     training: Training = section(Training, "Data, batch and step counts, precision.")
     parallelism: Parallelism = section(Parallelism, "Parallel degrees and their options.")
-    checkpoint: Checkpoint = section(Checkpoint, "Distributed checkpoints and HF import/export.")
+    checkpoint: Checkpoint = section(Checkpoint, "Distributed checkpoints and HF import/export.", inert=True)
     activation_checkpoint: ActivationCheckpoint = section(ActivationCheckpoint, "Activation checkpointing.")
-    compile: Compile = section(Compile, "torch.compile.")
+    compile: Compile = section(Compile, "torch.compile.", inert=True)
     comm: Comm = section(Comm, "Communication timeouts and tracing.")
-    validation: Validation = section(Validation, "Held-out loss during training.")
+    validation: Validation = section(Validation, "Held-out loss during training.", inert=True)
     data_mixture: DataMixture = section(DataMixture, "Several data domains with mixture weights, optionally "
                                                      "updated from per-domain losses (dynamic batch loading).")
     instruct: Instruct = section(Instruct, "Instruction data (training.dataset / validation.dataset = "
-                                           "\"instruct\"): fields, prompt template, packing, held-out split.")
+                                           "\"instruct\"): fields, prompt template, packing, held-out split.",
+                                 read_when=ReadWhen(
+                                     "'training.dataset' or 'validation.dataset' is 'instruct'", reads_instruct,
+                                     "set --training.dataset instruct (or --validation.dataset instruct)"))
     debug: Debug = section(Debug, "Seeds and determinism.")
     dry_run: DryRun = section(DryRun, "DRY_RUN=1 planning options.")
     pruning: Pruning = section(Pruning, "One-shot pruning at the start of a run (the 'prune' transform in "
@@ -648,8 +690,9 @@ class JobConfig:
                                         "a Lagrangian towards a target architecture (model.converters = "
                                         "[\"sheared\"]).", converter="sheared")
     distill: Distill = section(Distill, "Knowledge distillation from a frozen teacher (its logits train the student).")
-    memory_estimation: MemoryEstimation = section(MemoryEstimation, "torchtitan memory estimation (see DRY_RUN).")
-    fault_tolerance: FaultTolerance = section(FaultTolerance, "torchft (not supported).")
+    memory_estimation: MemoryEstimation = section(MemoryEstimation, "torchtitan memory estimation (see DRY_RUN).",
+                                                  inert=True)
+    fault_tolerance: FaultTolerance = section(FaultTolerance, "torchft (not supported).", inert=True)
     lora: Lora = section(Lora, "LoRA adapters (active with model.converters = [\"lora\"]).", converter="lora")
     experimental: Experimental = section(Experimental, "torchtitan experimental hooks (not supported).")
     quantize: Quantize = section(Quantize, "torchtitan quantization converters (not supported).")

@@ -1,11 +1,11 @@
 """Checks a parsed JobConfig for impossible values before any heavy work; each failure is one ConfigError line."""
 
 import dataclasses
-import logging
 import math
 from pathlib import Path
 
-from titan_lite.config.manager import choices_of, iter_options, iter_sections, not_one_of
+from titan_lite.config.gates import check_switched_off
+from titan_lite.config.manager import choices_of, iter_options, not_one_of
 from titan_lite.config.schema import JobConfig
 from titan_lite.errors import ConfigError, quote_path
 
@@ -28,35 +28,6 @@ def check_choices_and_unsupported(cfg: JobConfig) -> None:
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if reason and value != default:
             raise ConfigError(f"'{key}' = {value!r} is not supported: {reason}")
-
-
-def changed_settings(cfg: JobConfig, key: str, cls: type) -> list[tuple[str, object]]:
-    """(dotted key, value) of every setting of section `key` that differs from its default."""
-    defaults = cls()
-    return [(f"{key}.{leaf}", value) for leaf, _, _ in iter_options(cls)
-            if (value := _get(cfg, f"{key}.{leaf}")) != _get(defaults, leaf)]
-
-
-def check_converter_sections(cfg: JobConfig) -> None:
-    """A section only a converter reads ([lora], [pruning], ...), changed from its defaults while model.converters
-    does not list that converter, would be silently ignored: refused with one line, or a warning for torchtitan's
-    sections (torchtitan accepts them inert, so its TOMLs keep loading)."""
-    for key, f, cls in iter_sections():
-        converter = f.metadata.get("converter")
-        if converter is None or converter in cfg.model.converters:
-            continue
-        changed = changed_settings(cfg, key, cls)
-        if not changed:
-            continue
-        first, value = changed[0]
-        more = f" (and {len(changed) - 1} more [{key}] setting{'s' * (len(changed) > 2)})" if len(changed) > 1 else ""
-        message = (f"'{first}' = {value!r}{more} has no effect: [{key}] is read only by the '{converter}' converter, "
-                   f"which 'model.converters' = {cfg.model.converters} does not list; add it (--model.converters "
-                   f"{','.join([*cfg.model.converters, converter])}) or drop the setting")
-        if f.metadata.get("inert"):
-            logging.getLogger("titan_lite").warning(message)
-        else:
-            raise ConfigError(message)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -330,7 +301,10 @@ def check_distill(cfg: JobConfig) -> None:
         return
     _require(bool(d.teacher_path), "'distill.enable' = true needs 'distill.teacher_path': a Hugging Face folder, a DCP "
                                    "step folder, or 'base' (the student's own frozen base)")
-    _require(0 <= d.alpha <= 1, f"'distill.alpha' must be in [0, 1], got {d.alpha}")
+    _require(0 <= d.alpha <= 1, f"'distill.alpha' must be in (0, 1], got {d.alpha}")
+    _require(d.alpha > 0, "'distill.alpha' = 0 weighs the teacher's KL term by 0: the run would load the teacher and "
+                          "run it every step for nothing; set alpha in (0, 1], or drop 'distill.enable' to train on "
+                          "cross entropy alone")
     _require(d.temperature > 0, f"'distill.temperature' must be positive, got {d.temperature}")
     _require(cfg.parallelism.pipeline_parallel_degree == 1,
              f"'distill.enable' does not run under pipeline parallelism ('parallelism.pipeline_parallel_degree' = "
@@ -378,6 +352,6 @@ def validate(cfg: JobConfig, files: bool = True) -> None:
     names exist (DRY_RUN lists missing files instead)."""
     check_choices_and_unsupported(cfg)
     check_ranges(cfg)
-    check_converter_sections(cfg)
+    check_switched_off(cfg)
     if files:
         check_paths(cfg)

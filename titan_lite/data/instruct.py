@@ -26,7 +26,7 @@ from titan_lite.data.chat import (
     sharegpt_turns,
 )
 from titan_lite.data.datasets import Sample, TokenizerLike, packed_sample, parquet_columns
-from titan_lite.errors import ConfigError
+from titan_lite.errors import ConfigError, pip_install
 from titan_lite.loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
@@ -79,9 +79,12 @@ class InstructionFile:
         if path.is_dir():
             if not (path / SAVED_DATASET).is_file():
                 splits = sorted(p.name for p in path.iterdir() if (p / SAVED_DATASET).is_file())
-                hint = f" (a DatasetDict: name one split's folder, e.g. '{path / splits[0]}')" if splits else ""
+                if splits:
+                    raise ConfigError(f"'{key}' = '{path}' is a DatasetDict saved with datasets' save_to_disk "
+                                      f"(splits: {', '.join(splits)}): name one split's folder, e.g. "
+                                      f"'{path / splits[0]}'")
                 raise ConfigError(f"'{key}' = '{path}' is a folder without {SAVED_DATASET}: not a dataset saved "
-                                  f"with datasets' save_to_disk{hint}")
+                                  "with datasets' save_to_disk")
             return
         if not path.is_file():
             raise ConfigError(f"'{key}' = '{path}' is not a file (instruction data is one .jsonl, .json or .parquet "
@@ -184,7 +187,7 @@ def _pyarrow_module(path: Path, name: str):
     try:
         return importlib.import_module(f"pyarrow.{name}")  # optional dependency: only these formats need it
     except ImportError:
-        raise ConfigError(f"{path}: reading it needs pyarrow (pip install pyarrow)") from None
+        raise ConfigError(f"{path}: reading it needs pyarrow ({pip_install(extra='parquet')})") from None
 
 
 def _parquet_names(path: Path) -> list[str]:
@@ -418,9 +421,20 @@ def build_instruction_source(cfg: JobConfig, section: str, tokenizer: TokenizerL
                              instruct_format(cfg, tokenizer), documents)
 
 
+def trains_text(record: Record, train_on: str) -> bool:
+    """Whether a record has text to learn beyond its end token: a non-empty response, or a non-empty assistant turn
+    among those that train (the last one only with train_on 'last_assistant'). Prompt/response examples and
+    conversations follow the one rule: data without any such record is refused."""
+    if isinstance(record, Example):
+        return bool(record.response.strip())
+    trained = record.assistant_turns()[-1:] if train_on == "last_assistant" else record.assistant_turns()
+    return any(record.turns[i][1].strip() for i in trained)
+
+
 def check_instruction_data(cfg: JobConfig, section: str, tokenizer=None) -> None:
     """Config-time: the file is there and its records of the split read (fields, JSON, conversation roles) up to
-    the first one with something to train on (empty responses only would train nothing); with a chat template,
+    the first one with something to train on (empty responses or assistant turns only would train nothing but end
+    tokens); with a chat template,
     the template loads and renders those records (with the tokenizer's bos and eos, when given); a conversation
     without one is refused."""
     file, split = instruction_file_and_split(cfg, section)
@@ -438,10 +452,10 @@ def check_instruction_data(cfg: JobConfig, section: str, tokenizer=None) -> None
             except TemplateFailure as failure:
                 raise ConfigError(f"{record.where}: the chat template ({template.origin}) fails on this "
                                   f"conversation: {failure}") from None
-        if isinstance(record, Conversation) or record.response.strip():
+        if trains_text(record, cfg.instruct.train_on):
             return
         found = True
-    what = "examples with a non-empty response" if found else "examples"
+    what = "examples with a non-empty response (or assistant turn)" if found else "examples"
     raise ConfigError(f"'{file.key}' = '{file.path}' holds no {what} for the {split} split"
                       + (" (raise 'instruct.validation_fraction')" if split == "heldout" else ""))
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from titan_lite.data.instruct import InstructFormat, Record
 from titan_lite.eval.answers import extract_answer, same_answer
-from titan_lite.eval.generate import GenerationConfig, generate_text
+from titan_lite.eval.generate import GenerationConfig, iter_completions
 from titan_lite.metrics.logger import Progress
 
 logger = logging.getLogger(__name__)
@@ -48,10 +48,7 @@ def answer_accuracy(model: nn.Module, fmt: InstructFormat, problems: list[Record
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, stop_ids=fmt.stop_ids())
     progress = Progress("answer accuracy: generating", len(prompts), f"completions of up to {max_new_tokens} tokens",
                         announce=True)
-    completions = []
-    for completion in generate_text(model, fmt.tokenizer, list(prompts), cfg, device, batch_size,
-                                    prompt_ids=list(ids)):
-        completions.append(completion.text)
-        progress.update(len(completions))
+    completions = [c.text for c in iter_completions(model, fmt.tokenizer, list(prompts), cfg, device, batch_size,
+                                                    prompt_ids=list(ids), on_progress=progress.update)]
     correct = sum(same_answer(c, r) for c, r in zip(completions, references, strict=True))
     return AnswerAccuracy(correct, len(problems), list(prompts), completions, list(references))

@@ -6,8 +6,9 @@ Prompts of different lengths are left-padded: each row's tokens keep positions 0
 out of every key, and all rows end on the same slot, so one next-token step serves the whole batch.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 from torch import nn
@@ -117,22 +118,25 @@ def prompts_of(tokens: torch.Tensor, attention_mask: torch.Tensor) -> list[list[
 
 @torch.no_grad()
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], cfg: GenerationConfig, device: torch.device,
-             stop_when: Callable[[list[int]], bool] | None = None) -> list[list[int]]:
+             stop_when: Callable[[list[int]], bool] | None = None,
+             on_step: Callable[[float], None] | None = None) -> list[list[int]]:
     """Continue each prompt (token ids) with up to max_new_tokens tokens; a row stops at a stop id (not
     included), or once `stop_when(its new tokens)` holds (those tokens kept: e.g. a stop string in their text).
-    The model runs in eval mode (no dropout) and is put back in its previous mode."""
+    `on_step(fraction)`: after every decode step, the share of max_new_tokens done. The model runs in eval mode (no
+    dropout) and is put back in its previous mode."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     was_training = model.training
     model.eval()
     try:
-        return _decode(model, prompts, cfg, device, stop_when)
+        return _decode(model, prompts, cfg, device, stop_when, on_step)
     finally:
         model.train(was_training)
 
 
 def _decode(model: nn.Module, prompts: Sequence[Sequence[int]], cfg: GenerationConfig, device: torch.device,
-            stop_when: Callable[[list[int]], bool] | None) -> list[list[int]]:
+            stop_when: Callable[[list[int]], bool] | None,
+            on_step: Callable[[float], None] | None = None) -> list[list[int]]:
     tokens, real = left_padded(prompts, cfg.pad_id, device)
     batch = tokens.shape[0]
     cache = KVCache(model.args, batch, tokens.shape[1] + cfg.max_new_tokens, device)
@@ -151,6 +155,8 @@ def _decode(model: nn.Module, prompts: Sequence[Sequence[int]], cfg: GenerationC
             if stop_when is not None and stop_when(out[i]):
                 finished[i] = True
         done |= finished
+        if on_step is not None:
+            on_step((step + 1) / cfg.max_new_tokens)
         if bool(done.all()) or step == cfg.max_new_tokens - 1:
             break
         chosen = torch.where(done, torch.full_like(chosen, cfg.pad_id), chosen)
@@ -170,13 +176,27 @@ def generate_text(model: nn.Module, tokenizer, prompts: Sequence[str], cfg: Gene
                   prompt_ids: Sequence[Sequence[int]] | None = None) -> list[Completion]:
     """Generate for text prompts (tokenized with bos, or given as `prompt_ids`, e.g. a chat template's rendering),
     `batch_size` prompts at a time; stops at the tokenizer's eos unless cfg.stop_ids says otherwise."""
+    return list(iter_completions(model, tokenizer, prompts, cfg, device, batch_size, prompt_ids))
+
+
+def iter_completions(model: nn.Module, tokenizer, prompts: Sequence[str], cfg: GenerationConfig,
+                     device: torch.device, batch_size: int = 8, prompt_ids: Sequence[Sequence[int]] | None = None,
+                     on_progress: Callable[[float], None] | None = None) -> Iterator[Completion]:
+    """generate_text's completions as each batch finishes; `on_progress(done)` after every decode step: the
+    completions done so far, the running batch counted by its share of max_new_tokens (what a progress line with an
+    ETA needs while a batch of long completions decodes)."""
     if not cfg.stop_ids and tokenizer.eos_id >= 0:
         cfg = replace(cfg, stop_ids=(tokenizer.eos_id,))
-    completions = []
     for start in range(0, len(prompts), batch_size):
         chunk = list(prompts[start:start + batch_size])
         ids = [tokenizer.encode(p, bos=True, eos=False) for p in chunk] if prompt_ids is None else \
             [list(i) for i in prompt_ids[start:start + batch_size]]
-        for prompt, new in zip(chunk, generate(model, ids, cfg, device), strict=True):
-            completions.append(Completion(prompt, tokenizer.decode(new), new))
-    return completions
+        on_step = None if on_progress is None else partial(_batch_share, on_progress, start, len(chunk))
+        for prompt, new in zip(chunk, generate(model, ids, cfg, device, on_step=on_step), strict=True):
+            yield Completion(prompt, tokenizer.decode(new), new)
+        if on_progress is not None:
+            on_progress(start + len(chunk))
+
+
+def _batch_share(on_progress: Callable[[float], None], start: int, size: int, share: float) -> None:
+    on_progress(start + size * share)

@@ -114,8 +114,8 @@ def checkpoint_config(spec: ModelSpec, dtype: str) -> tuple[JobConfig, int]:
     max_length = spec.max_length or context_length(assets) or cfg.training.seq_len
     cfg.training.seq_len = max_length
     cfg.training.dtype = cfg.training.mixed_precision_param = dtype
+    validate(cfg)  # the run's own settings; then what evaluation switches off (no warning about its keys)
     single_process_layout(cfg)
-    validate(cfg)
     return cfg, max_length
 
 

@@ -16,6 +16,7 @@ from titan_lite import distributed as tl_dist
 from titan_lite.config import JobConfig, parse_args, validate
 from titan_lite.data.datasets import check_has_documents, shards_at
 from titan_lite.errors import USER_ERROR, ConfigError, quote_path
+from titan_lite.job.outputs import check_replaceable, mark_written
 from titan_lite.job.plan import HF_FLAVOR, JobPlan, plan_job
 from titan_lite.metrics.logger import init_logger
 from titan_lite.models.llama.hf import flavor_of_hf_config
@@ -47,8 +48,9 @@ def check_text_data(flag: str, path: str) -> None:
 # ---------------------------------------------------------------------------------------------- outputs
 
 
-def check_output_folder(flag: str, out: str, inputs: dict[str, str | None]) -> None:
-    """Refuse an output folder that is an input, lies inside one, or holds one (replacing it would delete it)."""
+def check_output_folder(flag: str, out: str, inputs: dict[str, str | None], reports: tuple[str, ...] = ()) -> None:
+    """Refuse an output folder that is an input, lies inside one, or holds one (replacing it would delete it), and
+    one that holds anything titan_lite did not write (job/outputs.py; `reports`: the script's own report files)."""
     target = Path(out).resolve()
     for name, path in inputs.items():
         if not path:
@@ -60,6 +62,7 @@ def check_output_folder(flag: str, out: str, inputs: dict[str, str | None]) -> N
                               "(it replaces what is there)")
         if target in source.parents:
             raise ConfigError(f"{flag} '{out}' holds {name} '{path}': replacing it would delete the input")
+    check_replaceable(flag, out, reports)
 
 
 def partial_folder(out: str | Path) -> Path:
@@ -70,9 +73,10 @@ def partial_folder(out: str | Path) -> Path:
 
 @contextmanager
 def atomic_folder(out: str | Path, owner: bool = True) -> Iterator[Path]:
-    """Yield a fresh partial folder to write the whole output into; on success it replaces `out` (an older `out`
-    is removed only after the rename), on any failure it is removed and `out` is untouched. `owner` is the one
-    process (rank 0) that creates, renames and removes."""
+    """Yield a fresh partial folder to write the whole output into; on success it gets titan_lite's marker and
+    replaces `out` (an older `out` is removed only after the rename; check_output_folder said it may be), on any
+    failure it is removed and `out` is untouched. `owner` is the one process (rank 0) that creates, renames and
+    removes."""
     out, tmp = Path(out), partial_folder(out)
     if owner:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -81,6 +85,7 @@ def atomic_folder(out: str | Path, owner: bool = True) -> Iterator[Path]:
     try:
         yield tmp
         if owner:
+            mark_written(tmp)
             old = out.with_name(f".{out.name}.old")
             shutil.rmtree(old, ignore_errors=True)
             if out.exists():

@@ -92,14 +92,15 @@ class Progress:
         if announce:
             logger.info(f"{what}: {total} {unit}")
 
-    def update(self, done: int) -> None:
+    def update(self, done: float) -> None:
+        """`done` may count a unit in progress by its share (a batch of completions halfway through decoding)."""
         now = time.perf_counter()
-        if now - self.last < self.every_s or done >= self.total:
+        if now - self.last < self.every_s or done >= self.total or done <= 0:
             return
         self.last = now
         elapsed = now - self.start
-        eta = format_duration(elapsed / max(done, 1) * (self.total - done))
-        logger.info(f"{self.what}: {done}/{self.total} {self.unit} in {format_duration(elapsed)}, eta {eta}")
+        eta = format_duration(elapsed / done * (self.total - done))
+        logger.info(f"{self.what}: {int(done)}/{self.total} {self.unit} in {format_duration(elapsed)}, eta {eta}")
 
 
 @dataclass(frozen=True)
@@ -244,7 +245,9 @@ class MetricsProcessor:
     def _write_scalars(self, step: int, scalars: dict[str, float]) -> None:
         self.writers.write(step, scalars)
 
-    def _start_window(self, step: int) -> None:
+    def start_window(self, step: int) -> None:
+        """Measure from here on, as after step `step`: the trainer calls it when the loop starts (after a resume, the
+        step it resumed from), so the first line's time per step, throughput and ETA cover only steps that ran."""
         self.ntokens_since_last_log = 0
         self.last_log_step = step
         reset_peak(self.device)
@@ -260,7 +263,7 @@ class MetricsProcessor:
         metrics |= {name: float(value) for name, value in extra.items()}
         logger.info(self._format_line(step, metrics, extra))
         self._write_scalars(step, metrics)
-        self._start_window(step)
+        self.start_window(step)
         return metrics
 
     def log_validation(self, step: int, loss: float, extra: dict[str, float] | None = None) -> None:

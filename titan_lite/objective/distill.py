@@ -16,12 +16,13 @@ from titan_lite.config import parse_args
 from titan_lite.config.schema import ActivationCheckpoint, Checkpoint, Distill, JobConfig
 from titan_lite.data.tokenizer import Tokenizer, build_tokenizer
 from titan_lite.distributed import compute_dtype, device_type
-from titan_lite.errors import ConfigError
+from titan_lite.errors import ConfigError, quote_path
 from titan_lite.job.assembly import assemble_model, build_parts, initial_weight_loader
 from titan_lite.job.estimate import compute_bytes, data_parallel_units, local_numel, microbatching
-from titan_lite.job.plan import JobPlan, check_initial_weights, plan_with_tokenizer, tokenizer_path
+from titan_lite.job.plan import HF_FLAVOR, JobPlan, check_initial_weights, plan_with_tokenizer, tokenizer_path
 from titan_lite.job.script import model_flavor
 from titan_lite.loss import Objective, cross_entropy_sum
+from titan_lite.models.llama.args import flavor_args
 from titan_lite.objective import kd
 from titan_lite.objective.kd import DistillLoss, distill_loss_sum
 from titan_lite.parallel.parallel_dims import ParallelDims
@@ -50,15 +51,19 @@ def teacher_config(cfg: JobConfig, device_type: str) -> JobConfig:
     checkpointed."""
     d, t = cfg.distill, copy.deepcopy(cfg)
     path = Path(d.teacher_path)
+    check_teacher_flavor(d)
     if is_dcp_folder(path):
         run = run_config_of(d, path)
         t.model.flavor = d.teacher_flavor or run.model.flavor
         t.model.hf_assets_path, t.model.tokenizer_path = run.model.hf_assets_path, run.model.tokenizer_path
         t.checkpoint = Checkpoint(initial_load_path=str(path))
     else:
+        if not d.teacher_flavor and not path.exists():
+            raise ConfigError(f"'distill.teacher_path' = {quote_path(path)} does not exist (to plan with DRY_RUN "
+                              "before the teacher is downloaded, set 'distill.teacher_flavor')")
         if not d.teacher_flavor and not (path / "config.json").is_file():
-            raise ConfigError(f"'distill.teacher_path' = '{path}' has no config.json (not downloaded yet?): the "
-                              "teacher's shape is unknown; set 'distill.teacher_flavor'")
+            raise ConfigError(f"'distill.teacher_path' = '{path}' has no config.json, so the teacher's shape is "
+                              "unknown: name its flavor in 'distill.teacher_flavor'")
         t.model.flavor = d.teacher_flavor or model_flavor(str(path), None)
         t.model.hf_assets_path, t.model.tokenizer_path = str(path), None
         t.checkpoint = Checkpoint(initial_load_path=str(path), initial_load_in_hf=True)
@@ -70,6 +75,16 @@ def teacher_config(cfg: JobConfig, device_type: str) -> JobConfig:
     t.validation.enable = False
     t.distill = Distill()
     return t
+
+
+def check_teacher_flavor(d: Distill) -> None:
+    """distill.teacher_flavor, when set, is a known flavor (or 'hf'): its typo is named as this key."""
+    if d.teacher_flavor and d.teacher_flavor != HF_FLAVOR:
+        try:
+            flavor_args(d.teacher_flavor)
+        except KeyError as exc:
+            raise ConfigError(f"'distill.teacher_flavor': {exc.args[0]} (or 'hf': the shape of "
+                              "distill.teacher_path/config.json)") from None
 
 
 def run_config_of(d: Distill, step_folder: Path) -> JobConfig:
@@ -134,6 +149,9 @@ def check_objective(plan: JobPlan) -> None:
                               "as its own base, so the KL and its gradient are zero and nothing would train; set "
                               "alpha below 1 (the KL then keeps the fine-tuned model near its base)")
         return
+    if not Path(cfg.distill.teacher_path).exists():
+        raise ConfigError(f"'distill.teacher_path' = {quote_path(cfg.distill.teacher_path)} does not exist (a Hugging "
+                          f"Face folder, a DCP step folder of a titan_lite run, or '{SELF_TEACHER}')")
     tplan = teacher_plan(plan, device_type())
     check_initial_weights(tplan.cfg)
     check_source_before_launch(tplan.cfg, tplan.model_args)

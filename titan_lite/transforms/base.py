@@ -182,7 +182,12 @@ class Transform:
         return state_dict, model_args
 
     def export(self, model_parts: list[nn.Module], folder: Path, step: int) -> None:
-        """Extra artifacts at the end of a run (collective: every rank calls it)."""
+        """Extra artifacts at the end of a run that checkpoints (collective: every rank calls it)."""
+
+    def exports_full_model(self) -> bool:
+        """Whether checkpoint.last_save_in_hf writes the run's full model (step-N-hf through export_state_dict);
+        false where this transform's own export replaces it (a LoRA adapter without the merged model)."""
+        return True
 
     # ------------------------------------------------------------------------------ plan hooks
 
@@ -322,6 +327,9 @@ class Transforms:
     def export(self, model_parts: list[nn.Module], folder: Path, step: int) -> None:
         for t in self.items:
             t.export(model_parts, folder, step)
+
+    def exports_full_model(self) -> bool:
+        return all(t.exports_full_model() for t in self.items)
 
     # ------------------------------------------------------------------------------ plan hooks
 

@@ -281,8 +281,15 @@ class LoraTransform(Transform):
             return None  # the HF base folder exists already; PiSSA writes its residual base instead
         return folder / f"step-{step}-base-hf"
 
+    def exports_full_model(self) -> bool:
+        return self.cfg.lora.export_merged
+
     def export(self, model_parts: list[nn.Module], folder: Path, step: int) -> None:
+        """With checkpoint.last_save_in_hf (the run's Hugging Face export): the PEFT adapter, and the base it applies
+        to where that is not an HF folder already; nothing without it."""
         self.check_frozen_unchanged(model_parts)
+        if not self.cfg.checkpoint.last_save_in_hf:
+            return
         base = self.base_folder(folder, step)
         if base is not None:
             export_hf(model_parts, self.model_args, str(base), getattr(torch, self.cfg.checkpoint.export_dtype),

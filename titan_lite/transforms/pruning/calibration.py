@@ -147,6 +147,7 @@ class OneShotPruner:
                 hidden = self.embed(model, tokens)
             if self.owl:
                 result.outlier_ratios = self.owl_pass(model, targets, hidden)
+                hidden.clear()  # the dense pass's last activations go before the pruning pass embeds again
                 hidden = self.embed(model, tokens) if self.method.needs_calibration else []
             layer_ids = list(model.layers.keys())
             for position, layer_id in enumerate(layer_ids):

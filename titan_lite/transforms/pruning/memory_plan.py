@@ -177,6 +177,20 @@ def linear_pruning_bytes(method: str, cfg: Pruning, out_features: int, in_featur
     return full + fp32_copy + max(scoring, keep)
 
 
+def outlier_count_bytes(groups: dict[str, list[Target]], p: Precision, gathered: bool) -> tuple[int, str]:
+    """(peak, linear) of OWL's outlier count in one block of the dense pass: the block's Wanda statistics and their
+    fp32 norms, then per linear its full weight (gathered when sharded), the fp32 scores made from it and the
+    comparison with M x their mean."""
+    stats = sum(statistics_bytes("wanda", m[0].in_features) + m[0].in_features * FP32 for m in groups.values())
+    peak, name = 0, ""
+    for target in (t for members in groups.values() for t in members):
+        numel = target.module.weight.numel()
+        scores = (numel * p.param if gathered else 0) + numel * FP32 + numel * BOOL
+        if scores > peak:
+            peak, name = scores, target.name
+    return stats + peak, name
+
+
 def prepare_bytes(method: str, in_features: int) -> tuple[int, int]:
     """(transient while preparing, kept while the group's linears are pruned): SparseGPT's Cholesky factors."""
     if method != "sparsegpt":
@@ -206,11 +220,15 @@ def plan_pruning(cfg: Pruning, args: LlamaArgs, dims: ParallelDims, parts: list[
     tokens = cfg.batch_size * cfg.seq_len
     gathered = dims.fsdp_enabled or dims.dp_replicate_enabled or dims.tp_enabled
     block_gather, largest_gather = _fsdp_gathers(model, dims, p) if calibrating else (0, 0)
-    stats_peak, forward_peak, prune_peak, prune_note = 0, 0, 0, ""
+    stats_peak, forward_peak, prune_peak, prune_note, count_peak, count_note = 0, 0, 0, "", 0, ""
     for layer, layer_targets in targets.items():
         layer_id = int(layer)
         groups = _groups(layer_targets)
         stats = {g: statistics_bytes(stats_name, members[0].in_features) for g, members in groups.items()}
+        if owl:
+            count, linear = outlier_count_bytes(groups, p, gathered)
+            if count > count_peak:
+                count_peak, count_note = count, f"OWL's outlier count of {linear.split('.', 2)[-1]} (dense pass)"
         if calibrating:
             forward = block_gather + max(
                 block_forward_bytes(args, layer_id, tokens, dims.tp, p,
@@ -230,6 +248,8 @@ def plan_pruning(cfg: Pruning, args: LlamaArgs, dims: ParallelDims, parts: list[
               + (" (+ the block's FSDP all-gather)" if block_gather else ""): stats_peak + forward_peak,
               prune_note: prune_peak,
               "the largest FSDP all-gather (first forward, embedding)": largest_gather}
+    if owl:
+        phases[count_note] = count_peak
     phase_note = max(phases, key=phases.get)
     working = phases[phase_note] - stats_peak
     notes = {
