@@ -1,0 +1,209 @@
+"""Mixture of experts (Qwen3-MoE) as an option of the one decoder, against transformers: logits of a random
+Qwen3MoeForCausalLM, its load-balancing loss, the grouped matmul against the loop, the aux loss's gradient, the
+published flavors' shapes and parameter counts."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func  # noqa: E402
+
+from tests.helpers import hf_family_model  # noqa: E402
+from titan_lite.checkpoint.hf import load_hf_weights  # noqa: E402
+from titan_lite.models.llama import Llama, flavor_args  # noqa: E402
+from titan_lite.models.llama.hf import args_from_hf_config  # noqa: E402
+from titan_lite.models.llama.model import MoE, Routing, grouped_mm, grouped_mm_runs, load_balancing_loss  # noqa: E402
+
+SEQ = 24
+
+
+def tokens(batch: int = 2, vocab: int = 2048) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, SEQ), generator=torch.Generator().manual_seed(7))
+
+
+def load_titan(folder: Path) -> Llama:
+    args = args_from_hf_config(json.loads((folder / "config.json").read_text()))
+    with torch.device("meta"):
+        model = Llama(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=123)
+    load_hf_weights([model], str(folder), args)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """transformers' random Qwen3-MoE (3 layers, layer 1 dense), saved, with its logits and router logits."""
+    folder = tmp_path_factory.mktemp("qwen3_moe")
+    model = hf_family_model("qwen3_moe")
+    model.save_pretrained(folder)
+    with torch.no_grad():
+        out = model(tokens(), output_router_logits=True)
+    return folder, out.logits, out.router_logits
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_logits_equal_transformers_qwen3_moe(tmp_path, norm_topk_prob):
+    """Router, top-k (renormalised or not), grouped experts, the dense layer among MoE ones, per-expert HF keys."""
+    reference = hf_family_model("qwen3_moe", norm_topk_prob=norm_topk_prob)
+    reference.save_pretrained(tmp_path)
+    model = load_titan(tmp_path)
+    assert model.args.moe_layers == [0, 2] and model.args.moe_norm_topk_prob == norm_topk_prob
+    assert not model.layers["1"].moe_enabled and model.layers["0"].moe.experts.w1.shape == (8, 32, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens()), reference(tokens()).logits, atol=1e-5, rtol=0)
+
+
+def test_loop_and_grouped_matmul_give_the_same_logits(saved, monkeypatch):
+    """The CPU takes torch._grouped_mm for these 16-byte-aligned shapes; the loop over experts is the same model."""
+    folder, reference, _ = saved
+    model = load_titan(folder)
+    assert grouped_mm_runs(torch.zeros(1, 64), model.layers["0"].moe.experts.w1)
+    monkeypatch.setattr("titan_lite.models.llama.model.grouped_mm_runs", lambda x, w: False)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens()), reference, atol=1e-5, rtol=0)
+
+
+def test_grouped_matmul_equals_the_loop_forward_and_backward():
+    """Including experts that receive no token, and 30-float rows (not 16-byte aligned: the loop runs)."""
+    counts = torch.tensor([5, 0, 7, 3, 0, 4, 8, 1])
+    for width in (32, 30):
+        x = torch.randn(int(counts.sum()), width, requires_grad=True)
+        weight = torch.randn(8, 24, width, requires_grad=True)
+        assert grouped_mm_runs(x, weight) == (width == 32)
+        out = grouped_mm(x, weight, counts)
+        grads = torch.autograd.grad((out * out).sum(), (x, weight))
+        rows = x.split(counts.tolist())
+        expected = torch.cat([r @ weight[e].T for e, r in enumerate(rows)])
+        expected_grads = torch.autograd.grad((expected * expected).sum(), (x, weight))
+        torch.testing.assert_close(out, expected)
+        for got, want in zip(grads, expected_grads, strict=True):
+            torch.testing.assert_close(got, want)
+
+
+# ------------------------------------------------------------------------------------------ aux loss
+
+
+def router_logits_of(model: Llama, inputs: torch.Tensor) -> list[torch.Tensor]:
+    """Each MoE layer's router logits [tokens, E], captured by forward hooks."""
+    captured = []
+    hooks = [layer.moe.router.gate.register_forward_hook(lambda m, i, o: captured.append(o))
+             for layer in model.layers.values() if layer.moe_enabled]
+    model(inputs)
+    for hook in hooks:
+        hook.remove()
+    return captured
+
+
+def stats_of(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-k assignment counts [E], probability sums [E]) of router logits [tokens, E]."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    routing = Routing.of(probs, *probs.topk(top_k, dim=-1))
+    return routing.counts.float(), probs.sum(0)
+
+
+def test_load_balancing_loss_equals_transformers(saved):
+    """On the same router logits: pooled over layers and tokens as transformers pools them, and per sequence."""
+    folder, _, hf_router_logits = saved
+    model = load_titan(folder)
+    with torch.no_grad():
+        ours = router_logits_of(model, tokens())
+    for mine, theirs in zip(ours, hf_router_logits, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+    stats = [stats_of(logits, 2) for logits in hf_router_logits]
+    pooled = load_balancing_loss(sum(c for c, _ in stats), sum(p for _, p in stats), 2 * 2 * SEQ)
+    expected = load_balancing_loss_func(tuple(hf_router_logits), 8, 2)
+    torch.testing.assert_close(pooled, expected, atol=1e-6, rtol=0)
+    first_sequence = hf_router_logits[0][:SEQ]
+    counts, prob_sums = stats_of(first_sequence, 2)
+    torch.testing.assert_close(load_balancing_loss(counts, prob_sums, SEQ),
+                               load_balancing_loss_func((first_sequence,), 8, 2), atol=1e-6, rtol=0)
+
+
+def test_training_backpropagates_the_aux_loss_of_each_sequence_and_layer():
+    """With aux_loss_scale s on every MoE layer, the gradients are those of loss + s x sum over (sequence, layer) of
+    transformers' load_balancing_loss_func on that sequence's router logits; the step's sums record the loss and the
+    load, and activation checkpointing's recompute does not count them twice."""
+    from titan_lite.config.schema import ActivationCheckpoint
+    from titan_lite.parallel.activation_checkpoint import apply_ac
+
+    args = flavor_args("tiny_moe")
+    model = Llama(args)
+    model.init_weights(seed=5)
+    inputs, scale = tokens(3), 0.37
+    params = [p for p in model.parameters()]
+
+    logits_per_layer = router_logits_of(model, inputs)
+    aux_terms = [load_balancing_loss_func((layer[b * SEQ:(b + 1) * SEQ],), 8, 2)
+                 for layer in logits_per_layer for b in range(3)]
+    model.zero_grad()
+    (model(inputs).square().mean() + scale * sum(aux_terms)).backward()
+    expected = [p.grad.clone() for p in params]
+
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe in moes:
+        moe.aux_loss_scale = scale
+        moe.reset_stats()
+    model.zero_grad()
+    model.train()
+    apply_ac(model, ActivationCheckpoint(mode="full"))  # every block's forward runs again inside the backward
+    model(inputs).square().mean().backward()
+    for p, want in zip(params, expected, strict=True):
+        torch.testing.assert_close(p.grad, want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(sum(m.aux_loss_sum for m in moes), sum(aux_terms).detach(), atol=1e-6, rtol=0)
+    assert [int(m.tokens_per_expert.sum()) for m in moes] == [3 * SEQ * 2] * len(moes)
+
+
+# ------------------------------------------------------------------------------------------ flavors
+
+
+PUBLISHED = {
+    "qwen3_30B_A3B": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4),
+    "qwen3_235B_A22B": dict(hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                            num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4),
+}
+
+
+@pytest.mark.parametrize("flavor", PUBLISHED)
+def test_published_qwen3_moe_configs_are_the_flavors(flavor, tmp_path):
+    """The Hub's config.json keys of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B."""
+    from titan_lite.models.llama.hf import flavor_of_hf_config
+
+    config = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=128, vocab_size=151936,
+                  num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                  mlp_only_layers=[], router_aux_loss_coef=0.001, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                  max_position_embeddings=40960, tie_word_embeddings=False, hidden_act="silu",
+                  use_sliding_window=False, **PUBLISHED[flavor])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert flavor_of_hf_config(tmp_path / "config.json") == flavor
+
+
+@pytest.mark.parametrize("flavor, total, active", [("qwen3_30B_A3B", 30_532_122_624, 3_353_032_704),
+                                                   ("qwen3_235B_A22B", 235_093_634_560, 22_190_763_520)])
+def test_qwen3_moe_parameter_counts(flavor, total, active):
+    """Qwen's published 30.5B total / 3.3B active and 235B / 22B."""
+    args = flavor_args(flavor)
+    with torch.device("meta"):
+        model = Llama(args)
+    assert model.num_params() == total
+    assert model.num_params() - args.inactive_param_count() == active
+
+
+def test_moe_init_is_by_name_and_seeded():
+    """Each expert weight is drawn whole from its own name's generator: the same init whatever the layout; the
+    residual-output projections (w2, w3) are scaled down with depth like the dense ones."""
+    args = flavor_args("tiny_moe")
+    first, second = Llama(args), Llama(args)
+    first.init_weights(seed=1)
+    second.init_weights(seed=1)
+    for (name, a), b in zip(first.named_parameters(), second.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    experts = first.layers["3"].moe.experts
+    assert experts.w1.std().item() == pytest.approx(0.02 * 0.88, rel=0.1)  # trunc_normal at 2 std: std x 0.88
+    assert experts.w2.std().item() == pytest.approx(0.02 / 8 ** 0.5 * 0.88, rel=0.1)
+    assert not torch.equal(experts.w1[0], experts.w1[1])
