@@ -3,6 +3,7 @@ Qwen3MoeForCausalLM, its load-balancing loss, the grouped matmul against the loo
 published flavors' shapes and parameter counts."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -207,3 +208,93 @@ def test_moe_init_is_by_name_and_seeded():
     assert experts.w1.std().item() == pytest.approx(0.02 * 0.88, rel=0.1)  # trunc_normal at 2 std: std x 0.88
     assert experts.w2.std().item() == pytest.approx(0.02 / 8 ** 0.5 * 0.88, rel=0.1)
     assert not torch.equal(experts.w1[0], experts.w1[1])
+
+
+# ------------------------------------------------------------------------------------------ HF folders
+
+
+def safetensors_of(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_hf_round_trip_is_byte_identical_and_exports_the_same_class(family, tmp_path):
+    """transformers' folder -> hf-to-dcp -> dcp-to-hf: the same per-expert tensors under the same names, the same
+    model_type; transformers' class loads the export with the same logits (Mixtral: block_sparse_moe.experts.{j}.w1
+    names, a window shorter than the sequence)."""
+    from tests.test_hf import load_script
+
+    reference = hf_family_model(family)
+    reference.save_pretrained(tmp_path / "source")
+    with torch.no_grad():
+        expected = reference(tokens()).logits
+    torch.testing.assert_close(load_titan(tmp_path / "source")(tokens()), expected, atol=1e-5, rtol=0)
+    convert = load_script("convert_checkpoint")
+    assert convert.main(["hf-to-dcp", str(tmp_path / "source"), str(tmp_path / "dcp")]) == 0
+    assert convert.main(["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--hf_config",
+                         str(tmp_path / "source" / "config.json")]) == 0
+    original, back = safetensors_of(tmp_path / "source"), safetensors_of(tmp_path / "hf")
+    assert sorted(back) == sorted(original)
+    assert any(".experts.7." in name for name in back)
+    for name, tensor in original.items():
+        assert torch.equal(back[name], tensor), name
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(exported).__name__ == type(reference).__name__
+    with torch.no_grad():
+        torch.testing.assert_close(exported(tokens()).logits, expected, atol=1e-5, rtol=0)
+
+
+def test_titan_moe_exports_to_qwen3_moe_with_the_same_logits(tmp_path):
+    from titan_lite.checkpoint.hf import write_hf_folder
+
+    args = flavor_args("tiny_moe")
+    model = Llama(args)
+    model.init_weights(seed=2)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())))
+    write_hf_folder(dict(model.named_parameters()), args, str(tmp_path / "hf"), torch.float32)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["num_experts"], config["mlp_only_layers"], config["norm_topk_prob"]) == (8, [1], True)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(exported).__name__ == "Qwen3MoeForCausalLM"
+    with torch.no_grad():
+        torch.testing.assert_close(exported(tokens()).logits, model.eval()(tokens()), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"num_experts_per_tok": 9}, "'num_experts_per_tok' is 9; expected 1 to num_experts = 8"),
+    ({"model_type": "mixtral", "router_jitter_noise": 0.1, "num_local_experts": 8},
+     "'router_jitter_noise' is 0.1; titan_lite's MixtralForCausalLM supports only 0"),
+])
+def test_moe_configs_titan_lite_cannot_represent_are_one_line(overrides, message):
+    from titan_lite.errors import ConfigError
+    from titan_lite.models.llama.hf import args_to_hf_config
+
+    config = {**args_to_hf_config(flavor_args("tiny_moe"), torch.float32), **overrides}
+    with pytest.raises(ConfigError) as exc:
+        args_from_hf_config(config, source="config.json")
+    assert str(exc.value) == f"config.json: {message}"
+
+
+def test_a_moe_model_cannot_be_written_as_a_dense_family_or_mixtral_with_dense_layers():
+    from titan_lite.errors import ConfigError
+    from titan_lite.models.llama.hf import args_to_hf_config
+
+    args = flavor_args("tiny_moe")
+    with pytest.raises(ConfigError, match="8 experts cannot be written as a Qwen3ForCausalLM, which has none"):
+        args_to_hf_config(replace(args, family="qwen3"), torch.float32)
+    with pytest.raises(ConfigError, match=r"MoE layers = \[0, 2, 3\] cannot be written as a MixtralForCausalLM"):
+        args_to_hf_config(replace(args, family="mixtral", qk_norm=False), torch.float32)
+
+
+def test_mixtral_8x7b_parameter_counts():
+    """Mistral's published 46.7B total, 12.9B active."""
+    args = flavor_args("mixtral_8x7B")
+    with torch.device("meta"):
+        model = Llama(args)
+    assert (round(model.num_params() / 1e9, 2), round((model.num_params() - args.inactive_param_count()) / 1e9, 2)) \
+        == (46.70, 12.88)

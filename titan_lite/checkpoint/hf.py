@@ -125,11 +125,11 @@ def _locate_checked(name: str, args: LlamaArgs, files: dict[str, Path], reader: 
     return source, path
 
 
-def _expert_sources(name: str, files: dict[str, Path], reader: SafetensorsReader, folder: str | Path,
+def _expert_sources(name: str, args: LlamaArgs, files: dict[str, Path], reader: SafetensorsReader, folder: str | Path,
                     expected_shape: torch.Size | list[int], names: HFNames) -> list[tuple[str, Path]]:
     """(HF name, file) of each expert's tensor of a grouped weight [E, ...], checked for presence and shape."""
     out = []
-    for source in names.to_hf_experts(name, expected_shape[0]):
+    for source in names.for_family(args.family).to_hf_experts(name, expected_shape[0]):
         if source not in files:
             raise ConfigError(f"{folder}: tensor '{source}' (expert of titan_lite '{name}') is missing from the "
                               "checkpoint")
@@ -147,7 +147,7 @@ def read_titan_tensor(name: str, args: LlamaArgs, files: dict[str, Path], reader
     """One parameter in titan_lite layout, read from the HF folder and checked for presence and shape (a grouped
     expert weight stacked from its experts' tensors)."""
     if names.is_grouped(name):
-        sources = _expert_sources(name, files, reader, folder, expected_shape, names)
+        sources = _expert_sources(name, args, files, reader, folder, expected_shape, names)
         return torch.stack([reader.tensor(path, source) for source, path in sources])
     source, path = _locate_checked(name, args, files, reader, folder, expected_shape, names)
     return tensor_from_hf(name, reader.tensor(path, source), args)
@@ -155,7 +155,8 @@ def read_titan_tensor(name: str, args: LlamaArgs, files: dict[str, Path], reader
 
 def check_no_unexpected_tensors(files: dict[str, Path], args: LlamaArgs, folder: str | Path) -> None:
     """ConfigError when the checkpoint holds a tensor the model has no place for (e.g. more layers or experts)."""
-    known = {hf for name in expected_shapes(args) for hf in LLAMA_NAMES.hf_names_of(name, args.n_experts)}
+    names = LLAMA_NAMES.for_family(args.family)
+    known = {hf for name in expected_shapes(args) for hf in names.hf_names_of(name, args.n_experts)}
     known.add(hf_name("output.weight"))
     for name in sorted(files):
         if name not in known and not name.endswith("rotary_emb.inv_freq"):
@@ -187,7 +188,7 @@ def check_hf_folder(folder: str, args: LlamaArgs) -> None:
     with SafetensorsReader() as reader:
         for name, shape in expected_shapes(args).items():
             if LLAMA_NAMES.is_grouped(name):
-                _expert_sources(name, files, reader, folder, shape, LLAMA_NAMES)
+                _expert_sources(name, args, files, reader, folder, shape, LLAMA_NAMES)
             else:
                 _locate_checked(name, args, files, reader, folder, shape)
 

@@ -158,6 +158,10 @@ FLAVORS: dict[str, LlamaArgs] = {
                             norm_eps=1e-6, **_QWEN2),
     "qwen2.5_72B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=152064, ffn_dim=29568,
                              norm_eps=1e-5, **_QWEN2),
+    # mistralai/Mixtral-8x7B-v0.1: 8 experts of width 14336 in every layer, top 2 (46.70B parameters, 12.88B active).
+    "mixtral_8x7B": LlamaArgs(family="mixtral", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
+                              ffn_dim=14336, rope_theta=1000000.0, n_experts=8, moe_top_k=2, moe_ffn_dim=14336,
+                              moe_norm_topk_prob=True, router_aux_loss_coef=0.02),
     # Mistral 7B v0.3 (and v0.2's shape with vocab 32768); v0.1 attends to a sliding window of 4096 positions.
     "mistral_7B": LlamaArgs(vocab_size=32768, rope_theta=1000000.0, **_MISTRAL),
     "mistral_7B_v0.1": LlamaArgs(vocab_size=32000, rope_theta=10000.0, sliding_window=4096, **_MISTRAL),

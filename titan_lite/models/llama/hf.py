@@ -38,6 +38,13 @@ _EXPERT_NAMES = {
     "moe.experts.w3": "mlp.experts.{j}.up_proj.weight",
     "moe.experts.w2": "mlp.experts.{j}.down_proj.weight",
 }
+# Layer suffixes a family's files spell differently from Qwen3-MoE's (the names above).
+_FAMILY_SUFFIXES = {
+    "mixtral": {"mlp.gate.weight": "block_sparse_moe.gate.weight",
+                "mlp.experts.{j}.gate_proj.weight": "block_sparse_moe.experts.{j}.w1.weight",
+                "mlp.experts.{j}.up_proj.weight": "block_sparse_moe.experts.{j}.w3.weight",
+                "mlp.experts.{j}.down_proj.weight": "block_sparse_moe.experts.{j}.w2.weight"},
+}
 _TOP_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -118,6 +125,14 @@ class HFNames:
         """Every HF name a titan_lite parameter is written as: one, or one per expert."""
         return self.to_hf_experts(name, n_experts) if self.is_grouped(name) else [self.to_hf(name)]
 
+    def for_family(self, family: str) -> "HFNames":
+        """These names as a family's files spell them (Mixtral: block_sparse_moe.experts.{j}.w1, ...)."""
+        renamed = _FAMILY_SUFFIXES.get(family)
+        if not renamed:
+            return self
+        return replace(self, layer={t: renamed.get(h, h) for t, h in self.layer.items()},
+                       experts={t: renamed.get(h, h) for t, h in self.experts.items()})
+
 
 LLAMA_NAMES = HFNames()  # the plain Llama's names; extend a copy (HFNames()), never this one
 
@@ -134,6 +149,7 @@ def titan_name(name: str) -> str:
 
 def hf_source_names(name: str, args: LlamaArgs, names: HFNames = LLAMA_NAMES) -> list[str]:
     """HF names a titan_lite parameter may be read from, preferred first (a tied head falls back to the embedding)."""
+    names = names.for_family(args.family)
     sources = [names.to_hf(name)]
     if name == "output.weight" and args.tie_word_embeddings:
         sources.append(names.to_hf("tok_embeddings.weight"))
@@ -189,34 +205,34 @@ def _converted_name(convert, name: str) -> str:
 def to_hf_state_dict(sd: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tensor]:
     """titan_lite names and layout -> HF; lm_head.weight is omitted when the embeddings are tied; grouped expert
     weights become one tensor per expert."""
-    out = {}
+    out, names = {}, LLAMA_NAMES.for_family(args.family)
     for name, tensor in sd.items():
         if name == "output.weight" and args.tie_word_embeddings:
             continue
-        if LLAMA_NAMES.is_grouped(name):
-            out.update(zip(LLAMA_NAMES.to_hf_experts(name, tensor.shape[0]), tensor.unbind(0), strict=True))
+        if names.is_grouped(name):
+            out.update(zip(names.to_hf_experts(name, tensor.shape[0]), tensor.unbind(0), strict=True))
             continue
-        out[_converted_name(hf_name, name)] = tensor_to_hf(name, tensor, args)
+        out[_converted_name(names.to_hf, name)] = tensor_to_hf(name, tensor, args)
     return out
 
 
 def from_hf_state_dict(sd: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tensor]:
     """HF names and layout -> titan_lite; a tied model gets output.weight from the embedding when it is absent;
     per-expert tensors are stacked into their grouped weight."""
-    out, experts = {}, {}
+    out, experts, names = {}, {}, LLAMA_NAMES.for_family(args.family)
     for name, tensor in sd.items():
         if name.endswith("rotary_emb.inv_freq"):  # a buffer some older checkpoints saved
             continue
-        expert = LLAMA_NAMES.expert_of_hf(name)
+        expert = names.expert_of_hf(name)
         if expert is not None:
             experts.setdefault(expert[0], {})[expert[1]] = tensor
             continue
-        titan = _converted_name(titan_name, name)
+        titan = _converted_name(names.to_titan, name)
         out[titan] = tensor_from_hf(titan, tensor, args)
     for titan, tensors in experts.items():
         if sorted(tensors) != list(range(len(tensors))):
             missing = sorted(set(range(max(tensors) + 1)) - set(tensors))
-            raise ConfigError(f"tensor '{LLAMA_NAMES.to_hf_experts(titan, missing[0] + 1)[-1]}' is missing")
+            raise ConfigError(f"tensor '{names.to_hf_experts(titan, missing[0] + 1)[-1]}' is missing")
         out[titan] = torch.stack([tensors[j] for j in range(len(tensors))])
     if args.tie_word_embeddings and "output.weight" not in out and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"]
@@ -241,8 +257,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 # Each family's architecture and the config.json keys of its own an export writes (its options are set by the args).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "mistral": "MistralForCausalLM"}
-MOE_FAMILIES = ("qwen3_moe",)
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
+WINDOW_FAMILIES = ("mistral", "mixtral")
 
 
 def _family_keys(args: LlamaArgs) -> dict:
@@ -253,6 +270,11 @@ def _family_keys(args: LlamaArgs) -> dict:
         "qwen3": {"attention_bias": False, **no_window},
         "qwen3_moe": {"attention_bias": False, **no_window, **_moe_keys(args)},
         "mistral": {"sliding_window": args.sliding_window},
+        # Mixtral: every layer MoE, intermediate_size the experts' width
+        "mixtral": {"sliding_window": args.sliding_window, "intermediate_size": args.moe_ffn_dim,
+                    "num_local_experts": args.n_experts, "num_experts_per_tok": args.moe_top_k,
+                    "router_aux_loss_coef": args.router_aux_loss_coef, "router_jitter_noise": 0.0,
+                    "output_router_logits": False},
     }[args.family]
 
 
@@ -275,9 +297,22 @@ def check_family_options(args: LlamaArgs, source: str = "model args") -> None:
     if args.n_experts and args.family not in MOE_FAMILIES:
         raise ConfigError(f"{source}: {args.n_experts} experts cannot be written as a {ARCHITECTURES[args.family]}, "
                           f"which has none; MoE families: {', '.join(MOE_FAMILIES)}")
-    if args.sliding_window is not None and args.family != "mistral":
-        raise ConfigError(f"{source}: a sliding window is written only as a MistralForCausalLM, not a "
-                          f"{ARCHITECTURES[args.family]}")
+    if args.family == "mixtral":
+        _check_mixtral_options(args, source)
+    if args.sliding_window is not None and args.family not in WINDOW_FAMILIES:
+        raise ConfigError(f"{source}: a sliding window is written only as a MistralForCausalLM or "
+                          f"MixtralForCausalLM, not a {ARCHITECTURES[args.family]}")
+
+
+def _check_mixtral_options(args: LlamaArgs, source: str) -> None:
+    """MixtralForCausalLM: every layer MoE of one width, the top-k weights always renormalised."""
+    differs = {"moe_norm_topk_prob": (args.moe_norm_topk_prob, True),
+               "MoE layers": (args.moe_layers, list(range(args.n_layers))),
+               "moe_ffn_dim": (args.moe_ffn_dim, args.ffn_dim)}
+    for option, (ours, mixtral) in differs.items():
+        if ours != mixtral:
+            raise ConfigError(f"{source}: {option} = {ours} cannot be written as a MixtralForCausalLM, which has "
+                              f"{mixtral}")
 
 
 def args_to_hf_config(args: LlamaArgs, dtype: torch.dtype) -> dict:
@@ -349,12 +384,13 @@ def _family_options(cfg: dict, model_type: str, source: str) -> dict:
         _expect(cfg, "mlp_bias", (False,), source)
         return {}
     layer_types = cfg.get("layer_types") or []
-    if model_type == "mistral":
+    if model_type in WINDOW_FAMILIES:
         if len(set(layer_types)) > 1:
-            raise ConfigError(f"{source}: 'layer_types' mixes {sorted(set(layer_types))}; titan_lite's Mistral "
-                              "attends the same way in every layer")
+            raise ConfigError(f"{source}: 'layer_types' mixes {sorted(set(layer_types))}; titan_lite's "
+                              f"{ARCHITECTURES[model_type]} attends the same way in every layer")
         window = cfg.get("sliding_window")
-        return {"sliding_window": int(window) if window is not None else None}
+        moe = _mixtral_options(cfg, source) if model_type == "mixtral" else {}
+        return {"sliding_window": int(window) if window is not None else None, **moe}
     # qwen2 / qwen3: a window applies only to the layers from max_window_layers on, when use_sliding_window is set.
     if cfg.get("use_sliding_window"):
         raise ConfigError(f"{source}: 'use_sliding_window' is true (sliding windows in the layers from "
@@ -370,6 +406,19 @@ def _family_options(cfg: dict, model_type: str, source: str) -> dict:
         _expect(cfg, "attention_bias", (False,), source)
         return {"qk_norm": True, **_moe_options(cfg, source)}
     return {"qkv_bias": True}
+
+
+def _mixtral_options(cfg: dict, source: str) -> dict:
+    """The MoE LlamaArgs of a Mixtral config.json: every layer routed, top-k renormalised, experts of
+    intermediate_size; router jitter (training noise on the router's input) is not supported."""
+    _expect(cfg, "router_jitter_noise", (0, 0.0), source)
+    n_experts = int(_require(cfg, "num_local_experts", source))
+    top_k = int(_require(cfg, "num_experts_per_tok", source))
+    if not 0 < top_k <= n_experts:
+        raise ConfigError(f"{source}: 'num_experts_per_tok' is {top_k}; expected 1 to num_local_experts = "
+                          f"{n_experts}")
+    return {"n_experts": n_experts, "moe_top_k": top_k, "moe_ffn_dim": int(_require(cfg, "intermediate_size", source)),
+            "moe_norm_topk_prob": True, "router_aux_loss_coef": float(cfg.get("router_aux_loss_coef", 0.001))}
 
 
 def _moe_options(cfg: dict, source: str) -> dict:
