@@ -343,6 +343,7 @@ def prune_structured(opts: argparse.Namespace) -> None:
     plan, device = start_job(cfg)
     check_taylor_layout(plan.parallel_dims)
     args = plan.model_args
+    check_dense(args, "taylor_structured")
     built = assemble_model(plan, device, load=hf_weight_loader(plan, opts.hf_assets_path))
     batches = calibration_batches(opts, plan, device)
     baseline = [t for part in built.parts for t in (*part.parameters(), *part.buffers())]
@@ -411,6 +412,7 @@ def estimate_depth(opts: argparse.Namespace) -> None:
     cfg = depth_config(opts, "cuda")
     plan = plan_job(cfg, opts.ngpu)
     check_depth_layout(plan.parallel_dims)
+    check_dense(plan.model_args, "depth")
     check_removal_count(opts, plan.model_args.n_layers)
     capacity = device_memory_gib(cfg)
     scoring = depth_plan(plan, cfg, opts)
@@ -418,6 +420,13 @@ def estimate_depth(opts: argparse.Namespace) -> None:
           f"{opts.nsamples} x {opts.seq_len} calibration tokens in batches of {opts.batch_size}; "
           f"{plan.parallel_dims.describe()}; {cfg.training.dtype}")
     print_pass_plan(scoring, capacity, scoring.advice)
+
+
+def check_dense(args: LlamaArgs, method: str) -> None:
+    """depth and taylor_structured materialise dense feed-forwards: one line for a mixture of experts."""
+    if args.n_experts:
+        raise ConfigError(f"--method {method} writes models whose feed-forwards are dense; this {args.family} model "
+                          f"routes {len(args.moe_layers)} layers to experts: remove experts with --method reap")
 
 
 def check_removal_count(opts: argparse.Namespace, n_layers: int) -> None:
@@ -453,6 +462,7 @@ def prune_depth(opts: argparse.Namespace) -> None:
     plan, device = start_job(cfg)
     check_depth_layout(plan.parallel_dims)
     args = plan.model_args
+    check_dense(args, "depth")
     check_removal_count(opts, args.n_layers)
     built = assemble_model(plan, device, load=hf_weight_loader(plan, opts.hf_assets_path))
     if is_rank0():

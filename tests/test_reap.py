@@ -154,6 +154,8 @@ def test_frequency_scores_the_share_of_routed_tokens(scaled_folder, tmp_path, ca
     ([], "error: --method reap needs --expert_ratio R: the fraction of every MoE layer's experts removed"),
     (["--expert_ratio", "0.5", "--method", "wanda"], "error: --expert_ratio and --expert_score apply to --method reap, "
      "not wanda"),
+    (["--method", "depth", "--remove_layers", "1"], "error: --method depth writes models whose feed-forwards are "
+     "dense; this qwen3_moe model routes 2 layers to experts: remove experts with --method reap"),
 ])
 def test_bad_reap_input_is_one_line(scaled_folder, tmp_path, capsys, argv, message):
     base = ["--hf_assets_path", str(scaled_folder), "--output_dir", str(tmp_path / "out"), "--method", "reap"]
