@@ -54,6 +54,11 @@ LAYOUTS = {
     "qlora": ("none", 1, ["--model.converters", "lora", "--lora.rank", "16", "--lora.alpha", "32",
                           "--lora.base_dtype", "nf4"]),
     "float8": ("none", 1, ["--model.converters", "quantize.linear.float8"]),
+    # MoE shapes: LoRA on attention and every expert (train_configs/qwen3_30b_a3b_lora.toml's targets), 1 and 2 ranks
+    "lora_experts": ("none", 1, ["--model.converters", "lora", "--lora.rank", "16", "--lora.alpha", "32",
+                                 "--lora.target_modules", "q_proj,k_proj,v_proj,o_proj,experts"]),
+    "lora_experts_fsdp2": ("full", 2, ["--model.converters", "lora", "--lora.rank", "16", "--lora.alpha", "32",
+                                       "--lora.target_modules", "q_proj,k_proj,v_proj,o_proj,experts"]),
 }
 CASES = [*LAYOUTS, "wanda"]
 # The default: one shape, one process and two, a transform (about a minute on 2 idle cores); --all runs the rest.
