@@ -36,8 +36,10 @@ class Shape:
 
 
 # debugmodel: the layouts SmolLM2-135M cannot take (TP 2 of its 9 heads; PP of its tied embeddings)
+# tiny_moe and debugmodel_moe: Qwen3-MoE's structure (q/k norms, routed experts), the CPU twins of its configs
 SHAPES = {"tiny": Shape("tiny", 64, 2), "smollm2_135M": Shape("smollm2_135M", 512, 2),
-          "debugmodel": Shape("debugmodel", 512, 2)}
+          "debugmodel": Shape("debugmodel", 512, 2), "tiny_moe": Shape("tiny_moe", 64, 2),
+          "debugmodel_moe": Shape("debugmodel_moe", 256, 2)}
 
 # name -> (AC mode, processes, overrides); fp32 throughout (what a CPU computes in)
 LAYOUTS = {
@@ -52,6 +54,11 @@ LAYOUTS = {
     "qlora": ("none", 1, ["--model.converters", "lora", "--lora.rank", "16", "--lora.alpha", "32",
                           "--lora.base_dtype", "nf4"]),
     "float8": ("none", 1, ["--model.converters", "quantize.linear.float8"]),
+    # MoE shapes: LoRA on attention and every expert (train_configs/qwen3_30b_a3b_lora.toml's targets), 1 and 2 ranks
+    "lora_experts": ("none", 1, ["--model.converters", "lora", "--lora.rank", "16", "--lora.alpha", "32",
+                                 "--lora.target_modules", "q_proj,k_proj,v_proj,o_proj,experts"]),
+    "lora_experts_fsdp2": ("full", 2, ["--model.converters", "lora", "--lora.rank", "16", "--lora.alpha", "32",
+                                       "--lora.target_modules", "q_proj,k_proj,v_proj,o_proj,experts"]),
 }
 CASES = [*LAYOUTS, "wanda"]
 # The default: one shape, one process and two, a transform (about a minute on 2 idle cores); --all runs the rest.

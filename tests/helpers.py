@@ -86,6 +86,12 @@ HF_FAMILY_SHAPES = {
     "qwen2": dict(rope_theta=1000000.0),
     "qwen3": dict(head_dim=32, tie_word_embeddings=True, rope_theta=1000000.0),
     "mistral": dict(sliding_window=8),
+    # 8 experts of width 32, top 2 renormalised, layer 1 dense (mlp_only_layers): every MoE option in 3 layers
+    "qwen3_moe": dict(head_dim=32, rope_theta=1000000.0, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
+    # Mixtral: every layer MoE, intermediate_size the experts' width; a window shorter than the tests' sequences
+    "mixtral": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, rope_theta=1000000.0,
+                    sliding_window=8),
 }
 
 
@@ -96,11 +102,13 @@ def hf_family_model(family: str, seed: int = 0, vocab_size: int = 2048, **overri
 
     classes = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
                "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}
+               "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+               "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM)}
     config_class, model_class = classes[family]
     kwargs = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=vocab_size, rms_norm_eps=1e-6, max_position_embeddings=128,
-                  **HF_FAMILY_SHAPES[family])
+                  num_key_value_heads=2, vocab_size=vocab_size, rms_norm_eps=1e-6, max_position_embeddings=128)
+    kwargs.update(HF_FAMILY_SHAPES[family])
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = model_class(config_class(**kwargs)).eval()

@@ -126,17 +126,39 @@ def _locate_checked(name: str, args: LlamaArgs, files: dict[str, Path], reader: 
     return source, path
 
 
+def _expert_sources(name: str, args: LlamaArgs, files: dict[str, Path], reader: SafetensorsReader, folder: str | Path,
+                    expected_shape: torch.Size | list[int], names: HFNames) -> list[tuple[str, Path]]:
+    """(HF name, file) of each expert's tensor of a grouped weight [E, ...], checked for presence and shape."""
+    out = []
+    for source in names.for_family(args.family).to_hf_experts(name, expected_shape[0]):
+        if source not in files:
+            raise ConfigError(f"{folder}: tensor '{source}' (expert of titan_lite '{name}') is missing from the "
+                              "checkpoint")
+        shape = reader.shape(files[source], source)
+        if list(shape) != list(expected_shape[1:]):
+            raise ConfigError(f"{files[source]}: tensor '{source}' has shape {list(shape)}, expected "
+                              f"{list(expected_shape[1:])} (an expert of titan_lite '{name}')")
+        out.append((source, files[source]))
+    return out
+
+
 def read_titan_tensor(name: str, args: LlamaArgs, files: dict[str, Path], reader: SafetensorsReader,
                       folder: str | Path, expected_shape: torch.Size | list[int],
                       names: HFNames = LLAMA_NAMES) -> Tensor:
-    """One parameter in titan_lite layout, read from the HF folder and checked for presence and shape."""
+    """One parameter in titan_lite layout, read from the HF folder and checked for presence and shape (a grouped
+    expert weight stacked from its experts' tensors)."""
+    if names.is_grouped(name):
+        sources = _expert_sources(name, args, files, reader, folder, expected_shape, names)
+        return torch.stack([reader.tensor(path, source) for source, path in sources])
     source, path = _locate_checked(name, args, files, reader, folder, expected_shape, names)
     return tensor_from_hf(name, reader.tensor(path, source), args)
 
 
 def check_no_unexpected_tensors(files: dict[str, Path], args: LlamaArgs, folder: str | Path) -> None:
-    """ConfigError when the checkpoint holds a tensor the model has no place for (e.g. more layers)."""
-    known = {hf_name(name) for name in expected_shapes(args)} | {hf_name("output.weight")}
+    """ConfigError when the checkpoint holds a tensor the model has no place for (e.g. more layers or experts)."""
+    names = LLAMA_NAMES.for_family(args.family)
+    known = {hf for name in expected_shapes(args) for hf in names.hf_names_of(name, args.n_experts)}
+    known.add(hf_name("output.weight"))
     for name in sorted(files):
         if name not in known and not name.endswith("rotary_emb.inv_freq"):
             raise ConfigError(f"{files[name]}: tensor '{name}' has no counterpart in the model "
@@ -166,7 +188,10 @@ def check_hf_folder(folder: str, args: LlamaArgs) -> None:
     check_no_unexpected_tensors(files, args, folder)
     with SafetensorsReader() as reader:
         for name, shape in expected_shapes(args).items():
-            _locate_checked(name, args, files, reader, folder, shape)
+            if LLAMA_NAMES.is_grouped(name):
+                _expert_sources(name, args, files, reader, folder, shape, LLAMA_NAMES)
+            else:
+                _locate_checked(name, args, files, reader, folder, shape)
 
 
 def read_hf_folder(folder: str, args: LlamaArgs) -> dict[str, Tensor]:

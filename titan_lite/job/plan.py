@@ -70,10 +70,16 @@ class JobPlan:
         return self.meta_model().num_params()
 
     def frozen_matmul_param_count(self) -> int:
-        """Frozen parameters other than the (untied) embedding lookup: they cost no weight gradient."""
+        """Frozen parameters other than the (untied) embedding lookup: they cost no weight gradient. Of frozen
+        experts only the share a token runs counts (top-k of E)."""
         model = self.meta_model()
-        lookup = "" if self.model_args.tie_word_embeddings else "tok_embeddings.weight"
-        return sum(p.numel() for n, p in model.named_parameters() if not p.requires_grad and n != lookup)
+        args = self.model_args
+        lookup = "" if args.tie_word_embeddings else "tok_embeddings.weight"
+        return sum(p.numel() * args.moe_top_k // args.n_experts if n.endswith(EXPERT_WEIGHTS) else p.numel()
+                   for n, p in model.named_parameters() if not p.requires_grad and n != lookup)
+
+
+EXPERT_WEIGHTS = ("moe.experts.w1", "moe.experts.w2", "moe.experts.w3")
 
 
 def tokenizer_path(cfg: JobConfig) -> str:
@@ -99,10 +105,14 @@ def flavor_or_hf_args(cfg: JobConfig) -> LlamaArgs:
     return apply_rope_settings(args, cfg.model.rope)
 
 
+MOE_FAMILY_OF = {"qwen3": "qwen3_moe", "mistral": "mixtral"}
+
+
 def check_model_name(name: str, flavor: str, args: LlamaArgs) -> None:
     """model.name qwen3, qwen2 or mistral must name a flavor of that family: torchtitan's Qwen3 TOMLs call Qwen3 8B
-    '8B', which is titan_lite's Llama 3.1 8B (a llama name is the default, so it is not checked)."""
-    if name in ("qwen3", "qwen2", "mistral") and args.family != name:
+    '8B', which is titan_lite's Llama 3.1 8B (a llama name is the default, so it is not checked). Their mixtures of
+    experts count as the family (torchtitan's qwen3 trains Qwen3-MoE)."""
+    if name in ("qwen3", "qwen2", "mistral") and args.family not in (name, MOE_FAMILY_OF.get(name)):
         own = [f for f, a in FLAVORS.items() if a.family == name and not f.startswith("tiny")]
         raise ConfigError(f"'model.name' = '{name}' but 'model.flavor' = '{flavor}' is a {args.family} model; "
                           f"the {name} flavors are {', '.join(own)} (or 'hf' with a {name} config.json)")
@@ -131,12 +141,25 @@ def build_model_args(cfg: JobConfig, vocab_size: int | None, transforms: Transfo
     args = flavor_or_hf_args(cfg)
     args.attn_type = cfg.model.attn_type or args.attn_type
     args.attn_mask_type = cfg.model.attn_mask_type or args.attn_mask_type
+    if cfg.model.router_aux_loss_coef is not None:
+        args.router_aux_loss_coef = checked_aux_loss_coef(cfg.model.router_aux_loss_coef, args, cfg.model.flavor)
     args.max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0,
                            transforms.sequence_length() if transforms is not None else 0)
     if vocab_size is not None and vocab_size > args.vocab_size:
         raise ConfigError(f"the tokenizer at '{tokenizer_path(cfg)}' has {vocab_size} tokens but flavor "
                           f"'{cfg.model.flavor}' has vocab_size {args.vocab_size}")
     return args
+
+
+def checked_aux_loss_coef(coef: float, args: LlamaArgs, flavor: str) -> float:
+    """[model] router_aux_loss_coef: non-negative, and only for a model with experts (no silent no-op)."""
+    if not args.n_experts:
+        raise ConfigError(f"'model.router_aux_loss_coef' = {coef} has no effect: flavor '{flavor}' is a dense "
+                          f"{args.family} model without experts; drop the setting")
+    if coef < 0:
+        raise ConfigError(f"'model.router_aux_loss_coef' = {coef} must be at least 0 (0 turns the load-balancing loss "
+                          "off)")
+    return coef
 
 
 def gradient_accumulation_steps(cfg: JobConfig, dp_degree: int) -> int:

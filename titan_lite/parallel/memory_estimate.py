@@ -31,6 +31,25 @@ class ActivationShape:
     # Packed documents (attn_mask_type block_causal): "sdpa" (an additive mask in the compute dtype), "spans" (eager
     # CPU: causal attention per document, no mask) or "flex" (FlexAttention's block mask, CUDA); None: causal.
     document_mask: str | None = None
+    ep: int = 1  # expert parallel degree: an MoE layer's experts split over this many ranks
+
+
+def routed_rows(args: LlamaArgs, tokens: int, ep: int = 1) -> int:
+    """The worst case of the (token, expert) rows one rank's experts compute in one MoE layer: every token's top-k
+    choices (token choice drops none, so without EP exactly tokens x k, however unbalanced); under EP a rank can
+    receive every EP rank's tokens, each at most min(k, experts per rank) times."""
+    return tokens * ep * min(args.moe_top_k, args.n_experts // ep)
+
+
+def moe_bytes(args: LlamaArgs, s: ActivationShape) -> int:
+    """What an MoE feed-forward keeps for backward for one microbatch (router and experts see the whole gathered
+    sequence: under TP every rank routes all of it, the experts being replicated): the router's input, logits and
+    float32 probabilities, the top-k weights and ids; the routed rows' inputs, their w1, w3, silu and product
+    outputs, the expert outputs the gate weights multiply; the sorting indices."""
+    c, tokens, rows = s.compute_bytes, s.tokens, routed_rows(args, s.tokens, s.ep)
+    router = tokens * args.dim * c + tokens * args.n_experts * (c + FP32) + tokens * args.moe_top_k * (c + 8)
+    experts = rows * args.dim * c + 4 * rows * args.moe_ffn_dim * c + rows * args.dim * c
+    return router + experts + 3 * rows * 8
 
 
 def _rms_norm_bytes(args: LlamaArgs, tokens: int, s: ActivationShape) -> int:
@@ -48,6 +67,8 @@ def _attention_core_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape) ->
     kv_tokens = s.tokens * s.cp
     saved = (s.tokens * q_width * 2 + kv_tokens * kv_width * 2) * s.compute_bytes
     saved += s.tokens * (q_heads // s.tp) * FP32
+    if args.qk_norm:  # Qwen3's q/k RMSNorms save their inputs (the projections' outputs) and a float32 rstd per head
+        saved += s.tokens * (q_width + kv_width) * s.compute_bytes + s.tokens * (q_heads + kv_heads) // s.tp * FP32
     if s.cp > 1 and s.document_mask is None:
         # this rank's causal mask rows as an additive bias, RoPE rows of its global positions, the gather order
         local_seq = s.seq_len // s.cp
@@ -68,19 +89,21 @@ def layer_activation_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape, p
     if policy == FULL_AC:
         return block_input
     q_heads, kv_heads = args.heads_of(layer_id)
+    moe = args.is_moe_layer(layer_id)
     if policy == OP_AC:
         # Every other mm output is saved (wq, wv, w1, w2 of wq wk wv wo w1 w3 w2), plus SDPA outputs and, under
-        # TP, the reduce-scatter outputs of wo and w2.
+        # TP, the reduce-scatter outputs of wo and w2. In an MoE layer the router's logits are the fifth mm, saved;
+        # the experts' grouped matmuls are not aten.mm, so the policy recomputes them.
         saved = block_input + tokens * (q_heads + kv_heads) * args.head_dim // s.tp * c
         saved += tokens * q_heads * args.head_dim // s.tp * c + tokens * (q_heads // s.tp) * FP32
-        saved += tokens * ffn * c + tokens * dim * c
+        saved += tokens * args.n_experts * c if moe else tokens * ffn * c + tokens * dim * c
         if s.tp > 1:
             saved += 2 * seq_shard * dim * c
         return saved
     gathered_norm_out = tokens * dim * c
     attention = _rms_norm_bytes(args, seq_shard, s) + gathered_norm_out + _attention_core_bytes(args, layer_id, s)
-    mlp = _rms_norm_bytes(args, seq_shard, s) + gathered_norm_out + 4 * tokens * ffn * c  # w1, silu, w3, product
-    return attention + mlp
+    feed_forward = moe_bytes(args, s) if moe else gathered_norm_out + 4 * tokens * ffn * c  # w1, silu, w3, product
+    return attention + _rms_norm_bytes(args, seq_shard, s) + feed_forward
 
 
 def head_activation_bytes(args: LlamaArgs, s: ActivationShape) -> int:
@@ -210,7 +233,7 @@ class FsdpUnit:
         return self.unsharded_numel * compute_bytes if self.gathered_bytes is None else self.gathered_bytes
 
 
-def fsdp_buffer_bytes(units: list[FsdpUnit], compute_bytes: int, reduce_bytes: int) -> int:
+def fsdp_buffer_bytes(units: list[FsdpUnit], compute_bytes: int, reduce_bytes: int, prefetch: bool = True) -> int:
     """Gathered parameters of groups that stay unsharded, plus the worst pair of neighbouring groups in flight
     together: all-gathers of the current and the prefetched next group (forward), reduce-scatter inputs of the
     group just finished and the next (backward; gradients of trainable parameters only). `units` are in forward
@@ -219,13 +242,17 @@ def fsdp_buffer_bytes(units: list[FsdpUnit], compute_bytes: int, reduce_bytes: i
         return 0
     held = sum(u.gather_bytes(compute_bytes) for u in units if not u.reshards_after_forward)
     resharded = [u.gather_bytes(compute_bytes) for u in units if u.reshards_after_forward]
-    gathers = _largest_neighbour_pair(resharded)
-    return held + gathers + fsdp_reduce_scatter_bytes(units, reduce_bytes)
+    gathers = _largest_neighbour_pair(resharded) if prefetch else max(resharded, default=0)
+    return held + gathers + fsdp_reduce_scatter_bytes(units, reduce_bytes, prefetch)
 
 
-def fsdp_reduce_scatter_bytes(units: list[FsdpUnit], reduce_bytes: int) -> int:
-    """The part of fsdp_buffer_bytes that exists only in backward: two neighbouring groups' unsharded gradients."""
-    return _largest_neighbour_pair([u.reduced_numel for u in units]) * reduce_bytes if units else 0
+def fsdp_reduce_scatter_bytes(units: list[FsdpUnit], reduce_bytes: int, prefetch: bool = True) -> int:
+    """The part of fsdp_buffer_bytes that exists only in backward: two neighbouring groups' unsharded gradients (one
+    without prefetching: on a CPU, where FSDP2 has no separate streams, each collective finishes before the next)."""
+    if not units:
+        return 0
+    sizes = [u.reduced_numel for u in units]
+    return (_largest_neighbour_pair(sizes) if prefetch else max(sizes)) * reduce_bytes
 
 
 def _largest_neighbour_pair(sizes: list[int]) -> int:

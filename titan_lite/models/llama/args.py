@@ -1,5 +1,5 @@
-"""Decoder arguments (Llama and the families that are options of it: Qwen2/2.5, Qwen3, Mistral) and the named flavors
-(sizes) with their published shapes."""
+"""Decoder arguments (Llama and the families that are options of it: Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral) and the
+named flavors (sizes) with their published shapes."""
 
 from dataclasses import dataclass, replace
 
@@ -53,6 +53,19 @@ class LlamaArgs:
     # block_causal: packed documents attend only within themselves).
     attn_type: str = "sdpa"
     attn_mask_type: str = "causal"
+    # Mixture of experts (Qwen3-MoE, Mixtral): with n_experts > 0 the feed-forward of each MoE layer is a router over
+    # n_experts SwiGLU experts of width moe_ffn_dim (HF moe_intermediate_size); each token goes to its moe_top_k most
+    # probable experts (num_experts_per_tok), their weights renormalised to sum 1 when moe_norm_topk_prob. Layer i is
+    # MoE when (i + 1) % moe_sparse_step == 0 and i is not in moe_dense_layers (HF decoder_sparse_step,
+    # mlp_only_layers); the other layers keep a dense feed-forward of ffn_dim. Training adds router_aux_loss_coef x
+    # transformers' load-balancing loss.
+    n_experts: int = 0
+    moe_top_k: int = 0
+    moe_ffn_dim: int = 0
+    moe_norm_topk_prob: bool = False
+    moe_sparse_step: int = 1
+    moe_dense_layers: list[int] | None = None
+    router_aux_loss_coef: float = 0.0
 
     @property
     def kv_heads(self) -> int:
@@ -71,10 +84,28 @@ class LlamaArgs:
     def ffn_dim_of(self, layer: int) -> int:
         return self.layer_ffn_dims[layer] if self.layer_ffn_dims else self.ffn_dim
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer's feed-forward is routed experts (Qwen3-MoE's rule) rather than a dense SwiGLU."""
+        return self.n_experts > 0 and (layer + 1) % self.moe_sparse_step == 0 and \
+            layer not in (self.moe_dense_layers or [])
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
+
+    def inactive_param_count(self) -> int:
+        """Parameters a token does not use: the experts outside its top-k in every MoE layer."""
+        per_expert = 3 * self.dim * self.moe_ffn_dim
+        return len(self.moe_layers) * (self.n_experts - self.moe_top_k) * per_expert
+
 
 _QWEN3 = dict(family="qwen3", qk_norm=True, explicit_head_dim=128, vocab_size=151936, rope_theta=1000000.0,
               norm_eps=1e-6)
 _QWEN2 = dict(family="qwen2", qkv_bias=True, rope_theta=1000000.0)
+# Qwen/Qwen3-30B-A3B and Qwen3-235B-A22B config.json: every layer MoE (decoder_sparse_step 1, no mlp_only_layers),
+# 128 experts, top 8 renormalised, router_aux_loss_coef 0.001; intermediate_size is the (unused) dense width.
+_QWEN3_MOE = dict(_QWEN3, family="qwen3_moe", n_experts=128, moe_top_k=8, moe_norm_topk_prob=True,
+                  router_aux_loss_coef=0.001)
 _MISTRAL = dict(family="mistral", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336)
 _LLAMA31_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=8.0, rope_original_max_seq_len=8192)
 _LLAMA32_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=32.0, rope_original_max_seq_len=8192)
@@ -126,6 +157,12 @@ FLAVORS: dict[str, LlamaArgs] = {
     "qwen3_8B": LlamaArgs(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288, **_QWEN3),
     "qwen3_14B": LlamaArgs(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_dim=17408, **_QWEN3),
     "qwen3_32B": LlamaArgs(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, ffn_dim=25600, **_QWEN3),
+    # Qwen3-MoE (Qwen/Qwen3-*-A*B/config.json): 30.53B parameters, 3.35B active per token (30B-A3B); 235.09B and
+    # 22.19B (235B-A22B).
+    "qwen3_30B_A3B": LlamaArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, ffn_dim=6144, moe_ffn_dim=768,
+                               **_QWEN3_MOE),
+    "qwen3_235B_A22B": LlamaArgs(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, ffn_dim=12288, moe_ffn_dim=1536,
+                                 **_QWEN3_MOE),
     # Qwen2.5 base models (Qwen/Qwen2.5-*/config.json): q/k/v biases; tied embeddings on the small sizes.
     "qwen2.5_0.5B": LlamaArgs(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, vocab_size=151936, ffn_dim=4864,
                               norm_eps=1e-6, tie_word_embeddings=True, **_QWEN2),
@@ -133,6 +170,10 @@ FLAVORS: dict[str, LlamaArgs] = {
                             norm_eps=1e-6, **_QWEN2),
     "qwen2.5_72B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=152064, ffn_dim=29568,
                              norm_eps=1e-5, **_QWEN2),
+    # mistralai/Mixtral-8x7B-v0.1: 8 experts of width 14336 in every layer, top 2 (46.70B parameters, 12.88B active).
+    "mixtral_8x7B": LlamaArgs(family="mixtral", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
+                              ffn_dim=14336, rope_theta=1000000.0, n_experts=8, moe_top_k=2, moe_ffn_dim=14336,
+                              moe_norm_topk_prob=True, router_aux_loss_coef=0.02),
     # Mistral 7B v0.3 (and v0.2's shape with vocab 32768); v0.1 attends to a sliding window of 4096 positions.
     "mistral_7B": LlamaArgs(vocab_size=32768, rope_theta=1000000.0, **_MISTRAL),
     "mistral_7B_v0.1": LlamaArgs(vocab_size=32000, rope_theta=10000.0, sliding_window=4096, **_MISTRAL),
@@ -145,6 +186,16 @@ FLAVORS: dict[str, LlamaArgs] = {
                             **_QWEN2),
     "tiny_mistral": LlamaArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=2048, ffn_dim=192,
                               family="mistral", sliding_window=8, rope_theta=10000.0),
+    # A Qwen3-MoE shaped like the debug model for CPU examples: 8 experts of width 256, top 2, every layer MoE
+    # (12.1M parameters, 5.0M active).
+    "debugmodel_moe": LlamaArgs(dim=256, n_layers=6, n_heads=16, vocab_size=2048, ffn_dim=768, rope_theta=1000000.0,
+                                norm_eps=1e-6, family="qwen3_moe", qk_norm=True, n_experts=8, moe_top_k=2,
+                                moe_ffn_dim=256, moe_norm_topk_prob=True, router_aux_loss_coef=0.001),
+    # For tests, shaped like "tiny_qwen3": 8 experts of width 32, top 2, layer 1 dense (mlp_only_layers).
+    "tiny_moe": LlamaArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=2048, ffn_dim=192,
+                          family="qwen3_moe", qk_norm=True, explicit_head_dim=32, rope_theta=1000000.0, norm_eps=1e-6,
+                          n_experts=8, moe_top_k=2, moe_ffn_dim=32, moe_norm_topk_prob=True, moe_dense_layers=[1],
+                          router_aux_loss_coef=0.001),
     # torchtitan's flavors with FlexAttention and block-causal masks (last, so a config.json matches the plain ones)
     "debugmodel_flex_attn": LlamaArgs(dim=256, n_layers=6, n_heads=16, vocab_size=2048, ffn_dim=768,
                                       rope_theta=500000.0, attn_type="flex", attn_mask_type="block_causal"),

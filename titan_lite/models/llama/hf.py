@@ -1,5 +1,6 @@
 """Hugging Face interop of the decoder (LlamaForCausalLM and the families that are options of it: Qwen2ForCausalLM,
-Qwen3ForCausalLM, MistralForCausalLM): parameter names, the rotary row permutation, config.json <-> LlamaArgs."""
+Qwen3ForCausalLM, Qwen3MoeForCausalLM, MistralForCausalLM, MixtralForCausalLM): parameter names (one HF tensor per
+expert for the grouped expert weights), the rotary row permutation, config.json <-> LlamaArgs."""
 
 import json
 import math
@@ -29,6 +30,20 @@ _LAYER_NAMES = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "moe.router.gate.weight": "mlp.gate.weight",  # Qwen3-MoE
+}
+# Grouped expert weights [E, ...] (titan_lite suffix) -> the HF suffix of expert j's own tensor, {j} its index.
+_EXPERT_NAMES = {
+    "moe.experts.w1": "mlp.experts.{j}.gate_proj.weight",
+    "moe.experts.w3": "mlp.experts.{j}.up_proj.weight",
+    "moe.experts.w2": "mlp.experts.{j}.down_proj.weight",
+}
+# Layer suffixes a family's files spell differently from Qwen3-MoE's (the names above).
+_FAMILY_SUFFIXES = {
+    "mixtral": {"mlp.gate.weight": "block_sparse_moe.gate.weight",
+                "mlp.experts.{j}.gate_proj.weight": "block_sparse_moe.experts.{j}.w1.weight",
+                "mlp.experts.{j}.up_proj.weight": "block_sparse_moe.experts.{j}.w3.weight",
+                "mlp.experts.{j}.down_proj.weight": "block_sparse_moe.experts.{j}.w2.weight"},
 }
 _TOP_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -52,6 +67,7 @@ class HFNames:
     layer: dict[str, str] = field(default_factory=lambda: dict(_LAYER_NAMES))
     top: dict[str, str] = field(default_factory=lambda: dict(_TOP_NAMES))
     not_in_hf: list[re.Pattern] = field(default_factory=list)
+    experts: dict[str, str] = field(default_factory=lambda: dict(_EXPERT_NAMES))
 
     def add_layer_name(self, titan_suffix: str, hf_suffix: str) -> None:
         """Map `layers.{i}.<titan_suffix>` to `model.layers.{i}.<hf_suffix>` both ways."""
@@ -84,6 +100,39 @@ class HFNames:
             return f"layers.{match.group(1)}.{layer[match.group(2)]}"
         raise KeyError(f"'{name}' is not a LlamaForCausalLM parameter name")
 
+    def is_grouped(self, name: str) -> bool:
+        """Whether a titan_lite name is a grouped expert weight [E, ...], held by HF folders as E tensors."""
+        match = _TITAN_LAYER.fullmatch(name)
+        return bool(match) and match.group(2) in self.experts
+
+    def to_hf_experts(self, name: str, n_experts: int) -> list[str]:
+        """The HF names of experts 0..n_experts-1's tensors of a grouped titan_lite weight, in expert order."""
+        layer, suffix = _TITAN_LAYER.fullmatch(name).groups()
+        return [f"model.layers.{layer}.{self.experts[suffix].format(j=j)}" for j in range(n_experts)]
+
+    def expert_of_hf(self, name: str) -> tuple[str, int] | None:
+        """(titan_lite grouped name, expert index) of an HF per-expert tensor name; None for other names."""
+        match = _HF_LAYER.fullmatch(name)
+        if not match:
+            return None
+        for titan, pattern in self.experts.items():
+            expert = re.fullmatch(re.escape(pattern).replace(r"\{j\}", r"(\d+)"), match.group(2))
+            if expert:
+                return f"layers.{match.group(1)}.{titan}", int(expert.group(1))
+        return None
+
+    def hf_names_of(self, name: str, n_experts: int) -> list[str]:
+        """Every HF name a titan_lite parameter is written as: one, or one per expert."""
+        return self.to_hf_experts(name, n_experts) if self.is_grouped(name) else [self.to_hf(name)]
+
+    def for_family(self, family: str) -> "HFNames":
+        """These names as a family's files spell them (Mixtral: block_sparse_moe.experts.{j}.w1, ...)."""
+        renamed = _FAMILY_SUFFIXES.get(family)
+        if not renamed:
+            return self
+        return replace(self, layer={t: renamed.get(h, h) for t, h in self.layer.items()},
+                       experts={t: renamed.get(h, h) for t, h in self.experts.items()})
+
 
 LLAMA_NAMES = HFNames()  # the plain Llama's names; extend a copy (HFNames()), never this one
 
@@ -100,6 +149,7 @@ def titan_name(name: str) -> str:
 
 def hf_source_names(name: str, args: LlamaArgs, names: HFNames = LLAMA_NAMES) -> list[str]:
     """HF names a titan_lite parameter may be read from, preferred first (a tied head falls back to the embedding)."""
+    names = names.for_family(args.family)
     sources = [names.to_hf(name)]
     if name == "output.weight" and args.tie_word_embeddings:
         sources.append(names.to_hf("tok_embeddings.weight"))
@@ -153,23 +203,37 @@ def _converted_name(convert, name: str) -> str:
 
 
 def to_hf_state_dict(sd: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tensor]:
-    """titan_lite names and layout -> HF; lm_head.weight is omitted when the embeddings are tied."""
-    out = {}
+    """titan_lite names and layout -> HF; lm_head.weight is omitted when the embeddings are tied; grouped expert
+    weights become one tensor per expert."""
+    out, names = {}, LLAMA_NAMES.for_family(args.family)
     for name, tensor in sd.items():
         if name == "output.weight" and args.tie_word_embeddings:
             continue
-        out[_converted_name(hf_name, name)] = tensor_to_hf(name, tensor, args)
+        if names.is_grouped(name):
+            out.update(zip(names.to_hf_experts(name, tensor.shape[0]), tensor.unbind(0), strict=True))
+            continue
+        out[_converted_name(names.to_hf, name)] = tensor_to_hf(name, tensor, args)
     return out
 
 
 def from_hf_state_dict(sd: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tensor]:
-    """HF names and layout -> titan_lite; a tied model gets output.weight from the embedding when it is absent."""
-    out = {}
+    """HF names and layout -> titan_lite; a tied model gets output.weight from the embedding when it is absent;
+    per-expert tensors are stacked into their grouped weight."""
+    out, experts, names = {}, {}, LLAMA_NAMES.for_family(args.family)
     for name, tensor in sd.items():
         if name.endswith("rotary_emb.inv_freq"):  # a buffer some older checkpoints saved
             continue
-        titan = _converted_name(titan_name, name)
+        expert = names.expert_of_hf(name)
+        if expert is not None:
+            experts.setdefault(expert[0], {})[expert[1]] = tensor
+            continue
+        titan = _converted_name(names.to_titan, name)
         out[titan] = tensor_from_hf(titan, tensor, args)
+    for titan, tensors in experts.items():
+        if sorted(tensors) != list(range(len(tensors))):
+            missing = sorted(set(range(max(tensors) + 1)) - set(tensors))
+            raise ConfigError(f"tensor '{names.to_hf_experts(titan, missing[0] + 1)[-1]}' is missing")
+        out[titan] = torch.stack([tensors[j] for j in range(len(tensors))])
     if args.tie_word_embeddings and "output.weight" not in out and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
@@ -225,7 +289,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 # Each family's architecture and the config.json keys of its own an export writes (its options are set by the args).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mistral": "MistralForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
+WINDOW_FAMILIES = ("mistral", "mixtral")
 
 
 def _family_keys(args: LlamaArgs) -> dict:
@@ -234,27 +300,57 @@ def _family_keys(args: LlamaArgs) -> dict:
         "llama": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
         "qwen2": no_window,
         "qwen3": {"attention_bias": False, **no_window},
+        "qwen3_moe": {"attention_bias": False, **no_window, **_moe_keys(args)},
         "mistral": {"sliding_window": args.sliding_window},
+        # Mixtral: every layer MoE, intermediate_size the experts' width
+        "mixtral": {"sliding_window": args.sliding_window, "intermediate_size": args.moe_ffn_dim,
+                    "num_local_experts": args.n_experts, "num_experts_per_tok": args.moe_top_k,
+                    "router_aux_loss_coef": args.router_aux_loss_coef, "router_jitter_noise": 0.0,
+                    "output_router_logits": False},
     }[args.family]
+
+
+def _moe_keys(args: LlamaArgs) -> dict:
+    return {"num_experts": args.n_experts, "num_experts_per_tok": args.moe_top_k,
+            "moe_intermediate_size": args.moe_ffn_dim, "norm_topk_prob": args.moe_norm_topk_prob,
+            "decoder_sparse_step": args.moe_sparse_step, "mlp_only_layers": list(args.moe_dense_layers or []),
+            "router_aux_loss_coef": args.router_aux_loss_coef, "output_router_logits": False}
 
 
 def check_family_options(args: LlamaArgs, source: str = "model args") -> None:
     """The options a family's HF class has: qwen2 has q/k/v biases, qwen3 q/k norms, mistral alone a window."""
     if args.family not in ARCHITECTURES:
         raise ConfigError(f"{source}: family '{args.family}' is not one of {', '.join(ARCHITECTURES)}")
-    expected = {"qkv_bias": args.family == "qwen2", "qk_norm": args.family == "qwen3"}
+    expected = {"qkv_bias": args.family == "qwen2", "qk_norm": args.family in ("qwen3", "qwen3_moe")}
     for option, value in expected.items():
         if getattr(args, option) != value:
             raise ConfigError(f"{source}: {option} = {getattr(args, option)} cannot be written as a "
                               f"{ARCHITECTURES[args.family]}, which has {option} = {value}")
-    if args.sliding_window is not None and args.family != "mistral":
-        raise ConfigError(f"{source}: a sliding window is written only as a MistralForCausalLM, not a "
-                          f"{ARCHITECTURES[args.family]}")
+    if args.n_experts and args.family not in MOE_FAMILIES:
+        raise ConfigError(f"{source}: {args.n_experts} experts cannot be written as a {ARCHITECTURES[args.family]}, "
+                          f"which has none; MoE families: {', '.join(MOE_FAMILIES)}")
+    if args.family == "mixtral":
+        _check_mixtral_options(args, source)
+    if args.sliding_window is not None and args.family not in WINDOW_FAMILIES:
+        raise ConfigError(f"{source}: a sliding window is written only as a MistralForCausalLM or "
+                          f"MixtralForCausalLM, not a {ARCHITECTURES[args.family]}")
+
+
+def _check_mixtral_options(args: LlamaArgs, source: str) -> None:
+    """MixtralForCausalLM: every layer MoE of one width, the top-k weights always renormalised."""
+    differs = {"moe_norm_topk_prob": (args.moe_norm_topk_prob, True),
+               "MoE layers": (args.moe_layers, list(range(args.n_layers))),
+               "moe_ffn_dim": (args.moe_ffn_dim, args.ffn_dim)}
+    for option, (ours, mixtral) in differs.items():
+        if ours != mixtral:
+            raise ConfigError(f"{source}: {option} = {ours} cannot be written as a MixtralForCausalLM, which has "
+                              f"{mixtral}")
 
 
 def args_to_hf_config(args: LlamaArgs, dtype: torch.dtype, rope_form: str = "rope_scaling") -> dict:
-    """The config.json of the args' family (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or
-    MistralForCausalLM); rope in `rope_form`: the `rope_scaling` form HF Hub configs use, or `rope_parameters`."""
+    """The config.json of the args' family (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM, MistralForCausalLM or MixtralForCausalLM); rope in `rope_form`: the `rope_scaling` form HF
+    Hub configs use, or `rope_parameters`."""
     check_family_options(args)
     config = {
         "architectures": [ARCHITECTURES[args.family]],
@@ -349,12 +445,13 @@ def _family_options(cfg: dict, model_type: str, source: str) -> dict:
         _expect(cfg, "mlp_bias", (False,), source)
         return {}
     layer_types = cfg.get("layer_types") or []
-    if model_type == "mistral":
+    if model_type in WINDOW_FAMILIES:
         if len(set(layer_types)) > 1:
-            raise ConfigError(f"{source}: 'layer_types' mixes {sorted(set(layer_types))}; titan_lite's Mistral "
-                              "attends the same way in every layer")
+            raise ConfigError(f"{source}: 'layer_types' mixes {sorted(set(layer_types))}; titan_lite's "
+                              f"{ARCHITECTURES[model_type]} attends the same way in every layer")
         window = cfg.get("sliding_window")
-        return {"sliding_window": int(window) if window is not None else None}
+        moe = _mixtral_options(cfg, source) if model_type == "mixtral" else {}
+        return {"sliding_window": int(window) if window is not None else None, **moe}
     # qwen2 / qwen3: a window applies only to the layers from max_window_layers on, when use_sliding_window is set.
     if cfg.get("use_sliding_window"):
         raise ConfigError(f"{source}: 'use_sliding_window' is true (sliding windows in the layers from "
@@ -366,12 +463,44 @@ def _family_options(cfg: dict, model_type: str, source: str) -> dict:
     if model_type == "qwen3":
         _expect(cfg, "attention_bias", (False,), source)  # True would also give o_proj a bias
         return {"qk_norm": True}
+    if model_type == "qwen3_moe":
+        _expect(cfg, "attention_bias", (False,), source)
+        return {"qk_norm": True, **_moe_options(cfg, source)}
     return {"qkv_bias": True}
 
 
+def _mixtral_options(cfg: dict, source: str) -> dict:
+    """The MoE LlamaArgs of a Mixtral config.json: every layer routed, top-k renormalised, experts of
+    intermediate_size; router jitter (training noise on the router's input) is not supported."""
+    _expect(cfg, "router_jitter_noise", (0, 0.0), source)
+    n_experts = int(_require(cfg, "num_local_experts", source))
+    top_k = int(_require(cfg, "num_experts_per_tok", source))
+    if not 0 < top_k <= n_experts:
+        raise ConfigError(f"{source}: 'num_experts_per_tok' is {top_k}; expected 1 to num_local_experts = "
+                          f"{n_experts}")
+    return {"n_experts": n_experts, "moe_top_k": top_k, "moe_ffn_dim": int(_require(cfg, "intermediate_size", source)),
+            "moe_norm_topk_prob": True, "router_aux_loss_coef": float(cfg.get("router_aux_loss_coef", 0.001))}
+
+
+def _moe_options(cfg: dict, source: str) -> dict:
+    """The MoE LlamaArgs of a Qwen3-MoE config.json (transformers 5 writes num_experts as num_local_experts)."""
+    n_experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
+    if not n_experts:
+        return {}
+    top_k = int(_require(cfg, "num_experts_per_tok", source))
+    if not 0 < top_k <= n_experts:
+        raise ConfigError(f"{source}: 'num_experts_per_tok' is {top_k}; expected 1 to num_experts = {n_experts}")
+    return {"n_experts": n_experts, "moe_top_k": top_k,
+            "moe_ffn_dim": int(_require(cfg, "moe_intermediate_size", source)),
+            "moe_norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "moe_sparse_step": int(cfg.get("decoder_sparse_step", 1)),
+            "moe_dense_layers": sorted(int(i) for i in cfg.get("mlp_only_layers") or []) or None,
+            "router_aux_loss_coef": float(cfg.get("router_aux_loss_coef", 0.001))}
+
+
 def args_from_hf_config(cfg: dict, source: str = "config.json") -> LlamaArgs:
-    """LlamaArgs of a config.json of one of the families (model_type llama, qwen2, qwen3, mistral); anything the
-    decoder cannot represent raises ConfigError naming the key."""
+    """LlamaArgs of a config.json of one of the families (model_type llama, qwen2, qwen3, qwen3_moe, mistral,
+    mixtral); anything the decoder cannot represent raises ConfigError naming the key."""
     model_type = cfg.get("model_type", "llama")
     if model_type not in ARCHITECTURES:
         raise ConfigError(f"{source}: model_type is '{model_type}'; expected one of {', '.join(ARCHITECTURES)}")
@@ -410,7 +539,8 @@ ROPE_FIELDS = ("rope_theta", "rope_scaling_factor", "rope_scaling_type", "rope_l
 # Fields compared by check_args_against_hf_config; max_seq_len is left out (training picks its own length).
 _CHECKED_FIELDS = ("family", "dim", "n_layers", "n_heads", "kv_heads", "head_dim", "vocab_size", "ffn_dim",
                    "norm_eps", *ROPE_FIELDS, "tie_word_embeddings", "layer_n_heads", "layer_n_kv_heads",
-                   "layer_ffn_dims", "qkv_bias", "qk_norm", "sliding_window")
+                   "layer_ffn_dims", "qkv_bias", "qk_norm", "sliding_window", "n_experts", "moe_top_k",
+                   "moe_ffn_dim", "moe_norm_topk_prob", "moe_layers")
 _SCALING_FIELDS = ROPE_FIELDS[2:]
 
 

@@ -1,6 +1,7 @@
-"""The Llama model, top to bottom: RoPE, attention with GQA, SwiGLU, blocks, the model, its initialisation. The
-families are options of it (args.py): q/k/v biases (Qwen2/2.5), q/k RMSNorms over head_dim (Qwen3, attention.q_norm
-and k_norm), a sliding window (Mistral v0.1).
+"""The Llama model, top to bottom: RoPE, attention with GQA, SwiGLU, mixture of experts, blocks, the model, its
+initialisation. The families are options of it (args.py): q/k/v biases (Qwen2/2.5), q/k RMSNorms over head_dim
+(Qwen3, attention.q_norm and k_norm), a sliding window (Mistral v0.1), routed experts in place of the dense
+feed-forward (Qwen3-MoE, Mixtral: layers.{i}.moe.router.gate, moe.experts.w1/w2/w3 grouped [E, ...]).
 
 Conventions (shared with Meta's reference checkpoints and torchtitan): module names tok_embeddings, layers.{i}
 (attention.wq/wk/wv/wo, feed_forward.w1/w2/w3, attention_norm, ffn_norm), norm, output; RoPE rotates
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_lite.dtensor import copy_into_shard
+from titan_lite.dtensor import copy_into_shard, local_tensor
 from titan_lite.models.llama.args import LlamaArgs
 from titan_lite.models.llama.flex import BlockMask, document_block_mask, flex_attend
 
@@ -360,22 +361,232 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+# ---------------------------------------------------------------------------- mixture of experts
+
+
+def grouped_mm_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm computes x @ weight[e].T here: on CUDA sm90+ in bfloat16 (elsewhere on CUDA torch
+    falls back to a loop with a host sync per expert, pytorch #161407, no faster than ours), and on the CPU (torch
+    2.9+) when every row stride is a multiple of 16 bytes, eagerly or in bfloat16 (compiled code checks its inputs
+    against the CUDA kernel's bfloat16-only rule); otherwise grouped_mm loops over the experts."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype or isinstance(weight, DTensor):
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    if x.device.type != "cpu" or (torch.compiler.is_compiling() and x.dtype != torch.bfloat16):
+        return False
+    return all(width * x.element_size() % 16 == 0 for width in weight.shape[1:])
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of x [tokens, in] grouped by expert (counts [E] consecutive rows each) times their expert's
+    weight [E, out, in], transposed: [tokens, out]. One kernel where it runs (grouped_mm_runs), else a loop."""
+    if grouped_mm_runs(x, weight):
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    groups = x.split(counts.tolist())
+    # unbind, not weight[e]: indexing's backward writes a whole [E, out, in] gradient per expert
+    return torch.cat([group @ w.T for group, w in zip(groups, weight.unbind(0), strict=True)])
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts held as grouped weights, torchtitan's layout: w1 (gate) and w3 (up) [E, hidden, dim], w2
+    (down) [E, dim, hidden]; expert e of an HF checkpoint is w1[e] = gate_proj, w3[e] = up_proj, w2[e] = down_proj.
+
+    The interface expert parallelism wraps: forward(x, counts) takes the routed tokens x [N, dim] already grouped by
+    expert (counts[e] consecutive rows for expert e, e over the experts this module holds) and returns each row's
+    expert output [N, dim] in the same order. It knows nothing of routing: EP shards the E dimension of w1/w2/w3 and
+    moves the rows to their experts' ranks (all-to-all) before this call and back after it. A transform that adapts
+    the experts (LoRA) overrides `project`, which applies one projection to the grouped rows."""
+
+    def __init__(self, dim: int, hidden: int, n_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.project("w1", x, counts)) * self.project("w3", x, counts)
+        return self.project("w2", h, counts)
+
+    def project(self, name: str, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Projection `name` (w1, w2 or w3) of each group of rows by its expert's weight."""
+        return grouped_mm(x, local_tensor(getattr(self, name)), counts)
+
+    def extra_repr(self) -> str:
+        n_experts, hidden, dim = self.w1.shape
+        return f"experts={n_experts}, dim={dim}, hidden={hidden}"
+
+
+class Router(nn.Module):
+    """Token-choice top-k routing (Qwen3-MoE, Mixtral): a linear to E logits, softmax in float32, the k most
+    probable experts, their probabilities renormalised to sum 1 when norm_topk_prob."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [tokens, dim] -> (probabilities [tokens, E] float32, top-k weights [tokens, k] in x's dtype, top-k
+        expert ids [tokens, k])."""
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, weights.to(logits.dtype), experts
+
+
+def load_balancing_loss(expert_counts: torch.Tensor, prob_sums: torch.Tensor, tokens: float) -> torch.Tensor:
+    """transformers' load_balancing_loss_func (Switch Transformer): E * sum_e f_e * P_e, f_e = top-k assignments to
+    expert e per token, P_e = its mean router probability, over `tokens` tokens whose expert_counts and prob_sums
+    [..., E] are given; one value per leading index."""
+    n_experts = expert_counts.shape[-1]
+    return n_experts * ((expert_counts / tokens) * (prob_sums / tokens)).sum(-1)
+
+
+class _AddAuxLossGrad(torch.autograd.Function):
+    """Identity on the block's output whose backward also backpropagates `scale` x aux (an aux loss term computed
+    inside the block): each MoE layer adds its term to the objective wherever it runs, pipeline stages included."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+
+
+@dataclass
+class Routing:
+    """One MoE forward's routing of tokens [N] with k choices each: `order` sorts the N*k (token, choice) pairs by
+    expert (stable), `counts` [E] are the pairs per expert, `weights` [N, k] the gate weights, `probs` [N, E]."""
+
+    probs: torch.Tensor
+    weights: torch.Tensor
+    experts: torch.Tensor
+    order: torch.Tensor
+    counts: torch.Tensor
+
+    @classmethod
+    def of(cls, probs: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> "Routing":
+        flat = experts.flatten()
+        counts = torch.bincount(flat, minlength=probs.shape[-1])
+        return cls(probs, weights, experts, torch.argsort(flat, stable=True), counts)
+
+    def dispatch(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows each expert computes, grouped by expert: [N * k, dim]."""
+        return x[self.order // self.weights.shape[1]]
+
+    def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
+        """Each token's gate-weighted sum of its k experts' outputs [N, dim], from the grouped outputs."""
+        per_choice = self.unsort(expert_out).view(*self.weights.shape, -1)
+        return (per_choice * self.weights[..., None]).sum(1)
+
+    def unsort(self, grouped: torch.Tensor) -> torch.Tensor:
+        """Grouped rows back in (token, choice) order: [N * k, ...]."""
+        return grouped[torch.argsort(self.order)]
+
+
+class MoE(nn.Module):
+    """The routed feed-forward of a mixture-of-experts layer: router, then each token's top-k SwiGLU experts, the
+    output their gate-weighted sum (Qwen3-MoE has no shared expert).
+
+    Training adds transformers' load-balancing loss (load_balancing_loss) per sequence and layer, times
+    `aux_loss_scale` (set by the trainer: router_aux_loss_coef over the sequences and MoE layers it averages, 0 = off);
+    when the sequence is split over context-parallel ranks (`cp_group`), its expert counts are summed over them.
+    `tokens_per_expert` and `aux_loss_sum` accumulate the routed load and the unscaled loss over a step, for metrics.
+    """
+
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.router = Router(args.dim, args.n_experts, args.moe_top_k, args.moe_norm_topk_prob)
+        self.experts = GroupedExperts(args.dim, args.moe_ffn_dim, args.n_experts)
+        self.aux_loss_scale = 0.0
+        self.cp_group = None
+        self._first_forward: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
+        self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        routing = Routing.of(*self.router(x.reshape(-1, dim)))
+        out = routing.combine(self.experts(routing.dispatch(x.reshape(-1, dim)), routing.counts))
+        out = out.view(batch, seq, dim)
+        if self.training and torch.is_grad_enabled():
+            aux = self.sequence_aux_losses(routing, batch) if self.aux_loss_scale else None
+            self.record(routing.counts, aux)
+            if aux is not None:
+                out = _AddAuxLossGrad.apply(out, aux.sum(), self.aux_loss_scale)
+        return out
+
+    def sequence_aux_losses(self, routing: Routing, batch: int) -> torch.Tensor:
+        """load_balancing_loss of each sequence [batch] (this rank's share of it under context parallel)."""
+        n_experts = routing.probs.shape[-1]
+        choices = routing.experts.view(batch, -1)
+        with torch.no_grad():
+            counts = torch.zeros(batch, n_experts, device=choices.device).scatter_add_(
+                1, choices, torch.ones_like(choices, dtype=torch.float32))
+            tokens = routing.experts.shape[0] // batch
+            if self.cp_group is not None:
+                torch.distributed.all_reduce(counts, group=self.cp_group)
+                tokens *= torch.distributed.get_world_size(self.cp_group)
+        prob_sums = routing.probs.view(batch, -1, n_experts).sum(1)
+        return load_balancing_loss(counts, prob_sums, tokens)
+
+    def reset_stats(self) -> None:
+        self.tokens_per_expert.zero_()
+        self.aux_loss_sum.zero_()
+        self._first_forward = None
+
+    @torch.compiler.disable
+    def record(self, counts: torch.Tensor, aux: torch.Tensor | None) -> None:
+        """Add this forward's load (and aux loss) to the step's sums, except when activation checkpointing recomputes
+        the forward inside the backward pass."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        counts = counts.detach().to(self.tokens_per_expert.dtype)
+        aux = aux.detach().sum() if aux is not None else torch.zeros_like(self.aux_loss_sum)
+        if self._first_forward is None:
+            self._first_forward = (counts, aux)
+        self.tokens_per_expert += counts
+        self.aux_loss_sum += aux
+
+    def discard_first_forward(self) -> None:
+        """Take the step's first forward out of its sums: a pipeline stage's first run adds one forward, on
+        placeholder activations, to infer shapes."""
+        if self._first_forward is not None:
+            self.tokens_per_expert -= self._first_forward[0]
+            self.aux_loss_sum -= self._first_forward[1]
+            self._first_forward = None
+
+
 # ----------------------------------------------------------------------------------------- block
 
 
 class TransformerBlock(nn.Module):
+    """Attention, then the feed-forward: dense (feed_forward) or, in the MoE layers of an MoE model, routed (moe)."""
+
     def __init__(self, args: LlamaArgs, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args, layer_id)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim_of(layer_id))
+        self.moe_enabled = args.is_moe_layer(layer_id)
+        if self.moe_enabled:
+            self.moe = MoE(args)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_dim_of(layer_id))
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None,
                 mask=None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, cache=cache, mask=mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        mlp = self.moe if self.moe_enabled else self.feed_forward
+        return h + mlp(self.ffn_norm(h))
 
 
 # ----------------------------------------------------------------------------------------- model
@@ -447,6 +658,9 @@ class Llama(nn.Module):
         """
         device = buffer_device or self.rope_cache.device
         self.rope_cache = rope_cache(self.args, device)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.reset_stats()
         seen: set[int] = set()  # a tied head shares the embedding's parameter: initialise it once, as the embedding
         for module_name, module in self.named_modules():
             owned = module.param_init() if hasattr(module, "param_init") else {}
@@ -502,7 +716,8 @@ def init_parameter(name: str, tensor: torch.Tensor, args: LlamaArgs, generator: 
         nn.init.trunc_normal_(tensor, 0.0, std, -3 * std, 3 * std, generator=generator)
         return
     std = 0.02
-    if name.startswith("layers.") and name.endswith(("wo.weight", "w2.weight", "w3.weight")):
+    if name.startswith("layers.") and name.endswith(("wo.weight", "w2.weight", "w3.weight", "experts.w2",
+                                                     "experts.w3")):
         layer_id = int(name.split(".")[1])
         std = 0.02 / math.sqrt(2 * (layer_id + 1))
     nn.init.trunc_normal_(tensor, 0.0, std, -2 * std, 2 * std, generator=generator)
