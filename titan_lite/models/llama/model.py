@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_lite.dtensor import copy_into_shard
+from titan_lite.dtensor import copy_into_shard, local_tensor
 from titan_lite.models.llama.args import LlamaArgs
 from titan_lite.models.llama.flex import BlockMask, document_block_mask, flex_attend
 
@@ -362,7 +362,7 @@ class GroupedExperts(nn.Module):
 
     def project(self, name: str, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Projection `name` (w1, w2 or w3) of each group of rows by its expert's weight."""
-        return grouped_mm(x, getattr(self, name), counts)
+        return grouped_mm(x, local_tensor(getattr(self, name)), counts)
 
     def extra_repr(self) -> str:
         n_experts, hidden, dim = self.w1.shape
