@@ -37,7 +37,7 @@ class Shape:
 
 # debugmodel: the layouts SmolLM2-135M cannot take (TP 2 of its 9 heads; PP of its tied embeddings)
 SHAPES = {"tiny": Shape("tiny", 64, 2), "smollm2_135M": Shape("smollm2_135M", 512, 2),
-          "debugmodel": Shape("debugmodel", 512, 2)}
+          "debugmodel": Shape("debugmodel", 512, 2), "debugmodel_moe": Shape("debugmodel_moe", 256, 2)}
 
 # name -> (AC mode, processes, overrides); fp32 throughout (what a CPU computes in)
 LAYOUTS = {
@@ -52,6 +52,8 @@ LAYOUTS = {
     "qlora": ("none", 1, ["--model.converters", "lora", "--lora.rank", "16", "--lora.alpha", "32",
                           "--lora.base_dtype", "nf4"]),
     "float8": ("none", 1, ["--model.converters", "quantize.linear.float8"]),
+    # MoE shapes only: the experts split over 2 ranks, every token routed to one rank's experts (the planned worst case)
+    "ep2": ("none", 2, ["--parallelism.expert_parallel_degree", "2"]),
 }
 CASES = [*LAYOUTS, "wanda"]
 # The default: one shape, one process and two, a transform (about a minute on 2 idle cores); --all runs the rest.
@@ -74,7 +76,8 @@ def job_of(case: str, shape: Shape) -> Job:
     ac, nproc, overrides = LAYOUTS[case]
     # dry_run.device_type cpu: the estimate of the CPU's own step (inert in the training run)
     return Job(shape.flavor, shape.seq_len, batch=shape.batch, ac=ac, precision="float32", nproc=nproc,
-               overrides=[*overrides, "--dry_run.device_type", "cpu"], steps=1, warmup=1)
+               overrides=[*overrides, "--dry_run.device_type", "cpu"], steps=1, warmup=1,
+               worst_case_routing="--parallelism.expert_parallel_degree" in overrides)
 
 
 def wanda_pass(shape: Shape) -> dict:

@@ -31,6 +31,7 @@ class ActivationShape:
     # Packed documents (attn_mask_type block_causal): "sdpa" (an additive mask in the compute dtype), "spans" (eager
     # CPU: causal attention per document, no mask) or "flex" (FlexAttention's block mask, CUDA); None: causal.
     document_mask: str | None = None
+    ep: int = 1  # expert parallel degree (MoE): the routed rows go to their experts' ranks
 
 
 def _rms_norm_bytes(args: LlamaArgs, tokens: int, s: ActivationShape) -> int:
@@ -55,11 +56,48 @@ def _attention_core_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape) ->
     return saved
 
 
+def routed_rows(args: LlamaArgs, s: ActivationShape) -> tuple[int, int]:
+    """(rows this rank sends, rows its experts compute) in one MoE layer for one microbatch, at the plan's capacity.
+
+    Without expert parallelism every routed row (token x top-k) is computed where it was routed: on every TP rank,
+    which all route the gathered sequence alike. With it, each rank sends its share of the rows (under TP, 1/tp of
+    the gathered ones) and its experts compute what the EP group sends them: tokens x top-k on average, but up to
+    ep x tokens x min(top-k, local experts) when every token of the group chooses this rank's experts. Routing is
+    dropless (no capacity factor), so the plan takes that worst case."""
+    k = args.moe_top_k
+    if s.ep == 1:
+        return s.tokens * k, s.tokens * k
+    tokens = s.tokens // s.tp
+    return tokens * k, s.ep * tokens * min(k, args.n_experts // s.ep)
+
+
+def moe_activation_bytes(args: LlamaArgs, s: ActivationShape) -> int:
+    """What a routed feed-forward keeps for backward (its input, the gathered norm output, is counted by the caller):
+    the router's float32 probabilities and top-k ids and weights, the dispatch index, the rows the experts compute
+    (their input, the w1 and w3 outputs, silu's output and the product) at routed_rows' capacity, and every choice's
+    output as the gate-weighted sum takes it."""
+    c, k, tokens = s.compute_bytes, args.moe_top_k, s.tokens
+    _, rows = routed_rows(args, s)
+    router = tokens * args.n_experts * FP32 + tokens * k * (8 + FP32)
+    experts = rows * args.dim * c + 4 * rows * args.moe_ffn_dim * c
+    return router + tokens * k * 8 + experts + tokens * k * args.dim * c
+
+
+def all_to_all_buffer_bytes(args: LlamaArgs, s: ActivationShape) -> int:
+    """Expert parallelism's exchange buffers, one MoE layer at a time: the rows sent and the rows received (at the
+    worst-case capacity) and their regrouping by expert, forward; their gradients alike in backward."""
+    if s.ep == 1 or not args.moe_layers:
+        return 0
+    sent, rows = routed_rows(args, s)
+    return (sent + 2 * rows) * args.dim * s.compute_bytes
+
+
 def layer_activation_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape, policy: str) -> int:
     """Bytes one transformer block keeps for backward for one microbatch, under an AC policy.
 
     Sequence parallel splits the tokens of block inputs and norms over TP; the gathered norm outputs that the
-    projections consume are full-length.
+    projections consume are full-length. A routed feed-forward (MoE layer) keeps moe_activation_bytes instead of the
+    dense SwiGLU's.
     """
     c, dim, tokens = s.compute_bytes, args.dim, s.tokens
     seq_shard = tokens // s.tp
@@ -68,18 +106,21 @@ def layer_activation_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape, p
     if policy == FULL_AC:
         return block_input
     q_heads, kv_heads = args.heads_of(layer_id)
+    moe = args.is_moe_layer(layer_id)
     if policy == OP_AC:
         # Every other mm output is saved (wq, wv, w1, w2 of wq wk wv wo w1 w3 w2), plus SDPA outputs and, under
-        # TP, the reduce-scatter outputs of wo and w2.
+        # TP, the reduce-scatter outputs of wo and w2; for routed experts, their w1 and w2 outputs.
         saved = block_input + tokens * (q_heads + kv_heads) * args.head_dim // s.tp * c
         saved += tokens * q_heads * args.head_dim // s.tp * c + tokens * (q_heads // s.tp) * FP32
-        saved += tokens * ffn * c + tokens * dim * c
+        rows, width = (routed_rows(args, s)[1], args.moe_ffn_dim) if moe else (tokens, ffn)
+        saved += rows * width * c + rows * dim * c
         if s.tp > 1:
             saved += 2 * seq_shard * dim * c
         return saved
     gathered_norm_out = tokens * dim * c
     attention = _rms_norm_bytes(args, seq_shard, s) + gathered_norm_out + _attention_core_bytes(args, layer_id, s)
-    mlp = _rms_norm_bytes(args, seq_shard, s) + gathered_norm_out + 4 * tokens * ffn * c  # w1, silu, w3, product
+    feed_forward = moe_activation_bytes(args, s) if moe else 4 * tokens * ffn * c  # w1, silu, w3, product
+    mlp = _rms_norm_bytes(args, seq_shard, s) + gathered_norm_out + feed_forward
     return attention + mlp
 
 
