@@ -36,6 +36,7 @@ from titan_lite.metrics.flops import num_flops_per_token
 from titan_lite.metrics.logger import MetricsProcessor, add_log_file, init_logger
 from titan_lite.metrics.profiler import maybe_enable_memory_snapshot, maybe_enable_profiling
 from titan_lite.objective import build_objective, check_objective
+from titan_lite.objective.load_balance import LoadBalance
 from titan_lite.optim.lr_scheduler import LRSchedule
 from titan_lite.optim.optimizer import build_optimizer
 from titan_lite.parallel.grad_norm import clip_grad_norm
@@ -88,6 +89,7 @@ class Trainer:
         self.model = self.build_model()
         self.model_parts = self.model.parts
         self.build_objective()
+        self.load_balance = LoadBalance(self.model_parts, self.plan.model_args)
         self.optimizer = build_optimizer(cfg.optimizer, self.model_parts, self.device,
                                          self.transforms.param_groups(self.model_parts))
         self.transforms.bind_optimizer(self.optimizer)
@@ -157,8 +159,10 @@ class Trainer:
 
     def build_metrics(self) -> MetricsProcessor:
         a = self.plan.model_args
-        flops = num_flops_per_token(self.plan.full_param_count(), a.vocab_size * a.dim, a.n_layers, a.n_heads,
-                                    a.head_dim, self.cfg.training.seq_len, self.plan.frozen_matmul_param_count())
+        # an MoE token runs only its top-k experts: the FLOPs count the active parameters
+        active = self.plan.full_param_count() - a.inactive_param_count()
+        flops = num_flops_per_token(active, a.vocab_size * a.dim, a.n_layers, a.n_heads, a.head_dim,
+                                    self.cfg.training.seq_len, self.plan.frozen_matmul_param_count())
         return MetricsProcessor(self.cfg, self.rank, self.device, flops, self.parallel_dims.non_data_parallel_size)
 
     # -------------------------------------------------------------------------------- one step
@@ -179,6 +183,8 @@ class Trainer:
     def train_step(self, microbatches, step: int) -> tuple[float, float]:
         """Accumulate gradients over the microbatches, clip, step; return the global loss and grad norm."""
         self.transforms.before_step(self.model_parts, step)
+        if self.load_balance.enabled:
+            self.load_balance.before_step(self.plan.global_batch_size, self.parallel_dims.gradient_average_degree)
         global_tokens = self.global_token_count(microbatches)
         # FSDP/DDP average gradients over the data-parallel ranks; scaling by that degree makes the result the
         # gradient of (sum of every rank's token losses) / (global tokens), identical to one big batch.
@@ -319,9 +325,11 @@ class Trainer:
         ACTIVITY.now(f"in step {step} (forward, backward, gradient reductions)")
         loss, grad_norm = self.train_step(microbatches, step)
         if self.metrics.should_log(step) or step == cfg.training.steps:
-            extra = {**self.transforms.metrics(self.model_parts), **self.objective_metrics}
+            moe, per_layer = self.moe_metrics()
+            extra = {**self.transforms.metrics(self.model_parts), **self.objective_metrics, **moe}
             self.metrics.log(step, loss, grad_norm, lr,
-                             extra=extra if self.mixture is None else {**extra, **self.mixture.metrics()})
+                             extra=extra if self.mixture is None else {**extra, **self.mixture.metrics()},
+                             unprinted=per_layer)
         if self.validator is not None and step % cfg.validation.freq == 0:
             ACTIVITY.now(f"validating after step {step}")
             results = self.validator.evaluate(self.model_parts, step)
@@ -332,6 +340,14 @@ class Trainer:
             self.set_collective_timeout("comm.train_timeout_seconds", cfg.comm.train_timeout_seconds)
         if cfg.training.gc_debug or step % cfg.training.gc_freq == 0:
             gc.collect(1)
+
+    def moe_metrics(self) -> tuple[dict[str, float], dict[str, float]]:
+        """The step's MoE aux loss and expert load, printed and per layer (collective: every rank calls it at a
+        logged step)."""
+        if not self.load_balance.enabled:
+            return {}, {}
+        return self.load_balance.metrics(lambda sums: self.model.runner.global_sum(sums, loss_values=True),
+                                         self.plan.global_batch_size, self.device)
 
     def export(self) -> None:
         """End of the run: the HF folder (last_save_in_hf) and the transforms' own artifacts."""

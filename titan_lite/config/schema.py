@@ -94,6 +94,9 @@ class Model:
     attn_mask_type: Literal["causal", "block_causal"] | None = opt(
         None, "causal, or block_causal: packed documents attend only within themselves, RoPE positions restart at "
         "each document and no label crosses a document boundary; None = the flavor's.")
+    router_aux_loss_coef: float | None = opt(
+        None, "MoE models: weight of transformers' load-balancing loss (per sequence and MoE layer, averaged) in the "
+        "objective; 0 turns it off; None = the flavor's or config.json's (Qwen3-MoE 0.001, Mixtral 0.02).")
 
 
 @dataclass

@@ -97,10 +97,14 @@ def flavor_or_hf_args(cfg: JobConfig) -> LlamaArgs:
     return args
 
 
+MOE_FAMILY_OF = {"qwen3": "qwen3_moe", "mistral": "mixtral"}
+
+
 def check_model_name(name: str, flavor: str, args: LlamaArgs) -> None:
     """model.name qwen3, qwen2 or mistral must name a flavor of that family: torchtitan's Qwen3 TOMLs call Qwen3 8B
-    '8B', which is titan_lite's Llama 3.1 8B (a llama name is the default, so it is not checked)."""
-    if name in ("qwen3", "qwen2", "mistral") and args.family != name:
+    '8B', which is titan_lite's Llama 3.1 8B (a llama name is the default, so it is not checked). Their mixtures of
+    experts count as the family (torchtitan's qwen3 trains Qwen3-MoE)."""
+    if name in ("qwen3", "qwen2", "mistral") and args.family not in (name, MOE_FAMILY_OF.get(name)):
         own = [f for f, a in FLAVORS.items() if a.family == name and not f.startswith("tiny")]
         raise ConfigError(f"'model.name' = '{name}' but 'model.flavor' = '{flavor}' is a {args.family} model; "
                           f"the {name} flavors are {', '.join(own)} (or 'hf' with a {name} config.json)")
@@ -129,6 +133,8 @@ def build_model_args(cfg: JobConfig, vocab_size: int | None, transforms: Transfo
     args = flavor_or_hf_args(cfg)
     args.attn_type = cfg.model.attn_type or args.attn_type
     args.attn_mask_type = cfg.model.attn_mask_type or args.attn_mask_type
+    if cfg.model.router_aux_loss_coef is not None:
+        args.router_aux_loss_coef = cfg.model.router_aux_loss_coef
     args.max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0,
                            transforms.sequence_length() if transforms is not None else 0)
     if vocab_size is not None and vocab_size > args.vocab_size:

@@ -222,13 +222,14 @@ class MetricsProcessor:
         self.time_last_log = time.perf_counter()
 
     def log(self, step: int, loss: float, grad_norm: float, lr: float,
-            extra: dict[str, float] | None = None) -> dict[str, float]:
-        """Report the window since the previous log: print one line, write TensorBoard, return the scalars."""
+            extra: dict[str, float] | None = None, unprinted: dict[str, float] | None = None) -> dict[str, float]:
+        """Report the window since the previous log: print one line, write TensorBoard, return the scalars;
+        `unprinted` scalars (one per layer, say) go to TensorBoard only."""
         extra = dict(extra or {})
         metrics = {"loss/global_avg": float(loss), "grad_norm": float(grad_norm), "lr": float(lr)}
         metrics |= self._throughput(step)
         metrics |= self._memory()
-        metrics |= {name: float(value) for name, value in extra.items()}
+        metrics |= {name: float(value) for name, value in {**extra, **(unprinted or {})}.items()}
         logger.info(self._format_line(step, metrics, extra))
         self._write_scalars(step, metrics)
         self._start_window(step)

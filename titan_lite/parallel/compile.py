@@ -4,15 +4,18 @@ import torch
 from torch import nn
 
 from titan_lite.config.schema import Compile
+from titan_lite.models.llama.model import MoE
 
 
 def apply_compile(model: nn.Module, compile_cfg: Compile, tp_enabled: bool = False) -> None:
-    """Compile every block of model.layers as one full graph (no graph breaks allowed).
+    """Compile every block of model.layers as one full graph (no graph breaks allowed), except MoE blocks: their
+    experts loop over data-dependent token counts and their load statistics stay eager, so those break the graph.
 
     The block is wrapped (not compiled in place) so that FSDP's hooks on the wrapper stay outside the graph.
     """
     for name, block in list(model.layers.named_children()):
-        compiled = torch.compile(block, backend=compile_cfg.backend, fullgraph=True)
+        moe = any(isinstance(module, MoE) for module in block.modules())
+        compiled = torch.compile(block, backend=compile_cfg.backend, fullgraph=not moe)
         model.layers.register_module(name, compiled)
     if tp_enabled:
         copy_embedding_output(model)

@@ -186,7 +186,8 @@ class GlobalRopePositions:
 
 
 def apply_cp(model: nn.Module, parallel_dims, cfg) -> None:
-    """Swap every block's inner attention for ContextParallelAttention and make RoPE use global positions."""
+    """Swap every block's inner attention for ContextParallelAttention and make RoPE use global positions; MoE layers
+    sum their per-sequence expert counts over the CP group."""
     group = parallel_dims.submesh("cp").get_group()
     load_balancer = cfg.parallelism.context_parallel_load_balancer
     rope_hook = GlobalRopePositions(dist.get_rank(group), dist.get_world_size(group), load_balancer)
@@ -196,6 +197,8 @@ def apply_cp(model: nn.Module, parallel_dims, cfg) -> None:
         # On attention, after TP's input hook: there x holds the whole CP-local sequence (a block's input is further
         # split over TP by sequence parallel).
         block.attention.register_forward_pre_hook(rope_hook)
+        if block.moe_enabled:  # the load-balancing loss counts experts over whole sequences
+            block.moe.cp_group = group
 
 
 def shard_batch(tensors: tuple[torch.Tensor, ...], parallel_dims,

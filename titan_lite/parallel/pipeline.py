@@ -10,6 +10,7 @@ from torch import nn
 from titan_lite.config.schema import JobConfig
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama import Llama
+from titan_lite.models.llama.model import MoE
 from titan_lite.parallel.parallel_dims import ParallelDims
 
 # torch.distributed.pipelining imports torch._dynamo (about a second): only the schedule needs it, so it is imported
@@ -215,6 +216,7 @@ class PipelineRunner:
         self._loss_sums: list[torch.Tensor] = []
         self._domain_loss: Callable | None = None
         self._domain_parts: list[torch.Tensor] = []
+        self._trained = False
 
     def attach(self, schedule: "_PipelineSchedule") -> None:
         self.schedule = schedule
@@ -241,6 +243,19 @@ class PipelineRunner:
         domains, domain_loss(output, labels, domains, sums) is the loss and the last stage adds the real
         microbatches' per-domain sums to domain_sums (see ModelRunner.forward_backward). `extra`: the forward's
         keyword inputs besides the token ids ([batch, ...] tensors), cut into microbatches for every stage."""
+        first, self._trained = not self._trained, True
+        try:
+            return self._step(inputs, labels, scale, domains, domain_sums, domain_loss, extra)
+        finally:
+            if first:  # the schedule's first run inferred shapes with one extra forward per stage
+                for stage in schedule_stages(self.schedule):
+                    for module in stage.submod.modules():
+                        if isinstance(module, MoE):
+                            module.discard_first_forward()
+
+    def _step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, domains: torch.Tensor | None,
+              domain_sums: torch.Tensor | None, domain_loss: Callable | None,
+              extra: dict[str, torch.Tensor] | None) -> torch.Tensor:
         if domains is None:
             return self._run(self.schedule.step, inputs, labels, scale, extra)
         self._domain_loss, self._domain_parts = domain_loss, [torch.zeros_like(domain_sums)]

@@ -4,11 +4,12 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -47,18 +48,19 @@ def top_level_plan(loss_parallel: bool) -> dict:
     }
 
 
-def block_plan(qk_norm: bool = False) -> dict:
+def block_plan(qk_norm: bool = False, moe: bool = False) -> dict:
     """Norms on sequence shards; attention and MLP gather the sequence, split heads/hidden, and scatter it back.
 
     q/k/v biases are sharded with their colwise linears. The q/k norms (Qwen3) act on each head's head_dim: their
     weight is replicated and their input is this rank's heads (dim 2 of [batch, seq, heads, head_dim]), so the
-    weight's gradient, a sum over all heads, is reduced over the TP ranks."""
+    weight's gradient, a sum over all heads, is reduced over the TP ranks. An MoE block's routed feed-forward is
+    replicated (moe_plan)."""
     norms = {name: SequenceParallel(sequence_dim=2, use_local_output=True)
              for name in ("attention.q_norm", "attention.k_norm")} if qk_norm else {}
-    return {**norms, **_projections_plan()}
+    return {**norms, **_attention_plan(), **(moe_plan() if moe else _feed_forward_plan())}
 
 
-def _projections_plan() -> dict:
+def _attention_plan() -> dict:
     return {
         "attention_norm": SequenceParallel(),
         "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
@@ -66,12 +68,56 @@ def _projections_plan() -> dict:
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def _feed_forward_plan() -> dict:
+    return {
         "ffn_norm": SequenceParallel(),
         "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         "feed_forward.w3": ColwiseParallel(),
     }
+
+
+def moe_plan() -> dict:
+    """The routed feed-forward under TP: router and experts replicated on every TP rank, which all route the whole
+    (gathered) sequence and compute the same output; each keeps its own sequence shard of it. No expert is split
+    over TP (experts are split over EP ranks instead): every gradient is whole and identical on the TP ranks, so
+    none is reduced over them; the cost is TP-fold redundant expert compute."""
+    return {
+        "ffn_norm": SequenceParallel(),
+        "moe": PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                        use_local_input=True, output_layouts=(Replicate(),),
+                                        desired_output_layouts=(Shard(1),), use_local_output=True),
+        "moe.router.gate": ReplicateParallel(),
+        "moe.experts": ReplicateParallel(local_io=False),
+    }
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters replicated over the TP mesh (DTensor Replicate) for a module that runs on local tensors: its plain
+    inputs are taken as replicated and its outputs handed back local (local_io), or it converts its parameters itself
+    (GroupedExperts); torchtitan's NoParallel."""
+
+    def __init__(self, local_io: bool = True):
+        super().__init__()
+        self.local_io = local_io
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not self.local_io:
+            return distribute_module(module, device_mesh)
+        return distribute_module(module, device_mesh, input_fn=_replicated_inputs, output_fn=_local_outputs)
+
+
+def _replicated_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    return tuple(DTensor.from_local(t, mesh, (Replicate(),), run_check=False) if not isinstance(t, DTensor) else t
+                 for t in inputs)
+
+
+def _local_outputs(module: nn.Module, output, mesh: DeviceMesh):
+    return output.to_local() if isinstance(output, DTensor) else output
 
 
 # A transform's contribution to the plan: (plan, scope) -> plan, scope "model" (top level) or "block" (per block).
@@ -90,9 +136,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, plan_ed
     top = edited_plan(top_level_plan(loss_parallel), "model", plan_edits)
     parallelize_module(model, tp_mesh, {name: style for name, style in top.items()
                                         if getattr(model, name.split(".")[0], None) is not None})
-    plan = edited_plan(block_plan(model.args.qk_norm), "block", plan_edits)
+    plans = {moe: edited_plan(block_plan(model.args.qk_norm, moe), "block", plan_edits) for moe in (False, True)}
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, plans[block.moe_enabled])
     if tied:
         retie_embeddings(model)
 

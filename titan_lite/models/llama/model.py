@@ -319,12 +319,13 @@ class FeedForward(nn.Module):
 def grouped_mm_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether torch._grouped_mm computes x @ weight[e].T here: on CUDA sm90+ in bfloat16 (elsewhere on CUDA torch
     falls back to a loop with a host sync per expert, pytorch #161407, no faster than ours), and on the CPU (torch
-    2.9+) when every row stride is a multiple of 16 bytes; otherwise grouped_mm loops over the experts."""
+    2.9+) when every row stride is a multiple of 16 bytes, eagerly or in bfloat16 (compiled code checks its inputs
+    against the CUDA kernel's bfloat16-only rule); otherwise grouped_mm loops over the experts."""
     if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype or isinstance(weight, DTensor):
         return False
     if x.device.type == "cuda":
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or (torch.compiler.is_compiling() and x.dtype != torch.bfloat16):
         return False
     return all(width * x.element_size() % 16 == 0 for width in weight.shape[1:])
 
@@ -458,6 +459,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(args.dim, args.moe_ffn_dim, args.n_experts)
         self.aux_loss_scale = 0.0
         self.cp_group = None
+        self._first_forward: tuple[torch.Tensor, torch.Tensor] | None = None
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
         self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
 
@@ -490,6 +492,7 @@ class MoE(nn.Module):
     def reset_stats(self) -> None:
         self.tokens_per_expert.zero_()
         self.aux_loss_sum.zero_()
+        self._first_forward = None
 
     @torch.compiler.disable
     def record(self, counts: torch.Tensor, aux: torch.Tensor | None) -> None:
@@ -497,9 +500,20 @@ class MoE(nn.Module):
         the forward inside the backward pass."""
         if torch._C._current_graph_task_id() != -1:
             return
-        self.tokens_per_expert += counts.detach().to(self.tokens_per_expert.dtype)
-        if aux is not None:
-            self.aux_loss_sum += aux.detach().sum()
+        counts = counts.detach().to(self.tokens_per_expert.dtype)
+        aux = aux.detach().sum() if aux is not None else torch.zeros_like(self.aux_loss_sum)
+        if self._first_forward is None:
+            self._first_forward = (counts, aux)
+        self.tokens_per_expert += counts
+        self.aux_loss_sum += aux
+
+    def discard_first_forward(self) -> None:
+        """Take the step's first forward out of its sums: a pipeline stage's first run adds one forward, on
+        placeholder activations, to infer shapes."""
+        if self._first_forward is not None:
+            self.tokens_per_expert -= self._first_forward[0]
+            self.aux_loss_sum -= self._first_forward[1]
+            self._first_forward = None
 
 
 # ----------------------------------------------------------------------------------------- block

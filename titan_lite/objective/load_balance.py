@@ -1,0 +1,68 @@
+"""MoE load balancing in training: each MoE layer's share of the aux loss for a step, and the step's aux loss and
+expert load as metrics (moe/aux_loss, moe/load_max_over_mean/layer_{i})."""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from titan_lite.models.llama.args import LlamaArgs
+from titan_lite.models.llama.model import MoE, canonical_name
+
+
+def moe_layers(model_parts: list[nn.Module]) -> dict[int, MoE]:
+    """The MoE modules these parts hold, by global layer id."""
+    found = {}
+    for part in model_parts:
+        for name, module in part.named_modules():
+            if isinstance(module, MoE):
+                found[int(canonical_name(name).split(".")[1])] = module
+    return found
+
+
+class LoadBalance:
+    """The objective's MoE term: router_aux_loss_coef x the mean, over the step's sequences and the model's MoE layers,
+    of transformers' load-balancing loss of one sequence in one layer.
+
+    Per sequence, so the gradient is the same whatever splits the batch (data-parallel ranks, microbatches, pipeline
+    stages; a context-parallel rank's share of a sequence uses the whole sequence's expert counts). Each MoE layer
+    backpropagates its own term (MoE.aux_loss_scale), so nothing passes between pipeline stages.
+    """
+
+    def __init__(self, model_parts: list[nn.Module], args: LlamaArgs):
+        self.layers = moe_layers(model_parts)
+        self.coef, self.n_moe_layers, self.n_layers = args.router_aux_loss_coef, len(args.moe_layers), args.n_layers
+
+    @property
+    def enabled(self) -> bool:
+        return self.n_moe_layers > 0
+
+    def before_step(self, global_sequences: int, gradient_average_degree: int) -> None:
+        """Scale each layer's sum of per-sequence losses so that the averaged gradient is coef x their mean (the
+        data-parallel average divides by gradient_average_degree, as for the token losses); clear the step's sums."""
+        scale = self.coef * gradient_average_degree / (global_sequences * self.n_moe_layers)
+        for moe in self.layers.values():
+            moe.aux_loss_scale = scale
+            moe.reset_stats()
+
+    def metrics(self, global_sum: Callable[[torch.Tensor], torch.Tensor], global_sequences: int,
+                device: torch.device) -> tuple[dict[str, float], dict[str, float]]:
+        """(printed, per-layer) metrics of the step: the mean aux loss (unscaled, as transformers reports aux_loss)
+        and the largest load over the MoE layers; each MoE layer's load, the busiest expert's routed tokens over the
+        mean. global_sum adds a tensor over the ranks that split the batch and over pipeline stages."""
+        n_experts = next(iter(self.layers.values())).tokens_per_expert.numel() if self.layers else 1
+        loads = torch.zeros(self.n_layers, n_experts + 1, dtype=torch.float64, device=device)
+        for layer, moe in self.layers.items():
+            loads[layer, :-1] = moe.tokens_per_expert.double()
+            loads[layer, -1] = moe.aux_loss_sum.double()
+        loads = global_sum(loads)
+        counts = loads[:, :-1]
+        printed, per_layer = {}, {}
+        if self.coef:
+            printed["moe/aux_loss"] = loads[:, -1].sum().item() / (global_sequences * self.n_moe_layers)
+        for layer in range(self.n_layers):
+            if counts[layer].sum() > 0:
+                per_layer[f"moe/load_max_over_mean/layer_{layer}"] = (counts[layer].max() / counts[layer].mean()).item()
+        if per_layer:
+            printed["moe/load_max_over_mean"] = max(per_layer.values())
+        return printed, per_layer
