@@ -144,8 +144,7 @@ def check_parallelism(cfg: JobConfig) -> None:
 def check_expert_parallel(cfg: JobConfig) -> None:
     """torchtitan's EP options titan_lite lacks are inert while EP is off and refused with it."""
     p = cfg.parallelism
-    ep = p.expert_parallel_degree
-    if ep == 1:
+    if p.expert_parallel_degree == 1:
         return
     _require(p.expert_parallel_comm_backend == "standard",
              f"'parallelism.expert_parallel_comm_backend' = '{p.expert_parallel_comm_backend}' is not supported: "
@@ -153,10 +152,6 @@ def check_expert_parallel(cfg: JobConfig) -> None:
     _require(not p.pipeline_parallel_expert_parallel_overlap,
              "'parallelism.pipeline_parallel_expert_parallel_overlap' = true needs torchtitan's DualPipeV schedule, "
              "which titan_lite does not have; set it to false")
-    _require(not (cfg.compile.enable and "model" in cfg.compile.components),
-             f"'compile.enable' with 'parallelism.expert_parallel_degree' = {ep} is not supported: the all-to-all's "
-             "split sizes are read on the host, which breaks the compiled block's full graph; drop 'model' from "
-             "'compile.components' or set expert_parallel_degree 1")
 
 
 def check_validation(cfg: JobConfig) -> None:

@@ -151,12 +151,15 @@ class _Exchange:
 def tp_share(x: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """This TP rank's contiguous share of the routed rows, which every TP rank holds alike (grouped by expert), and
     its rows per expert."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    share = x.shape[0] // size
-    lo, hi = rank * share, (rank + 1) * share
+    share = x.shape[0] // dist.get_world_size(group)
+    start = dist.get_rank(group) * share
+    return _SplitRows.apply(x, group), counts_within(counts, start, start + share)
+
+
+def counts_within(counts: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Rows per expert among rows [start, end) of rows grouped by expert (counts[e] consecutive rows each)."""
     ends = torch.cumsum(counts, 0)
-    mine = (ends.clamp(lo, hi) - (ends - counts).clamp(lo, hi))
-    return _SplitRows.apply(x, group), mine
+    return ends.clamp(start, end) - (ends - counts).clamp(start, end)
 
 
 class _SplitRows(torch.autograd.Function):
