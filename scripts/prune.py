@@ -19,6 +19,9 @@ report. --layer_ratios owl gives each layer of magnitude, Wanda or SparseGPT its
         --nsamples 10 --seq_len 64                                      # whole heads and MLP channels removed
     python scripts/prune.py --hf_assets_path assets/hf/Llama-3.1-8B --output_dir outputs/8B-depth24 \
         --method depth --remove_layers 8 --nsamples 64 --seq_len 2048   # the 8 least influential blocks removed
+    torchrun --nproc_per_node 8 scripts/prune.py --hf_assets_path assets/hf/Qwen3-30B-A3B \
+        --output_dir outputs/30B-reap50 --method reap --expert_ratio 0.5 --nsamples 128 --seq_len 2048
+                                                                        # half of every MoE layer's experts removed
 """
 
 import argparse
@@ -73,6 +76,17 @@ from titan_lite.transforms.structured.materialize import (
     param_count,
     write_materialized_hf,
 )
+from titan_lite.transforms.structured.reap import (
+    EXPERT_SCORES,
+    check_reap_layout,
+    check_reap_model,
+    expert_sums,
+    experts_to_keep,
+    model_param_count,
+    reap_pass_plan,
+    scores_of,
+    without_experts,
+)
 from titan_lite.transforms.structured.taylor import (
     HEAD_MODES,
     check_taylor_layout,
@@ -91,10 +105,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="HF folder: config.json, tokenizer and safetensors (only the tokenizer with "
                              "--estimate_only and --flavor)")
     parser.add_argument("--output_dir", help="the pruned HF folder to write (replaced if it exists)")
-    parser.add_argument("--method", choices=("wanda", "magnitude", "sparsegpt", "taylor_structured", "depth"),
+    parser.add_argument("--method", choices=("wanda", "magnitude", "sparsegpt", "taylor_structured", "depth", "reap"),
                         default="wanda", help="unstructured or N:M pruning (wanda, magnitude, sparsegpt), whole "
-                                              "heads and MLP channels removed (taylor_structured), or whole blocks "
-                                              "removed (depth)")
+                                              "heads and MLP channels removed (taylor_structured), whole blocks "
+                                              "removed (depth), or whole experts of MoE layers removed (reap)")
     parser.add_argument("--sparsity", type=float, default=0.5, help="fraction of each pruned linear set to zero")
     parser.add_argument("--pattern", choices=("unstructured", "2:4", "4:8"), default="unstructured",
                         help="which weights compete: a whole row, or N of every M consecutive inputs")
@@ -141,6 +155,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     depth.add_argument("--remove_layers", type=int,
                        help="remove this many blocks: those of lowest block influence 1 - cos(input, output)")
     depth.add_argument("--layers_to_remove", help="remove these blocks instead (comma list of indices, e.g. 20,21)")
+    reap = parser.add_argument_group("reap (mixture-of-experts models)")
+    reap.add_argument("--expert_ratio", type=float,
+                      help="fraction of every MoE layer's experts removed (the lowest-scoring ones)")
+    reap.add_argument("--expert_score", choices=EXPERT_SCORES, default="reap",
+                      help="reap: mean router weight x expert output norm over the tokens routed to the expert "
+                           "(REAP); frequency: the share of routed tokens")
     opts = parser.parse_args(argv)
     if not opts.estimate_only and not opts.output_dir:
         parser.error("--output_dir is required (or pass --estimate_only)")
@@ -323,6 +343,7 @@ def prune_structured(opts: argparse.Namespace) -> None:
     plan, device = start_job(cfg)
     check_taylor_layout(plan.parallel_dims)
     args = plan.model_args
+    check_dense(args, "taylor_structured")
     built = assemble_model(plan, device, load=hf_weight_loader(plan, opts.hf_assets_path))
     batches = calibration_batches(opts, plan, device)
     baseline = [t for part in built.parts for t in (*part.parameters(), *part.buffers())]
@@ -391,6 +412,7 @@ def estimate_depth(opts: argparse.Namespace) -> None:
     cfg = depth_config(opts, "cuda")
     plan = plan_job(cfg, opts.ngpu)
     check_depth_layout(plan.parallel_dims)
+    check_dense(plan.model_args, "depth")
     check_removal_count(opts, plan.model_args.n_layers)
     capacity = device_memory_gib(cfg)
     scoring = depth_plan(plan, cfg, opts)
@@ -398,6 +420,13 @@ def estimate_depth(opts: argparse.Namespace) -> None:
           f"{opts.nsamples} x {opts.seq_len} calibration tokens in batches of {opts.batch_size}; "
           f"{plan.parallel_dims.describe()}; {cfg.training.dtype}")
     print_pass_plan(scoring, capacity, scoring.advice)
+
+
+def check_dense(args: LlamaArgs, method: str) -> None:
+    """depth and taylor_structured materialise dense feed-forwards: one line for a mixture of experts."""
+    if args.n_experts:
+        raise ConfigError(f"--method {method} writes models whose feed-forwards are dense; this {args.family} model "
+                          f"routes {len(args.moe_layers)} layers to experts: remove experts with --method reap")
 
 
 def check_removal_count(opts: argparse.Namespace, n_layers: int) -> None:
@@ -433,6 +462,7 @@ def prune_depth(opts: argparse.Namespace) -> None:
     plan, device = start_job(cfg)
     check_depth_layout(plan.parallel_dims)
     args = plan.model_args
+    check_dense(args, "depth")
     check_removal_count(opts, args.n_layers)
     built = assemble_model(plan, device, load=hf_weight_loader(plan, opts.hf_assets_path))
     if is_rank0():
@@ -456,6 +486,113 @@ def prune_depth(opts: argparse.Namespace) -> None:
                         lambda new_args: f"blocks {removed} removed, {args.n_layers} -> {new_args.n_layers} blocks")
 
 
+# ------------------------------------------------------------------------------------------ reap
+
+REAP_REPORT_NAME = "reap_report.json"
+
+
+def check_reap_options(opts: argparse.Namespace) -> None:
+    if opts.expert_ratio is None:
+        raise ConfigError("--method reap needs --expert_ratio R: the fraction of every MoE layer's experts removed")
+    if not opts.estimate_only:
+        check_output(opts)
+    if opts.calib_path:
+        check_text_data("--calib_path", opts.calib_path)
+
+
+def reap_plan(plan: JobPlan, cfg: JobConfig, opts: argparse.Namespace) -> PassPlan:
+    """The scoring pass's memory on rank 0 of the plan's world, for an accelerator (parts on the meta device)."""
+    def of(parts, dims):
+        p = precision(cfg, dims, "cuda", getattr(torch, cfg.training.dtype))
+        return reap_pass_plan(plan.model_args, dims, parts, opts.nsamples, opts.batch_size, opts.seq_len, p)
+    return with_rank_parts(plan, 0, of)
+
+
+def model_source(opts: argparse.Namespace) -> str:
+    return f"flavor '{opts.flavor}'" if opts.flavor else f"'{opts.hf_assets_path}'"
+
+
+def estimate_reap(opts: argparse.Namespace) -> None:
+    check_reap_options(opts)
+    cfg = depth_config(opts, "cuda")
+    plan = plan_job(cfg, opts.ngpu)
+    check_reap_layout(plan.parallel_dims)
+    args = plan.model_args
+    kept = check_reap_model(args, opts.expert_ratio, model_source(opts))
+    capacity = device_memory_gib(cfg)
+    scoring = reap_plan(plan, cfg, opts)
+    print(f"{cfg.model.flavor}: {plan.full_param_count():,} parameters, {len(args.moe_layers)} MoE layers of "
+          f"{args.n_experts} experts -> {kept}; REAP ({opts.expert_score}), {opts.nsamples} x {opts.seq_len} "
+          f"calibration tokens in batches of {opts.batch_size}; {plan.parallel_dims.describe()}; {cfg.training.dtype}")
+    print_pass_plan(scoring, capacity, scoring.advice)
+
+
+def reap_report(opts: argparse.Namespace, args: LlamaArgs, new_args: LlamaArgs, scores: dict, keep: dict,
+                seconds: float) -> dict:
+    before, after = model_param_count(args), model_param_count(new_args)
+    what = {"reap": "mean over the tokens routed to the expert of router weight x ||expert output||_2",
+            "frequency": "share of the layer's routed (token, expert) pairs"}[opts.expert_score]
+    return {
+        "method": "reap", "expert_score": opts.expert_score, "score": what, "expert_ratio": opts.expert_ratio,
+        "calibration": {"path": opts.calib_path or "shakespeare", "nsamples": opts.nsamples, "seq_len": opts.seq_len},
+        "experts": {"before": args.n_experts, "after": new_args.n_experts, "num_experts_per_tok": args.moe_top_k},
+        "layers": {str(layer): {"scores": scores[layer], "kept": keep[layer],
+                                "removed": [j for j in range(args.n_experts) if j not in keep[layer]]}
+                   for layer in sorted(keep)},
+        "parameters": {"before": before, "after": after, "removed_fraction": 1 - after / before,
+                       "active_after": after - new_args.inactive_param_count()},
+        "seconds": round(seconds, 3),
+    }
+
+
+def prune_reap(opts: argparse.Namespace) -> None:
+    """Score every MoE layer's experts on the sharded model (every rank gets the same scores), keep the best of each
+    layer, and let rank 0 write the smaller Qwen3-MoE folder with its report."""
+    check_reap_options(opts)
+    begin = time.monotonic()
+    device_type = accelerator_type()
+    cfg = depth_config(opts, device_type)
+    plan, device = start_job(cfg)
+    check_reap_layout(plan.parallel_dims)
+    args = plan.model_args
+    kept = check_reap_model(args, opts.expert_ratio, model_source(opts))
+    built = assemble_model(plan, device, load=hf_weight_loader(plan, opts.hf_assets_path))
+    if is_rank0():
+        p = precision(cfg, plan.parallel_dims, device_type, getattr(torch, cfg.training.dtype))
+        scoring = reap_pass_plan(args, plan.parallel_dims, built.parts, opts.nsamples, opts.batch_size, opts.seq_len,
+                                 p)
+        print("\n".join([scoring.title, *scoring.rows]), flush=True)
+    batches = calibration_batches(opts, plan, device)
+    baseline = [t for part in built.parts for t in (*part.parameters(), *part.buffers())]
+    with measure_peak(device, baseline) as measured:
+        scores = scores_of(expert_sums(built.runner, batches, device), opts.expert_score)
+    keep = experts_to_keep(scores, kept)
+    if is_rank0():
+        for layer, values in scores.items():
+            print(f"layer {layer} {opts.expert_score} scores: " + ", ".join(f"{j}: {v:.6g}" for j, v in
+                                                                           enumerate(values)), flush=True)
+        print(f"peak memory per device {format_bytes(measured.bytes)} ({measured.source})", flush=True)
+    dtype = getattr(torch, cfg.training.dtype)
+    sd = gather_full_state_dict(built.parts, dtype, plan.parallel_dims)
+    del built
+    if is_rank0():
+        new_sd, new_args = without_experts(sd, args, keep)
+        out = Path(opts.output_dir)
+        print(f"writing {out}", flush=True)
+        report = reap_report(opts, args, new_args, scores, keep, time.monotonic() - begin)
+        report["memory"] = {"measured_peak_bytes": measured.bytes, "measured_by": measured.source}
+        with atomic_folder(out) as partial:
+            write_materialized_hf(new_sd, new_args, partial, dtype, opts.hf_assets_path)
+            write_report(report, partial / REAP_REPORT_NAME)
+        p = report["parameters"]
+        print(f"pruned model written to {out}: {args.n_experts} -> {new_args.n_experts} experts in each of "
+              f"{len(args.moe_layers)} MoE layers ({opts.expert_score}); {p['before']:,} -> {p['after']:,} parameters "
+              f"(-{p['removed_fraction']:.1%}), {p['active_after']:,} active; report {out / REAP_REPORT_NAME}",
+              flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+
+
 # ------------------------------------------------------------------------------------------ entry
 
 
@@ -467,8 +604,10 @@ def refuse_flags(opts: argparse.Namespace) -> str | None:
                 f"not {opts.method}")
     if (opts.remove_layers is not None or opts.layers_to_remove is not None) and opts.method != "depth":
         return f"--remove_layers and --layers_to_remove apply to --method depth, not {opts.method}"
-    if opts.layer_ratios != "uniform" and opts.method in ("taylor_structured", "depth"):
+    if opts.layer_ratios != "uniform" and opts.method in ("taylor_structured", "depth", "reap"):
         return f"--layer_ratios applies to magnitude, wanda and sparsegpt, not {opts.method}"
+    if (opts.expert_ratio is not None or opts.expert_score != "reap") and opts.method != "reap":
+        return f"--expert_ratio and --expert_score apply to --method reap, not {opts.method}"
     return None
 
 
@@ -487,6 +626,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_script(lambda: prune_structured(opts))
     if opts.method == "depth":
         return run_script(lambda: estimate_depth(opts) if opts.estimate_only else prune_depth(opts))
+    if opts.method == "reap":
+        return run_script(lambda: estimate_reap(opts) if opts.estimate_only else prune_reap(opts))
     return run_script(lambda: estimate(opts) if opts.estimate_only else prune(opts))
 
 

@@ -41,6 +41,11 @@ def test_degrees_that_do_not_carve_are_one_line(dims, message):
     assert str(exc.value) == message
 
 
+def test_without_ep_any_layout_carves_nothing():
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=2, tp=2, pp=1, world_size=4)
+    assert not dims.ep_enabled and "experts" not in dims.describe()
+
+
 def test_efsdp_is_what_ep_leaves_of_the_data_ranks():
     dims = ParallelDims(dp_replicate=2, dp_shard=-1, cp=1, tp=2, pp=1, world_size=16, ep=4)
     assert (dims.dp_shard, dims.efsdp) == (4, 2)

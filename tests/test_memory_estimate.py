@@ -84,14 +84,19 @@ SMALL_GQA = LlamaArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=51
                       rope_theta=10000.0)
 
 
-def _debugmodel(seq: int) -> LlamaArgs:
-    args = flavor_args("debugmodel")
+def _debugmodel(seq: int, flavor: str = "debugmodel") -> LlamaArgs:
+    args = flavor_args(flavor)
     args.max_seq_len = seq
     return args
 
 
+# tiny_moe: Qwen3-MoE's q/k norms, 3 MoE layers of 8 experts (top 2) and a dense one
+MODELS = [(SMALL_GQA, 2, 128), (_debugmodel(64), 2, 64), (_debugmodel(64, "tiny_moe"), 2, 64)]
+MODEL_IDS = ["gqa", "debugmodel", "tiny_moe"]
+
+
 @pytest.mark.parametrize("mode,option", [("none", "op"), ("full", "op"), ("selective", "op"), ("selective", "2")])
-@pytest.mark.parametrize("args,batch,seq", [(SMALL_GQA, 2, 128), (_debugmodel(64), 2, 64)], ids=["gqa", "debugmodel"])
+@pytest.mark.parametrize("args,batch,seq", MODELS, ids=MODEL_IDS)
 def test_activation_estimate_matches_cpu_forward(args, batch, seq, mode, option):
     model = checkpointed_model(args, mode, option)
     measured = measured_saved_bytes(model, batch, seq, args.vocab_size)
@@ -117,12 +122,13 @@ def fake_world_of_2():
 
 @pytest.mark.parametrize("mode", ["none", "full", "selective"])
 @pytest.mark.parametrize("tp,cp", [(2, 1), (1, 2)], ids=["tp2", "cp2"])
-def test_activation_estimate_matches_cpu_forward_under_tp_or_cp(fake_world_of_2, tp, cp, mode):
-    """The trainer's TP plan (sequence and loss parallel) or CP attention (with FSDP over the cp ranks) on a real
-    CPU model in a fake 2-rank world; CP feeds each rank its half of the sequence."""
+@pytest.mark.parametrize("args", [SMALL_GQA, _debugmodel(128, "tiny_moe")], ids=["gqa", "tiny_moe"])
+def test_activation_estimate_matches_cpu_forward_under_tp_or_cp(fake_world_of_2, tp, cp, mode, args):
+    """The trainer's TP plan (sequence and loss parallel; MoE experts replicated) or CP attention (with FSDP over the
+    cp ranks) on a real CPU model in a fake 2-rank world; CP feeds each rank its half of the sequence."""
     from torch.distributed.tensor.parallel import loss_parallel
 
-    args, batch, seq = SMALL_GQA, 2, 128
+    batch, seq = 2, 128
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=cp, tp=tp, pp=1, world_size=2)
     dims.build_mesh("cpu")
     cfg = JobConfig()
@@ -167,7 +173,7 @@ class PeakLiveActivations(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("mode", ["none", "full", "selective"])
-@pytest.mark.parametrize("args,batch,seq", [(SMALL_GQA, 2, 128), (_debugmodel(64), 2, 64)], ids=["gqa", "debugmodel"])
+@pytest.mark.parametrize("args,batch,seq", MODELS, ids=MODEL_IDS)
 def test_peak_activation_estimate_matches_cpu_forward_backward(args, batch, seq, mode):
     """The 'activations' row of the dry run (saved + backward working set) against the measured peak."""
     model = checkpointed_model(args, mode, "op")

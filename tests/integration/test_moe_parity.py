@@ -68,3 +68,20 @@ def test_moe_layout_equals_one_process(name, ngpu, local_batch, overrides, layou
     for series, values in reference.items():
         for step, value in values.items():
             assert abs(got[series][step] - value) <= ATOL, f"{series} step {step}: {got[series][step]} vs {value}"
+
+
+def test_lora_on_experts_under_fsdp_equals_one_process(data, tmp_path_factory):
+    """LoRA on attention and experts (grouped adapters sharded by FSDP with the experts): 2 ranks x 4 sequences
+    equal 1 x 8."""
+    lora = ["--model.converters", "lora", "--lora.target_modules", "wq,experts", "--lora.rank", "4"]
+    series = []
+    for name, ngpu, local_batch in (("lora_one", 1, 8), ("lora_fsdp2", 2, 4)):
+        folder = tmp_path_factory.mktemp(name)
+        run = run_train([*data, *lora, "--training.local_batch_size", str(local_batch)], folder, ngpu=ngpu)
+        assert run.returncode == 0, run.output[-3000:]
+        series.append(scalars(folder))
+    one, fsdp = series
+    assert sorted(one) == sorted(fsdp) and len(one["loss/global_avg"]) == STEPS
+    for name, values in one.items():
+        for step, value in values.items():
+            assert abs(fsdp[name][step] - value) <= ATOL, f"{name} step {step}: {fsdp[name][step]} vs {value}"

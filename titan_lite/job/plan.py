@@ -69,10 +69,16 @@ class JobPlan:
         return self.meta_model().num_params()
 
     def frozen_matmul_param_count(self) -> int:
-        """Frozen parameters other than the (untied) embedding lookup: they cost no weight gradient."""
+        """Frozen parameters other than the (untied) embedding lookup: they cost no weight gradient. Of frozen
+        experts only the share a token runs counts (top-k of E)."""
         model = self.meta_model()
-        lookup = "" if self.model_args.tie_word_embeddings else "tok_embeddings.weight"
-        return sum(p.numel() for n, p in model.named_parameters() if not p.requires_grad and n != lookup)
+        args = self.model_args
+        lookup = "" if args.tie_word_embeddings else "tok_embeddings.weight"
+        return sum(p.numel() * args.moe_top_k // args.n_experts if n.endswith(EXPERT_WEIGHTS) else p.numel()
+                   for n, p in model.named_parameters() if not p.requires_grad and n != lookup)
+
+
+EXPERT_WEIGHTS = ("moe.experts.w1", "moe.experts.w2", "moe.experts.w3")
 
 
 def tokenizer_path(cfg: JobConfig) -> str:

@@ -31,7 +31,7 @@ class ActivationShape:
     # Packed documents (attn_mask_type block_causal): "sdpa" (an additive mask in the compute dtype), "spans" (eager
     # CPU: causal attention per document, no mask) or "flex" (FlexAttention's block mask, CUDA); None: causal.
     document_mask: str | None = None
-    ep: int = 1  # expert parallel degree (MoE): the routed rows go to their experts' ranks
+    ep: int = 1  # expert parallel degree: an MoE layer's experts split over this many ranks
 
 
 def _rms_norm_bytes(args: LlamaArgs, tokens: int, s: ActivationShape) -> int:
@@ -49,6 +49,8 @@ def _attention_core_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape) ->
     kv_tokens = s.tokens * s.cp
     saved = (s.tokens * q_width * 2 + kv_tokens * kv_width * 2) * s.compute_bytes
     saved += s.tokens * (q_heads // s.tp) * FP32
+    if args.qk_norm:  # Qwen3's q/k RMSNorms save their inputs (the projections' outputs) and a float32 rstd per head
+        saved += s.tokens * (q_width + kv_width) * s.compute_bytes + s.tokens * (q_heads + kv_heads) // s.tp * FP32
     if s.cp > 1 and s.document_mask is None:
         # this rank's causal mask rows as an additive bias, RoPE rows of its global positions, the gather order
         local_seq = s.seq_len // s.cp
@@ -71,16 +73,18 @@ def routed_rows(args: LlamaArgs, s: ActivationShape) -> tuple[int, int]:
     return tokens * k, s.ep * tokens * min(k, args.n_experts // s.ep)
 
 
-def moe_activation_bytes(args: LlamaArgs, s: ActivationShape) -> int:
-    """What a routed feed-forward keeps for backward (its input, the gathered norm output, is counted by the caller):
-    the router's float32 probabilities and top-k ids and weights, the dispatch index, the rows the experts compute
-    (their input, the w1 and w3 outputs, silu's output and the product) at routed_rows' capacity, and every choice's
-    output as the gate-weighted sum takes it."""
+def moe_bytes(args: LlamaArgs, s: ActivationShape) -> int:
+    """What an MoE feed-forward keeps for backward for one microbatch (router and experts see the whole gathered
+    sequence: under TP every rank routes all of it): the router's input, logits and float32 probabilities, the top-k
+    weights and ids; the rows its experts compute (routed_rows' capacity): their inputs, their w1, w3, silu and
+    product outputs; every choice's output as the gate weights multiply it; the sorting indices (and, under EP, the
+    order grouping the received rows by expert and its inverse)."""
     c, k, tokens = s.compute_bytes, args.moe_top_k, s.tokens
     _, rows = routed_rows(args, s)
-    router = tokens * args.n_experts * FP32 + tokens * k * (8 + FP32)
+    router = tokens * args.dim * c + tokens * args.n_experts * (c + FP32) + tokens * k * (c + 8)
     experts = rows * args.dim * c + 4 * rows * args.moe_ffn_dim * c
-    return router + tokens * k * 8 + experts + tokens * k * args.dim * c
+    indices = 3 * tokens * k * 8 + (2 * rows * 8 if s.ep > 1 else 0)
+    return router + experts + tokens * k * args.dim * c + indices
 
 
 def all_to_all_buffer_bytes(args: LlamaArgs, s: ActivationShape) -> int:
@@ -96,8 +100,8 @@ def layer_activation_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape, p
     """Bytes one transformer block keeps for backward for one microbatch, under an AC policy.
 
     Sequence parallel splits the tokens of block inputs and norms over TP; the gathered norm outputs that the
-    projections consume are full-length. A routed feed-forward (MoE layer) keeps moe_activation_bytes instead of the
-    dense SwiGLU's.
+    projections consume are full-length. A routed feed-forward (MoE layer) keeps moe_bytes instead of the dense
+    SwiGLU's.
     """
     c, dim, tokens = s.compute_bytes, args.dim, s.tokens
     seq_shard = tokens // s.tp
@@ -109,19 +113,18 @@ def layer_activation_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape, p
     moe = args.is_moe_layer(layer_id)
     if policy == OP_AC:
         # Every other mm output is saved (wq, wv, w1, w2 of wq wk wv wo w1 w3 w2), plus SDPA outputs and, under
-        # TP, the reduce-scatter outputs of wo and w2; for routed experts, their w1 and w2 outputs.
+        # TP, the reduce-scatter outputs of wo and w2. In an MoE layer the router's logits are the fifth mm, saved;
+        # the experts' grouped matmuls are not aten.mm, so the policy recomputes them.
         saved = block_input + tokens * (q_heads + kv_heads) * args.head_dim // s.tp * c
         saved += tokens * q_heads * args.head_dim // s.tp * c + tokens * (q_heads // s.tp) * FP32
-        rows, width = (routed_rows(args, s)[1], args.moe_ffn_dim) if moe else (tokens, ffn)
-        saved += rows * width * c + rows * dim * c
+        saved += tokens * args.n_experts * c if moe else tokens * ffn * c + tokens * dim * c
         if s.tp > 1:
             saved += 2 * seq_shard * dim * c
         return saved
     gathered_norm_out = tokens * dim * c
     attention = _rms_norm_bytes(args, seq_shard, s) + gathered_norm_out + _attention_core_bytes(args, layer_id, s)
-    feed_forward = moe_activation_bytes(args, s) if moe else 4 * tokens * ffn * c  # w1, silu, w3, product
-    mlp = _rms_norm_bytes(args, seq_shard, s) + gathered_norm_out + feed_forward
-    return attention + mlp
+    feed_forward = moe_bytes(args, s) if moe else gathered_norm_out + 4 * tokens * ffn * c  # w1, silu, w3, product
+    return attention + _rms_norm_bytes(args, seq_shard, s) + feed_forward
 
 
 def head_activation_bytes(args: LlamaArgs, s: ActivationShape) -> int:

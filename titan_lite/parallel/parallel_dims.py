@@ -48,7 +48,7 @@ class ParallelDims:
     def _check_ep(self) -> None:
         """EP ranks are carved from the ranks that split the data of one model replica: dp_shard x cp x tp."""
         carved, inner = self.dp_shard * self.cp * self.tp, self.cp * self.tp
-        if self.ep < 1 or carved % self.ep or self.ep % inner:
+        if self.ep != 1 and (self.ep < 1 or carved % self.ep or self.ep % inner):
             raise ConfigError(
                 f"'parallelism.expert_parallel_degree' = {self.ep} must divide the ranks it is carved from, dp_shard "
                 f"{self.dp_shard} x cp {self.cp} x tp {self.tp} = {carved}, and be a multiple of cp x tp = {inner}")

@@ -17,10 +17,19 @@ PROJECTIONS = {
     "w2": ("feed_forward", "down_proj"),
 }
 HF_PROJECTIONS = {hf: titan for titan, (_, hf) in PROJECTIONS.items()}
+FEED_FORWARD = ("w1", "w2", "w3")
 ALL_LINEAR = "all-linear"
+# An MoE layer's expert groups (transforms/lora/experts.py): a target_modules entry -> the groups it adapts, and each
+# group's titan_lite module (layers.{i}.moe.experts.<group>) <-> the HF parameter PEFT targets.
+EXPERT_TARGETS = {"experts": ("gate_up", "down"), "experts.gate_up_proj": ("gate_up",),
+                  "mlp.experts.gate_up_proj": ("gate_up",), "gate_up_proj": ("gate_up",),
+                  "experts.down_proj": ("down",), "mlp.experts.down_proj": ("down",)}
+EXPERT_GROUPS = {"gate_up": "gate_up_proj", "down": "down_proj"}
+_SPLIT_EXPERTS = ("experts.w1", "experts.w3", "experts.gate_proj", "experts.up_proj", "experts.w2")
 # Modules train_modules may name besides projections: titan_lite name -> HF name.
 FULL_MODULES = {"output": "lm_head", "tok_embeddings": "embed_tokens", "norm": "norm",
-                "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+                "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                "router": "gate", "experts": "experts"}  # an MoE layer's router (mlp.gate) and experts
 HF_FULL_MODULES = {hf: titan for titan, hf in FULL_MODULES.items()}
 TIED_MODULES = ("output", "tok_embeddings")
 PISSA_NITER = re.compile(r"pissa_niter_(\d+)")
@@ -37,8 +46,18 @@ class AdapterSpec:
 
 
 def hf_module_name(module: str) -> str:
-    """layers.0.attention.wq -> model.layers.0.self_attn.q_proj; output -> lm_head."""
+    """layers.0.attention.wq -> model.layers.0.self_attn.q_proj; output -> lm_head; an expert group
+    layers.0.moe.experts.gate_up -> model.layers.0.mlp.experts.gate_up_proj (the fused parameter PEFT targets)."""
+    group = expert_group_of(module)
+    if group is not None:
+        return f"model.layers.{module.split('.')[1]}.mlp.experts.{EXPERT_GROUPS[group]}"
     return LLAMA_NAMES.to_hf(f"{module}.weight").removesuffix(".weight")
+
+
+def expert_group_of(module: str) -> str | None:
+    """gate_up or down for an expert group's module name (layers.{i}.moe.experts.<group>), else None."""
+    parent, _, group = module.rpartition(".")
+    return group if parent.endswith(".moe.experts") and group in EXPERT_GROUPS else None
 
 
 def pattern_matches(pattern: str, module: str) -> bool:
@@ -83,6 +102,7 @@ class LoraOptions:
     rank_pattern: list[tuple[str, int]]
     alpha_pattern: list[tuple[str, float]]
     niter: int | None
+    expert_groups: tuple[str, ...] = ()  # gate_up and/or down: the MoE layers' adapted expert projections
 
     @property
     def pissa(self) -> bool:
@@ -100,16 +120,24 @@ class LoraOptions:
         niter = _niter(c.init)
         if not c.target_modules:
             raise ConfigError("'lora.target_modules' is empty; name the projections to adapt, or all-linear")
-        targets = []
+        targets, groups = [], []
         for name in c.target_modules:
+            if name in _SPLIT_EXPERTS:
+                raise ConfigError(f"'lora.target_modules' has '{name}': an expert's gate and up projections are "
+                                  "adapted together (one A per expert, as PEFT adapts transformers' fused "
+                                  "gate_up_proj); name 'experts.gate_up_proj', 'experts.down_proj' or 'experts'")
+            if name in EXPERT_TARGETS or name == ALL_LINEAR:
+                groups += [g for g in EXPERT_TARGETS["experts" if name == ALL_LINEAR else name] if g not in groups]
+                if name != ALL_LINEAR:
+                    continue
             chosen = list(PROJECTIONS) if name == ALL_LINEAR else [
-                _short_name("target_modules", name, HF_PROJECTIONS, tuple(PROJECTIONS))]
+                _short_name("target_modules", name, HF_PROJECTIONS, tuple(PROJECTIONS) + tuple(EXPERT_TARGETS))]
             targets += [t for t in chosen if t not in targets]
         full = tuple(PROJECTIONS) + tuple(FULL_MODULES)
         train = []
         for name in c.train_modules:
             short = _short_name("train_modules", name, {**HF_PROJECTIONS, **HF_FULL_MODULES}, full)
-            if short in targets:
+            if short in targets or (short == "experts" and groups):
                 raise ConfigError(f"'lora.train_modules' has '{name}', which 'lora.target_modules' already adapts")
             train.append(short)
         if c.refactor_freq < 0:
@@ -122,7 +150,7 @@ class LoraOptions:
                               "would compute them from the weights; use init = 'default'")
         return cls(c, tuple(targets), tuple(train),
                    [_parse_pattern("rank_pattern", e, int) for e in c.rank_pattern],
-                   [_parse_pattern("alpha_pattern", e, float) for e in c.alpha_pattern], niter)
+                   [_parse_pattern("alpha_pattern", e, float) for e in c.alpha_pattern], niter, tuple(groups))
 
     # ------------------------------------------------------------------------------ per module
 
@@ -135,20 +163,51 @@ class LoraOptions:
 
     def is_train_module(self, module: str) -> bool:
         """Whether a module (canonical name) trains in full: its last name is one of train_modules (the final norm
-        is the top-level 'norm' only)."""
+        is the top-level 'norm' only; an MoE layer's router is 'router', its linear layers.{i}.moe.router.gate)."""
+        if module.endswith(".moe.router.gate"):
+            return "router" in self.train_modules
         return module.rsplit(".", 1)[-1] in self.train_modules
 
+    def targets_of(self, args: LlamaArgs, layer: int) -> tuple[str, ...]:
+        """The adapted projections a layer has: a routed layer has no dense feed-forward."""
+        moe = args.is_moe_layer(layer)
+        return tuple(t for t in self.targets if not (moe and t in FEED_FORWARD))
+
     def adapted_modules(self, args: LlamaArgs) -> dict[str, tuple[int, int]]:
-        """Adapted module name -> (in_features, out_features), over every layer of the model."""
+        """Adapted linear module name -> (in_features, out_features), over every layer of the model."""
         out = {}
         for i in range(args.n_layers):
             heads, kv_heads = args.heads_of(i)
             q, kv, ffn = heads * args.head_dim, kv_heads * args.head_dim, args.ffn_dim_of(i)
             dims = {"wq": (args.dim, q), "wk": (args.dim, kv), "wv": (args.dim, kv), "wo": (q, args.dim),
                     "w1": (args.dim, ffn), "w3": (args.dim, ffn), "w2": (ffn, args.dim)}
-            for short in self.targets:
+            for short in self.targets_of(args, i):
                 out[f"layers.{i}.{PROJECTIONS[short][0]}.{short}"] = dims[short]
         return out
+
+    def adapted_expert_groups(self, args: LlamaArgs) -> dict[str, tuple[int, int, int]]:
+        """Adapted expert group module name (layers.{i}.moe.experts.gate_up) -> (experts, in, out)."""
+        widths = {"gate_up": (args.dim, 2 * args.moe_ffn_dim), "down": (args.moe_ffn_dim, args.dim)}
+        return {f"layers.{i}.moe.experts.{g}": (args.n_experts, *widths[g])
+                for i in args.moe_layers for g in self.expert_groups}
+
+    def match_report(self, args: LlamaArgs) -> list[str]:
+        """What each target_modules entry matched: linear modules and expert parameters (one line each); a
+        ConfigError for an entry that matches nothing in this model."""
+        linear, groups = self.adapted_modules(args), self.adapted_expert_groups(args)
+        lines = []
+        for entry in self.section.target_modules:
+            mine = entry_targets(entry)
+            modules = [m for m in linear if m.rsplit(".", 1)[1] in mine]
+            experts = [m for m in groups if m.rsplit(".", 1)[1] in mine]
+            if not modules and not experts:
+                raise ConfigError(f"'lora.target_modules' entry '{entry}' matches no module of this model"
+                                  f"{_why_nothing(entry, args)}")
+            numel = sum(linear[m][0] * linear[m][1] for m in modules)
+            expert_numel = sum(e * fan_in * fan_out for e, fan_in, fan_out in (groups[m] for m in experts))
+            lines.append(f"lora: target '{entry}' matched {len(modules)} linear modules ({numel:,} parameters) and "
+                         f"{len(experts)} expert groups ({expert_numel:,} expert parameters)")
+        return lines
 
     # ------------------------------------------------------------------------------ checks with the model
 
@@ -175,6 +234,25 @@ class LoraOptions:
             raise ConfigError(f"'lora.dropout' = {self.section.dropout} with activation checkpointing needs "
                               "'activation_checkpoint.preserve_rng_state' = true (the recomputed forward must draw "
                               "the same dropout masks)")
+
+
+def entry_targets(entry: str) -> tuple[str, ...]:
+    """The projections (wq ... w2) and expert groups (gate_up, down) one target_modules entry names."""
+    if entry == ALL_LINEAR:
+        return tuple(PROJECTIONS) + EXPERT_TARGETS["experts"]
+    if entry in EXPERT_TARGETS:
+        return EXPERT_TARGETS[entry]
+    return (HF_PROJECTIONS.get(entry, entry),)
+
+
+def _why_nothing(entry: str, args: LlamaArgs) -> str:
+    targets = entry_targets(entry)
+    if set(targets) <= set(FEED_FORWARD) and args.n_experts and not set(range(args.n_layers)) - set(args.moe_layers):
+        return ("; every layer's feed-forward is routed experts: adapt them with 'experts' (or 'experts.gate_up_proj', "
+                "'experts.down_proj')")
+    if set(targets) <= set(EXPERT_GROUPS):
+        return "; it has no MoE layer"
+    return ""
 
 
 def _niter(init: str) -> int | None:

@@ -69,8 +69,10 @@ def block_linear_shapes(args: LlamaArgs) -> dict[str, tuple[int, int]]:
         heads, kv_heads = args.heads_of(i)
         q, kv, ffn = heads * args.head_dim, kv_heads * args.head_dim, args.ffn_dim_of(i)
         shapes = {"attention.wq": (q, args.dim), "attention.wk": (kv, args.dim), "attention.wv": (kv, args.dim),
-                  "attention.wo": (args.dim, q), "feed_forward.w1": (ffn, args.dim),
-                  "feed_forward.w3": (ffn, args.dim), "feed_forward.w2": (args.dim, ffn)}
+                  "attention.wo": (args.dim, q)}
+        if not args.is_moe_layer(i):  # an MoE layer's experts are grouped weights, not block linears
+            shapes.update({"feed_forward.w1": (ffn, args.dim), "feed_forward.w3": (ffn, args.dim),
+                           "feed_forward.w2": (args.dim, ffn)})
         out.update({f"layers.{i}.{k}.weight": v for k, v in shapes.items()})
     return out
 

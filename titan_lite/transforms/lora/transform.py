@@ -11,6 +11,7 @@ from torch import nn
 
 from titan_lite.checkpoint.hf import export_hf, gather_full_state_dict
 from titan_lite.checkpoint.peft import (
+    PREFIX,
     PeftAdapter,
     from_peft_tensors,
     read_peft_adapter,
@@ -35,6 +36,16 @@ from titan_lite.transforms.lora.adapters import (
     peft_config,
     pissa_as_lora,
     without_pissa_init,
+)
+from titan_lite.transforms.lora.experts import (
+    LoRAGroupedExperts,
+    adapted_experts,
+    check_expert_options,
+    expert_adapter_modules,
+    fused_expert_weights,
+    merge_expert_adapters,
+    peft_expert_tensors,
+    peft_target_parameters,
 )
 from titan_lite.transforms.lora.module import ADAPTER_PARAMS, PISSA_INIT_PARAMS, LoRALinear, adapters_off
 from titan_lite.transforms.lora.options import PROJECTIONS, LoraOptions
@@ -97,6 +108,7 @@ class LoraTransform(Transform):
         self.keep_sparsity = keep_sparsity_enabled(cfg)
         self.nf4 = cfg.lora.base_dtype == NF4
         self._nf4_names: set[str] | None = None
+        self._reported: list[str] = []
 
     # ------------------------------------------------------------------------------ which parameters train
 
@@ -119,7 +131,9 @@ class LoraTransform(Transform):
 
     def convert(self, model: nn.Module) -> None:
         for key, block in model.layers.items():
-            for short in self.options.targets:
+            if block.moe_enabled and self.options.expert_groups:
+                block.moe.experts = adapted_experts(block.moe.experts, self.expert_specs(int(key)))
+            for short in self.options.targets_of(model.args, int(key)):
                 parent_name = PROJECTIONS[short][0]
                 parent, name = getattr(block, parent_name), f"layers.{key}.{parent_name}.{short}"
                 linear, spec = getattr(parent, short), self.options.spec(name)
@@ -130,6 +144,11 @@ class LoraTransform(Transform):
                                          keep_sparsity=self.keep_sparsity, bias=linear.bias is not None)
                 setattr(parent, short, adapted)
         self.freeze_and_cast(model)
+
+    def expert_specs(self, layer: int) -> dict[str, tuple[int, float]]:
+        """(rank, scale) of each adapted expert group of a layer."""
+        specs = {g: self.options.spec(f"layers.{layer}.moe.experts.{g}") for g in self.options.expert_groups}
+        return {g: (spec.rank, spec.scale) for g, spec in specs.items()}
 
     def freeze_and_cast(self, model: nn.Module) -> None:
         """requires_grad from `trains`; frozen base weights in base_dtype (a tied weight is replaced once). An NF4
@@ -148,6 +167,12 @@ class LoraTransform(Transform):
 
     def check(self, model_args: LlamaArgs, parallel_dims: ParallelDims) -> None:
         self.options.check_model(self.cfg, model_args)
+        report = self.options.match_report(model_args)  # an entry that matches nothing is refused before launch
+        if is_main_rank() and report != self._reported:
+            for line in report:
+                logger.info(line)
+            self._reported = report
+        check_expert_options(self.options, model_args, self.keep_sparsity)
         check_keep_sparsity(self.cfg)
         self.check_layout(parallel_dims)
         self._nf4_names = self.nf4_weights(model_args)
@@ -177,7 +202,8 @@ class LoraTransform(Transform):
         if scope == "block":
             for short in self.options.targets:
                 key = f"{PROJECTIONS[short][0]}.{short}"
-                plan[key] = lora_style(plan[key])
+                if key in plan:  # an MoE block has no dense feed-forward (its experts are replicated with adapters)
+                    plan[key] = lora_style(plan[key])
         return plan
 
     def hf_names(self, names: HFNames) -> None:
@@ -271,6 +297,8 @@ class LoraTransform(Transform):
         """The merged model: W + scale B A (DoRA: rescaled rows) for every adapter; PiSSA's W is the residual, so
         the merge equals the original weight plus the learnt update."""
         state_dict = dense_state_dict(state_dict)  # the NF4 base merges as it was trained: dequantized
+        state_dict = merge_expert_adapters(state_dict, {m: self.options.spec(m).scale
+                                                        for m in expert_adapter_modules(state_dict)})
         specs = {m: self.options.spec(m) for m in {module_of(n)[0] for n in state_dict if n.endswith(".lora_a")}}
         return merge_adapters(state_dict, specs, self.keep_sparsity), model_args
 
@@ -317,13 +345,18 @@ class LoraTransform(Transform):
     def write_adapters(self, state: dict[str, torch.Tensor], folder: Path, step: int,
                        base_folder: Path | None = None) -> None:
         base = str(base_folder or self.cfg.checkpoint.initial_load_path or self.cfg.model.hf_assets_path)
-        modules = sorted({module_of(n)[0] for n in state if n.endswith(".lora_a")}, key=_layer_order)
+        experts = expert_adapter_modules(state)
+        modules = sorted({module_of(n)[0] for n in state if n.endswith(".lora_a")} - set(experts), key=_layer_order)
         args = self.model_args
         out = folder / f"step-{step}-adapter"
         if not self.options.pissa:
-            write_peft_adapter(out, PeftAdapter(peft_config(self.options, modules, base),
-                                                to_peft_tensors(state, args)),
-                               readme(self.c, "original", sparse=self.keep_sparsity))
+            config = peft_config(self.options, modules, base)
+            linear = {n: t for n, t in state.items() if module_of(n)[0] not in experts and ".moe.experts.w" not in n}
+            tensors = {**to_peft_tensors(linear, args), **peft_expert_tensors(state, PREFIX),
+                       **fused_expert_weights(state, PREFIX)}
+            if experts:
+                config["target_parameters"] = peft_target_parameters(state)
+            write_peft_adapter(out, PeftAdapter(config, tensors), readme(self.c, "original", sparse=self.keep_sparsity))
             if self.keep_sparsity:
                 write_sparsity_marker(out)
             logger.info(f"lora: PEFT adapter of step {step} written to {out}")
@@ -339,7 +372,8 @@ class LoraTransform(Transform):
 
     def base_function(self, model_parts: list[nn.Module]):
         """The frozen base alone: every adapter switched off (PiSSA's initial factors added back)."""
-        return adapters_off([m for _, m in lora_modules(model_parts)])
+        experts = [m for part in model_parts for m in part.modules() if isinstance(m, LoRAGroupedExperts)]
+        return adapters_off([m for _, m in lora_modules(model_parts)] + experts)
 
     # ------------------------------------------------------------------------------ plan hooks
 

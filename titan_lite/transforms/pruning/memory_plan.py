@@ -119,10 +119,23 @@ def block_forward_bytes(args: LlamaArgs, layer: int, tokens: int, tp: int, p: Pr
     at_rope = norm + tokens * (q + 2 * kv) * p.matmul + tokens * q * (_widen(p.matmul) + 2 * FP32)
     at_qkv = norm + tokens * (q + 2 * kv) * p.matmul + hooks.get("attention", 0)
     residual = seq_shard * dim * p.hidden  # h = x + attention(...)
+    if args.is_moe_layer(layer):
+        return max(at_wo, at_rope, at_qkv, residual + norm + moe_forward_bytes(args, tokens, p))
     at_product = residual + norm + 3 * tokens * ffn * p.matmul
     at_w2 = residual + norm + tokens * ffn * p.matmul + tokens * dim * p.matmul + hooks.get("feed_forward.w2", 0)
     at_w1 = residual + norm + tokens * ffn * p.matmul + hooks.get("feed_forward", 0)
     return max(at_wo, at_rope, at_qkv, at_product, at_w2, at_w1)
+
+
+def moe_forward_bytes(args: LlamaArgs, tokens: int, p: Precision) -> int:
+    """Peak bytes inside an MoE feed-forward for `tokens` tokens (every TP rank routes all of them, the experts being
+    replicated): the float32 router probabilities, the routed rows (tokens x k), their gate and up projections and
+    product, then the experts' outputs and their unsorted copy."""
+    rows = tokens * args.moe_top_k
+    router = tokens * args.n_experts * (p.matmul + FP32) + 4 * rows * 8
+    at_product = rows * args.dim * p.matmul + 3 * rows * args.moe_ffn_dim * p.matmul
+    at_combine = rows * args.moe_ffn_dim * p.matmul + 2 * rows * args.dim * p.matmul
+    return router + max(at_product, at_combine)
 
 
 def hook_temporaries(method: str, targets: list[Target], tokens: int, args: LlamaArgs, layer: int, tp: int,

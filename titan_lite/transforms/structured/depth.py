@@ -107,7 +107,7 @@ def depth_pass_plan(args: LlamaArgs, dims: ParallelDims, parts: list[nn.Module],
     output, and the scores."""
     weights, local = weight_bytes(parts)
     tokens = batch_size * seq_len // dims.cp
-    gather = _two_groups_gathered(parts, dims, p) if dims.fsdp_enabled or dims.dp_replicate_enabled else 0
+    gather = two_groups_gathered(parts, dims, p) if dims.fsdp_enabled or dims.dp_replicate_enabled else 0
     block = max(block_forward_bytes(args, i, tokens, dims.tp, p, {}) for i in range(args.n_layers))
     hooks = 3 * (tokens // dims.tp) * args.dim * 4 + tokens * 4
     vocab = args.vocab_size // dims.tp if dims.tp > 1 else args.vocab_size
@@ -123,7 +123,7 @@ def depth_pass_plan(args: LlamaArgs, dims: ParallelDims, parts: list[nn.Module],
                     "lower --batch_size or --seq_len, or shard over more devices (torchrun)")
 
 
-def _two_groups_gathered(parts: list[nn.Module], dims: ParallelDims, p: Precision) -> int:
+def two_groups_gathered(parts: list[nn.Module], dims: ParallelDims, p: Precision) -> int:
     """The gathered parameters of the two largest FSDP groups (one computing, the next prefetched): two blocks, or
     the head and a block."""
     shard = dims.dp_shard * dims.cp
