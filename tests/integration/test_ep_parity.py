@@ -99,3 +99,15 @@ def test_a_run_saved_under_ep_resumes_under_ep_and_on_one_process(data, referenc
         assert run.returncode == 0, run.output[-3000:]
         assert f"loaded checkpoint {tmp_path / name / 'checkpoint' / 'step-3'}" in run.output, run.output[-3000:]
         assert_equal_series(scalars(tmp_path / name / "tb"), reference, steps=(4, 5))
+
+
+def test_lora_on_experts_under_ep_equals_one_process(data, tmp_path):
+    """Grouped expert adapters ([E, r, in], [E, out, r]) are split over the EP ranks with their experts."""
+    lora = ["--model.converters", "lora", "--lora.target_modules", "wq,experts", "--lora.rank", "4"]
+    series = []
+    for name, ngpu, local_batch, overrides in (("one", 1, 8, []), ("ep2", 2, 4, EP2)):
+        run = run_train([*data, *lora, "--training.local_batch_size", str(local_batch), *overrides], tmp_path / name,
+                        ngpu=ngpu)
+        assert run.returncode == 0, run.output[-3000:]
+        series.append(scalars(tmp_path / name / "tb"))
+    assert_equal_series(series[1], series[0])
