@@ -181,8 +181,6 @@ def estimate_rank(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, parts: li
     activation_peak, activation_note = estimate_activations(cfg, args, dims, parts, pp_rank)
     activations = activation_peak.total
     buffers, buffer_note = estimate_buffers(cfg, dims, parts, local, transforms)
-    exchange, exchange_note = all_to_all_buffers(cfg, args, dims, parts)
-    buffers, buffer_note = buffers + exchange, "; ".join(n for n in (buffer_note, exchange_note) if n)
     frozen = f"; {local - local_trainable:,} frozen have none" if local_trainable < local else ""
     formats = dtype_names(params) if stored == param_bytes(params) else f"{stored / max(local, 1):.3g} bytes each"
     notes = {
@@ -230,22 +228,15 @@ def holds_moe_layer(parts: list[nn.Module]) -> bool:
 
 
 def routed_rows_note(args: LlamaArgs, shape: me.ActivationShape, parts: list[nn.Module]) -> str:
+    """The MoE layers' routed rows, and under EP the all-to-all buffers (counted within a block's working set)."""
     if not holds_moe_layer(parts):
         return ""
-    _, rows = me.routed_rows(args, shape)
-    capacity = "worst case of expert parallelism" if shape.ep > 1 else "tokens x top-k"
-    return f", MoE: {rows:,} routed rows per layer ({capacity})"
-
-
-def all_to_all_buffers(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, parts: list[nn.Module]) -> tuple[int, str]:
-    """Expert parallelism's exchange of one MoE layer's rows, at the worst-case capacity (0 without EP)."""
-    if not dims.ep_enabled or not holds_moe_layer(parts):
-        return 0, ""
-    shape = activation_shape(cfg, dims, microbatching(cfg, dims)[0], loss_parallel_enabled(dims, cfg), args)
     sent, rows = me.routed_rows(args, shape)
-    return (me.all_to_all_buffer_bytes(args, shape),
-            f"EP all-to-all: {sent:,} rows out and up to {rows:,} in (+ their regrouping) of {args.dim} x "
-            f"{compute_bytes(cfg)[1]}, one MoE layer at a time")
+    if shape.ep == 1:
+        return f", MoE: {rows:,} routed rows per layer (tokens x top-k)"
+    exchange = me.all_to_all_buffer_bytes(args, shape) / me.GIB
+    return (f", MoE: {rows:,} routed rows per layer (worst case of expert parallelism), EP all-to-all {sent:,} rows "
+            f"out and up to {rows:,} in, {exchange:.2f} GiB with their regrouping (within a block's working set)")
 
 
 def estimate_buffers(cfg: JobConfig, dims: ParallelDims, parts: list[nn.Module], local: int,

@@ -89,7 +89,9 @@ def moe_bytes(args: LlamaArgs, s: ActivationShape) -> int:
 
 def all_to_all_buffer_bytes(args: LlamaArgs, s: ActivationShape) -> int:
     """Expert parallelism's exchange buffers, one MoE layer at a time: the rows sent and the rows received (at the
-    worst-case capacity) and their regrouping by expert, forward; their gradients alike in backward."""
+    worst-case capacity) and their regrouping by expert, forward; their gradients alike in backward. They live while
+    the layer runs, beside its other working tensors, so the plan takes them as a floor of a block's working set
+    rather than adding them to the peak."""
     if s.ep == 1 or not args.moe_layers:
         return 0
     sent, rows = routed_rows(args, s)
@@ -164,8 +166,10 @@ def saved_activation_bytes(args: LlamaArgs, layer_policies: dict[int, str], has_
 
 
 def backward_working_bytes(args: LlamaArgs, layer_ids: list[int], s: ActivationShape) -> int:
-    """One block's un-checkpointed activations: its recompute, or its activation gradients, during backward."""
-    return max((layer_activation_bytes(args, i, s, NO_AC) for i in layer_ids), default=0)
+    """One block's un-checkpointed activations: its recompute, or its activation gradients, during backward; at least
+    an MoE layer's all-to-all buffers under EP (the exchanged rows and their gradients belong to that working set)."""
+    exchange = all_to_all_buffer_bytes(args, s) if any(args.is_moe_layer(i) for i in layer_ids) else 0
+    return max([exchange, *(layer_activation_bytes(args, i, s, NO_AC) for i in layer_ids)])
 
 
 def loss_backward_bytes(args: LlamaArgs, s: ActivationShape) -> int:
