@@ -373,12 +373,12 @@ for _shape, _steps in (("debug", 10), ("512d_32k", 6), ("smollm2_135M", 4)):
     register_case(f"paired_{_shape}")(lambda s=_shape, n=_steps: _paired(s, n))
 
 
-@register_case("ep_debugmodel_moe")
+@register_case("ep_moe_debug")
 def _expert_parallel() -> Case:
     """One global batch of the debug MoE in 1 process, in 2 with the experts split over them (EP 2: each rank holds
     4 of the 8 experts and exchanges the routed rows by all-to-all), and in 2 with FSDP alone (every rank computes
     its own rows with all 8 experts, gathered)."""
-    shape = SHAPES["debugmodel_moe"]
+    shape = SHAPES["moe_debug"]
     per_rank, seq = shape.batch, shape.seq_len
     variants = [TrainVariant(f"1 process, {2 * per_rank} x {seq}", shape=shape.name, batch=2 * per_rank,
                              tensor_peak=True),
@@ -387,7 +387,7 @@ def _expert_parallel() -> Case:
                 TrainVariant(f"2 processes, FSDP 2 without EP, {per_rank} x {seq} each", shape=shape.name, nproc=2,
                              tensor_peak=True)]
     one, ep, fsdp = (v.label for v in variants)
-    return Case("ep_debugmodel_moe", f"titan_lite, debugmodel_moe, global batch {2 * per_rank} x {seq} in 1 or 2 "
+    return Case("ep_moe_debug", f"titan_lite, debugmodel_moe, global batch {2 * per_rank} x {seq} in 1 or 2 "
                 "processes (1 thread each with 2)", variants,
                 [Ratio("step time, same global batch: EP 2 / 1 process", "step_s", ep, one, higher_is_better=False),
                  Ratio("step time: EP 2 / FSDP 2", "step_s", ep, fsdp, higher_is_better=False),

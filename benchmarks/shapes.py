@@ -31,7 +31,7 @@ SHAPES: dict[str, Shape] = {
     "smollm2_135M": Shape("smollm2_135M", "smollm2_135M", seq_len=512, batch=1),
     "512d_32k": Shape("512d_32k", "bench_512d_32k", seq_len=512, batch=2),
     "tiny": Shape("tiny", "tiny", seq_len=32, batch=2),  # smoke tests
-    "debugmodel_moe": Shape("debugmodel_moe", "debugmodel_moe", seq_len=256, batch=2),  # Qwen3-MoE, 8 experts, top 2
+    "moe_debug": Shape("moe_debug", "debugmodel_moe", seq_len=256, batch=2),  # Qwen3-MoE: 8 experts, top 2
 }
 
 
