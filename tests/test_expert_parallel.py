@@ -2,7 +2,6 @@
 off, refused when on), the all-to-all exchange against one process's experts (2 gloo processes: outputs, input and
 weight gradients, experts without rows), and DRY_RUN's plan of an EP job (the experts' share, the worst-case rows)."""
 
-import json
 import os
 import re
 import subprocess
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import spawn_on_free_port
+from tests.helpers import gloo_results
 from titan_lite.config import parse_args
 from titan_lite.config.validate import validate
 from titan_lite.errors import ConfigError
@@ -147,33 +146,17 @@ def _exchange_errors(rank: int, mesh, experts: int, counts: list[list[int]], gra
     return errors
 
 
-def _exchange_worker(rank: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
+def _exchange_results(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
-        results = {f"{name}, grad_scale {scale}": _exchange_errors(rank, mesh, experts, [c0, c1], scale)
-                   for name, (experts, c0, c1) in EXCHANGE_CASES.items() for scale in (1.0, 0.5)}
-        partial = os.path.join(out_dir, f".rank{rank}.json")
-        with open(partial, "w") as f:
-            json.dump(results, f)
-        os.replace(partial, os.path.join(out_dir, f"rank{rank}.json"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    return {f"{name}, grad_scale {scale}": _exchange_errors(rank, mesh, experts, [c0, c1], scale)
+            for name, (experts, c0, c1) in EXCHANGE_CASES.items() for scale in (1.0, 0.5)}
 
 
 @pytest.fixture(scope="module")
 def exchange_errors(tmp_path_factory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("ep")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    files = [out_dir / f"rank{r}.json" for r in range(2)]
-    spawn_on_free_port(_exchange_worker, 2, str(out_dir), results_complete=lambda: all(f.exists() for f in files))
-    return [json.loads(f.read_text()) for f in files]
+    return gloo_results(_exchange_results, 2, tmp_path_factory.mktemp("ep"))
 
 
 @pytest.mark.parametrize("case", [f"{name}, grad_scale {s}" for name in EXCHANGE_CASES for s in (1.0, 0.5)])
