@@ -408,6 +408,18 @@ def _lora() -> Case:
                        higher_is_better=False)])
 
 
+@register_case("lora_moe_debug")
+def _lora_moe() -> Case:
+    shape = SHAPES["moe_debug"]
+    adapters = "--lora.rank 16 --lora.alpha 32 --lora.target_modules q_proj,k_proj,v_proj,o_proj,experts"
+    variants = [TrainVariant("full MoE fine-tuning", shape=shape.name),
+                TrainVariant("LoRA r16, attention + experts", shape=shape.name, lora=adapters)]
+    return Case("lora_moe_debug", f"titan_lite, debugmodel_moe (8 experts, top 2), {shape.batch} x {shape.seq_len} "
+                "tokens, 1 process", variants,
+                [Ratio("MoE LoRA / full step time", "step_s", "LoRA r16, attention + experts", "full MoE fine-tuning",
+                       higher_is_better=False)])
+
+
 @register_case("qlora_smollm2_135M")
 def _qlora() -> Case:
     shape = SHAPES["smollm2_135M"]

@@ -54,6 +54,11 @@ LAYOUTS = {
     "qlora": ("none", 1, ["--model.converters", "lora", "--lora.rank", "16", "--lora.alpha", "32",
                           "--lora.base_dtype", "nf4"]),
     "float8": ("none", 1, ["--model.converters", "quantize.linear.float8"]),
+    # MoE shapes: LoRA on attention and every expert (train_configs/qwen3_30b_a3b_lora.toml's targets), 1 and 2 ranks
+    "lora_experts": ("none", 1, ["--model.converters", "lora", "--lora.rank", "16", "--lora.alpha", "32",
+                                 "--lora.target_modules", "q_proj,k_proj,v_proj,o_proj,experts"]),
+    "lora_experts_fsdp2": ("full", 2, ["--model.converters", "lora", "--lora.rank", "16", "--lora.alpha", "32",
+                                       "--lora.target_modules", "q_proj,k_proj,v_proj,o_proj,experts"]),
     # MoE shapes only: the experts split over 2 ranks, every token routed to one rank's experts (the planned worst case)
     "ep2": ("none", 2, ["--parallelism.expert_parallel_degree", "2"]),
 }

@@ -24,3 +24,13 @@ def test_estimate_is_within_ten_percent_of_the_measured_peak(case):
     estimate, result = estimate_bytes(job), measure(job, timeout=300)
     assert "error" not in result, result
     assert abs(estimate / result["peak_bytes"] - 1) <= 0.10, (estimate, result["peak_bytes"])
+
+
+@pytest.mark.slow
+def test_moe_lora_on_experts_under_fsdp_is_within_ten_percent_of_the_measured_peak():
+    """The CPU twin of train_configs/qwen3_30b_a3b_lora.toml's layout: debugmodel_moe (every layer MoE), LoRA on
+    attention and every expert, FSDP over 2 ranks, full AC."""
+    job = job_of("lora_experts_fsdp2", SHAPES["debugmodel_moe"])
+    estimate, result = estimate_bytes(job), measure(job, timeout=600)
+    assert "error" not in result, result
+    assert abs(estimate / result["peak_bytes"] - 1) <= 0.10, (estimate, result["peak_bytes"])

@@ -298,3 +298,22 @@ def test_mixtral_8x7b_parameter_counts():
         model = Llama(args)
     assert (round(model.num_params() / 1e9, 2), round((model.num_params() - args.inactive_param_count()) / 1e9, 2)) \
         == (46.70, 12.88)
+
+
+def test_the_30b_a3b_lora_config_plans_with_dry_run(capsys, monkeypatch):
+    """train_configs/qwen3_30b_a3b_lora.toml on 8 x 80 GB before any download (the bundled tokenizer stands in): the
+    plan fits; only the data and the weights are missing (exit 5)."""
+    import re
+
+    from titan_lite.config import parse_args
+    from titan_lite.dry_run import dry_run
+
+    monkeypatch.setenv("NGPU", "8")
+    cfg = parse_args(["--job.config_file", "train_configs/qwen3_30b_a3b_lora.toml", "--model.hf_assets_path",
+                      "./assets/tokenizer"])
+    assert dry_run(cfg) == 5
+    out = capsys.readouterr().out
+    # 30,532,122,624 of the model and 642,514,944 of adapters (rank 16 on q/k/v/o and on 96 expert groups)
+    assert "model: qwen3 qwen3_30B_A3B, 31,174,637,568 parameters, 48 layers; transforms: lora" in out
+    assert "dry run OK" in out
+    assert float(re.search(r"largest peak ([\d.]+) GiB", out)[1]) < 80

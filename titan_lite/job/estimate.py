@@ -255,7 +255,13 @@ def estimate_buffers(cfg: JobConfig, dims: ParallelDims, parts: list[nn.Module],
         f"{c_name} or the transforms' formats"
     note = (f"FSDP: {held:,} params kept gathered + 2 all-gathers in {formats} + 2 reduce-scatters in {reduce_name}"
             " (worst neighbouring groups)")
-    return me.fsdp_buffer_bytes(units, c, dtype_bytes(reduce_name)), note
+    return me.fsdp_buffer_bytes(units, c, dtype_bytes(reduce_name), prefetches(cfg)), note
+
+
+def prefetches(cfg: JobConfig) -> bool:
+    """Whether FSDP2 overlaps the next group's collective with this one's compute (on accelerators' streams; on a
+    CPU each all-gather and reduce-scatter completes before the next starts)."""
+    return cfg.dry_run.device_type != "cpu"
 
 
 def data_parallel_units(cfg: JobConfig, dims: ParallelDims, parts: list[nn.Module],
@@ -272,7 +278,7 @@ def fsdp_reduce_scatters(cfg: JobConfig, dims: ParallelDims, parts: list[nn.Modu
     if not (dims.fsdp_enabled or dims.dp_replicate_enabled):
         return 0
     units = data_parallel_units(cfg, dims, parts, transforms)
-    return me.fsdp_reduce_scatter_bytes(units, dtype_bytes(cfg.training.mixed_precision_reduce))
+    return me.fsdp_reduce_scatter_bytes(units, dtype_bytes(cfg.training.mixed_precision_reduce), prefetches(cfg))
 
 
 def plan_role(plan_cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, parts: list[nn.Module], rank: int,

@@ -258,7 +258,7 @@ class FsdpUnit:
         return self.unsharded_numel * compute_bytes if self.gathered_bytes is None else self.gathered_bytes
 
 
-def fsdp_buffer_bytes(units: list[FsdpUnit], compute_bytes: int, reduce_bytes: int) -> int:
+def fsdp_buffer_bytes(units: list[FsdpUnit], compute_bytes: int, reduce_bytes: int, prefetch: bool = True) -> int:
     """Gathered parameters of groups that stay unsharded, plus the worst pair of neighbouring groups in flight
     together: all-gathers of the current and the prefetched next group (forward), reduce-scatter inputs of the
     group just finished and the next (backward; gradients of trainable parameters only). `units` are in forward
@@ -267,13 +267,17 @@ def fsdp_buffer_bytes(units: list[FsdpUnit], compute_bytes: int, reduce_bytes: i
         return 0
     held = sum(u.gather_bytes(compute_bytes) for u in units if not u.reshards_after_forward)
     resharded = [u.gather_bytes(compute_bytes) for u in units if u.reshards_after_forward]
-    gathers = _largest_neighbour_pair(resharded)
-    return held + gathers + fsdp_reduce_scatter_bytes(units, reduce_bytes)
+    gathers = _largest_neighbour_pair(resharded) if prefetch else max(resharded, default=0)
+    return held + gathers + fsdp_reduce_scatter_bytes(units, reduce_bytes, prefetch)
 
 
-def fsdp_reduce_scatter_bytes(units: list[FsdpUnit], reduce_bytes: int) -> int:
-    """The part of fsdp_buffer_bytes that exists only in backward: two neighbouring groups' unsharded gradients."""
-    return _largest_neighbour_pair([u.reduced_numel for u in units]) * reduce_bytes if units else 0
+def fsdp_reduce_scatter_bytes(units: list[FsdpUnit], reduce_bytes: int, prefetch: bool = True) -> int:
+    """The part of fsdp_buffer_bytes that exists only in backward: two neighbouring groups' unsharded gradients (one
+    without prefetching: on a CPU, where FSDP2 has no separate streams, each collective finishes before the next)."""
+    if not units:
+        return 0
+    sizes = [u.reduced_numel for u in units]
+    return (_largest_neighbour_pair(sizes) if prefetch else max(sizes)) * reduce_bytes
 
 
 def _largest_neighbour_pair(sizes: list[int]) -> int:
