@@ -87,6 +87,9 @@ COMMANDS = {
                            "--training.seq_len 4096 --training.local_batch_size 1 "
                            "--training.mixed_precision_param bfloat16 --activation_checkpoint.mode full",
                            exit_codes=DRY),
+    **{f"lora_30b_ep{ep}_plan": Command(f"DRY_RUN=1 NGPU=8 CONFIG_FILE=train_configs/qwen3_30b_a3b_lora.toml "
+                                        f"./run_train.sh --model.hf_assets_path ./assets/tokenizer "
+                                        f"--parallelism.expert_parallel_degree {ep}", exit_codes=DRY) for ep in (1, 8)},
     "moe_memory_plan": Command(".venv/bin/python -m benchmarks.memory_plan --shapes debugmodel_moe --cases full,ep2",
                                slow=True),
     "sparsegpt_estimate": Command(".venv/bin/python scripts/prune.py --flavor 8B --hf_assets_path assets/tokenizer "
@@ -180,6 +183,16 @@ FIGURES = [
            rf"all-to-all {NUMBER} rows out and up to {NUMBER} in, {NUMBER} GiB .*\n(?:.*\n)*?  peak +{NUMBER} GiB",
            rf"^  local parameters: {NUMBER}\n  activations +{NUMBER} GiB .*MoE: {NUMBER} routed rows .*EP all-to-all "
            rf"{NUMBER} rows out and up to {NUMBER} in, {NUMBER} GiB .*\n  peak +{NUMBER} GiB"),
+    *(Figure(f"30B-A3B LoRA plan {name}", command, rf"^  {row} +{NUMBER} GiB", readme)
+      for name, command, row, readme in [
+        ("without EP: peak", "lora_30b_ep1_plan", "peak", rf"plans {NUMBER} GiB per GPU without\s+EP"),
+        ("without EP: buffers", "lora_30b_ep1_plan", "buffers", rf"\(buffers [\d.]+ GiB instead of {NUMBER}\)"),
+        ("without EP: activations", "lora_30b_ep1_plan", "activations",
+         rf"raise the activations \([\d.]+ GiB instead of {NUMBER}\)"),
+        ("with EP 8: buffers", "lora_30b_ep8_plan", "buffers", rf"\(buffers {NUMBER} GiB instead of"),
+        ("with EP 8: activations", "lora_30b_ep8_plan", "activations",
+         rf"raise the activations \({NUMBER} GiB instead of"),
+        ("with EP 8: peak", "lora_30b_ep8_plan", "peak", rf"for a peak of {NUMBER} GiB:")]),
     Figure("MoE memory plan on the CPU twin: EP 2", "moe_memory_plan",
            rf"^debugmodel_moe ep2 +estimate +{NUMBER} MiB  measured +{NUMBER} MiB  estimate / measured {NUMBER}",
            rf"EP 2\s+estimate {NUMBER} MiB, measured {NUMBER} MiB on the busier rank \(estimate / measured {NUMBER}\)"),
