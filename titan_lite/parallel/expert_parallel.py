@@ -24,7 +24,7 @@ def check_ep_divisibility(args: LlamaArgs, ep: int) -> None:
         return
     if not args.moe_layers:
         raise ConfigError(f"'parallelism.expert_parallel_degree' = {ep} needs a mixture-of-experts model, but this "
-                          "model has no MoE layer (n_experts 0)")
+                          "model has no MoE layer")
     if args.n_experts % ep:
         raise ConfigError(f"'parallelism.expert_parallel_degree' = {ep} must divide the model's n_experts "
                           f"({args.n_experts}): every EP rank holds the same number of experts")
@@ -62,7 +62,8 @@ class ExpertParallel:
     over the dp_shard x cp (x dp_replicate) ranks, the trainer scaling each rank's loss up by that degree, but an
     expert's gradient already holds the tokens of every rank in its EP group and is averaged over the efsdp (x
     dp_replicate) ranks only, ep / tp times fewer. The experts' output gradient is multiplied by it and their input
-    gradient divided by it again, so only the expert parameters' gradients change (by a power of two: exact). It is
+    gradient divided by it again, so only the expert parameters' gradients change (exactly, when it is a power of two,
+    as in the usual layouts). It is
     done here rather than by FSDP's gradient divide factor, which gloo runs only with SUM, and which torch 2.13
     applies twice when the reduce-scatter group has one rank."""
 
