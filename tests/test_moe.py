@@ -300,6 +300,7 @@ def test_mixtral_8x7b_parameter_counts():
         == (46.70, 12.88)
 
 
+@pytest.mark.slow
 def test_the_30b_a3b_lora_config_plans_with_dry_run(capsys, monkeypatch):
     """train_configs/qwen3_30b_a3b_lora.toml on 8 x 80 GB before any download (the bundled tokenizer stands in): the
     plan fits; only the data and the weights are missing (exit 5)."""
@@ -317,3 +318,19 @@ def test_the_30b_a3b_lora_config_plans_with_dry_run(capsys, monkeypatch):
     assert "model: qwen3 qwen3_30B_A3B, 31,174,637,568 parameters, 48 layers; transforms: lora" in out
     assert "dry run OK" in out
     assert float(re.search(r"largest peak ([\d.]+) GiB", out)[1]) < 80
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model.flavor", "tiny", "--model.router_aux_loss_coef", "0.01"], "'model.router_aux_loss_coef' = 0.01 has no "
+     "effect: flavor 'tiny' is a dense llama model without experts; drop the setting"),
+    (["--model.flavor", "tiny_moe", "--model.router_aux_loss_coef", "-1"], "'model.router_aux_loss_coef' = -1.0 must "
+     "be at least 0 (0 turns the load-balancing loss off)"),
+])
+def test_router_aux_loss_coef_is_refused_where_it_means_nothing(argv, message):
+    from titan_lite.config import parse_args
+    from titan_lite.errors import ConfigError
+    from titan_lite.job.plan import build_model_args
+
+    with pytest.raises(ConfigError) as exc:
+        build_model_args(parse_args(argv), vocab_size=None)
+    assert str(exc.value) == message

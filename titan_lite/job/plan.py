@@ -140,13 +140,24 @@ def build_model_args(cfg: JobConfig, vocab_size: int | None, transforms: Transfo
     args.attn_type = cfg.model.attn_type or args.attn_type
     args.attn_mask_type = cfg.model.attn_mask_type or args.attn_mask_type
     if cfg.model.router_aux_loss_coef is not None:
-        args.router_aux_loss_coef = cfg.model.router_aux_loss_coef
+        args.router_aux_loss_coef = checked_aux_loss_coef(cfg.model.router_aux_loss_coef, args, cfg.model.flavor)
     args.max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0,
                            transforms.sequence_length() if transforms is not None else 0)
     if vocab_size is not None and vocab_size > args.vocab_size:
         raise ConfigError(f"the tokenizer at '{tokenizer_path(cfg)}' has {vocab_size} tokens but flavor "
                           f"'{cfg.model.flavor}' has vocab_size {args.vocab_size}")
     return args
+
+
+def checked_aux_loss_coef(coef: float, args: LlamaArgs, flavor: str) -> float:
+    """[model] router_aux_loss_coef: non-negative, and only for a model with experts (no silent no-op)."""
+    if not args.n_experts:
+        raise ConfigError(f"'model.router_aux_loss_coef' = {coef} has no effect: flavor '{flavor}' is a dense "
+                          f"{args.family} model without experts; drop the setting")
+    if coef < 0:
+        raise ConfigError(f"'model.router_aux_loss_coef' = {coef} must be at least 0 (0 turns the load-balancing loss "
+                          "off)")
+    return coef
 
 
 def gradient_accumulation_steps(cfg: JobConfig, dp_degree: int) -> int:

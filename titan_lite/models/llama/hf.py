@@ -1,6 +1,6 @@
 """Hugging Face interop of the decoder (LlamaForCausalLM and the families that are options of it: Qwen2ForCausalLM,
-Qwen3ForCausalLM, Qwen3MoeForCausalLM, MistralForCausalLM): parameter names (one HF tensor per expert for the
-grouped expert weights), the rotary row permutation, config.json <-> LlamaArgs."""
+Qwen3ForCausalLM, Qwen3MoeForCausalLM, MistralForCausalLM, MixtralForCausalLM): parameter names (one HF tensor per
+expert for the grouped expert weights), the rotary row permutation, config.json <-> LlamaArgs."""
 
 import json
 import math
@@ -316,8 +316,9 @@ def _check_mixtral_options(args: LlamaArgs, source: str) -> None:
 
 
 def args_to_hf_config(args: LlamaArgs, dtype: torch.dtype) -> dict:
-    """The config.json of the args' family (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or
-    MistralForCausalLM); rope in the Llama 3.1 `rope_scaling` form HF Hub configs use."""
+    """The config.json of the args' family (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM, MistralForCausalLM or MixtralForCausalLM); rope in the Llama 3.1 `rope_scaling` form HF Hub
+    configs use."""
     check_family_options(args)
     config = {
         "architectures": [ARCHITECTURES[args.family]],
@@ -438,8 +439,8 @@ def _moe_options(cfg: dict, source: str) -> dict:
 
 
 def args_from_hf_config(cfg: dict, source: str = "config.json") -> LlamaArgs:
-    """LlamaArgs of a config.json of one of the families (model_type llama, qwen2, qwen3, mistral); anything the
-    decoder cannot represent raises ConfigError naming the key."""
+    """LlamaArgs of a config.json of one of the families (model_type llama, qwen2, qwen3, qwen3_moe, mistral,
+    mixtral); anything the decoder cannot represent raises ConfigError naming the key."""
     model_type = cfg.get("model_type", "llama")
     if model_type not in ARCHITECTURES:
         raise ConfigError(f"{source}: model_type is '{model_type}'; expected one of {', '.join(ARCHITECTURES)}")

@@ -88,6 +88,10 @@ class ShearedTransform(Transform):
         if others:
             raise ConfigError(f"'model.converters' = {self.cfg.model.converters}: 'sheared' runs alone (prune the "
                               "model, then continue training or fine-tune the materialised result)")
+        if model_args.n_experts:
+            raise ConfigError(f"'sheared' masks dense widths, but this {model_args.family} model routes "
+                              f"{len(model_args.moe_layers)} layers to experts; remove experts with scripts/prune.py "
+                              "--method reap")
         for enabled, key, degree in ((parallel_dims.pp_enabled, "pipeline_parallel_degree", parallel_dims.pp),
                                      (parallel_dims.cp_enabled, "context_parallel_degree", parallel_dims.cp)):
             if enabled:
