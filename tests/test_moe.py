@@ -300,7 +300,6 @@ def test_mixtral_8x7b_parameter_counts():
         == (46.70, 12.88)
 
 
-@pytest.mark.slow
 def test_the_30b_a3b_lora_config_plans_with_dry_run(capsys, monkeypatch):
     """train_configs/qwen3_30b_a3b_lora.toml on 8 x 80 GB before any download (the bundled tokenizer stands in): the
     plan fits; only the data and the weights are missing (exit 5)."""
