@@ -373,6 +373,35 @@ for _shape, _steps in (("debug", 10), ("512d_32k", 6), ("smollm2_135M", 4)):
     register_case(f"paired_{_shape}")(lambda s=_shape, n=_steps: _paired(s, n))
 
 
+@register_case("ep_moe_debug")
+def _expert_parallel() -> Case:
+    """One global batch of the debug MoE in 1 process, in 2 with the experts split over them (EP 2: each rank holds
+    4 of the 8 experts and exchanges the routed rows by all-to-all), and in 2 with FSDP alone (every rank computes
+    its own rows with all 8 experts, gathered)."""
+    shape = SHAPES["moe_debug"]
+    per_rank, seq = shape.batch, shape.seq_len
+    # 1 process with both threads, and with one: two OpenMP threads beside foreign load slow a step many times over
+    variants = [TrainVariant(f"1 process, {2 * per_rank} x {seq}", shape=shape.name, batch=2 * per_rank,
+                             tensor_peak=True),
+                TrainVariant(f"1 process of 1 thread, {2 * per_rank} x {seq}", shape=shape.name, batch=2 * per_rank,
+                             env={"OMP_NUM_THREADS": "1"}),
+                TrainVariant(f"2 processes, EP 2, {per_rank} x {seq} each", shape=shape.name, nproc=2,
+                             overrides="--parallelism.expert_parallel_degree 2", tensor_peak=True),
+                TrainVariant(f"2 processes, FSDP 2 without EP, {per_rank} x {seq} each", shape=shape.name, nproc=2,
+                             tensor_peak=True)]
+    one, one_thread, ep, fsdp = (v.label for v in variants)
+    return Case("ep_moe_debug", f"titan_lite, debugmodel_moe, global batch {2 * per_rank} x {seq} in 1 or 2 "
+                "processes (1 thread each with 2)", variants,
+                [Ratio("step time, same global batch: EP 2 / 1 process", "step_s", ep, one, higher_is_better=False),
+                 Ratio("step time, same global batch: EP 2 / 1 process of 1 thread", "step_s", ep, one_thread,
+                       higher_is_better=False),
+                 Ratio("step time: EP 2 / FSDP 2", "step_s", ep, fsdp, higher_is_better=False),
+                 Ratio("peak tensors per rank: EP 2 / 1 process", "peak_tensor_gib", ep, one,
+                       higher_is_better=False),
+                 Ratio("peak tensors per rank: EP 2 / FSDP 2", "peak_tensor_gib", ep, fsdp, higher_is_better=False)],
+                columns=("tokens_per_s", "step_s", "cpu_s_per_step", "peak_rss_gib", "peak_tensor_gib"), min_rounds=3)
+
+
 @register_case("lora_smollm2_135M")
 def _lora() -> Case:
     shape = SHAPES["smollm2_135M"]

@@ -59,6 +59,8 @@ LAYOUTS = {
                                  "--lora.target_modules", "q_proj,k_proj,v_proj,o_proj,experts"]),
     "lora_experts_fsdp2": ("full", 2, ["--model.converters", "lora", "--lora.rank", "16", "--lora.alpha", "32",
                                        "--lora.target_modules", "q_proj,k_proj,v_proj,o_proj,experts"]),
+    # MoE shapes only: the experts split over 2 ranks, every token routed to one rank's experts (the planned worst case)
+    "ep2": ("none", 2, ["--parallelism.expert_parallel_degree", "2"]),
 }
 CASES = [*LAYOUTS, "wanda"]
 # The default: one shape, one process and two, a transform (about a minute on 2 idle cores); --all runs the rest.
@@ -81,7 +83,8 @@ def job_of(case: str, shape: Shape) -> Job:
     ac, nproc, overrides = LAYOUTS[case]
     # dry_run.device_type cpu: the estimate of the CPU's own step (inert in the training run)
     return Job(shape.flavor, shape.seq_len, batch=shape.batch, ac=ac, precision="float32", nproc=nproc,
-               overrides=[*overrides, "--dry_run.device_type", "cpu"], steps=1, warmup=1)
+               overrides=[*overrides, "--dry_run.device_type", "cpu"], steps=1, warmup=1,
+               worst_case_routing="--parallelism.expert_parallel_degree" in overrides)
 
 
 def wanda_pass(shape: Shape) -> dict:

@@ -45,6 +45,9 @@ class Job:
     nproc: int = 1  # processes under torchrun (FSDP / TP / PP layouts come from the overrides)
     steps: int = 3
     warmup: int = 1
+    # MoE: zero router logits, so every token picks the same top-k experts (topk's order of ties), all on one EP rank:
+    # the worst case of routing, which DRY_RUN plans for
+    worst_case_routing: bool = False
 
     def flavor_name(self) -> str:
         return self.flavor if self.n_layers is None else f"{self.flavor}_cut{self.n_layers}"
@@ -127,6 +130,8 @@ def run_here(job: Job) -> dict:
     logging.getLogger("titan_lite").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="titan_lite_run_") as dump:
         trainer = Trainer(job_config(job, dump))
+        if job.worst_case_routing:
+            route_every_token_alike(trainer.model_parts)
         vocab = trainer.plan.model_args.vocab_size
         batches = [_random_batch(job.batch, job.seq_len, vocab, seed=1000 * trainer.rank + i) for i in range(4)]
         batches = [tuple(t.to(trainer.device) for t in batch) for batch in batches]  # as the trainer's loader does
@@ -156,6 +161,16 @@ def run_here(job: Job) -> dict:
             result["mfu_pct"] = 100 * result["tokens_per_s"] * result["flops_per_token"] / result["peak_flops"]
         tl_dist.shutdown()
     return result
+
+
+def route_every_token_alike(model_parts: list) -> None:
+    """Zero every MoE router's logits (keeping their gradient path): uniform probabilities, the same top-k for all."""
+    from titan_lite.models.llama.model import Router
+
+    for part in model_parts:
+        for module in part.modules():
+            if isinstance(module, Router):
+                module.gate.register_forward_hook(lambda _module, _inputs, logits: logits * 0)
 
 
 RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

@@ -83,6 +83,16 @@ COMMANDS = {
                                   ("mistral_7b_lora", 1, " --dry_run.device_memory_gib 24"),
                                   ("qwen2.5_7b_wanda", 8, ""), ("llama3_8b_minitron", 8, ""),
                                   ("qwen3_8b_lora_128k", 8, "")]},
+    "ep_30b_plan": Command("DRY_RUN=1 NGPU=8 CONFIG_FILE=train_configs/debug_model.toml ./run_train.sh --model.name "
+                           "qwen3 --model.flavor qwen3_30B_A3B --parallelism.expert_parallel_degree 8 "
+                           "--training.seq_len 4096 --training.local_batch_size 1 "
+                           "--training.mixed_precision_param bfloat16 --activation_checkpoint.mode full",
+                           exit_codes=DRY),
+    **{f"lora_30b_ep{ep}_plan": Command(f"DRY_RUN=1 NGPU=8 CONFIG_FILE=train_configs/qwen3_30b_a3b_lora.toml "
+                                        f"./run_train.sh --model.hf_assets_path ./assets/tokenizer "
+                                        f"--parallelism.expert_parallel_degree {ep}", exit_codes=DRY) for ep in (1, 8)},
+    "moe_memory_plan": Command(".venv/bin/python -m benchmarks.memory_plan --shapes debugmodel_moe --cases full,ep2",
+                               slow=True),
     "sparsegpt_estimate": Command(".venv/bin/python scripts/prune.py --flavor 8B --hf_assets_path assets/tokenizer "
                                   "--estimate_only --method sparsegpt --nsamples 128 --seq_len 2048 "
                                   "--device_memory_gib 24"),
@@ -161,6 +171,35 @@ FIGURES = [
            rf"^\({NUMBER} GiB of buffers against"),
     Figure("float8 plan against llama3_8b.toml: buffers", "8b_plan", rf"^  buffers +{NUMBER} GiB",
            rf"GiB of buffers against {NUMBER} GiB for `llama3_8b.toml`"),
+    # expert parallelism: the 30B-A3B plan with EP 8, and the MoE plans against their CPU twins
+    Figure("EP plan: the experts line", "ep_30b_plan",
+           rf"^experts: 48 MoE layers, 16 of 128 on each rank \(ep 8\), sharded over efsdp 1; each rank sends {NUMBER} "
+           rf"routed rows per layer and microbatch; its experts compute {NUMBER} when balanced and are planned at the "
+           rf"worst case, {NUMBER} ",
+           rf"^experts: 48 MoE layers, 16 of 128 on each rank \(ep 8\), sharded over efsdp 1; each rank sends {NUMBER} "
+           rf"routed rows per layer and microbatch; its experts compute {NUMBER} when balanced and are planned at the "
+           rf"worst case, {NUMBER} "),
+    Figure("EP plan: local parameters, activations, peak", "ep_30b_plan",
+           rf"^  local parameters: {NUMBER}\n(?:.*\n)*?  activations +{NUMBER} GiB .*MoE: {NUMBER} routed rows .*EP "
+           rf"all-to-all {NUMBER} rows out and up to {NUMBER} in, {NUMBER} GiB .*\n(?:.*\n)*?  peak +{NUMBER} GiB",
+           rf"^  local parameters: {NUMBER}\n  activations +{NUMBER} GiB .*MoE: {NUMBER} routed rows .*EP all-to-all "
+           rf"{NUMBER} rows out and up to {NUMBER} in, {NUMBER} GiB .*\n  peak +{NUMBER} GiB"),
+    *(Figure(f"30B-A3B LoRA plan {name}", command, rf"^  {row} +{NUMBER} GiB", readme)
+      for name, command, row, readme in [
+        ("without EP: peak", "lora_30b_ep1_plan", "peak", rf"plans {NUMBER} GiB per GPU without\s+EP"),
+        ("without EP: buffers", "lora_30b_ep1_plan", "buffers", rf"\(buffers [\d.]+ GiB instead of {NUMBER}\)"),
+        ("without EP: activations", "lora_30b_ep1_plan", "activations",
+         rf"raise the activations \([\d.]+ GiB instead of {NUMBER}\)"),
+        ("with EP 8: buffers", "lora_30b_ep8_plan", "buffers", rf"\(buffers {NUMBER} GiB instead of"),
+        ("with EP 8: activations", "lora_30b_ep8_plan", "activations",
+         rf"raise the activations \({NUMBER} GiB instead of"),
+        ("with EP 8: peak", "lora_30b_ep8_plan", "peak", rf"for a peak of {NUMBER} GiB:")]),
+    Figure("MoE memory plan on the CPU twin: EP 2", "moe_memory_plan",
+           rf"^debugmodel_moe ep2 +estimate +{NUMBER} MiB  measured +{NUMBER} MiB  estimate / measured {NUMBER}",
+           rf"EP 2\s+estimate {NUMBER} MiB, measured {NUMBER} MiB on the busier rank \(estimate / measured {NUMBER}\)"),
+    Figure("MoE memory plan on the CPU twin: one process", "moe_memory_plan",
+           rf"^debugmodel_moe full +estimate +{NUMBER} MiB  measured +{NUMBER} MiB  estimate / measured {NUMBER}",
+           rf"one process\s+estimate {NUMBER} MiB, measured {NUMBER} MiB \({NUMBER}\)"),
     # QLoRA plans
     Figure("QLoRA 8B plan: NF4 storage", "qlora_8b_plan",
            rf"^lora: NF4 base \(QLoRA\): 224 frozen block linears, [\d,]+ parameters in {NUMBER} GiB .* instead of "

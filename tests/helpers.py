@@ -1,5 +1,6 @@
 """Helpers shared by the unit tests: a free TCP port, and worker functions run in a fresh gloo process group."""
 
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -10,7 +11,7 @@ import torch.multiprocessing as mp
 
 from titan_lite.distributed import free_port
 
-__all__ = ["free_port", "spawn_gloo", "spawn_on_free_port"]
+__all__ = ["free_port", "gloo_results", "spawn_gloo", "spawn_on_free_port"]
 
 _PORT_TAKEN = ("EADDRINUSE", "address already in use")
 
@@ -49,6 +50,27 @@ def spawn_gloo(worker: Callable[..., None], world_size: int, *args) -> None:
     """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     spawn_on_free_port(_in_gloo_group, world_size, world_size, worker, args)
+
+
+def gloo_results(worker: Callable[..., dict], world_size: int, out_dir, *args) -> list[dict]:
+    """Every rank's worker(rank, *args), a JSON-able dict, from world_size processes sharing one gloo group. Each
+    rank writes its dict whole before the final barrier, so a rank that dies in gloo's teardown after that (see
+    spawn_on_free_port) is not a failure."""
+    from pathlib import Path
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    files = [Path(out_dir) / f"rank{rank}.json" for rank in range(world_size)]
+    spawn_on_free_port(_in_gloo_group, world_size, world_size, _write_result, (str(out_dir), worker, args),
+                       results_complete=lambda: all(f.exists() for f in files))
+    return [json.loads(f.read_text()) for f in files]
+
+
+def _write_result(rank: int, out_dir: str, worker: Callable[..., dict], args: tuple) -> None:
+    result = worker(rank, *args)
+    partial = os.path.join(out_dir, f".rank{rank}.json")
+    with open(partial, "w") as f:
+        json.dump(result, f)
+    os.replace(partial, os.path.join(out_dir, f"rank{rank}.json"))  # whole or absent
 
 
 def _in_gloo_group(rank: int, port: int, world_size: int, worker: Callable[..., None], args: tuple) -> None:

@@ -233,6 +233,13 @@ CASES = [
          ["--parallelism.tensor_parallel_degree", "8"], env={"NGPU": "8"}),
     Case("more pipeline stages than layers", "layers", ["--parallelism.pipeline_parallel_degree", "8"],
          env={"NGPU": "8"}),
+    Case("EP does not divide the experts", "'parallelism.expert_parallel_degree' = 3 must divide the model's n_experts "
+         "(8)", ["--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "3"], env={"NGPU": "3"}),
+    Case("EP does not divide the data ranks", "'parallelism.expert_parallel_degree' = 4 must divide the ranks it is "
+         "carved from, dp_shard 2 x cp 1 x tp 1 = 2", ["--model.flavor", "tiny_moe",
+                                                      "--parallelism.expert_parallel_degree", "4"], env={"NGPU": "2"}),
+    Case("EP on a dense model", "'parallelism.expert_parallel_degree' = 2 needs a mixture-of-experts model",
+         ["--parallelism.expert_parallel_degree", "2"], env={"NGPU": "2"}),
     Case("sequence not divisible for CP", "'training.seq_len' = 30 must be divisible by 4",
          ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "30"], env={"NGPU": "2"}),
     Case("global batch not a multiple", "'training.global_batch_size' 12 is not a multiple of local_batch_size 8",

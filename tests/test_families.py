@@ -193,8 +193,8 @@ def test_flavor_parameter_counts(flavor, billions):
      "'rope_scaling': rope type 'yarn' needs 'original_max_position_embeddings' (the context length the model was "
      "pre-trained with, e.g. 32768 for Qwen2.5/Qwen3)"),
     ("mistral", {"layer_types": ["sliding_attention", "full_attention"]},
-     "'layer_types' mixes ['full_attention', 'sliding_attention']; titan_lite's MistralForCausalLM attends the same way in "
-     "every layer"),
+     "'layer_types' mixes ['full_attention', 'sliding_attention']; titan_lite's MistralForCausalLM attends the same "
+     "way in every layer"),
     ("gemma", {}, "model_type is 'gemma'; expected one of llama, qwen2, qwen3, qwen3_moe, mistral, mixtral"),
 ])
 def test_what_the_decoder_cannot_represent_is_one_line_naming_the_key(family, overrides, message):

@@ -17,7 +17,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from titan_lite.config.schema import JobConfig
 from titan_lite.errors import MISSING_FILES, ConfigError
 from titan_lite.job.assembly import build_parts
-from titan_lite.job.estimate import PassPlan, RolePlan, plan_role
+from titan_lite.job.estimate import PassPlan, RolePlan, microbatching, plan_role
 from titan_lite.job.plan import JobPlan, gather_assets, plan_with_tokenizer
 from titan_lite.loss import cross_entropy_sum
 from titan_lite.metrics.memory import device_capacity_gib
@@ -138,6 +138,7 @@ def summary_lines(plan: JobPlan) -> list[str]:
                                                  if cfg.model.converters else ""),
         *rope_lines(plan.model_args),
         tokenizer_line(plan),
+        *experts_lines(plan),
         f"data: {t.dataset}" + (f" from '{t.dataset_path}'" if t.dataset_path else ""),
         f"batch: local {t.local_batch_size} x data-parallel {dims.dp_degree} x accumulation {plan.grad_accum} "
         f"= global {global_batch} sequences x {t.seq_len} tokens = {global_batch * t.seq_len:,} tokens per step",
@@ -153,6 +154,29 @@ def rope_lines(args: LlamaArgs) -> list[str]:
     original = f" over the original {args.rope_original_max_seq_len:,} positions" if kind != "linear" else ""
     attention = f", attention factor {rope_attention_factor(args):.4f}" if kind == "yarn" else ""
     return [f"rope: {kind} x{args.rope_scaling_factor:g}{original}{attention}; theta {args.rope_theta:g}"]
+
+
+def experts_lines(plan: JobPlan) -> list[str]:
+    """Where an MoE model's experts live and how many routed rows a rank's experts may compute: the capacity the
+    memory plan takes (see memory_estimate.routed_rows)."""
+    args, dims = plan.model_args, plan.parallel_dims
+    if not args.moe_layers:
+        return []
+    local = args.n_experts // dims.ep
+    where = (f"{local} of {args.n_experts} on each rank (ep {dims.ep}), sharded over efsdp {dims.efsdp}"
+             if dims.ep_enabled else f"all {args.n_experts} on every rank (no expert parallelism)")
+    tokens = microbatching(plan.cfg, dims)[0] * plan.cfg.training.seq_len // dims.cp
+    shape = me.ActivationShape(tokens=tokens, compute_bytes=1, tp=dims.tp, cp=dims.cp, ep=dims.ep)
+    sent, rows = me.routed_rows(args, shape)
+    k = args.moe_top_k
+    if not dims.ep_enabled:
+        capacity = f"{rows:,} routed rows per layer and microbatch ({tokens:,} tokens x top-{k})"
+    else:
+        mean = tokens // dims.tp * k
+        capacity = (f"each rank sends {sent:,} routed rows per layer and microbatch; its experts compute {mean:,} "
+                    f"when balanced and are planned at the worst case, {rows:,} (every token of the {dims.ep} EP "
+                    f"ranks choosing {min(k, local)} of this rank's {local} experts)")
+    return [f"experts: {len(args.moe_layers)} MoE layers, {where}; {capacity}"]
 
 
 def steps_line(plan: JobPlan, global_batch: int) -> str:

@@ -285,19 +285,26 @@ class Parallelism:
     pipeline_parallel_schedule_csv: str | None = opt(
         None, "Custom schedule CSV.", unsupported="CSV pipeline schedules are not implemented")
     pipeline_parallel_microbatch_size: int = opt(1, "Sequences per pipeline micro-batch.")
-    pipeline_parallel_expert_parallel_overlap: bool = opt(False, "MoE overlap; inert for Llama.")
+    pipeline_parallel_expert_parallel_overlap: bool = opt(
+        False, "DualPipeV's overlap of expert all-to-all with compute; titan_lite has no DualPipeV schedule (refused "
+        "with expert_parallel_degree > 1).")
     context_parallel_degree: int = opt(1, "Context parallel degree (sequence split for attention).")
     context_parallel_load_balancer: Literal["headtail", "none"] | None = opt(
         "headtail", "Causal load balancing: headtail (2 x CP chunks), or none (None also means none).")
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = opt(
         "allgather", "How K/V reach other ranks; titan_lite all-gathers.")
     expert_parallel_degree: int = opt(
-        1, "Expert parallel degree (MoE only).",
-        unsupported="expert parallelism is for MoE models; Llama has no experts")
+        1, "MoE models: split each MoE layer's experts over this many ranks, carved from dp_shard x cp x tp "
+        "(torchtitan's rule); tokens reach their experts by all-to-all; the experts are FSDP-sharded over the "
+        "remaining data ranks (efsdp = dp_shard x cp x tp / ep). 1 = off.")
     expert_tensor_parallel_degree: int = opt(
-        1, "Expert tensor parallel degree (MoE only).",
-        unsupported="expert parallelism is for MoE models; Llama has no experts")
-    expert_parallel_comm_backend: str = opt("standard", "MoE all-to-all backend; inert for Llama.")
+        1, "Tensor parallel degree of the experts; 1: experts stay whole on their EP rank, and under TP the EP ranks "
+           "include the TP ranks (torchtitan's default).",
+        unsupported="expert tensor parallelism is not implemented: each expert stays whole on its EP rank (with TP, "
+                    "expert_parallel_degree spans the TP ranks instead)")
+    expert_parallel_comm_backend: Literal["standard", "deepep", "hybridep"] = opt(
+        "standard", "Expert-parallel all-to-all: standard (torch.distributed); deepep and hybridep (CUDA kernels) are "
+        "not part of titan_lite (refused with expert_parallel_degree > 1).")
 
 
 @dataclass

@@ -106,9 +106,23 @@ def check_optimizer(cfg: JobConfig) -> None:
 
 def check_parallelism(cfg: JobConfig) -> None:
     for name in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
-                 "context_parallel_degree", "pipeline_parallel_microbatch_size"):
+                 "context_parallel_degree", "pipeline_parallel_microbatch_size", "expert_parallel_degree"):
         _at_least(cfg, f"parallelism.{name}", 1)
     _minus_one_or_positive(cfg, "parallelism.data_parallel_shard_degree")
+    check_expert_parallel(cfg)
+
+
+def check_expert_parallel(cfg: JobConfig) -> None:
+    """torchtitan's EP options titan_lite lacks are inert while EP is off and refused with it."""
+    p = cfg.parallelism
+    if p.expert_parallel_degree == 1:
+        return
+    _require(p.expert_parallel_comm_backend == "standard",
+             f"'parallelism.expert_parallel_comm_backend' = '{p.expert_parallel_comm_backend}' is not supported: "
+             "titan_lite exchanges tokens with torch.distributed's all-to-all ('standard')")
+    _require(not p.pipeline_parallel_expert_parallel_overlap,
+             "'parallelism.pipeline_parallel_expert_parallel_overlap' = true needs torchtitan's DualPipeV schedule, "
+             "which titan_lite does not have; set it to false")
 
 
 def check_validation(cfg: JobConfig) -> None:

@@ -16,7 +16,7 @@ from titan_lite.distributed import compute_dtype
 from titan_lite.dtensor import local_tensor
 from titan_lite.job.plan import gradient_accumulation_steps
 from titan_lite.models.llama import LlamaArgs
-from titan_lite.models.llama.model import canonical_name
+from titan_lite.models.llama.model import MoE, canonical_name
 from titan_lite.parallel import memory_estimate as me
 from titan_lite.parallel.compile import compiles_model
 from titan_lite.parallel.fsdp import reshard_after_forward
@@ -25,7 +25,7 @@ from titan_lite.parallel.parallelize import loss_parallel_enabled
 from titan_lite.transforms import PassPlan, PlanContext, PlanItem, Transforms
 
 # Mesh dimensions whose shards FSDP gathers; a parameter's other shard dimensions (TP) stay split when gathered.
-DATA_PARALLEL_MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "fsdp")
+DATA_PARALLEL_MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "fsdp", "efsdp")
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
 
 
@@ -119,7 +119,7 @@ def activation_shape(cfg: JobConfig, dims: ParallelDims, microbatch: int, loss_p
     return me.ActivationShape(tokens=microbatch * cfg.training.seq_len // dims.cp, compute_bytes=c, tp=dims.tp,
                               cp=dims.cp, loss_parallel=loss_parallel, seq_len=cfg.training.seq_len,
                               fused_rms_norm=True, chunked_loss=not loss_parallel and not loss_compiled(cfg),
-                              document_mask=document_mask_kind(cfg, args))
+                              document_mask=document_mask_kind(cfg, args), ep=dims.ep)
 
 
 def document_mask_kind(cfg: JobConfig, args: LlamaArgs | None) -> str | None:
@@ -218,8 +218,25 @@ def estimate_activations(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, pa
             + (f", TP {dims.tp} (sequence parallel)" if dims.tp > 1 else "")
             + (f", block-causal ({shape.document_mask}) {me.document_mask_bytes(args, shape) / me.GIB:.2f} GiB "
                "of mask and RoPE rows per microbatch" if shape.document_mask in ("sdpa", "flex") else "")
-            + (", block-causal (attention per document)" if shape.document_mask == "spans" else ""))
+            + (", block-causal (attention per document)" if shape.document_mask == "spans" else "")
+            + routed_rows_note(args, shape, parts))
     return me.activation_peak(args, stages, shape, in_flight), note
+
+
+def holds_moe_layer(parts: list[nn.Module]) -> bool:
+    return any(isinstance(m, MoE) for part in parts for m in part.modules())
+
+
+def routed_rows_note(args: LlamaArgs, shape: me.ActivationShape, parts: list[nn.Module]) -> str:
+    """The MoE layers' routed rows, and under EP the all-to-all buffers (counted within a block's working set)."""
+    if not holds_moe_layer(parts):
+        return ""
+    sent, rows = me.routed_rows(args, shape)
+    if shape.ep == 1:
+        return f", MoE: {rows:,} routed rows per layer (tokens x top-k)"
+    exchange = me.all_to_all_buffer_bytes(args, shape) / me.GIB
+    return (f", MoE: {rows:,} routed rows per layer (worst case of expert parallelism), EP all-to-all {sent:,} rows "
+            f"out and up to {rows:,} in, {exchange:.2f} GiB with their regrouping (within a block's working set)")
 
 
 def estimate_buffers(cfg: JobConfig, dims: ParallelDims, parts: list[nn.Module], local: int,

@@ -28,6 +28,7 @@ from titan_lite.metrics.wandb_writer import check_wandb_installed
 from titan_lite.models.llama import FLAVORS, Llama, LlamaArgs, flavor_args
 from titan_lite.models.llama.hf import args_from_hf_config, check_args_against_hf_config, read_hf_config
 from titan_lite.parallel.context_parallel import check_sequence_lengths
+from titan_lite.parallel.expert_parallel import check_ep_divisibility
 from titan_lite.parallel.fsdp import check_cpu_offload
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.pipeline import check_pipeline_config
@@ -198,6 +199,7 @@ def plan_with_tokenizer(cfg: JobConfig, world_size: int, tokenizer: Tokenizer | 
     args = build_model_args(cfg, tokenizer.vocab_size if tokenizer is not None else None, transforms)
     p = cfg.parallelism
     check_tp_divisibility(args, p.tensor_parallel_degree)
+    check_ep_divisibility(args, p.expert_parallel_degree)
     if p.pipeline_parallel_degree > 1:
         check_pipeline_config(cfg, args.n_layers, args.tie_word_embeddings)
     check_sequence_lengths(cfg)

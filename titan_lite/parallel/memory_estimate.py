@@ -34,24 +34,6 @@ class ActivationShape:
     ep: int = 1  # expert parallel degree: an MoE layer's experts split over this many ranks
 
 
-def routed_rows(args: LlamaArgs, tokens: int, ep: int = 1) -> int:
-    """The worst case of the (token, expert) rows one rank's experts compute in one MoE layer: every token's top-k
-    choices (token choice drops none, so without EP exactly tokens x k, however unbalanced); under EP a rank can
-    receive every EP rank's tokens, each at most min(k, experts per rank) times."""
-    return tokens * ep * min(args.moe_top_k, args.n_experts // ep)
-
-
-def moe_bytes(args: LlamaArgs, s: ActivationShape) -> int:
-    """What an MoE feed-forward keeps for backward for one microbatch (router and experts see the whole gathered
-    sequence: under TP every rank routes all of it, the experts being replicated): the router's input, logits and
-    float32 probabilities, the top-k weights and ids; the routed rows' inputs, their w1, w3, silu and product
-    outputs, the expert outputs the gate weights multiply; the sorting indices."""
-    c, tokens, rows = s.compute_bytes, s.tokens, routed_rows(args, s.tokens, s.ep)
-    router = tokens * args.dim * c + tokens * args.n_experts * (c + FP32) + tokens * args.moe_top_k * (c + 8)
-    experts = rows * args.dim * c + 4 * rows * args.moe_ffn_dim * c + rows * args.dim * c
-    return router + experts + 3 * rows * 8
-
-
 def _rms_norm_bytes(args: LlamaArgs, tokens: int, s: ActivationShape) -> int:
     saved = tokens * args.dim * s.compute_bytes + tokens * FP32  # input, rstd
     if not s.fused_rms_norm:
@@ -76,11 +58,52 @@ def _attention_core_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape) ->
     return saved
 
 
+def routed_rows(args: LlamaArgs, s: ActivationShape) -> tuple[int, int]:
+    """(rows this rank sends, rows its experts compute) in one MoE layer for one microbatch, at the plan's capacity.
+
+    Without expert parallelism every routed row (token x top-k) is computed where it was routed: on every TP rank,
+    which all route the gathered sequence alike. With it, each rank sends its share of the rows (under TP, 1/tp of
+    the gathered ones) and its experts compute what the EP group sends them: tokens x top-k on average, but up to
+    ep x tokens x min(top-k, local experts) when every token of the group chooses this rank's experts. Routing is
+    dropless (no capacity factor), so the plan takes that worst case."""
+    k = args.moe_top_k
+    if s.ep == 1:
+        return s.tokens * k, s.tokens * k
+    tokens = s.tokens // s.tp
+    return tokens * k, s.ep * tokens * min(k, args.n_experts // s.ep)
+
+
+def moe_bytes(args: LlamaArgs, s: ActivationShape) -> int:
+    """What an MoE feed-forward keeps for backward for one microbatch (router and experts see the whole gathered
+    sequence: under TP every rank routes all of it): the router's input, logits and float32 probabilities, the top-k
+    weights and ids; the rows its experts compute (routed_rows' capacity): their inputs, their w1, w3, silu and
+    product outputs; every choice's output as the gate weights multiply it; the sorting indices (and, under EP, the
+    order grouping the received rows by expert and its inverse)."""
+    c, k, tokens = s.compute_bytes, args.moe_top_k, s.tokens
+    _, rows = routed_rows(args, s)
+    router = tokens * args.dim * c + tokens * args.n_experts * (c + FP32) + tokens * k * (c + 8)
+    experts = rows * args.dim * c + 4 * rows * args.moe_ffn_dim * c
+    indices = 3 * tokens * k * 8 + (2 * rows * 8 if s.ep > 1 else 0)
+    return router + experts + tokens * k * args.dim * c + indices
+
+
+def all_to_all_buffer_bytes(args: LlamaArgs, s: ActivationShape) -> int:
+    """Expert parallelism's exchange buffers, one MoE layer at a time: the rows sent and the rows received (at the
+    worst-case capacity) and their regrouping by expert, forward; their gradients alike in backward. They live while
+    the layer runs, beside its other working tensors, so the plan takes them as a floor of a block's working set
+    rather than adding them to the peak."""
+    if s.ep == 1 or not args.moe_layers:
+        return 0
+    sent, rows = routed_rows(args, s)
+    return (sent + 2 * rows) * args.dim * s.compute_bytes
+
+
 def layer_activation_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape, policy: str) -> int:
     """Bytes one transformer block keeps for backward for one microbatch, under an AC policy.
 
     Sequence parallel splits the tokens of block inputs and norms over TP; the gathered norm outputs that the
-    projections consume are full-length.
+    projections consume are full-length. A routed feed-forward (MoE layer) keeps moe_bytes instead of the dense
+    SwiGLU's.
     """
     c, dim, tokens = s.compute_bytes, args.dim, s.tokens
     seq_shard = tokens // s.tp
@@ -143,8 +166,10 @@ def saved_activation_bytes(args: LlamaArgs, layer_policies: dict[int, str], has_
 
 
 def backward_working_bytes(args: LlamaArgs, layer_ids: list[int], s: ActivationShape) -> int:
-    """One block's un-checkpointed activations: its recompute, or its activation gradients, during backward."""
-    return max((layer_activation_bytes(args, i, s, NO_AC) for i in layer_ids), default=0)
+    """One block's un-checkpointed activations: its recompute, or its activation gradients, during backward; at least
+    an MoE layer's all-to-all buffers under EP (the exchanged rows and their gradients belong to that working set)."""
+    exchange = all_to_all_buffer_bytes(args, s) if any(args.is_moe_layer(i) for i in layer_ids) else 0
+    return max([exchange, *(layer_activation_bytes(args, i, s, NO_AC) for i in layer_ids)])
 
 
 def loss_backward_bytes(args: LlamaArgs, s: ActivationShape) -> int:

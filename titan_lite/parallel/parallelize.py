@@ -1,4 +1,5 @@
-"""parallelize_llama: applies TP, CP, activation checkpointing, compile and FSDP to one model part, in that order."""
+"""parallelize_llama: applies TP, CP, EP, activation checkpointing, compile and FSDP to one model part, in that
+order."""
 
 from collections.abc import Sequence
 
@@ -9,6 +10,7 @@ from titan_lite.models.llama.model import canonical_name
 from titan_lite.parallel.activation_checkpoint import apply_ac
 from titan_lite.parallel.compile import apply_compile, compiles_model
 from titan_lite.parallel.context_parallel import apply_cp
+from titan_lite.parallel.expert_parallel import apply_ep, apply_expert_fsdp, drop_experts_from_tp_plan
 from titan_lite.parallel.fsdp import apply_fsdp, data_parallel_mesh
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.tensor_parallel import PlanEdit, apply_tp
@@ -16,19 +18,25 @@ from titan_lite.parallel.tensor_parallel import PlanEdit, apply_tp
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, cfg: JobConfig,
                       tp_plan_edits: Sequence[PlanEdit] = ()) -> nn.Module:
-    """The fixed order of torchtitan: TP, CP, AC, compile, FSDP/HSDP. Each step is one named helper.
+    """The fixed order of torchtitan: TP, CP, EP (after the dense TP, as torchtitan's MoE models), AC, compile,
+    FSDP/HSDP (the experts first, on their own mesh). Each step is one named helper.
 
     tp_plan_edits: transforms' contributions to the tensor-parallel plan (see tensor_parallel.PlanEdit).
     """
     with frozen_parameters_kept(model):
         if parallel_dims.tp_enabled:
-            apply_tp(model, parallel_dims.submesh("tp"), loss_parallel_enabled(parallel_dims, cfg), tp_plan_edits)
+            edits = [*tp_plan_edits, drop_experts_from_tp_plan] if parallel_dims.ep_enabled else tp_plan_edits
+            apply_tp(model, parallel_dims.submesh("tp"), loss_parallel_enabled(parallel_dims, cfg), edits)
         if parallel_dims.cp_enabled:
             apply_cp(model, parallel_dims, cfg)
+        if parallel_dims.ep_enabled:
+            apply_ep(model, parallel_dims)
         apply_ac(model, cfg.activation_checkpoint)
         if compiles_model(cfg.compile):
             apply_compile(model, cfg.compile, tp_enabled=parallel_dims.tp_enabled)
         if parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled:
+            if parallel_dims.ep_enabled:
+                apply_expert_fsdp(model, parallel_dims, cfg)
             apply_fsdp(model, data_parallel_mesh(parallel_dims), cfg, pp_enabled=parallel_dims.pp_enabled)
     return model
 

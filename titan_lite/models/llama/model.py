@@ -507,7 +507,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(args.dim, args.moe_ffn_dim, args.n_experts)
         self.aux_loss_scale = 0.0
         self.cp_group = None
-        self._first_forward: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._without_first: tuple[torch.Tensor, torch.Tensor] | None = None  # the step's sums but its first forward
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
         self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
 
@@ -540,7 +540,7 @@ class MoE(nn.Module):
     def reset_stats(self) -> None:
         self.tokens_per_expert.zero_()
         self.aux_loss_sum.zero_()
-        self._first_forward = None
+        self._without_first = None
 
     @torch.compiler.disable
     def record(self, counts: torch.Tensor, aux: torch.Tensor | None) -> None:
@@ -550,18 +550,22 @@ class MoE(nn.Module):
             return
         counts = counts.detach().to(self.tokens_per_expert.dtype)
         aux = aux.detach().sum() if aux is not None else torch.zeros_like(self.aux_loss_sum)
-        if self._first_forward is None:
-            self._first_forward = (counts, aux)
+        if self._without_first is None:
+            self._without_first = (self.tokens_per_expert.clone(), self.aux_loss_sum.clone())
+        else:
+            self._without_first[0].add_(counts)
+            self._without_first[1].add_(aux)
         self.tokens_per_expert += counts
         self.aux_loss_sum += aux
 
     def discard_first_forward(self) -> None:
         """Take the step's first forward out of its sums: a pipeline stage's first run adds one forward, on
-        placeholder activations, to infer shapes."""
-        if self._first_forward is not None:
-            self.tokens_per_expert -= self._first_forward[0]
-            self.aux_loss_sum -= self._first_forward[1]
-            self._first_forward = None
+        placeholder activations, to infer shapes. The sums are rebuilt without it rather than it subtracted: the
+        placeholders are uninitialised memory, whose aux loss may be NaN."""
+        if self._without_first is not None:
+            self.tokens_per_expert.copy_(self._without_first[0])
+            self.aux_loss_sum.copy_(self._without_first[1])
+            self._without_first = None
 
 
 # ----------------------------------------------------------------------------------------- block
