@@ -8,9 +8,10 @@
 Cases: correctness (the CUDA-marked tests, `pytest -m cuda`), training throughput and MFU at torchtitan's settings
 (Llama 3.2 1B, and Llama 3.1 8B cut to the layers one GPU holds: sequence 8192, batch 1, bf16, full AC; eager,
 compile, compile + float8; LoRA and QLoRA on the 8B cut) beside torchtitan's published per-GPU figures, memory
-(each training run's CUDA peak beside DRY_RUN's estimate of the same config), and 2:4 sparsity (generation with
-semi-structured sparse linears against dense). A case whose hardware or transform is missing is skipped with the
-reason. Each case prints one result line or more; the last line counts them.
+(each training run's CUDA peak beside DRY_RUN's estimate of the same config), 2:4 sparsity (generation with
+semi-structured sparse linears against dense), and MoE experts (one grouped matmul against a loop over experts). A
+case whose hardware or transform is missing is skipped with the reason. Each case prints one result line or more; the
+last line counts them.
 """
 
 import argparse
@@ -324,6 +325,27 @@ def sparsity(lane: Lane) -> list[Line]:
     same = sum(a == b for a, b in zip(dense_out, sparse_out, strict=True))
     return [dense, Line(f"sparsity: semi-structured sparse: {sparse_tps:,.0f} generated tokens/s, "
                         f"{sparse_tps / dense_tps:.2f}x dense; {same}/{batch} greedy continuations identical")]
+
+
+# ------------------------------------------------------------------------------------------ MoE experts
+
+
+@case("moe_experts")
+def moe_experts(lane: Lane) -> list[Line]:
+    """One MoE layer's experts, forward and backward, as one torch._grouped_mm against one matmul per expert
+    (Qwen3-30B-A3B's expert widths, bf16; benchmarks/moe_experts.py)."""
+    from benchmarks.moe_experts import measure as measure_experts
+
+    if not lane.cuda and not lane.smoke:
+        return [Line("moe_experts: skipped: no CUDA device", "skipped")]
+    # (experts, dim, hidden, top-k, tokens): a 30B-A3B layer on 8192 tokens; debugmodel_moe's on 256 in smoke mode
+    shape, dtype, repeats = ((8, 256, 256, 2, 256), torch.float32, 1) if lane.smoke else \
+        ((128, 2048, 768, 8, 8192), torch.bfloat16, 10)
+    got = measure_experts(shape, repeats, lane.device, dtype)
+    kernel = "torch._grouped_mm" if got["grouped_kernel"] else "the loop (grouped_mm does not run here)"
+    return [Line(f"moe_experts: {shape[0]} experts {shape[1]} -> {shape[2]}, top {shape[3]}, {shape[4]:,} tokens, "
+                 f"{str(dtype).removeprefix('torch.')}: grouped {got['grouped'] * 1e3:.2f} ms ({kernel}), loop "
+                 f"{got['loop'] * 1e3:.2f} ms, grouped / loop {got['grouped'] / got['loop']:.2f}x")]
 
 
 # ------------------------------------------------------------------------------------------ report
