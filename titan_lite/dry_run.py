@@ -21,7 +21,7 @@ from titan_lite.job.estimate import PassPlan, RolePlan, plan_role
 from titan_lite.job.plan import JobPlan, gather_assets, plan_with_tokenizer
 from titan_lite.loss import cross_entropy_sum
 from titan_lite.metrics.memory import device_capacity_gib
-from titan_lite.objective import ObjectivePlan, plan_objective, teacher_files_problem
+from titan_lite.objective import ObjectivePlan, objective_files_problem, plan_objective
 from titan_lite.parallel import memory_estimate as me
 from titan_lite.parallel.parallel_dims import ParallelDims
 
@@ -177,7 +177,7 @@ def dry_run(cfg: JobConfig) -> int:
     start, MISSING_FILES (5) when only files are missing; raises ConfigError (exit 2) when the plan cannot run or
     does not fit."""
     tokenizer, missing = gather_assets(cfg)
-    missing += [problem] if (problem := teacher_files_problem(cfg)) else []
+    missing += [problem] if (problem := objective_files_problem(cfg)) else []
     plan = plan_with_tokenizer(cfg, planned_world_size(), tokenizer, count_epochs=not missing)
     objective = plan_objective(plan)
     capacity = device_memory_gib(cfg)
