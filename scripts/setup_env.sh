@@ -14,7 +14,7 @@ extra="${1:-}"
 venv="${TITAN_LITE_VENV:-$root/.venv}"
 system_python="${PYTHON_BIN:-python3}"
 check_runtime='import torch, torchdata, tomli, tensorboard, sentencepiece, tiktoken, safetensors, torchao, jinja2'
-check_test='import pytest, transformers, tokenizers, peft, lm_eval'
+check_test='import pytest, transformers, tokenizers, peft, lm_eval, trl'
 # The oldest torch titan_lite runs on (titan_lite/__init__.py refuses older ones the same way).
 check_torch='import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(0 if v >= (2, 9) else f"error: titan_lite needs torch >= 2.9, found {torch.__version__}")'
 
