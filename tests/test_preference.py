@@ -22,7 +22,7 @@ from titan_lite.job.plan import check_before_launch
 from titan_lite.loss import IGNORE_INDEX
 from titan_lite.models.llama import Llama, flavor_args
 from titan_lite.objective import check_objective
-from titan_lite.objective.frozen import separate_forward
+from titan_lite.objective.frozen import FrozenForward
 from titan_lite.objective.logps import token_logps
 from titan_lite.objective.preference import ContextParallelSum, PreferenceObjective, pair_batch, pair_units
 from titan_lite.objective.preference_loss import PreferenceLoss
@@ -116,7 +116,7 @@ def ours(models, spec: PreferenceLoss):
     inputs, labels, documents = packed(fixed_pairs())
     policy, reference = model["policy"], model["reference"]
     policy.zero_grad()
-    objective = PreferenceObjective(None, spec, separate_forward([reference]), None, ContextParallelSum(None, 1))
+    objective = PreferenceObjective(None, spec, FrozenForward([reference]), None, ContextParallelSum(None, 1))
     units = pair_units(labels, documents)
     objective.start_step(units)
     batch = pair_batch(labels, documents, lambda *t: t)
@@ -329,3 +329,39 @@ def test_bad_references_are_one_line(tmp_path):
         "preference tuning compares their log-probabilities of the same token ids, so both need the same tokenizer "
         "and vocabulary")
     assert "'preference.reference' = " in refusal("--preference.reference", str(tmp_path / "absent"))
+
+
+def test_precomputed_reference_resumes_exactly_and_metrics_reach_tensorboard(tmp_path, capsys):
+    """The reference's log-probabilities are computed once before training, checkpointed and loaded on resume, never
+    recomputed: the resumed run continues exactly although the reference folder changed in between. The training
+    and validation metrics are written under TRL's names."""
+    from safetensors.torch import load_file, save_file
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.integration.harness import perturbed_hf_folder, tb_losses
+    from titan_lite.train import Trainer
+
+    reference = perturbed_hf_folder(tmp_path / "reference", "tiny")
+    data = tiny_pairs(tmp_path, 80)
+    flags = ["--preference.reference", str(reference), "--preference.precompute_reference",
+             "--metrics.enable_tensorboard", "--checkpoint.enable", "--checkpoint.interval", "2",
+             "--lr_scheduler.total_steps", "4", "--validation.enable", "--validation.dataset", "preference",
+             "--validation.freq", "2", "--validation.seq_len", "64", "--validation.local_batch_size", "2"]
+    Trainer(config(tmp_path / "whole", data, *flags, "--training.steps", "4")).train()
+    Trainer(config(tmp_path / "resumed", data, *flags, "--training.steps", "2")).train()
+    weights = load_file(str(reference / "model.safetensors"))  # another reference: recomputing would differ
+    save_file({k: v + 0.1 for k, v in weights.items()}, str(reference / "model.safetensors"))
+    first = capsys.readouterr().out
+    assert first.count("preference: reference log-probabilities of ") == 2  # both first runs computed them
+    Trainer(config(tmp_path / "resumed", data, *flags, "--training.steps", "4")).train()
+    out = capsys.readouterr().out
+    assert "the reference log-probabilities come from the checkpoint" in out and "computed in" not in out
+    whole, resumed = tb_losses(tmp_path / "whole" / "tb"), tb_losses(tmp_path / "resumed" / "tb")
+    assert sorted(whole) == [1, 2, 3, 4] and resumed == pytest.approx(whole, abs=1e-6), (whole, resumed)
+    events = EventAccumulator(str(tmp_path / "whole" / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+                 "logps/rejected", "logits/chosen", "logits/rejected"):
+        assert name in tags and f"validation/{name}" in tags, (name, tags)
+    assert [e.step for e in events.Scalars("validation/rewards/accuracies")] == [2, 4]

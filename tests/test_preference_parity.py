@@ -1,7 +1,8 @@
 """Packed pairs without cross-talk, exactly: the trainer's first preference step (DPO against a frozen reference
 folder, with RPO's NLL term) has the loss and gradients of the same pairs run one answer at a time (each answer's
 prompt + answer alone through a plain model, the policy's and the reference's), within 1e-5 in float32, packed and
-padded on one process, and packed under FSDP 2, TP 2 (vocab-sharded logits), PP 2 and CP 2."""
+padded on one process, and packed under FSDP 2, TP 2 (vocab-sharded logits), PP 2 (the reference run as a forward-only
+pipeline pass, or precomputed through one) and CP 2."""
 
 import json
 import random
@@ -27,8 +28,10 @@ ATOL = 1e-5
 LAYOUTS = {  # name: (local batch, overrides), a global batch of 4 windows each
     "fsdp2": (2, []),
     "tp2": (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"]),
-    # "pp2": (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2"]),
+    "pp2": (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2"]),
     "cp2": (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2"]),
+    "pp2 precomputed": (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree",
+                            "2", "--preference.precompute_reference"]),
 }
 
 
@@ -56,7 +59,8 @@ def config(dump: Path, data: Path, reference: Path, local_batch: int, *extra: st
 
 
 def trainer_first_step(cfg):
-    """The trainer's first step: its global loss, every gradient this rank holds (whole tensors) and its metrics."""
+    """The trainer's first step: its global loss, every gradient this rank holds (whole tensors), the trainer and the
+    rows of the step's pairs."""
     from titan_lite.train import Trainer
 
     trainer = Trainer(cfg)
@@ -67,6 +71,7 @@ def trainer_first_step(cfg):
             grads.update({canonical_name(n): full_tensor(p.grad) for n, p in part.named_parameters()})
 
     trainer.optimizer.step = capture
+    trainer.objective.before_training()  # a precomputed reference's pass
     loss, _ = trainer.train_step(trainer.next_microbatches(iter(trainer.dataloader)), step=1)
     return loss, grads, trainer, first_step_pairs(trainer)
 

@@ -144,6 +144,12 @@ class Objective:
         """Scalars of the step's loss parts, logged with the training line (collective when not empty)."""
         return {}
 
+    def pipeline_step(self, pipeline: Any, inputs: torch.Tensor, labels: torch.Tensor,
+                      documents: torch.Tensor | None, scale: torch.Tensor, extra: dict) -> torch.Tensor:
+        """One microbatch through a pipeline (a PipelineRunner): its own loss on the last stage, unless the objective
+        computes another there."""
+        return pipeline.step(inputs, labels, scale, extra=extra)
+
     def eval_sums(self, logits: torch.Tensor, reference: Any, prepared: Any) -> torch.Tensor:
         """The sums a validation pass adds up over batches, for an objective validated on its own terms (preference
         tuning's rewards); cross entropy and distillation validate on the cross entropy instead."""

@@ -398,6 +398,14 @@ def check_preference(cfg: JobConfig) -> None:
     _require(p.packing or cfg.parallelism.context_parallel_degree == 1,
              "'preference.packing' = false with 'parallelism.context_parallel_degree' > 1: padded batches vary in "
              "length, packed ones are seq_len long; set preference.packing = true")
+    par = cfg.parallelism
+    _require(par.pipeline_parallel_degree == 1 or par.context_parallel_degree == 1,
+             "'training.dataset' = 'preference' with both pipeline and context parallelism is not supported: the last "
+             "stage's loss reads each pipeline microbatch's pairs whole; use one of them (with FSDP/TP)")
+    _require(par.pipeline_parallel_degree == 1 or par.pipeline_parallel_schedule != "ZBVZeroBubble" or
+             p.loss in REFERENCE_FREE,
+             f"'parallelism.pipeline_parallel_schedule' = 'ZBVZeroBubble' with loss '{p.loss}': the reference runs as "
+             "a forward-only pipeline pass, which torch's ZBV schedule has no mode for; use another schedule")
     _require(not cfg.distill.enable, "'distill.enable' cannot go with 'training.dataset' = 'preference': a run has one "
                                      "objective")
     _require(not cfg.data_mixture.enable, "'data_mixture.enable' cannot go with 'training.dataset' = 'preference': "

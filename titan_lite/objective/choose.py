@@ -69,7 +69,7 @@ def build_objective(plan: JobPlan, model: BuiltModel, device: torch.device, seed
     """Cross entropy, distillation (its teacher assembled here) or preference tuning (its reference)."""
     name = objective_name(plan.cfg)
     if name == "distill":
-        return TrainingObjective(build_distill(plan, model.parts, device, seed, model.runner.loss_fn))
+        return TrainingObjective(build_distill(plan, model, device, seed, model.runner.loss_fn))
     if name == "preference":
         objective = build_preference(plan, model, device, seed)
         if objective.table is None:

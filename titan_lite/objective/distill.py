@@ -12,6 +12,7 @@ from torch import nn
 from titan_lite.config.schema import JobConfig
 from titan_lite.distributed import device_type
 from titan_lite.errors import ConfigError
+from titan_lite.job.assembly import BuiltModel
 from titan_lite.job.estimate import compute_bytes, microbatching
 from titan_lite.job.plan import JobPlan
 from titan_lite.loss import Objective
@@ -101,7 +102,7 @@ def teacher_files_problem(cfg: JobConfig) -> str | None:
     return None if self_teacher(cfg) else frozen_files_problem(cfg, teacher_spec(cfg))
 
 
-def build_distill(plan: JobPlan, student_parts: list[nn.Module], device: torch.device, seed: int,
+def build_distill(plan: JobPlan, model: BuiltModel, device: torch.device, seed: int,
                   loss_fn: Callable) -> DistillObjective:
     """Distillation with its teacher assembled here (loaded, frozen), or the student's own base."""
     d = plan.cfg.distill
@@ -109,12 +110,12 @@ def build_distill(plan: JobPlan, student_parts: list[nn.Module], device: torch.d
     if self_teacher(plan.cfg):
         logger.info(f"distill: the teacher is the student's own base, its adapters switched off "
                     f"({describe(plan.cfg)})")
-        return DistillObjective(loss_fn, spec, base_forward(plan, student_parts))
+        return DistillObjective(loss_fn, spec, base_forward(plan, model))
     tplan, built = assemble_frozen(plan, teacher_spec(plan.cfg), device, seed)
     logger.info(f"distill: teacher {tplan.cfg.model.flavor} from '{d.teacher_path}', {tplan.full_param_count():,} "
                 f"parameters ({built.param_count():,} held by this rank, {tplan.cfg.training.dtype}, frozen) "
                 f"({describe(plan.cfg)})")
-    return DistillObjective(loss_fn, spec, separate_forward(built.parts))
+    return DistillObjective(loss_fn, spec, separate_forward(built))
 
 
 # ------------------------------------------------------------------------------------------ DRY_RUN

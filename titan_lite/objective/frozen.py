@@ -3,6 +3,7 @@ reference): its job config and plan on the trained model's mesh (same tokenizer 
 before launch, its assembly (loaded, frozen, no optimizer state) and its weights in DRY_RUN's plan; or the trained
 model itself computing its base function (the transforms switch off what they train)."""
 
+import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -23,6 +24,7 @@ from titan_lite.job.plan import JobPlan, check_initial_weights, plan_with_tokeni
 from titan_lite.job.script import model_flavor
 from titan_lite.loss import cross_entropy_sum
 from titan_lite.parallel.parallel_dims import ParallelDims
+from titan_lite.parallel.pipeline import PipelineRunner
 from titan_lite.transforms import PlanItem
 
 # Text whose ids two tokenizers must agree on to count as the same (words, digits, accents, CJK, spaces).
@@ -150,17 +152,29 @@ def assemble_frozen(plan: JobPlan, spec: FrozenSpec, device: torch.device, seed:
     return tplan, built
 
 
-def separate_forward(parts: list[nn.Module]) -> Callable[[Forward], torch.Tensor]:
+@dataclass
+class FrozenForward:
+    """How a frozen model runs on the runner's inputs: its parts within a context (the trained model's own parts with
+    the transforms' base function, or a separate model's) and, under pipeline parallelism, the pipeline that runs
+    them. Called with forward(model) it returns the model's logits."""
+
+    parts: list[nn.Module]
+    pipeline: PipelineRunner | None = None
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+    def __call__(self, forward: Forward) -> torch.Tensor:
+        with self.context():
+            return forward(self.parts[0])
+
+
+def separate_forward(built: BuiltModel) -> FrozenForward:
     """A frozen model's logits on the runner's inputs."""
-    return lambda forward: forward(parts[0])
+    return FrozenForward(built.parts, built.pipeline)
 
 
-def base_forward(plan: JobPlan, trained_parts: list[nn.Module]) -> Callable[[Forward], torch.Tensor]:
+def base_forward(plan: JobPlan, trained: BuiltModel) -> FrozenForward:
     """The trained model's own logits computing its base function (the transforms switch off what they train)."""
-    def run(forward: Forward) -> torch.Tensor:
-        with plan.transforms.base_function(trained_parts):
-            return forward(trained_parts[0])
-    return run
+    return FrozenForward(trained.parts, trained.pipeline, lambda: plan.transforms.base_function(trained.parts))
 
 
 def frozen_items(tplan: JobPlan, dims: ParallelDims, compute_bytes: int, role: str) -> list[PlanItem]:

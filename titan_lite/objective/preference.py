@@ -29,6 +29,7 @@ from titan_lite.job.plan import JobPlan
 from titan_lite.loss import IGNORE_INDEX, Objective
 from titan_lite.metrics.logger import Progress
 from titan_lite.objective.frozen import (
+    FrozenForward,
     FrozenSpec,
     assemble_frozen,
     base_forward,
@@ -140,6 +141,24 @@ class ContextParallelSum:
         """A value every context-parallel rank computes alike, counted once when the ranks' values are summed (its
         gradient whole on each rank)."""
         return value if self.group is None else value - value.detach() + value.detach() / self.size
+
+
+def _target_batch(target: torch.Tensor) -> PairBatch:
+    """The PairBatch of a pipeline microbatch's target: labels and document ids side by side."""
+    labels, documents = target.chunk(2, dim=1)
+    return pair_batch(labels, documents, lambda *tensors: tensors)
+
+
+@dataclass
+class StepReference:
+    """A step's reference log-probabilities [pairs, 2] by row, from a forward-only pipeline pass."""
+
+    examples: torch.Tensor
+    values: torch.Tensor
+
+    def lookup(self, examples: torch.Tensor) -> torch.Tensor:
+        at = (self.examples.to(examples.device)[None, :] == examples[:, None]).double().argmax(dim=1)
+        return self.values.to(examples.device)[at]
 
 
 # ------------------------------------------------------------------------------------------ the reference table
@@ -261,20 +280,87 @@ class PreferenceObjective(Objective):
                              terms.chosen_logps.sum(), terms.rejected_logps.sum()]).double()
         return torch.cat([pairs / self.cp.size, token_sums])
 
-    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor, reference: Any = None,
-                 prepared: PairBatch = None) -> torch.Tensor:
-        terms, nll, token_sums = self.terms(logits, prepared, reference)
-        sums = self.sums_of(terms, token_sums)
-        self.sums = sums if self.sums is None else self.sums + sums
+    def loss_and_sums(self, logits: torch.Tensor, batch: PairBatch,
+                      reference: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the microbatch's loss sum, its metric sums)."""
+        terms, nll, token_sums = self.terms(logits, batch, reference)
         loss = self.cp.once(terms.losses.sum())
         if self.spec.nll_weight:
             loss = loss + self.spec.nll_weight * self.nll_scale * nll
+        return loss, self.sums_of(terms, token_sums)
+
+    def add_sums(self, sums: torch.Tensor) -> None:
+        self.sums = sums if self.sums is None else self.sums + sums
+
+    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor, reference: Any = None,
+                 prepared: PairBatch = None) -> torch.Tensor:
+        loss, sums = self.loss_and_sums(logits, prepared, reference)
+        self.add_sums(sums)
         return loss
 
     @torch.no_grad()
     def eval_sums(self, logits: torch.Tensor, reference: Any, prepared: PairBatch) -> torch.Tensor:
         terms, _, token_sums = self.terms(logits, prepared, reference)
         return self.sums_of(terms, token_sums)
+
+    # ------------------------------------------------------------------ under pipeline parallelism
+    # The last stage computes the loss of each pipeline microbatch from a target that carries the labels and the
+    # document ids side by side; an on-the-fly reference runs first as a forward-only pipeline pass whose last stage
+    # keeps each pair's log-probabilities by its row (context parallelism is refused with pipelines).
+
+    def pipeline_step(self, pipeline, inputs: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor | None,
+                      scale: torch.Tensor, extra: dict) -> torch.Tensor:
+        target = torch.cat([labels, documents], dim=1)
+        reference = self.pipeline_reference(pipeline, inputs, target, extra)
+        loss = pipeline.step(inputs, target, scale, extra=extra, target_loss=partial(self._pipeline_loss,
+                                                                                     reference=reference))
+        for part in pipeline.last_parts:
+            self.add_sums(part)
+        return loss
+
+    @torch.no_grad()
+    def pipeline_eval_sums(self, pipeline, inputs: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor,
+                           extra: dict) -> torch.Tensor:
+        target = torch.cat([labels, documents], dim=1)
+        reference = self.pipeline_reference(pipeline, inputs, target, extra)
+        pipeline.evaluate(inputs, target, extra, partial(self._pipeline_loss, reference=reference))
+        zero = torch.zeros(len(PAIR_SUMS + TOKEN_SUMS), dtype=torch.float64, device=inputs.device)
+        return sum(pipeline.last_parts, zero)
+
+    @torch.no_grad()
+    def pipeline_reference(self, pipeline, inputs: torch.Tensor, target: torch.Tensor, extra: dict,
+                           frozen: FrozenForward | None = None) -> "StepReference | None":
+        """The reference's log-probabilities of a batch's pairs by row, from a forward-only pass (on the last
+        stage; empty elsewhere); None when they come from the table or no reference is used."""
+        frozen = frozen or self.frozen
+        if not self.uses_reference or frozen is None:
+            return None
+        runs = frozen.pipeline or pipeline
+        with frozen.context():
+            runs.evaluate(inputs, target, extra, self._pipeline_reference_part)
+        parts = runs.last_parts
+        if not parts:
+            return StepReference(torch.zeros(0, dtype=torch.long), torch.zeros(0, 2, dtype=torch.float64))
+        return StepReference(torch.cat([examples for examples, _ in parts]), torch.cat([v for _, v in parts]))
+
+    def _pipeline_reference_part(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        batch = _target_batch(target)
+        logps, _ = token_logps(output, batch.labels)
+        return torch.zeros((), device=output.device), (batch.examples, answer_sums(logps, batch))
+
+    def _pipeline_loss(self, output: torch.Tensor, target: torch.Tensor,
+                       reference: "StepReference | None") -> tuple[torch.Tensor, torch.Tensor]:
+        batch = _target_batch(target)
+        if not self.uses_reference:
+            values = None
+        elif reference is None:
+            values = self.table.lookup(self.section, batch.examples)
+        else:
+            values = reference.lookup(batch.examples)
+        if not torch.is_grad_enabled():  # evaluation
+            terms, _, token_sums = self.terms(output, batch, values)
+            return torch.zeros((), device=output.device), self.sums_of(terms, token_sums)
+        return self.loss_and_sums(output, batch, values)
 
     def metrics(self, sums: torch.Tensor) -> dict[str, float]:
         """TRL's metrics (and the loss) from the global sums of PAIR_SUMS and TOKEN_SUMS."""
@@ -293,6 +379,8 @@ class PreferenceObjective(Objective):
     def step_metrics(self, global_sum: Callable[[torch.Tensor], torch.Tensor],
                      global_units: torch.Tensor) -> dict[str, float]:
         sums, self.sums = self.sums, None
+        if sums is None:  # a pipeline stage without the loss
+            sums = torch.zeros(len(PAIR_SUMS + TOKEN_SUMS), dtype=torch.float64, device=global_units.device)
         metrics = self.metrics(global_sum(sums))
         del metrics["loss"]  # the training line prints the loss itself
         return metrics
@@ -344,12 +432,12 @@ def build_preference(plan: JobPlan, model: BuiltModel, device: torch.device, see
     table = ReferenceTable(table_fingerprint(cfg)) if precompute else None
     frozen = None
     if kind == "base" and not precompute:
-        frozen = base_forward(plan, model.parts)
+        frozen = base_forward(plan, model)
         logger.info(f"preference: {spec.describe()}; the reference is the policy's own base, its adapters switched "
                     "off (no second copy)")
     elif kind == "path" and not precompute:
         tplan, built = assemble_frozen(plan, reference_spec(cfg), device, seed)
-        frozen = separate_forward(built.parts)
+        frozen = separate_forward(built)
         logger.info(f"preference: {spec.describe()}; reference {tplan.cfg.model.flavor} from "
                     f"'{cfg.preference.reference}', {tplan.full_param_count():,} parameters ({built.param_count():,} "
                     f"held by this rank, {tplan.cfg.training.dtype}, frozen)")
@@ -391,15 +479,28 @@ class ReferencePass:
     def reference(self) -> tuple[Callable, BuiltModel | None]:
         cfg = self.plan.cfg
         if reference_kind(cfg) == "base":
-            return base_forward(self.plan, self.model.parts), None
+            return base_forward(self.plan, self.model), None
         tplan, built = assemble_frozen(self.plan, reference_spec(cfg), self.device, self.seed)
         logger.info(f"preference: reference {tplan.cfg.model.flavor} from '{cfg.preference.reference}' loaded for "
                     "the precomputation")
-        return separate_forward(built.parts), built
+        return separate_forward(built), built
+
+    def values(self, frozen: FrozenForward, inputs: torch.Tensor, labels: torch.Tensor,
+               documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, [pairs, 2] reference log-probabilities) of one batch's pairs (under pipeline parallelism: on the
+        last stage, none elsewhere)."""
+        runner = self.model.runner
+        if runner.pipeline is not None:
+            found = self.objective.pipeline_reference(runner.pipeline, inputs, torch.cat([labels, documents], dim=1),
+                                                      runner.extra_inputs(documents), frozen)
+            return found.examples.to(self.device), found.values
+        batch = pair_batch(labels, documents, runner.shard)
+        return batch.examples, runner.forward_only(partial(self.objective.frozen_logps, batch=batch, frozen=frozen),
+                                                   inputs, documents)
 
     @torch.no_grad()
-    def compute(self, section: str, frozen: Callable) -> torch.Tensor:
-        cfg, runner, dims = self.plan.cfg, self.model.runner, self.plan.parallel_dims
+    def compute(self, section: str, frozen: FrozenForward) -> torch.Tensor:
+        cfg, dims = self.plan.cfg, self.plan.parallel_dims
         source = build_section_source(cfg, section, self.plan.tokenizer, infinite=False)
         windows = [sample for sample, _ in source.samples()]
         rows = max(int(docs.max()) for _, _, docs in windows) // 2 + 1
@@ -414,15 +515,14 @@ class ReferencePass:
         progress = Progress(f"reference log-probabilities ({section})", count, "batches", announce=True)
         for i in range(count):
             progress.update(i)
-            chunk = mine[i * size:(i + 1) * size] or [_padding_window(windows[0])]
+            chunk = mine[i * size:(i + 1) * size]
+            chunk += [_padding_window(windows[0])] * (size - len(chunk))  # whole batches: pipelines need them
             *tensors, _ = collate([(w, {}) for w in chunk])
             inputs, labels, documents = (t.to(self.device) for t in tensors)
-            batch = pair_batch(labels, documents, runner.shard)
-            values = runner.forward_only(partial(self.objective.frozen_logps, batch=batch, frozen=frozen), inputs,
-                                         documents)
-            if batch.pairs:
-                table[batch.examples] = values
-                seen[batch.examples] = 1
+            examples, values = self.values(frozen, inputs, labels, documents)
+            if examples.numel():
+                table[examples] = values.to(table.device)
+                seen[examples] = 1
         _sum_over(table, seen, dims)
         table[seen == 0] = float("nan")
         return table.cpu()

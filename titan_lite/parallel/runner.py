@@ -95,7 +95,9 @@ class ModelRunner:
         prepared = self.objective.prepare(labels, documents, self.shard)
         inputs, labels = self.shard(inputs, labels)
         with self.context():
-            if self.pipeline is not None:
+            if self.pipeline is not None and domains is None:
+                loss_sum = self.objective.pipeline_step(self.pipeline, inputs, labels, documents, scale, extra)
+            elif self.pipeline is not None:
                 loss_sum = self.pipeline.step(inputs, labels, scale, domains, domain_sums, self.domain_loss, extra)
             else:
                 reference = self.objective.reference(lambda model: self.logits(model, inputs, extra), prepared)
@@ -154,6 +156,10 @@ class ModelRunner:
     def objective_sums(self, inputs: torch.Tensor, labels: torch.Tensor,
                        documents: torch.Tensor | None = None) -> torch.Tensor:
         """The objective's evaluation sums of one batch on this rank (its reference run first, as in training)."""
+        if self.pipeline is not None:
+            with self.context():
+                return self.objective.pipeline_eval_sums(self.pipeline, inputs, labels, documents,
+                                                         self.extra_inputs(documents))
         prepared = self.objective.prepare(labels, documents, self.shard)
 
         def run(forward: Callable[[nn.Module], torch.Tensor]) -> torch.Tensor:
