@@ -82,6 +82,13 @@ COMMANDS = {
                                   ("qwen3_8b_qlora", 1, " --dry_run.device_memory_gib 24"),
                                   ("mistral_7b_lora", 1, " --dry_run.device_memory_gib 24"),
                                   ("qwen2.5_7b_wanda", 8, ""), ("llama3_8b_minitron", 8, "")]},
+    **{f"{name}_plan": Command(f"DRY_RUN=1 NGPU={ngpu} CONFIG_FILE=train_configs/{name}.toml ./run_train.sh "
+                               f"--dry_run.device_memory_gib 24{extra}", exit_codes=DRY)
+       for name, ngpu, extra in [("llama3_8b_dpo_lora", 1, ""), ("llama3_8b_dpo_qlora", 1, ""),
+                                 ("llama3_70b_dpo_qlora", 2, "")]},
+    "llama3_70b_dpo_qlora_on_gpu_plan": Command(
+        "DRY_RUN=1 NGPU=2 CONFIG_FILE=train_configs/llama3_70b_dpo_qlora.toml ./run_train.sh "
+        "--dry_run.device_memory_gib 24 --training.enable_cpu_offload false", exit_codes=(2,)),
     "sparsegpt_estimate": Command(".venv/bin/python scripts/prune.py --flavor 8B --hf_assets_path assets/tokenizer "
                                   "--estimate_only --method sparsegpt --nsamples 128 --seq_len 2048 "
                                   "--device_memory_gib 24"),
@@ -215,6 +222,26 @@ FIGURES = [
            rf"^  parameters +{NUMBER} GiB +{NUMBER} local x float32; teacher {NUMBER} local x bfloat16 \(frozen\)\n"
            rf"  activations +{NUMBER} GiB .*\n  peak +{NUMBER} GiB"),
     # pruning estimates
+    # preference tuning's plans
+    Figure("DPO 8B LoRA plan", "llama3_8b_dpo_lora_plan",
+           rf"^  parameters +{NUMBER} GiB  ([\d,]+) local x bfloat16/float32(?:.*\n)*?  activations +{NUMBER} GiB  AC "
+           rf"full(?:.*\n)*?^dry run OK: 1 ranks; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",
+           rf"^llama3_8b_dpo_lora.toml:\n  parameters +{NUMBER} GiB  ([\d,]+) local x bfloat16/float32\n  "
+           rf"activations +{NUMBER} GiB  AC full.*\ndry run OK: 1 ranks; largest peak {NUMBER} GiB on rank 0, "
+           rf"head-room {NUMBER} GiB"),
+    Figure("DPO 8B QLoRA plan", "llama3_8b_dpo_qlora_plan",
+           rf"^  parameters +{NUMBER} GiB  ([\d,]+) local x {NUMBER} bytes each(?:.*\n)*?^dry run OK: 1 ranks; "
+           rf"largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",
+           rf"^llama3_8b_dpo_qlora.toml:\n  parameters +{NUMBER} GiB  ([\d,]+) local x {NUMBER} bytes each\ndry run "
+           rf"OK: 1 ranks; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB"),
+    Figure("DPO 70B QLoRA plan", "llama3_70b_dpo_qlora_plan",
+           rf"^  parameters +{NUMBER} GiB  ([\d,]+) local x {NUMBER} bytes each \(offloaded to CPU\)(?:.*\n)*?^dry "
+           rf"run OK: 2 ranks; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",
+           rf"^llama3_70b_dpo_qlora.toml:\n  parameters +{NUMBER} GiB  ([\d,]+) local x {NUMBER} bytes each "
+           rf"\(offloaded to CPU\)\ndry run OK: 2 ranks; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB"),
+    Figure("DPO 70B QLoRA plan without the offload", "llama3_70b_dpo_qlora_on_gpu_plan",
+           rf"^  parameters +{NUMBER} GiB(?:.*\n)*?^  peak +{NUMBER} GiB",
+           rf"holds an NF4 shard of {NUMBER} GiB per GPU and peaks\nat {NUMBER} GiB"),
     Figure("SparseGPT 8B estimate", "sparsegpt_estimate",
            rf"^  weights +{NUMBER} GiB.*\n(?:.*\n)  calibration cache +{NUMBER} GiB.*\n  statistics +{NUMBER} GiB.*\n"
            rf"  working +{NUMBER} GiB.*\n  peak +{NUMBER} GiB\n  verdict: fits: peak {NUMBER} GiB of 24.00 GiB, "

@@ -365,3 +365,34 @@ def test_precomputed_reference_resumes_exactly_and_metrics_reach_tensorboard(tmp
                  "logps/rejected", "logits/chosen", "logits/rejected"):
         assert name in tags and f"validation/{name}" in tags, (name, tags)
     assert [e.step for e in events.Scalars("validation/rewards/accuracies")] == [2, 4]
+
+
+def test_preference_benchmark_cases_read_their_results():
+    """benchmarks/preference.py's result lines as the cases read them: useful tokens per second, seconds and tokens
+    per pair of both prompt layouts, and the reference's cost in a step against its forward alone."""
+    import json
+
+    from benchmarks.cases import CASES, RunOutput
+    from benchmarks.worker import RESULT_PREFIX
+
+    def read(variant, result: dict) -> dict:
+        full = {"peak_rss_bytes": 2**30, "machine_busy_s": None, "own_cpu_s": 1.0, "wall_s": 1.0, **result}
+        return variant.metrics(RunOutput(RESULT_PREFIX + json.dumps(full), 0, 1.0, 1.0, 2**30))
+
+    packed, padded = CASES["preference_packing"]().variants
+    assert (packed.layout, padded.layout) == ("packed", "padded")
+    m = read(packed, {"step_s": [2.0, 2.0], "trained_per_step": [300, 500], "total_per_step": [2048, 2048],
+                      "pairs_per_step": [5, 3]})
+    assert m["trained_tokens_per_s"] == 200 and m["pairs_per_s"] == 2 and m["step_s"] == 2.0
+    (prompt,) = CASES["preference_prompt"]().variants
+    m = read(prompt, {"duplicated_s": [4.0, 6.0], "shared_s": [3.0, 3.0], "duplicated_tokens": [1000, 600],
+                      "shared_tokens": [700, 400], "pairs": [2, 2], "logps_max_difference": 1e-6})
+    assert m["duplicated_s_per_pair"] == 2.5 and m["shared_s_per_pair"] == 1.5
+    assert m["duplicated_tokens_per_pair"] == 400 and m["shared_tokens_per_pair"] == 275
+    case = CASES["preference_reference"]()
+    base, path = case.variants
+    m = read(base, {"dpo_step_s": [3.0, 3.0], "given_step_s": [2.0, 2.0], "reference_forward_s": [1.0, 1.0],
+                    "parameter_bytes_held": 2**30})
+    assert m["reference_cost_s"] == 1.0 and m["parameter_gib_held"] == 1.0
+    cost = case.ratios[0]
+    assert (cost.metric, cost.denominator_metric, cost.target) == ("reference_cost_s", "reference_forward_s", 1.05)

@@ -66,11 +66,15 @@ def with_rank_parts(plan: JobPlan, rank: int, use: Callable[[list[nn.Module], Pa
 
 
 def plan_rank(plan: JobPlan, rank: int, objective: ObjectivePlan | None = None) -> RolePlan:
-    """Plan rank `rank`'s parts (with what the objective holds: a distillation teacher)."""
+    """Plan rank `rank`'s parts (with what the objective holds: a distillation teacher, a preference reference) and
+    the passes run before training."""
     def role(parts: list[nn.Module], dims: ParallelDims) -> RolePlan:
         extra = objective.memory(plan.cfg, dims) if objective is not None else []
-        return plan_role(plan.cfg, plan.model_args, dims, parts, rank, dims.submesh("pp").get_local_rank(),
-                         plan.transforms, extra)
+        planned = plan_role(plan.cfg, plan.model_args, dims, parts, rank, dims.submesh("pp").get_local_rank(),
+                            plan.transforms, extra)
+        if objective is not None:
+            planned.passes += objective.pass_plans(plan.cfg, dims, planned.estimate)
+        return planned
     return with_rank_parts(plan, rank, role)
 
 
@@ -181,7 +185,7 @@ def dry_run(cfg: JobConfig) -> int:
     plan = plan_with_tokenizer(cfg, planned_world_size(), tokenizer, count_epochs=not missing)
     objective = plan_objective(plan)
     capacity = device_memory_gib(cfg)
-    lines = summary_lines(plan) + plan.transforms.plan_lines(plan.model_args) + (objective.lines() if objective else [])
+    lines = summary_lines(plan) + plan.transforms.plan_lines(plan.model_args) + (objective.lines if objective else [])
     for line in lines + checklist_lines(missing):
         print(line, flush=True)
     print(f"memory per device, estimated against {capacity:.2f} GiB:", flush=True)

@@ -26,11 +26,13 @@ from titan_lite.objective.preference import (
     check_preference,
     preference_lines,
     preference_memory,
+    preference_passes,
     preference_reference_plan,
     reference_files_problem,
 )
+from titan_lite.parallel.memory_estimate import MemoryEstimate
 from titan_lite.parallel.parallel_dims import ParallelDims
-from titan_lite.transforms import PlanItem
+from titan_lite.transforms import PassPlan, PlanItem
 
 
 def objective_name(cfg: JobConfig) -> str:
@@ -91,11 +93,16 @@ class ObjectivePlan:
     frozen: JobPlan | None
     role: str
     extra: Callable[[JobConfig, ParallelDims], list[PlanItem]]
+    passes: Callable[[JobConfig, ParallelDims, MemoryEstimate], list[PassPlan]] = lambda cfg, dims, estimate: []
 
     def memory(self, cfg: JobConfig, dims: ParallelDims) -> list[PlanItem]:
         """One rank's extra bytes (`dims`: that rank's layout)."""
         items = frozen_items(self.frozen, dims, compute_bytes(cfg)[0], self.role) if self.frozen is not None else []
         return items + self.extra(cfg, dims)
+
+    def pass_plans(self, cfg: JobConfig, dims: ParallelDims, estimate: MemoryEstimate) -> list[PassPlan]:
+        """The passes the objective runs before training on one rank (a precomputed reference's)."""
+        return self.passes(cfg, dims, estimate)
 
 
 def plan_objective(plan: JobPlan) -> ObjectivePlan | None:
@@ -107,5 +114,5 @@ def plan_objective(plan: JobPlan) -> ObjectivePlan | None:
     if name == "preference":
         reference, held = preference_reference_plan(plan, reference_files_problem(plan.cfg) is None)
         return ObjectivePlan(preference_lines(plan, reference), reference if held else None, "reference",
-                             preference_memory(plan))
+                             preference_memory(plan), preference_passes(plan, None if held else reference))
     return None

@@ -1,0 +1,83 @@
+"""Write preference pairs (TRL's conversational format: one {"prompt": [...], "chosen": [...], "rejected": [...]}
+object per line) from the synthetic conversations of scripts/make_synthetic_chat.py: each conversation gives one pair
+at one of its assistant turns (the first one, where the assistant repeats the count it was told, half the time), the
+prompt being the turns before it, the chosen answer the true turn and the rejected one the same turn with a wrong
+count. Seeded, so the same command writes the same file.
+
+    .venv/bin/python scripts/make_synthetic_preferences.py --chat data/synthetic_chat/train.jsonl \\
+        --output data/synthetic_prefs/train.jsonl --seed 0
+"""
+
+import argparse
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+# The checkout's titan_lite, whichever python runs the script (e.g. `.venv/bin/python scripts/...`).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titan_lite.errors import ConfigError
+from titan_lite.job.cli import ScriptParser
+
+NUMBER = re.compile(r"\d+")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = ScriptParser(__doc__)
+    parser.add_argument("--chat", required=True, help="a .jsonl of {\"messages\": [...]} conversations (as "
+                                                      "scripts/make_synthetic_chat.py writes them)")
+    parser.add_argument("--output", required=True, help="the .jsonl file of pairs to write (its folder is created)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument("--first_turn_share", type=float, default=0.5,
+                        help="share of pairs at the conversation's first assistant turn")
+    return parser.parse_args(argv)
+
+
+def wrong(text: str, rng: random.Random) -> str:
+    """The turn with every number replaced by another one (the same one for the same number)."""
+    numbers = sorted({int(n) for n in NUMBER.findall(text)})
+    changed = {n: n + rng.choice([-3, -2, -1, 1, 2, 3]) if n > 3 else n + rng.randint(1, 4) for n in numbers}
+    return NUMBER.sub(lambda m: str(changed[int(m.group())]), text)
+
+
+def make_pair(messages: list[dict[str, str]], rng: random.Random, first_turn_share: float) -> dict | None:
+    turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant" and NUMBER.search(m["content"])]
+    if not turns:
+        return None
+    at = turns[0] if rng.random() < first_turn_share else rng.choice(turns)
+    chosen = messages[at]["content"]
+    return {"prompt": messages[:at], "chosen": [{"role": "assistant", "content": chosen}],
+            "rejected": [{"role": "assistant", "content": wrong(chosen, rng)}]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    source = Path(args.chat)
+    if not source.is_file():
+        raise ConfigError(f"--chat '{source}' is not a file (write it with scripts/make_synthetic_chat.py)")
+    rng = random.Random(args.seed)
+    pairs = []
+    for line_no, line in enumerate(source.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                messages = json.loads(line)["messages"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ConfigError(f"{source}:{line_no}: not a {{\"messages\": [...]}} object") from None
+            pair = make_pair(messages, rng, args.first_turn_share)
+            if pair is not None:
+                pairs.append(pair)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    print(f"wrote {len(pairs)} preference pairs (from {source}; seed {args.seed}) to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
