@@ -1,8 +1,9 @@
 """Write preference pairs (TRL's conversational format: one {"prompt": [...], "chosen": [...], "rejected": [...]}
 object per line) from the synthetic conversations of scripts/make_synthetic_chat.py: each conversation gives one pair
-at one of its assistant turns (the first one, where the assistant repeats the count it was told, half the time), the
-prompt being the turns before it, the chosen answer the true turn and the rejected one the same turn with a wrong
-count. Seeded, so the same command writes the same file.
+at an assistant turn, the prompt being the turns before it, the chosen answer the true turn and the rejected one the
+same turn with a wrong count. With --turn first (default) that is the conversation's first assistant turn, where the
+assistant repeats the count it was just told; with --turn any a random assistant turn, whose count may need the
+changes of the turns before. Seeded, so the same command writes the same file.
 
     .venv/bin/python scripts/make_synthetic_preferences.py --chat data/synthetic_chat/train.jsonl \\
         --output data/synthetic_prefs/train.jsonl --seed 0
@@ -30,8 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                       "scripts/make_synthetic_chat.py writes them)")
     parser.add_argument("--output", required=True, help="the .jsonl file of pairs to write (its folder is created)")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
-    parser.add_argument("--first_turn_share", type=float, default=0.5,
-                        help="share of pairs at the conversation's first assistant turn")
+    parser.add_argument("--turn", choices=["first", "any"], default="first",
+                        help="the assistant turn a pair is made at: the first one, or any one")
     return parser.parse_args(argv)
 
 
@@ -42,11 +43,11 @@ def wrong(text: str, rng: random.Random) -> str:
     return NUMBER.sub(lambda m: str(changed[int(m.group())]), text)
 
 
-def make_pair(messages: list[dict[str, str]], rng: random.Random, first_turn_share: float) -> dict | None:
+def make_pair(messages: list[dict[str, str]], rng: random.Random, turn: str) -> dict | None:
     turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant" and NUMBER.search(m["content"])]
     if not turns:
         return None
-    at = turns[0] if rng.random() < first_turn_share else rng.choice(turns)
+    at = turns[0] if turn == "first" else rng.choice(turns)
     chosen = messages[at]["content"]
     return {"prompt": messages[:at], "chosen": [{"role": "assistant", "content": chosen}],
             "rejected": [{"role": "assistant", "content": wrong(chosen, rng)}]}
@@ -65,13 +66,14 @@ def main(argv: list[str] | None = None) -> int:
                 messages = json.loads(line)["messages"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise ConfigError(f"{source}:{line_no}: not a {{\"messages\": [...]}} object") from None
-            pair = make_pair(messages, rng, args.first_turn_share)
+            pair = make_pair(messages, rng, args.turn)
             if pair is not None:
                 pairs.append(pair)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(p) + "\n" for p in pairs))
-    print(f"wrote {len(pairs)} preference pairs (from {source}; seed {args.seed}) to {out}")
+    print(f"wrote {len(pairs)} preference pairs (at the {args.turn} assistant turn of each conversation of {source}; "
+          f"seed {args.seed}) to {out}")
     return 0
 
 

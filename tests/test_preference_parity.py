@@ -1,8 +1,8 @@
 """Packed pairs without cross-talk, exactly: the trainer's first preference step (DPO against a frozen reference
 folder, with RPO's NLL term) has the loss and gradients of the same pairs run one answer at a time (each answer's
 prompt + answer alone through a plain model, the policy's and the reference's), within 1e-5 in float32, packed and
-padded on one process, and packed under FSDP 2, TP 2 (vocab-sharded logits), PP 2 (the reference run as a forward-only
-pipeline pass, or precomputed through one) and CP 2."""
+padded on one process, and under FSDP 2, TP 2 (vocab-sharded logits; packed and padded), PP 2 (the reference run as
+a forward-only pipeline pass, or precomputed through one) and CP 2."""
 
 import json
 import random
@@ -28,6 +28,8 @@ ATOL = 1e-5
 LAYOUTS = {  # name: (local batch, overrides), a global batch of 4 windows each
     "fsdp2": (2, []),
     "tp2": (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"]),
+    "tp2 padded": (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2",
+                       "--preference.packing=false"]),  # one pair per sequence, padded to a multiple of the TP degree
     "pp2": (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2"]),
     "cp2": (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2"]),
     "pp2 precomputed": (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree",

@@ -8,6 +8,7 @@ every rank, so a checkpoint resumes exactly on another data-parallel degree as l
 """
 
 import itertools
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -196,8 +197,10 @@ def build_section_loader(cfg: JobConfig, section: str, tokenizer, layout: BatchL
         (s.dataset == "preference" and not cfg.preference.packing)
     if padded:
         pad_id = tokenizer.pad_id if tokenizer.pad_id >= 0 else tokenizer.eos_id
+        # sequence parallelism splits the sequence over the TP ranks: padded lengths must divide by its degree
+        multiple = math.lcm(length_multiple, cfg.parallelism.tensor_parallel_degree)
         return DataLoader(source, layout, loader_options(s.dataloader),
-                          collate=pad_collate(pad_id, IGNORE_INDEX, length_multiple))
+                          collate=pad_collate(pad_id, IGNORE_INDEX, multiple))
     return DataLoader(source, layout, loader_options(s.dataloader))
 
 
