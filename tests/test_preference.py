@@ -396,3 +396,32 @@ def test_preference_benchmark_cases_read_their_results():
     assert m["reference_cost_s"] == 1.0 and m["parameter_gib_held"] == 1.0
     cost = case.ratios[0]
     assert (cost.metric, cost.denominator_metric, cost.target) == ("reference_cost_s", "reference_forward_s", 1.05)
+
+
+@pytest.mark.slow  # plans 8B twice (policy and reference) in two DRY_RUNs
+def test_dry_run_plans_a_held_reference_and_a_precomputed_ones_pass(monkeypatch, capsys, tmp_path):
+    """In-process DRY_RUN of the 8B recipe with a reference folder of the 8B flavor (not downloaded): held through
+    training, its weights are in every rank's plan; precomputed, the pass before training holds both models and is
+    refused in one line when it does not fit."""
+    from titan_lite.dry_run import dry_run
+
+    monkeypatch.setenv("NGPU", "1")
+    monkeypatch.setenv("NNODES", "1")
+    monkeypatch.chdir(ROOT)
+    pairs = tiny_pairs(tmp_path, 4)
+    argv = ["--job.config_file", str(ROOT / "train_configs/llama3_8b_dpo_lora.toml"), "--model.hf_assets_path",
+            "./assets/tokenizer", "--training.dataset_path", str(pairs), "--validation.enable=false",
+            "--preference.chat_template", "", "--preference.reference", str(tmp_path / "absent"),
+            "--preference.reference_flavor", "8B", "--dry_run.device_memory_gib", "80"]
+    assert dry_run(parse_args(argv)) == 5  # the reference and the base weights are not there
+    out = capsys.readouterr().out
+    assert f"[ ] 'preference.reference' = '{tmp_path / 'absent'}': no Hugging Face folder or DCP checkpoint" in out
+    assert "preference: loss sigmoid, beta 0.1; reference: 8B from" in out
+    assert "reference 8,030,261,248 local x bfloat16 (frozen)" in out  # held: in the training step's plan
+    assert "preference data: the first 1 sequences hold 4 pairs (4.0 per sequence)" in out
+    with pytest.raises(ConfigError) as error:
+        dry_run(parse_args([*argv, "--preference.precompute_reference", "--dry_run.device_memory_gib", "24"]))
+    out = capsys.readouterr().out
+    assert "precomputing the reference's log-probabilities before training" in out
+    assert "  reference       14.96 GiB  reference 8,030,261,248 local x bfloat16 (frozen)" in out
+    assert str(error.value).startswith("the reference's precomputation does not fit: it needs an estimated ")
