@@ -290,9 +290,8 @@ def losses_of(trainer, steps: int) -> list[float]:
 
 
 def test_reference_base_equals_a_frozen_copy_and_dpo_starts_at_ln2(tmp_path):
-    """LoRA with reference 'base' trains exactly as with the base's HF folder as an explicit frozen reference; the
-    first step of DPO with fresh adapters (policy = reference) is ln 2, with PiSSA (its initial adapters added back)
-    and DoRA too."""
+    """LoRA with reference 'base' trains exactly as with the base's HF folder as an explicit frozen reference, and
+    the first step of DPO with fresh adapters (policy = reference) is exactly ln 2."""
     from tests.integration.harness import perturbed_hf_folder
     from titan_lite.train import Trainer
 
@@ -304,9 +303,22 @@ def test_reference_base_equals_a_frozen_copy_and_dpo_starts_at_ln2(tmp_path):
     copy = losses_of(Trainer(config(tmp_path / "copy", data, *lora, "--preference.reference", str(base))), 2)
     assert own[0] == math.log(2)
     assert own == pytest.approx(copy, abs=1e-6) and own[1] != own[0], (own, copy)
-    for variant in (["--lora.init", "pissa"], ["--lora.use_dora"]):
-        first = losses_of(Trainer(config(tmp_path / variant[0][7:], data, *lora, *variant)), 1)[0]
-        assert first == pytest.approx(math.log(2), abs=1e-6), (variant, first)
+
+
+@pytest.mark.slow  # three trainers, one of them on an NF4 base
+@pytest.mark.parametrize("variant", [["--lora.init", "pissa"], ["--lora.init", "pissa", "--lora.base_dtype", "nf4"],
+                                     ["--lora.use_dora"]], ids=["pissa", "qpissa", "dora"])
+def test_the_base_of_pissa_qpissa_and_dora_is_the_starting_model(tmp_path, variant):
+    """Adapters off with PiSSA's (QPiSSA's) initial factors added back to the (quantized) residual is the model
+    training starts from, and DoRA's base is the loaded model: the first DPO step is ln 2."""
+    from tests.integration.harness import perturbed_hf_folder
+    from titan_lite.train import Trainer
+
+    base = perturbed_hf_folder(tmp_path / "base", "tiny")
+    lora = ["--model.converters", "lora", "--checkpoint.initial_load_path", str(base),
+            "--checkpoint.initial_load_in_hf"]
+    first = losses_of(Trainer(config(tmp_path / "run", tiny_pairs(tmp_path), *lora, *variant)), 1)[0]
+    assert first == pytest.approx(math.log(2), abs=1e-6), (variant, first)
 
 
 def test_bad_references_are_one_line(tmp_path):
