@@ -1,6 +1,7 @@
 """What training minimises: cross entropy (titan_lite.loss), distillation from a frozen teacher (distill.py, with its
 chunked loss in kd.py) or preference tuning on pairs (preference.py, its losses in preference_loss.py, the chunked
-log-probabilities in logps.py); the frozen models they hold (frozen.py) and the one chooser (choose.py)."""
+log-probabilities in logps.py, a precomputed reference in reference_pass.py, its DRY_RUN share in preference_plan.py);
+the frozen models they hold (frozen.py), vocab-sharded logits (vocab.py) and the one chooser (choose.py)."""
 
 from titan_lite.objective.choose import (
     ObjectivePlan,

@@ -20,16 +20,14 @@ from titan_lite.objective.distill import (
     teacher_files_problem,
 )
 from titan_lite.objective.frozen import frozen_items
-from titan_lite.objective.preference import (
-    ReferencePass,
-    build_preference,
-    check_preference,
+from titan_lite.objective.preference import build_preference, check_preference, reference_files_problem
+from titan_lite.objective.preference_plan import (
     preference_lines,
     preference_memory,
     preference_passes,
     preference_reference_plan,
-    reference_files_problem,
 )
+from titan_lite.objective.reference_pass import ReferencePass
 from titan_lite.parallel.memory_estimate import MemoryEstimate
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.transforms import PassPlan, PlanItem

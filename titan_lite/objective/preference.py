@@ -1,17 +1,15 @@
 """Preference tuning as the training objective ([preference]): pairs packed as documents (data/preference.py) give
 every answer's log-probability (summed over its tokens, chunked: objective/logps.py); the pair losses of
 preference_loss.py compare them with the reference's: the policy with its adapters off ('base'), a frozen model on
-the policy's mesh (objective/frozen.py), or a table computed in one pass before training and checkpointed with the
-run. TRL's metrics (rewards/*, logps/*, logits/*) are logged for training and for the held-out pairs."""
+the policy's mesh (objective/frozen.py), or a table computed before training (reference_pass.py) and checkpointed
+with the run. TRL's metrics (rewards/*, logps/*, logits/*) are logged for training and for the held-out pairs; under
+pipeline parallelism the last stage computes the loss. DRY_RUN's share is in preference_plan.py."""
 
 import contextlib
-import gc
 import hashlib
 import logging
-import math
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -20,15 +18,12 @@ import torch.distributed as dist
 from torch import nn
 
 from titan_lite.config.schema import JobConfig
-from titan_lite.data.dataloader import build_section_source, pad_collate
 from titan_lite.data.preference import CHOSEN
 from titan_lite.distributed import device_type
 from titan_lite.errors import ConfigError
 from titan_lite.job.assembly import BuiltModel
-from titan_lite.job.estimate import compute_bytes
 from titan_lite.job.plan import JobPlan
 from titan_lite.loss import IGNORE_INDEX, Objective
-from titan_lite.metrics.logger import Progress
 from titan_lite.objective.frozen import (
     FrozenForward,
     FrozenSpec,
@@ -36,16 +31,10 @@ from titan_lite.objective.frozen import (
     base_forward,
     check_frozen,
     frozen_files_problem,
-    frozen_items,
-    frozen_plan,
     separate_forward,
 )
 from titan_lite.objective.logps import token_logps
 from titan_lite.objective.preference_loss import PreferenceLoss, pair_terms
-from titan_lite.objective.vocab import ACCELERATOR_CHUNK_ELEMENTS, CHUNK_ELEMENTS
-from titan_lite.parallel.memory_estimate import GIB
-from titan_lite.parallel.parallel_dims import ParallelDims
-from titan_lite.transforms import PassPlan, PlanItem
 
 logger = logging.getLogger("titan_lite")
 BASE_REFERENCE = "base"
@@ -450,192 +439,3 @@ def build_preference(plan: JobPlan, model: BuiltModel, device: torch.device, see
         which = "the policy's base" if kind == "base" else f"'{cfg.preference.reference}'"
         logger.info(f"preference: {spec.describe()}; the reference ({which}) is precomputed before the first step")
     return PreferenceObjective(model.runner.loss_fn, spec, frozen, table, cp)
-
-
-class ReferencePass:
-    """precompute_reference: the reference's log-probabilities of every pair of the training (and held-out) split,
-    computed before the first step through the runner on this layout (each data-parallel rank its share of the
-    windows, in batches of training.local_batch_size), then the reference is freed."""
-
-    def __init__(self, plan: JobPlan, model: BuiltModel, objective: PreferenceObjective, device: torch.device,
-                 seed: int):
-        self.plan, self.model, self.objective, self.device, self.seed = plan, model, objective, device, seed
-
-    def run(self) -> None:
-        table, cfg = self.objective.table, self.plan.cfg
-        if table.loaded:
-            counts = ", ".join(f"{int((~t[:, 0].isnan()).sum()):,} {name}" for name, t in table.tables.items())
-            logger.info(f"preference: the reference log-probabilities come from the checkpoint ({counts} pairs), "
-                        "not recomputed")
-            return
-        started = time.perf_counter()
-        frozen, built = self.reference()
-        sections = ["training"] + (["validation"] if cfg.validation.enable else [])
-        for section in sections:
-            table.tables[section] = self.compute(section, frozen)
-        del frozen, built
-        gc.collect()
-        counts = ", ".join(f"{int((~table.tables[s][:, 0].isnan()).sum()):,} {s}" for s in sections)
-        logger.info(f"preference: reference log-probabilities of {counts} pairs computed in "
-                    f"{time.perf_counter() - started:.1f}s and kept with the checkpoints; the reference is freed")
-
-    def reference(self) -> tuple[Callable, BuiltModel | None]:
-        cfg = self.plan.cfg
-        if reference_kind(cfg) == "base":
-            return base_forward(self.plan, self.model), None
-        tplan, built = assemble_frozen(self.plan, reference_spec(cfg), self.device, self.seed)
-        logger.info(f"preference: reference {tplan.cfg.model.flavor} from '{cfg.preference.reference}' loaded for "
-                    "the precomputation")
-        return separate_forward(built), built
-
-    def values(self, frozen: FrozenForward, inputs: torch.Tensor, labels: torch.Tensor,
-               documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, [pairs, 2] reference log-probabilities) of one batch's pairs (under pipeline parallelism: on the
-        last stage, none elsewhere)."""
-        runner = self.model.runner
-        if runner.pipeline is not None:
-            found = self.objective.pipeline_reference(runner.pipeline, inputs, torch.cat([labels, documents], dim=1),
-                                                      runner.extra_inputs(documents), frozen)
-            return found.examples.to(self.device), found.values
-        batch = pair_batch(labels, documents, runner.shard)
-        return batch.examples, runner.forward_only(partial(self.objective.frozen_logps, batch=batch, frozen=frozen),
-                                                   inputs, documents)
-
-    @torch.no_grad()
-    def compute(self, section: str, frozen: FrozenForward) -> torch.Tensor:
-        cfg, dims = self.plan.cfg, self.plan.parallel_dims
-        source = build_section_source(cfg, section, self.plan.tokenizer, infinite=False)
-        windows = [sample for sample, _ in source.samples()]
-        rows = max(int(docs.max()) for _, _, docs in windows) // 2 + 1
-        batch_mesh = dims.submesh("batch")
-        mine = windows[batch_mesh.get_local_rank()::batch_mesh.size()]
-        size = getattr(cfg, section).local_batch_size
-        count = math.ceil(math.ceil(len(windows) / batch_mesh.size()) / size)  # batches on every rank alike
-        table = torch.zeros(rows, 2, dtype=torch.float64, device=self.device)
-        seen = torch.zeros(rows, dtype=torch.float64, device=self.device)
-        pad_id = self.plan.tokenizer.pad_id if self.plan.tokenizer.pad_id >= 0 else self.plan.tokenizer.eos_id
-        collate = pad_collate(pad_id, IGNORE_INDEX, dims.cp * 2)
-        progress = Progress(f"reference log-probabilities ({section})", count, "batches", announce=True)
-        for i in range(count):
-            progress.update(i)
-            chunk = mine[i * size:(i + 1) * size]
-            chunk += [_padding_window(windows[0])] * (size - len(chunk))  # whole batches: pipelines need them
-            *tensors, _ = collate([(w, {}) for w in chunk])
-            inputs, labels, documents = (t.to(self.device) for t in tensors)
-            examples, values = self.values(frozen, inputs, labels, documents)
-            if examples.numel():
-                table[examples] = values.to(table.device)
-                seen[examples] = 1
-        _sum_over(table, seen, dims)
-        table[seen == 0] = float("nan")
-        return table.cpu()
-
-
-def _padding_window(window: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """A window of padding only: a rank with fewer windows runs it, so every rank runs the same forwards."""
-    inputs, labels, documents = window
-    return inputs, torch.full_like(labels, IGNORE_INDEX), torch.full_like(documents, -1)
-
-
-def _sum_over(table: torch.Tensor, seen: torch.Tensor, dims: ParallelDims) -> None:
-    """Each pair was computed by one data-parallel rank (by the last pipeline stage): the others hold zeros."""
-    for name, enabled in (("batch", dims.dp_degree > 1), ("pp", dims.pp_enabled)):
-        if enabled:
-            group = dims.submesh(name).get_group()
-            dist.all_reduce(table, group=group)
-            dist.all_reduce(seen, group=group)
-
-
-# ------------------------------------------------------------------------------------------ DRY_RUN
-
-
-def preference_reference_plan(plan: JobPlan, files_there: bool) -> tuple[JobPlan | None, bool]:
-    """(the reference's plan, whether training holds it): None for 'base' and reference-free losses; a folder's
-    reference is held through training unless precomputed (then only during the pass before it)."""
-    kind = reference_kind(plan.cfg)
-    if kind != "path":
-        if kind == "base":
-            check_preference(plan)
-        return None, False
-    reference = frozen_plan(plan if files_there else replace(plan, tokenizer=None), reference_spec(plan.cfg),
-                            plan.cfg.dry_run.device_type)
-    return reference, not plan.cfg.preference.precompute_reference
-
-
-def preference_lines(plan: JobPlan, reference: JobPlan | None) -> list[str]:
-    cfg = plan.cfg
-    p, spec, kind = cfg.preference, loss_spec(cfg), reference_kind(cfg)
-    if kind is None:
-        where = "reference-free: no reference model"
-    elif kind == "base":
-        where = "reference: the policy's own base, adapters off (no second copy)"
-    else:
-        where = (f"reference: {reference.cfg.model.flavor} from '{p.reference}', {reference.full_param_count():,} "
-                 f"parameters in {reference.cfg.training.dtype}, frozen, sharded like the policy")
-    if kind is not None:
-        where += ("; precomputed in one forward pass over the pairs before training (then freed), kept as 2 float64 "
-                  "per pair with the checkpoints" if p.precompute_reference
-                  else "; one forward per microbatch without gradients before the policy's (its logits freed first)")
-    window = cfg.training.seq_len + 1
-    layout = (f"packed whole into windows of seq_len + 1 = {window:,} tokens" if p.packing
-              else f"one pair per sequence of up to {window:,} tokens, padded to the longest of its batch")
-    lines = [f"preference: {spec.describe()}; {where}",
-             f"preference pairs: two block-causal documents each (prompt + chosen, prompt + rejected: the prompt "
-             f"twice), {layout}; the loss averages over the global batch's pairs"]
-    return lines + ([line] if (line := pair_statistics(cfg, plan.tokenizer)) else [])
-
-
-def pair_statistics(cfg: JobConfig, tokenizer, windows: int = 64) -> str | None:
-    """What the first sequences of the training data hold (pairs, and how their tokens divide into the prompts'
-    two copies, the answers and padding), or None when the tokenizer or the data are not there yet."""
-    if tokenizer is None:
-        return None
-    try:
-        source = build_section_source(cfg, "training", tokenizer, infinite=False)
-        samples = [sample for (sample, _), _ in zip(source.samples(), range(windows), strict=False)]
-    except ConfigError:
-        return None
-    pairs = sum(len({int(d) // 2 for d in docs.tolist() if d >= 0}) for _, _, docs in samples)
-    tokens = sum(docs.numel() for _, _, docs in samples)
-    padding = sum(int((docs < 0).sum()) for _, _, docs in samples)
-    answers = sum(int((labels >= 0).sum()) for _, labels, _ in samples)
-    share = [100 * n / max(tokens, 1) for n in (tokens - padding - answers, answers, padding)]
-    per = pairs / max(len(samples), 1)
-    return (f"preference data: the first {len(samples)} sequences hold {pairs:,} pairs ({per:.1f} per sequence); "
-            f"their tokens: {share[0]:.1f}% prompts (each twice), {share[1]:.1f}% answers (trained), "
-            f"{share[2]:.1f}% padding")
-
-
-def preference_memory(plan: JobPlan) -> Callable[[JobConfig, ParallelDims], list[PlanItem]]:
-    """One rank's extra bytes besides a held reference's weights: the log-probabilities' float32 row blocks (their
-    probabilities in the logits' dtype are the loss's saved tensor of the activations row)."""
-    def items(cfg: JobConfig, dims: ParallelDims) -> list[PlanItem]:
-        chunk = CHUNK_ELEMENTS if cfg.dry_run.device_type == "cpu" else ACCELERATOR_CHUNK_ELEMENTS
-        return [PlanItem("buffers", 3 * chunk * 4, "preference log-probabilities: three float32 row blocks")]
-    return items
-
-
-def preference_passes(plan: JobPlan, reference: JobPlan | None):
-    """The pass before training of a precomputed reference folder: the policy's weights, the reference's, and one
-    forward without gradients (its logits and row blocks); none when no separate reference is loaded for it."""
-    def passes(cfg: JobConfig, dims: ParallelDims, estimate) -> list[PassPlan]:
-        if reference is None:
-            return []
-        c = compute_bytes(cfg)[0]
-        held = frozen_items(reference, dims, c, "reference")
-        tokens = cfg.training.local_batch_size * cfg.training.seq_len // dims.cp
-        sharded = dims.tp > 1 and not cfg.parallelism.disable_loss_parallel
-        vocab = -(-plan.model_args.vocab_size // dims.tp) if sharded else plan.model_args.vocab_size
-        chunk = CHUNK_ELEMENTS if cfg.dry_run.device_type == "cpu" else ACCELERATOR_CHUNK_ELEMENTS
-        forward = tokens * vocab * c + 3 * chunk * 4 + tokens * plan.model_args.dim * c * 4
-        rows = [f"  {'policy':<12}{estimate.parameters / GIB:9.2f} GiB  its parameters (no gradients or optimizer "
-                "state yet)", *(f"  {'reference':<12}{item.nbytes / GIB:9.2f} GiB  {item.note}" for item in held),
-                f"  {'forward':<12}{forward / GIB:9.2f} GiB  logits {tokens:,} x {vocab:,} without gradients, "
-                "three float32 row blocks and a layer's hidden states"]
-        peak = estimate.parameters + sum(item.nbytes for item in held) + forward
-        rows.append(f"  {'peak':<12}{peak / GIB:9.2f} GiB")
-        return [PassPlan("the reference's precomputation",
-                         f"precomputing the reference's log-probabilities before training ('{cfg.preference.reference}'"
-                         " loaded for the pass, then freed), per device:", rows, peak,
-                         "shard over more devices, or lower 'training.local_batch_size' (the pass's batch)")]
-    return passes
