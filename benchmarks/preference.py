@@ -283,14 +283,14 @@ def alternate(work: dict, opts: argparse.Namespace) -> dict:
         for fn in work.values():
             fn(i)
     times: dict[str, list[float]] = {name: [] for name in work}
-    busy0, wall0 = machine_busy_seconds(), time.perf_counter()
+    busy0, cpu0, wall0 = machine_busy_seconds(), time.process_time(), time.perf_counter()
     for i in range(opts.warmup, opts.warmup + opts.steps):
         for name in (list(work) if i % 2 else list(work)[::-1]):
             start = time.perf_counter()
             work[name](i)
             times[name].append(time.perf_counter() - start)
     busy1 = machine_busy_seconds()
-    return {**times, "losses": [0.0], "wall_s": time.perf_counter() - wall0,
+    return {**times, "losses": [0.0], "wall_s": time.perf_counter() - wall0, "own_cpu_s": time.process_time() - cpu0,
             "machine_busy_s": None if busy0 is None or busy1 is None else busy1 - busy0}
 
 

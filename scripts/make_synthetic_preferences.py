@@ -1,9 +1,11 @@
 """Write preference pairs (TRL's conversational format: one {"prompt": [...], "chosen": [...], "rejected": [...]}
 object per line) from the synthetic conversations of scripts/make_synthetic_chat.py: each conversation gives one pair
-at an assistant turn, the prompt being the turns before it, the chosen answer the true turn and the rejected one the
-same turn with a wrong count. With --turn first (default) that is the conversation's first assistant turn, where the
-assistant repeats the count it was just told; with --turn any a random assistant turn, whose count may need the
-changes of the turns before. Seeded, so the same command writes the same file.
+at an assistant turn (the first one, where the assistant repeats the count it was just told; --turn any: a random
+one), the prompt being the turns before it. With --kind follow (default) the system turn asks for answers in lower
+case or in capitals, the chosen answer is the true turn written so and the rejected one the same turn written the
+other way: a preference a model learns only by reading the system turn. With --kind count the chosen answer is the
+true turn and the rejected one the same turn with a wrong count (a model learns it only once it copies and adds the
+counts: far beyond a few minutes of a random base). Seeded, so the same command writes the same file.
 
     .venv/bin/python scripts/make_synthetic_preferences.py --chat data/synthetic_chat/train.jsonl \\
         --output data/synthetic_prefs/train.jsonl --seed 0
@@ -33,6 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--turn", choices=["first", "any"], default="first",
                         help="the assistant turn a pair is made at: the first one, or any one")
+    parser.add_argument("--kind", choices=["follow", "count"], default="follow",
+                        help="follow: the answer written as the system turn asks (lower case or capitals) over the "
+                             "other way; count: the right count over a wrong one")
     return parser.parse_args(argv)
 
 
@@ -43,14 +48,24 @@ def wrong(text: str, rng: random.Random) -> str:
     return NUMBER.sub(lambda m: str(changed[int(m.group())]), text)
 
 
-def make_pair(messages: list[dict[str, str]], rng: random.Random, turn: str) -> dict | None:
+# --kind follow: what the system turn asks for, and how an answer is written so
+CASES = {"lower": ("Answer in lower case.", str.lower), "upper": ("Answer in capitals.", str.upper)}
+
+
+def make_pair(messages: list[dict[str, str]], rng: random.Random, turn: str, kind: str) -> dict | None:
     turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant" and NUMBER.search(m["content"])]
     if not turns:
         return None
     at = turns[0] if turn == "first" else rng.choice(turns)
-    chosen = messages[at]["content"]
-    return {"prompt": messages[:at], "chosen": [{"role": "assistant", "content": chosen}],
-            "rejected": [{"role": "assistant", "content": wrong(chosen, rng)}]}
+    chosen, prompt = messages[at]["content"], messages[:at]
+    if kind == "count":
+        worse = wrong(chosen, rng)
+    else:
+        asked, other = rng.sample(sorted(CASES), 2)
+        prompt = [{"role": "system", "content": CASES[asked][0]}] + [m for m in prompt if m["role"] != "system"]
+        chosen, worse = CASES[asked][1](chosen), CASES[other][1](chosen)
+    return {"prompt": prompt, "chosen": [{"role": "assistant", "content": chosen}],
+            "rejected": [{"role": "assistant", "content": worse}]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,14 +81,14 @@ def main(argv: list[str] | None = None) -> int:
                 messages = json.loads(line)["messages"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise ConfigError(f"{source}:{line_no}: not a {{\"messages\": [...]}} object") from None
-            pair = make_pair(messages, rng, args.turn)
+            pair = make_pair(messages, rng, args.turn, args.kind)
             if pair is not None:
                 pairs.append(pair)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(p) + "\n" for p in pairs))
-    print(f"wrote {len(pairs)} preference pairs (at the {args.turn} assistant turn of each conversation of {source}; "
-          f"seed {args.seed}) to {out}")
+    print(f"wrote {len(pairs)} preference pairs (at the {args.turn} assistant turn of each conversation of {source}, "
+          f"kind {args.kind}; seed {args.seed}) to {out}")
     return 0
 
 
