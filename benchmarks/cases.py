@@ -266,6 +266,42 @@ class ChatPackingVariant(Variant):
 
 
 @dataclass
+class PreferenceVariant(Variant):
+    """Preference tuning's steps (benchmarks/preference.py): packed pairs or one per padded sequence (mode packing),
+    prompt copies against a shared prompt (mode prompt), the reference's cost in a step (mode reference)."""
+
+    mode: str = "packing"
+    layout: str = "packed"
+    reference: str = "base"
+
+    def command(self, settings: Settings) -> tuple[list[str], dict[str, str]]:
+        args = ["-m", "benchmarks.preference", "--mode", self.mode, "--layout", self.layout, "--reference",
+                self.reference, "--steps", str(settings.steps), "--warmup", str(settings.warmup)]
+        return [sys.executable, *args], {"OMP_NUM_THREADS": str(settings.threads)}
+
+    def metrics(self, out: RunOutput) -> dict[str, float]:
+        r = _single_result(self.label, out)
+        common = {"peak_rss_gib": r["peak_rss_bytes"] / 2**30, "foreign_cores": _foreign_cores(r)}
+        if self.mode == "packing":
+            seconds = sum(r["step_s"])
+            return common | {"trained_tokens_per_s": sum(r["trained_per_step"]) / seconds,
+                             "pairs_per_s": sum(r["pairs_per_step"]) / seconds,
+                             "step_s": statistics.median(r["step_s"]),
+                             "trained_pct": 100 * sum(r["trained_per_step"]) / sum(r["total_per_step"])}
+        if self.mode == "prompt":
+            pairs = sum(r["pairs"][:len(r["duplicated_s"])]) / len(r["duplicated_s"]) or 1
+            return common | {"duplicated_s_per_pair": statistics.median(r["duplicated_s"]) / pairs,
+                             "shared_s_per_pair": statistics.median(r["shared_s"]) / pairs,
+                             "duplicated_tokens_per_pair": sum(r["duplicated_tokens"]) / sum(r["pairs"]),
+                             "shared_tokens_per_pair": sum(r["shared_tokens"]) / sum(r["pairs"]),
+                             "logps_max_difference": r["logps_max_difference"]}
+        dpo, given = statistics.median(r["dpo_step_s"]), statistics.median(r["given_step_s"])
+        return common | {"dpo_step_s": dpo, "given_step_s": given, "reference_cost_s": dpo - given,
+                         "reference_forward_s": statistics.median(r["reference_forward_s"]),
+                         "parameter_gib_held": r["parameter_bytes_held"] / 2**30}
+
+
+@dataclass
 class Ratio:
     """numerator's metric over denominator's (labels of variants in the same case)."""
 
@@ -543,6 +579,50 @@ def _chat_packing() -> Case:
                        target=1.10, higher_is_better=False)],
                 columns=("trained_tokens_per_s", "tokens_per_s", "step_s", "trained_pct", "real_pct"),
                 min_rounds=3)
+
+
+@register_case("preference_packing")
+def _preference_packing() -> Case:
+    """Issue 40: useful (trained answer) tokens per second of packed pairs against one pair per padded sequence."""
+    packed, padded = (PreferenceVariant("packed pairs", layout="packed"),
+                      PreferenceVariant("one pair per sequence, padded", layout="padded"))
+    return Case("preference_packing", "debugmodel, LoRA DPO (reference: base), pairs of a log-uniform length mix, "
+                "windows of 1024 tokens", [packed, padded],
+                [Ratio("trained tokens/s: packed / padded", "trained_tokens_per_s", packed.label, padded.label)],
+                columns=("trained_tokens_per_s", "pairs_per_s", "step_s", "trained_pct"), min_rounds=3)
+
+
+@register_case("preference_prompt")
+def _preference_prompt() -> Case:
+    """Issue 40's layout choice: each answer with its own copy of the prompt (block-causal documents) against the
+    prompt once with both answers attending to it (a tree mask), per pair, on the same pairs."""
+    variant = PreferenceVariant("same pairs, both layouts alternating", mode="prompt")
+    v = variant.label
+    return Case("preference_prompt", "debugmodel, LoRA DPO forward/backward of policy and reference per window, "
+                "windows of 1024 tokens", [variant],
+                [Ratio("seconds per pair: shared prompt / prompt copies", "shared_s_per_pair", v, v,
+                       higher_is_better=False, denominator_metric="duplicated_s_per_pair"),
+                 Ratio("tokens per pair: shared prompt / prompt copies", "shared_tokens_per_pair", v, v,
+                       higher_is_better=False, denominator_metric="duplicated_tokens_per_pair")],
+                columns=("duplicated_s_per_pair", "shared_s_per_pair", "duplicated_tokens_per_pair",
+                         "shared_tokens_per_pair", "logps_max_difference"), min_rounds=3)
+
+
+@register_case("preference_reference")
+def _preference_reference() -> Case:
+    """Issue 40's goal: the reference's cost in a step at most 1.05 x its forward alone; with reference = "base" no
+    second copy of the model."""
+    base, path = (PreferenceVariant("reference: base (adapters off)", mode="reference", reference="base"),
+                  PreferenceVariant("reference: a separate folder", mode="reference", reference="path"))
+    return Case("preference_reference", "debugmodel, LoRA DPO, packed windows of 1024 tokens; DPO steps, the same "
+                "steps given the reference's log-probabilities and the reference's forward alone, alternating",
+                [base, path],
+                [Ratio("reference's cost in a step / its forward alone (base)", "reference_cost_s", base.label,
+                       base.label, target=1.05, higher_is_better=False, denominator_metric="reference_forward_s"),
+                 Ratio("parameters held: base / separate folder", "parameter_gib_held", base.label, path.label,
+                       higher_is_better=False)],
+                columns=("dpo_step_s", "given_step_s", "reference_cost_s", "reference_forward_s",
+                         "parameter_gib_held", "peak_rss_gib"), min_rounds=3)
 
 
 @register_case("tiny")

@@ -188,7 +188,7 @@ def distill_steps(shape: Shape, opts: argparse.Namespace, dump_folder: str) -> d
 
     def teacher_forward(i: int) -> float:
         with runner.context():
-            distilled.teacher_logits(lambda model: runner.logits(model, batches[i % len(batches)], {}))
+            distilled.reference(lambda model: runner.logits(model, batches[i % len(batches)], {}))
         return 0.0
     work = {"step_s": with_objective(plain), "distill_step_s": with_objective(distilled),
             "teacher_forward_s": teacher_forward}

@@ -93,6 +93,13 @@ COMMANDS = {
                                         f"--parallelism.expert_parallel_degree {ep}", exit_codes=DRY) for ep in (1, 8)},
     "moe_memory_plan": Command(".venv/bin/python -m benchmarks.memory_plan --shapes debugmodel_moe --cases full,ep2",
                                slow=True),
+    **{f"{name}_plan": Command(f"DRY_RUN=1 NGPU={ngpu} CONFIG_FILE=train_configs/{name}.toml ./run_train.sh "
+                               f"--dry_run.device_memory_gib 24{extra}", exit_codes=DRY)
+       for name, ngpu, extra in [("llama3_8b_dpo_lora", 1, ""), ("llama3_8b_dpo_qlora", 1, ""),
+                                 ("llama3_70b_dpo_qlora", 2, "")]},
+    "llama3_70b_dpo_qlora_on_gpu_plan": Command(
+        "DRY_RUN=1 NGPU=2 CONFIG_FILE=train_configs/llama3_70b_dpo_qlora.toml ./run_train.sh "
+        "--dry_run.device_memory_gib 24 --training.enable_cpu_offload false", exit_codes=(2,)),
     "sparsegpt_estimate": Command(".venv/bin/python scripts/prune.py --flavor 8B --hf_assets_path assets/tokenizer "
                                   "--estimate_only --method sparsegpt --nsamples 128 --seq_len 2048 "
                                   "--device_memory_gib 24"),
@@ -145,6 +152,14 @@ COMMANDS = {
         "3000 --seed 0 --tokenizer_output data/synthetic_chat/tokenizer",
         ".venv/bin/python scripts/show_data.py --config train_configs/chat_lora_cpu.toml --count 1 --jsonl "
         "outputs/chat_samples.jsonl"]), slow=True),
+    # The preference section's CPU example: the pairs, then 100 steps of LoRA DPO with validation every 20.
+    "dpo_example": Command(" && ".join([
+        ".venv/bin/python scripts/make_synthetic_chat.py --output data/synthetic_chat/train.jsonl --num_conversations "
+        "3000 --seed 0 --tokenizer_output data/synthetic_chat/tokenizer",
+        ".venv/bin/python scripts/make_synthetic_preferences.py --chat data/synthetic_chat/train.jsonl --output "
+        "data/synthetic_prefs/train.jsonl --seed 0",
+        "rm -rf outputs/dpo_lora_cpu",  # a finished run in the folder would not train again
+        "CONFIG_FILE=train_configs/dpo_lora_cpu.toml ./run_train.sh"]), slow=True),
 }
 
 
@@ -262,6 +277,26 @@ FIGURES = [
            rf"^  parameters +{NUMBER} GiB +{NUMBER} local x float32; teacher {NUMBER} local x bfloat16 \(frozen\)\n"
            rf"  activations +{NUMBER} GiB .*\n  peak +{NUMBER} GiB"),
     # pruning estimates
+    # preference tuning's plans
+    Figure("DPO 8B LoRA plan", "llama3_8b_dpo_lora_plan",
+           rf"^  parameters +{NUMBER} GiB  ([\d,]+) local x bfloat16/float32(?:.*\n)*?  activations +{NUMBER} GiB  AC "
+           rf"full(?:.*\n)*?^dry run OK: 1 ranks; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",
+           rf"^llama3_8b_dpo_lora.toml:\n  parameters +{NUMBER} GiB  ([\d,]+) local x bfloat16/float32\n  "
+           rf"activations +{NUMBER} GiB  AC full.*\ndry run OK: 1 ranks; largest peak {NUMBER} GiB on rank 0, "
+           rf"head-room {NUMBER} GiB"),
+    Figure("DPO 8B QLoRA plan", "llama3_8b_dpo_qlora_plan",
+           rf"^  parameters +{NUMBER} GiB  ([\d,]+) local x {NUMBER} bytes each(?:.*\n)*?^dry run OK: 1 ranks; "
+           rf"largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",
+           rf"^llama3_8b_dpo_qlora.toml:\n  parameters +{NUMBER} GiB  ([\d,]+) local x {NUMBER} bytes each\ndry run "
+           rf"OK: 1 ranks; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB"),
+    Figure("DPO 70B QLoRA plan", "llama3_70b_dpo_qlora_plan",
+           rf"^  parameters +{NUMBER} GiB  ([\d,]+) local x {NUMBER} bytes each \(offloaded to CPU\)(?:.*\n)*?^dry "
+           rf"run OK: 2 ranks; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",
+           rf"^llama3_70b_dpo_qlora.toml:\n  parameters +{NUMBER} GiB  ([\d,]+) local x {NUMBER} bytes each "
+           rf"\(offloaded to CPU\)\ndry run OK: 2 ranks; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB"),
+    Figure("DPO 70B QLoRA plan without the offload", "llama3_70b_dpo_qlora_on_gpu_plan",
+           rf"^  parameters +{NUMBER} GiB(?:.*\n)*?^  peak +{NUMBER} GiB",
+           rf"holds an NF4 shard of {NUMBER} GiB per GPU and peaks\nat {NUMBER} GiB"),
     Figure("SparseGPT 8B estimate", "sparsegpt_estimate",
            rf"^  weights +{NUMBER} GiB.*\n(?:.*\n)  calibration cache +{NUMBER} GiB.*\n  statistics +{NUMBER} GiB.*\n"
            rf"  working +{NUMBER} GiB.*\n  peak +{NUMBER} GiB\n  verdict: fits: peak {NUMBER} GiB of 24.00 GiB, "
@@ -288,6 +323,21 @@ FIGURES = [
       for step in (100, 200, 300, 400)),
     Figure("chat example: eval_answers", "chat_example", r"answer accuracy: (\d+)/(\d+) = ([\d.]+)",
            r"measured the same held-out problems again: `answer accuracy: (\d+)/(\d+) = ([\d.]+)`"),
+    # the preference example (slow)
+    Figure("DPO example: the first step", "dpo_example", rf"step: +1/100 +loss: +{NUMBER} ",
+           rf"^step: +1/100 +loss: +{NUMBER} "),
+    *(Figure(f"DPO example: validation at step {step}", "dpo_example",
+             rf"validate step: {step} +loss: +{NUMBER} +rewards/chosen: {NUMBER} +rewards/rejected: {NUMBER} +"
+             rf"rewards/margins: {NUMBER} +rewards/accuracies: {NUMBER}",
+             rf"^validate step: {step} +loss: +{NUMBER} +rewards/chosen: {NUMBER} +rewards/rejected: {NUMBER} +"
+             rf"rewards/margins: {NUMBER} +rewards/accuracies: {NUMBER}")
+      for step in (20, 40, 60, 100)),
+    Figure("DPO example: the prose's accuracies", "dpo_example",
+           rf"validate step: 20 .*rewards/accuracies: {NUMBER} .*\n(?:.*\n)*?.*validate step: 40 .*rewards/accuracies: "
+           rf"{NUMBER}", rf"accuracy rises from {NUMBER} at step 20 \(chance\) to {NUMBER} at step 40"),
+    Figure("DPO example: the prose's margins", "dpo_example",
+           rf"validate step: 20 .*rewards/margins: {NUMBER} (?:.*\n)*?.*validate step: 100 .*rewards/margins: {NUMBER} ",
+           rf"and the margins from {NUMBER} to {NUMBER} at step\s+100"),
     Figure("show_data: the first sample", "chat_show_data",
            r"^--- sample 1: (\d+) tokens, (\d+) documents, (\d+) trained",
            r"^--- sample 1: (\d+) tokens, (\d+) documents, (\d+) trained"),

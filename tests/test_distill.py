@@ -25,7 +25,7 @@ from titan_lite.loss import IGNORE_INDEX
 from titan_lite.models.llama import flavor_args
 from titan_lite.models.llama.hf import args_to_hf_config
 from titan_lite.objective import check_objective, kd
-from titan_lite.objective.distill import TOKENIZER_PROBE
+from titan_lite.objective.frozen import TOKENIZER_PROBE
 from titan_lite.objective.kd import DistillLoss, distill_loss_sum
 from titan_lite.transforms.lora.module import LoRALinear, adapters_off, principal_factors
 

@@ -86,7 +86,7 @@ def test_readme_command_parses(env, args):
     except ConfigError as exc:
         raise AssertionError(f"README command {env} {args}: {exc}") from None
     # Paths to the user's own data (e.g. /data/c4/en) are not here; everything else must validate.
-    cfg.training.dataset_path = None
+    cfg.training.dataset_path = cfg.validation.dataset_path = None
     cfg.checkpoint.initial_load_path = None
     cfg.pruning.dataset_path = None
     validate(cfg)

@@ -23,7 +23,7 @@ from titan_lite.loss import cross_entropy_sum
 from titan_lite.metrics.memory import device_capacity_gib
 from titan_lite.models.llama import LlamaArgs
 from titan_lite.models.llama.model import rope_attention_factor
-from titan_lite.objective import ObjectivePlan, plan_objective, teacher_files_problem
+from titan_lite.objective import ObjectivePlan, objective_files_problem, plan_objective
 from titan_lite.parallel import memory_estimate as me
 from titan_lite.parallel.parallel_dims import ParallelDims
 
@@ -68,11 +68,15 @@ def with_rank_parts(plan: JobPlan, rank: int, use: Callable[[list[nn.Module], Pa
 
 
 def plan_rank(plan: JobPlan, rank: int, objective: ObjectivePlan | None = None) -> RolePlan:
-    """Plan rank `rank`'s parts (with what the objective holds: a distillation teacher)."""
+    """Plan rank `rank`'s parts (with what the objective holds: a distillation teacher, a preference reference) and
+    the passes run before training."""
     def role(parts: list[nn.Module], dims: ParallelDims) -> RolePlan:
         extra = objective.memory(plan.cfg, dims) if objective is not None else []
-        return plan_role(plan.cfg, plan.model_args, dims, parts, rank, dims.submesh("pp").get_local_rank(),
-                         plan.transforms, extra)
+        planned = plan_role(plan.cfg, plan.model_args, dims, parts, rank, dims.submesh("pp").get_local_rank(),
+                            plan.transforms, extra)
+        if objective is not None:
+            planned.passes += objective.pass_plans(plan.cfg, dims, planned.estimate)
+        return planned
     return with_rank_parts(plan, rank, role)
 
 
@@ -214,11 +218,11 @@ def dry_run(cfg: JobConfig) -> int:
     start, MISSING_FILES (5) when only files are missing; raises ConfigError (exit 2) when the plan cannot run or
     does not fit."""
     tokenizer, missing = gather_assets(cfg)
-    missing += [problem] if (problem := teacher_files_problem(cfg)) else []
+    missing += [problem] if (problem := objective_files_problem(cfg)) else []
     plan = plan_with_tokenizer(cfg, planned_world_size(), tokenizer, count_epochs=not missing)
     objective = plan_objective(plan)
     capacity = device_memory_gib(cfg)
-    lines = summary_lines(plan) + plan.transforms.plan_lines(plan.model_args) + (objective.lines() if objective else [])
+    lines = summary_lines(plan) + plan.transforms.plan_lines(plan.model_args) + (objective.lines if objective else [])
     for line in lines + checklist_lines(missing):
         print(line, flush=True)
     print(f"memory per device, estimated against {capacity:.2f} GiB:", flush=True)

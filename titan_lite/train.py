@@ -31,7 +31,6 @@ from titan_lite.faults import ACTIVITY, StopSignals, any_rank, is_collective_tim
 from titan_lite.job.assembly import BuiltModel, assemble_model, initial_weight_loader
 from titan_lite.job.plan import JobPlan, check_before_launch, plan_job
 from titan_lite.launcher import another_rank_failed, register_rank, report_error
-from titan_lite.loss import IGNORE_INDEX
 from titan_lite.metrics.flops import num_flops_per_token
 from titan_lite.metrics.logger import MetricsProcessor, add_log_file, init_logger
 from titan_lite.metrics.profiler import maybe_enable_memory_snapshot, maybe_enable_profiling
@@ -119,9 +118,10 @@ class Trainer:
         return built
 
     def build_objective(self) -> None:
-        """The runner's objective: cross entropy, or distillation with its frozen teacher (not checkpointed)."""
-        objective = build_objective(self.plan, self.model_parts, self.device, self.seed, self.model.runner.loss_fn)
-        self.model.runner.use_objective(objective)
+        """The runner's objective: cross entropy, distillation with its frozen teacher (not checkpointed), or
+        preference tuning with its reference (a precomputed one is checkpointed)."""
+        self.objective = build_objective(self.plan, self.model, self.device, self.seed)
+        self.model.runner.use_objective(self.objective.objective)
         self.objective_metrics: dict[str, float] = {}
 
     def checkpoint_folder(self) -> Path:
@@ -147,6 +147,7 @@ class Trainer:
             "rng": RankLocal(RNGState(self.device), f"rank{self.rank}_of_{world}",
                              lambda saved: "holds RNG states of another world size; RNGs keep this run's seeds"),
             **self.transforms.state(),
+            **self.objective.states,  # the same on every rank
             **({"data_mixture": self.mixture} if self.mixture is not None else {}),  # the same on every rank
         }
         return CheckpointManager(self.cfg.checkpoint, self.checkpoint_folder(), self.model_parts, self.optimizer,
@@ -174,11 +175,14 @@ class Trainer:
         return [tuple(t.to(self.device, non_blocking=True) for t in next(data_iter))
                 for _ in range(self.plan.grad_accum)]
 
-    def global_token_count(self, microbatches) -> torch.Tensor:
-        """Tokens that carry a loss, summed over the microbatches of every data-parallel rank."""
-        local = sum((labels != IGNORE_INDEX).sum() for _, labels, *_ in microbatches).to(torch.float64)
+    def global_units(self, microbatches) -> torch.Tensor:
+        """What the loss averages over (tokens that carry a loss; preference pairs), and the objective's other
+        counts, summed over the microbatches of every data-parallel rank."""
+        objective = self.model.runner.objective
+        local = sum(objective.units(labels, documents) for _, labels, documents, _ in map(split_batch, microbatches))
         if self.parallel_dims.dp_degree > 1:
             dist.all_reduce(local, group=self.parallel_dims.submesh("batch").get_group())
+        objective.start_step(local)
         return local
 
     def train_step(self, microbatches, step: int) -> tuple[float, float]:
@@ -186,7 +190,8 @@ class Trainer:
         self.transforms.before_step(self.model_parts, step)
         if self.load_balance.enabled:
             self.load_balance.before_step(self.plan.global_batch_size, self.parallel_dims.gradient_average_degree)
-        global_tokens = self.global_token_count(microbatches)
+        global_units = self.global_units(microbatches)
+        global_tokens = global_units[0]
         # FSDP/DDP average gradients over the data-parallel ranks; scaling by that degree makes the result the
         # gradient of (sum of every rank's token losses) / (global tokens), identical to one big batch.
         scale = (self.parallel_dims.gradient_average_degree / global_tokens).to(torch.float32)
@@ -197,7 +202,7 @@ class Trainer:
             loss_sum += self.model.runner.forward_backward(inputs, labels, scale, domains, domain_sums=domain_sums,
                                                            documents=documents).to(torch.float64)
         self.objective_metrics = self.model.runner.objective.step_metrics(
-            lambda sums: self.model.runner.global_sum(sums, loss_values=True), global_tokens)
+            lambda sums: self.model.runner.global_sum(sums, loss_values=True), global_units)
         self.add_transform_loss(step)
         self.maybe_poison_gradients_for_test(step)
         grad_norm = self.clip_gradients()
@@ -254,6 +259,8 @@ class Trainer:
                 return
             self.resume()
             start = self.train_state.step
+            if start < cfg.training.steps:
+                self.objective.before_training()  # a precomputed reference, unless the checkpoint holds it
             if start >= cfg.training.steps:
                 where = "already at" if start == cfg.training.steps else "past"
                 logger.info(f"the run is {where} 'training.steps' = {cfg.training.steps}: checkpoint step-{start} in "

@@ -206,7 +206,8 @@ class Training:
     dataset: str = opt(
         "shakespeare", "Dataset: shakespeare, shakespeare_validation (bundled), c4, c4_test, c4_validation, text, "
         "jsonl (read training.dataset_path); instruct: prompt/response examples from training.dataset_path (a "
-        ".jsonl, .json or .parquet file; see [instruct]), loss on response tokens only.")
+        ".jsonl, .json or .parquet file; see [instruct]), loss on response tokens only; preference: chosen/rejected "
+        "pairs from training.dataset_path, trained with [preference]'s loss.")
     dataset_path: str | None = opt(
         None, "Local file or folder of .txt, .jsonl, .json.gz shards (one JSON object per line with a 'text' field) "
         "or .parquet shards (a 'text' column; needs pyarrow).")
@@ -659,6 +660,71 @@ class Distill:
         "forward", "forward: KL(teacher || student), mass-covering; reverse: KL(student || teacher), mode-seeking.")
 
 
+@dataclass
+class Preference:
+    loss: Literal["sigmoid", "ipo", "hinge", "simpo", "orpo"] = opt(
+        "sigmoid", "Preference loss over pairs, with h = (log pi(chosen) - log ref(chosen)) - (log pi(rejected) - log "
+        "ref(rejected)) from answer log-probabilities summed over the answer's tokens: sigmoid (DPO): -log "
+        "sigmoid(beta h); hinge: max(0, 1 - beta h); ipo: (h' - 1 / (2 beta))^2 with h' from per-token averages; "
+        "simpo (reference-free): -log sigmoid(beta (avg log pi(chosen) - avg log pi(rejected)) - simpo_gamma); orpo "
+        "(reference-free): NLL of the chosen answer per token - beta log sigmoid(log odds(chosen) - log "
+        "odds(rejected)), odds of the per-token averaged probability.")
+    beta: float = opt(0.1, "beta: how far the policy may move from the reference (DPO, hinge, IPO's 1 / (2 beta) "
+                           "target), SimPO's reward scale, ORPO's weight of the odds-ratio term (its lambda).")
+    label_smoothing: float = opt(
+        0.0, "sigmoid and simpo: the probability eps that a pair's labels are flipped, in [0, 0.5): cDPO's loss "
+        "-(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h); with robust, robust DPO's unbiased loss.")
+    robust: bool = opt(False, "sigmoid with label_smoothing eps: robust DPO, (-(1 - eps) log sigmoid(beta h) + eps "
+                              "log sigmoid(-beta h)) / (1 - 2 eps), as TRL's 'robust'.")
+    simpo_gamma: float = opt(0.5, "simpo: the target reward margin gamma.")
+    sft_weight: float = opt(
+        0.0, "Weight of an NLL term on the chosen answers (RPO with sigmoid): their mean token NLL over the global "
+        "batch, as TRL's 'sft' loss; 0 = none. orpo has its own NLL term (weight 1).")
+    reference: str = opt(
+        "base", "The reference model of sigmoid, hinge and ipo: 'base' = the policy itself with its adapters switched "
+        "off (LoRA, QLoRA, DoRA, PiSSA with its initial adapters added back: no second copy of the model); or a "
+        "Hugging Face folder or a DCP step folder of a titan_lite run, loaded frozen and sharded by the policy's mesh. "
+        "Reference-free losses (simpo, orpo) load none.")
+    reference_flavor: str = opt("", "The reference's flavor (default: the shape of reference/config.json, or "
+                                    "reference_config's model.flavor); names one when the folder is not there yet "
+                                    "(DRY_RUN).")
+    reference_config: str = opt("", "For a DCP reference: the TOML of the run that wrote it (default: the "
+                                    "config.toml that run saved two folders above the step folder).")
+    precompute_reference: bool = opt(
+        False, "Compute the reference's log-probabilities of every pair (training and held-out) in one pass before "
+        "training, keep them in a table checkpointed with the run (a resumed run loads them, never recomputes) and "
+        "free the reference: training then holds and runs no reference.")
+    packing: bool = opt(
+        True, "Pack whole pairs into windows of seq_len tokens (each answer a block-causal document with its own "
+        "copy of the prompt); false = one pair per sequence, padded to the longest of the batch.")
+    prompt_field: str = opt("prompt", "Field (JSON key or parquet column) of the prompt: a string, or a list of "
+                                      "messages ending with a user turn.")
+    chosen_field: str = opt("chosen", "Field of the preferred answer: a string, or a list of assistant messages (or "
+                                      "the whole conversation, prompt included: UltraFeedback's rows).")
+    rejected_field: str = opt("rejected", "Field of the other answer, in the chosen field's form.")
+    chat_template: str = opt(
+        "", "How conversational rows become text: '' = none (conversational rows are refused); 'tokenizer' = the "
+        "tokenizer folder's template; or the path of a Jinja2 template file (as instruct.chat_template). The prompt "
+        "is rendered with the generation prompt; an answer is what the whole conversation adds to it, trained up to "
+        "its end-of-turn token.")
+    truncation_mode: Literal["keep_end", "keep_start", "drop"] = opt(
+        "keep_end", "A pair longer than a window (its two documents, prompt twice, over seq_len + 1 tokens): "
+        "keep_end cuts the prompt from the left (keep_start: from the right) down to max_prompt_length, then the "
+        "answers from their end (the longer first), as TRL's truncation_mode; drop leaves the pair out. Both are "
+        "counted in the log.")
+    max_prompt_length: int = opt(
+        0, "Tokens a prompt keeps at least when a pair is cut (it is cut only as far as the answers need); 0 = a "
+        "quarter of seq_len.")
+    validation_fraction: float = opt(
+        0.05, "With validation.dataset = preference and no validation.dataset_path: this fraction of the training "
+        "file's pairs (evenly spread, the same every run) is held out for validation and never trained on.")
+
+
+def reads_preference(cfg: "JobConfig") -> bool:
+    """Whether a run reads [preference]: its training data, or its validation data (validation on), is 'preference'."""
+    return cfg.training.dataset == "preference" or (cfg.validation.enable and cfg.validation.dataset == "preference")
+
+
 def reads_instruct(cfg: "JobConfig") -> bool:
     """Whether a run reads [instruct]: its training data, or its validation data (validation on), is 'instruct'."""
     return cfg.training.dataset == "instruct" or (cfg.validation.enable and cfg.validation.dataset == "instruct")
@@ -700,6 +766,11 @@ class JobConfig:
                                         "a Lagrangian towards a target architecture (model.converters = "
                                         "[\"sheared\"]).", converter="sheared")
     distill: Distill = section(Distill, "Knowledge distillation from a frozen teacher (its logits train the student).")
+    preference: Preference = section(Preference, "Preference tuning on chosen/rejected pairs (training.dataset = "
+                                                 "\"preference\"): DPO and its reference-free cousins.",
+                                     read_when=ReadWhen(
+                                         "'training.dataset' or 'validation.dataset' is 'preference'",
+                                         reads_preference, "set --training.dataset preference"))
     memory_estimation: MemoryEstimation = section(MemoryEstimation, "torchtitan memory estimation (see DRY_RUN).",
                                                   inert=True)
     fault_tolerance: FaultTolerance = section(FaultTolerance, "torchft (not supported).", inert=True)

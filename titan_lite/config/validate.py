@@ -70,6 +70,7 @@ def check_ranges(cfg: JobConfig) -> None:
     check_pruning(cfg)
     check_sheared(cfg)
     check_distill(cfg)
+    check_preference(cfg)
 
 
 def check_training(cfg: JobConfig) -> None:
@@ -326,6 +327,72 @@ def check_distill(cfg: JobConfig) -> None:
              "microbatches through the stages; use FSDP/HSDP, TP and CP")
     _require(not cfg.data_mixture.enable, "'distill.enable' cannot go with 'data_mixture.enable': the mixture weighs "
                                           "domains by their cross entropy, not by the distillation loss")
+
+
+REFERENCE_FREE = ("simpo", "orpo")  # preference losses that compare the policy with itself, without a reference
+
+
+def check_preference(cfg: JobConfig) -> None:
+    """[preference]: read only with training.dataset = 'preference'; its values, and what it cannot go with."""
+    p, v = cfg.preference, cfg.validation
+    if cfg.training.dataset != "preference":  # its settings while so: config/gates.py (read_when)
+        _require(not (v.enable and v.dataset == "preference"),
+                 "'validation.dataset' = 'preference' measures the preference loss, which needs "
+                 f"'training.dataset' = 'preference' (got '{cfg.training.dataset}')")
+        return
+    _require(math.isfinite(p.beta) and p.beta > 0, f"'preference.beta' must be positive, got {p.beta}")
+    _require(0 <= p.label_smoothing < 0.5, f"'preference.label_smoothing' must be in [0, 0.5), got {p.label_smoothing}")
+    _require(p.label_smoothing == 0 or p.loss in ("sigmoid", "simpo"),
+             f"'preference.label_smoothing' = {p.label_smoothing} applies to loss 'sigmoid' (cDPO, robust DPO) and "
+             f"'simpo' only, not '{p.loss}'")
+    _require(not p.robust or p.loss == "sigmoid", f"'preference.robust' = true is robust DPO: it needs loss 'sigmoid', "
+                                                  f"not '{p.loss}'")
+    _require(math.isfinite(p.simpo_gamma), f"'preference.simpo_gamma' must be a finite number, got {p.simpo_gamma}")
+    _require(math.isfinite(p.sft_weight) and p.sft_weight >= 0,
+             f"'preference.sft_weight' must be a number >= 0, got {p.sft_weight}")
+    _require(not (p.loss == "orpo" and p.sft_weight > 0),
+             f"'preference.sft_weight' = {p.sft_weight} with loss 'orpo': ORPO has its own NLL term on the chosen "
+             "answers (weight 1; beta weighs the odds ratio); set sft_weight = 0")
+    _require(bool(p.reference.strip()), "'preference.reference' must be 'base' (the policy with its adapters off) or "
+                                        "a Hugging Face or DCP folder, got ''")
+    _require(not (p.precompute_reference and p.loss in REFERENCE_FREE),
+             f"'preference.precompute_reference' = true with loss '{p.loss}', which is reference-free: there is no "
+             "reference to compute")
+    _require(p.max_prompt_length >= 0, f"'preference.max_prompt_length' must be at least 0, got {p.max_prompt_length}")
+    _require(0 <= p.validation_fraction < 1,
+             f"'preference.validation_fraction' must be in [0, 1), got {p.validation_fraction}")
+    fields = {k: getattr(p, k) for k in ("prompt_field", "chosen_field", "rejected_field")}
+    for key, name in fields.items():
+        _require(bool(name.strip()), f"'preference.{key}' must name a field, got {name!r}")
+        _require(list(fields.values()).count(name) == 1,
+                 f"'preference.{key}' = {name!r} is also another preference field; the fields must differ")
+    if v.enable:
+        _require(v.dataset == "preference", f"'validation.dataset' = '{v.dataset}' with 'training.dataset' = "
+                                            "'preference': validation measures the preference loss and rewards on "
+                                            "held-out pairs; set validation.dataset = 'preference'")
+        _require(v.dataset_path is not None or p.validation_fraction > 0,
+                 "'validation.dataset' = 'preference' without 'validation.dataset_path' needs "
+                 "'preference.validation_fraction' > 0 (the held-out split)")
+        _require(v.answer_problems == 0, "'validation.answer_problems' needs instruction data; preference validation "
+                                         "reports rewards and accuracies on held-out pairs")
+    _require(cfg.model.attn_mask_type != "causal",
+             "'training.dataset' = 'preference' packs a pair's two answers as block-causal documents: "
+             "'model.attn_mask_type' must be 'block_causal' (or unset), not 'causal'")
+    _require(p.packing or cfg.parallelism.context_parallel_degree == 1,
+             "'preference.packing' = false with 'parallelism.context_parallel_degree' > 1: padded batches vary in "
+             "length, packed ones are seq_len long; set preference.packing = true")
+    par = cfg.parallelism
+    _require(par.pipeline_parallel_degree == 1 or par.context_parallel_degree == 1,
+             "'training.dataset' = 'preference' with both pipeline and context parallelism is not supported: the last "
+             "stage's loss reads each pipeline microbatch's pairs whole; use one of them (with FSDP/TP)")
+    _require(par.pipeline_parallel_degree == 1 or par.pipeline_parallel_schedule != "ZBVZeroBubble" or
+             p.loss in REFERENCE_FREE,
+             f"'parallelism.pipeline_parallel_schedule' = 'ZBVZeroBubble' with loss '{p.loss}': the reference runs as "
+             "a forward-only pipeline pass, which torch's ZBV schedule has no mode for; use another schedule")
+    _require(not cfg.distill.enable, "'distill.enable' cannot go with 'training.dataset' = 'preference': a run has one "
+                                     "objective")
+    _require(not cfg.data_mixture.enable, "'data_mixture.enable' cannot go with 'training.dataset' = 'preference': "
+                                          "the mixture draws pre-training domains")
 
 
 def check_checkpoint(cfg: JobConfig) -> None:

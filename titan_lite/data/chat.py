@@ -200,8 +200,9 @@ def special_token_variables(config: dict[str, Any]) -> dict[str, Any]:
     return variables
 
 
-def load_chat_template(setting: str, tokenizer_folder: Path | None, tokenizer=None) -> ChatTemplate:
-    """instruct.chat_template: 'tokenizer' (the folder's chat_template.jinja, else tokenizer_config.json's
+def load_chat_template(setting: str, tokenizer_folder: Path | None, tokenizer=None,
+                       key: str = "instruct.chat_template") -> ChatTemplate:
+    """instruct.chat_template (or `key`): 'tokenizer' (the folder's chat_template.jinja, else tokenizer_config.json's
     chat_template) or a template file. The special-token variables come from the folder's tokenizer_config.json,
     else from the tokenizer's own bos and eos."""
     config = _read_config(tokenizer_folder / "tokenizer_config.json") if tokenizer_folder else {}
@@ -213,7 +214,7 @@ def load_chat_template(setting: str, tokenizer_folder: Path | None, tokenizer=No
     if setting != TOKENIZER_TEMPLATE:
         path = Path(setting)
         if not path.is_file():
-            raise ConfigError(f"'instruct.chat_template' = '{setting}' is neither 'tokenizer' nor a template file")
+            raise ConfigError(f"'{key}' = '{setting}' is neither 'tokenizer' nor a template file")
         return ChatTemplate(_read_text(path), variables, str(path))
     where = tokenizer_folder if tokenizer_folder is not None else Path("model.hf_assets_path")
     jinja_file = where / "chat_template.jinja"
@@ -223,7 +224,7 @@ def load_chat_template(setting: str, tokenizer_folder: Path | None, tokenizer=No
     if isinstance(source, list):  # named templates: the default one
         source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
     if not isinstance(source, str) or not source:
-        raise ConfigError(f"'instruct.chat_template' = 'tokenizer', but the tokenizer folder '{where}' has no "
+        raise ConfigError(f"'{key}' = 'tokenizer', but the tokenizer folder '{where}' has no "
                           "chat_template.jinja and its tokenizer_config.json no chat_template; name a template file")
     return ChatTemplate(source, variables, f"{where / 'tokenizer_config.json'} chat_template")
 

@@ -8,6 +8,7 @@ every rank, so a checkpoint resumes exactly on another data-parallel degree as l
 """
 
 import itertools
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titan_lite.config.schema import JobConfig
 from titan_lite.data.datasets import Sample, SampleSource, build_packed_source
-from titan_lite.data.instruct import build_instruction_source
+from titan_lite.data.instruct import PAD_DOCUMENT, build_instruction_source
+from titan_lite.data.preference import build_preference_source
 from titan_lite.errors import ConfigError
 from titan_lite.loss import IGNORE_INDEX
 
@@ -78,16 +80,18 @@ class GlobalBatchSlices(IterableDataset):
 
 
 def pad_collate(pad_id: int, ignore_index: int, multiple: int = 1) -> Callable:
-    """Collate variable-length samples: inputs padded with pad_id and labels with ignore_index, to the longest
-    sample rounded up to a multiple (context parallel needs lengths divisible by its chunks)."""
-    def collate(items: list[tuple[Sample, dict]]) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        longest = max(inputs.numel() for (inputs, _), _ in items)
+    """Collate variable-length samples: inputs padded with pad_id and labels with ignore_index (document ids, when
+    the samples carry them, with PAD_DOCUMENT), to the longest sample rounded up to a multiple (context parallel
+    needs lengths divisible by its chunks)."""
+    def collate(items: list[tuple[Sample, dict]]) -> tuple[torch.Tensor, ...]:
+        longest = max(sample[0].numel() for sample, _ in items)
         length = -(-longest // multiple) * multiple
-        inputs = torch.full((len(items), length), pad_id, dtype=torch.long)
-        labels = torch.full((len(items), length), ignore_index, dtype=torch.long)
-        for row, ((x, y), _) in enumerate(items):
-            inputs[row, :x.numel()], labels[row, :y.numel()] = x, y
-        return inputs, labels, items[-1][1]
+        fills = (pad_id, ignore_index, PAD_DOCUMENT)[:len(items[0][0])]
+        columns = [torch.full((len(items), length), fill, dtype=torch.long) for fill in fills]
+        for row, (sample, _) in enumerate(items):
+            for column, t in zip(columns, sample, strict=True):
+                column[row, :t.numel()] = t
+        return (*columns, items[-1][1])
     return collate
 
 
@@ -184,14 +188,19 @@ def loader_options(cfg) -> LoaderOptions:
 def build_section_loader(cfg: JobConfig, section: str, tokenizer, layout: BatchLayout, infinite: bool = True,
                          length_multiple: int = 1, documents: bool = False) -> DataLoader:
     """The loader of [training] or [validation]'s dataset: packed pre-training windows, or instruction examples
-    (dataset 'instruct', padded to the longest of each batch rounded up to length_multiple, unless packed).
+    (dataset 'instruct', padded to the longest of each batch rounded up to length_multiple, unless packed), or
+    preference pairs (packed whole into windows, or one per sequence, padded alike).
     `documents` (block-causal attention): packed windows carry document ids."""
     s = getattr(cfg, section)
     source = build_section_source(cfg, section, tokenizer, infinite, documents)
-    if s.dataset == "instruct" and not cfg.instruct.packing:
+    padded = (s.dataset == "instruct" and not cfg.instruct.packing) or \
+        (s.dataset == "preference" and not cfg.preference.packing)
+    if padded:
         pad_id = tokenizer.pad_id if tokenizer.pad_id >= 0 else tokenizer.eos_id
+        # sequence parallelism splits the sequence over the TP ranks: padded lengths must divide by its degree
+        multiple = math.lcm(length_multiple, cfg.parallelism.tensor_parallel_degree)
         return DataLoader(source, layout, loader_options(s.dataloader),
-                          collate=pad_collate(pad_id, IGNORE_INDEX, length_multiple))
+                          collate=pad_collate(pad_id, IGNORE_INDEX, multiple))
     return DataLoader(source, layout, loader_options(s.dataloader))
 
 
@@ -201,6 +210,8 @@ def build_section_source(cfg: JobConfig, section: str, tokenizer, infinite: bool
     s = getattr(cfg, section)
     if s.dataset == "instruct":
         return build_instruction_source(cfg, section, tokenizer, infinite, documents)
+    if s.dataset == "preference":
+        return build_preference_source(cfg, section, tokenizer, infinite)
     return build_packed_source(s.dataset, s.dataset_path, tokenizer, s.seq_len, infinite, section, documents)
 
 

@@ -72,6 +72,8 @@ class InstructionFile:
     field is an OpenAI conversation, one with the conversations field a ShareGPT one, any other a prompt/response
     example."""
 
+    DATASET, WHAT = "instruct", "instruction data"  # for error lines (a subclass reads preference pairs)
+
     def __init__(self, path: Path, cfg: Instruct, key: str):
         self.path = path
         self.cfg = cfg
@@ -87,11 +89,11 @@ class InstructionFile:
                                   "with datasets' save_to_disk")
             return
         if not path.is_file():
-            raise ConfigError(f"'{key}' = '{path}' is not a file (instruction data is one .jsonl, .json or .parquet "
+            raise ConfigError(f"'{key}' = '{path}' is not a file ({self.WHAT} is one .jsonl, .json or .parquet "
                               "file, or a folder saved with datasets' save_to_disk)")
         if not path.name.endswith(INSTRUCT_SUFFIXES):
             raise ConfigError(f"'{key}' = '{path}' must end in one of {', '.join(INSTRUCT_SUFFIXES)} for "
-                              "dataset 'instruct' (or be a folder saved with datasets' save_to_disk)")
+                              f"dataset '{self.DATASET}' (or be a folder saved with datasets' save_to_disk)")
 
     def examples(self, start: int = 0) -> Iterator[tuple[int, Record]]:
         """(index, record) for every record from index `start` on; a malformed one is one error line."""

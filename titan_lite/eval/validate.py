@@ -1,5 +1,6 @@
 """The validator: mean token loss over a held-out split, on any layout, with the same batches every time; on
-instruction data also token accuracy and answer accuracy by generation."""
+instruction data also token accuracy and answer accuracy by generation; on preference pairs the preference loss and
+TRL's rewards and log-probabilities."""
 
 import itertools
 import logging
@@ -32,6 +33,7 @@ class Validator:
         self.loader = build_section_loader(cfg, "validation", tokenizer, layout, infinite=False,
                                            documents=runner.block_causal)
         self.instruction_data = self.cfg.dataset == "instruct"
+        self.preference_data = self.cfg.dataset == "preference"
         # The last step that validates: sample completions are printed there and at the first evaluation.
         self.last_step = cfg.training.steps // self.cfg.freq * self.cfg.freq
         self.evaluations = 0
@@ -58,7 +60,7 @@ class Validator:
         parallel) and, with validation.answer_problems, answer_accuracy."""
         for m in model_parts:
             m.eval()
-        results = self._token_metrics()
+        results = self._preference_metrics() if self.preference_data else self._token_metrics()
         if answers and self.instruction_data and self.cfg.answer_problems > 0:
             results["answer_accuracy"] = self._answer_accuracy(model_parts[0], step)
         for m in model_parts:
@@ -84,6 +86,21 @@ class Validator:
         if self.instruction_data and has_correct:
             results["token_accuracy"] = (counts[1] / counts[0]).item()
         return results
+
+    def _preference_metrics(self) -> dict[str, float]:
+        """The preference loss and TRL's metrics (rewards/*, logps/*, logits/*) over the held-out pairs."""
+        objective = self.runner.objective
+        count = self.batch_count()
+        batches = self._batches_from_start()
+        progress = Progress("validation", count, "batches")
+        sums = None
+        with objective.evaluating():
+            for done in range(count):
+                progress.update(done)
+                inputs, labels, documents, _ = split_batch(tuple(t.to(self.device) for t in next(batches)))
+                batch_sums = self.runner.objective_sums(inputs, labels, documents)
+                sums = batch_sums if sums is None else sums + batch_sums
+        return objective.metrics(self.runner.global_sum(sums, loss_values=True))
 
     def _answer_accuracy(self, model: nn.Module, step: int) -> float:
         source = self.loader.source

@@ -118,8 +118,14 @@ def activation_shape(cfg: JobConfig, dims: ParallelDims, microbatch: int, loss_p
     c, _ = compute_bytes(cfg)
     return me.ActivationShape(tokens=microbatch * cfg.training.seq_len // dims.cp, compute_bytes=c, tp=dims.tp,
                               cp=dims.cp, loss_parallel=loss_parallel, seq_len=cfg.training.seq_len,
-                              fused_rms_norm=True, chunked_loss=not loss_parallel and not loss_compiled(cfg),
+                              fused_rms_norm=True, chunked_loss=chunked_loss(cfg, loss_parallel),
                               document_mask=document_mask_kind(cfg, args), ep=dims.ep)
+
+
+def chunked_loss(cfg: JobConfig, loss_parallel: bool) -> bool:
+    """Whether the loss saves the probabilities in the logits' dtype (titan_lite's chunked losses: cross entropy when
+    eager and not vocab-sharded; preference tuning's log-probabilities always) rather than a float32 log-softmax."""
+    return cfg.training.dataset == "preference" or (not loss_parallel and not loss_compiled(cfg))
 
 
 def document_mask_kind(cfg: JobConfig, args: LlamaArgs | None) -> str | None:

@@ -20,6 +20,7 @@ from titan_lite.data.dataloader import build_section_source, samples_per_epoch
 from titan_lite.data.datasets import check_dataset, check_enough_tokens, resolve_shards
 from titan_lite.data.instruct import check_instruction_data, count_split_examples
 from titan_lite.data.mixture import check_mixture_data
+from titan_lite.data.preference import check_preference_data
 from titan_lite.data.tokenizer import Tokenizer, build_tokenizer
 from titan_lite.distributed import choose_backend, device_type
 from titan_lite.errors import ConfigError
@@ -141,7 +142,9 @@ def build_model_args(cfg: JobConfig, vocab_size: int | None, transforms: Transfo
     checked against the tokenizer's vocabulary (None: no tokenizer yet, DRY_RUN before the download)."""
     args = flavor_or_hf_args(cfg)
     args.attn_type = cfg.model.attn_type or args.attn_type
-    args.attn_mask_type = cfg.model.attn_mask_type or args.attn_mask_type
+    # preference pairs are documents: block_causal unless the config says otherwise (validation refuses causal)
+    pairs = "block_causal" if cfg.training.dataset == "preference" else None
+    args.attn_mask_type = cfg.model.attn_mask_type or pairs or args.attn_mask_type
     if cfg.model.router_aux_loss_coef is not None:
         args.router_aux_loss_coef = checked_aux_loss_coef(cfg.model.router_aux_loss_coef, args, cfg.model.flavor)
     args.max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0,
@@ -228,7 +231,8 @@ def steps_for_epochs(cfg: JobConfig, tokenizer: Tokenizer, global_batch: int, do
 
 def _counted_samples(cfg: JobConfig, tokenizer: Tokenizer, documents: bool) -> int:
     t = cfg.training
-    key = (t.dataset, t.dataset_path, t.seq_len, repr(cfg.instruct), tokenizer_path(cfg), documents)
+    key = (t.dataset, t.dataset_path, t.seq_len, repr(cfg.instruct), repr(cfg.preference), tokenizer_path(cfg),
+           documents)
     return _SAMPLE_COUNTS.get(key) or _SAMPLE_COUNTS.setdefault(key, samples_per_epoch(cfg, "training", tokenizer,
                                                                                        documents))
 
@@ -248,6 +252,8 @@ def check_section_data(cfg: JobConfig, section: str, tokenizer: Tokenizer | None
     s = getattr(cfg, section)
     if s.dataset == "instruct":
         check_instruction_data(cfg, section, tokenizer)
+    elif s.dataset == "preference":
+        check_preference_data(cfg, section, tokenizer)
     else:
         check_dataset(s.dataset, s.dataset_path, section)
 
@@ -265,8 +271,9 @@ def check_validation_examples(cfg: JobConfig, plan: "JobPlan") -> None:
     pass drops a partial last batch, so fewer would measure nothing (a NaN loss). Packed, it counts sequences."""
     dp_degree = plan.parallel_dims.dp_degree
     needed = cfg.validation.local_batch_size * dp_degree
-    what = "packed sequences" if cfg.instruct.packing else "examples"
-    if cfg.instruct.packing:
+    packing = cfg.preference.packing if cfg.validation.dataset == "preference" else cfg.instruct.packing
+    what = "packed sequences" if packing else ("pairs" if cfg.validation.dataset == "preference" else "examples")
+    if packing or cfg.validation.dataset == "preference":
         source = build_section_source(cfg, "validation", plan.tokenizer, infinite=False, documents=plan.block_causal)
         found = sum(1 for _ in itertools.islice(source.samples(), needed))
     else:
@@ -285,9 +292,9 @@ def check_data_volume(cfg: JobConfig, plan: "JobPlan") -> None:
         return
     for section in ("training", "validation") if cfg.validation.enable else ("training",):
         s = getattr(cfg, section)
-        if section == "validation" and s.dataset == "instruct":
+        if section == "validation" and s.dataset in ("instruct", "preference"):
             check_validation_examples(cfg, plan)
-        if s.dataset == "instruct" or (section == "training" and cfg.data_mixture.enable):
+        if s.dataset in ("instruct", "preference") or (section == "training" and cfg.data_mixture.enable):
             continue
         where = s.dataset_path if s.dataset_path is not None else s.dataset
         check_enough_tokens(resolve_shards(s.dataset, s.dataset_path, section), plan.tokenizer, s.seq_len,

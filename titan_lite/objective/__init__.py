@@ -1,14 +1,18 @@
-"""What training minimises: cross entropy (titan_lite.loss), or distillation from a frozen teacher (distill.py, with
-its chunked loss in kd.py)."""
+"""What training minimises: cross entropy (titan_lite.loss), distillation from a frozen teacher (distill.py, with its
+chunked loss in kd.py) or preference tuning on pairs (preference.py, its losses in preference_loss.py, the chunked
+log-probabilities in logps.py, a precomputed reference in reference_pass.py, its DRY_RUN share in preference_plan.py);
+the frozen models they hold (frozen.py), vocab-sharded logits (vocab.py) and the one chooser (choose.py)."""
 
-from titan_lite.objective.distill import (
-    DistillObjective,
+from titan_lite.objective.choose import (
     ObjectivePlan,
+    TrainingObjective,
     build_objective,
     check_objective,
+    objective_files_problem,
     plan_objective,
-    teacher_files_problem,
 )
+from titan_lite.objective.distill import DistillObjective
+from titan_lite.objective.preference import PreferenceObjective
 
-__all__ = ["DistillObjective", "ObjectivePlan", "build_objective", "check_objective", "plan_objective",
-           "teacher_files_problem"]
+__all__ = ["DistillObjective", "ObjectivePlan", "PreferenceObjective", "TrainingObjective", "build_objective",
+           "check_objective", "objective_files_problem", "plan_objective"]

@@ -16,15 +16,20 @@ forward KL: T^2 dKL/ds = T (p - q); reverse KL: T^2 dKL/ds = T p (d - KL); cross
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titan_lite.loss import IGNORE_INDEX
+from titan_lite.objective.vocab import (
+    ACCELERATOR_CHUNK_ELEMENTS,
+    CHUNK_ELEMENTS,
+    VocabShard,
+    local_vocab_shard,
+    row_blocks,
+)
 
 KINDS = ("forward", "reverse")
 # Elements of one [rows, vocab] float32 block; about six such temporaries are alive while a block is worked on.
-_CHUNK_ELEMENTS = 1 << 20
-_ACCELERATOR_CHUNK_ELEMENTS = 1 << 23
+_CHUNK_ELEMENTS, _ACCELERATOR_CHUNK_ELEMENTS = CHUNK_ELEMENTS, ACCELERATOR_CHUNK_ELEMENTS
 
 
 @dataclass(frozen=True)
@@ -34,24 +39,6 @@ class DistillLoss:
     alpha: float = 1.0
     temperature: float = 1.0
     kind: str = "forward"
-
-
-@dataclass(frozen=True)
-class VocabShard:
-    """This rank's columns [offset, offset + width) of a vocabulary split over `group` (None: the whole of it)."""
-
-    offset: int = 0
-    group: dist.ProcessGroup | None = None
-
-    def max_(self, t: torch.Tensor) -> torch.Tensor:
-        if self.group is not None:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return t
-
-    def sum_(self, t: torch.Tensor) -> torch.Tensor:
-        if self.group is not None:
-            dist.all_reduce(t, group=self.group)
-        return t
 
 
 def distill_loss_sum(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor,
@@ -69,30 +56,16 @@ def distill_loss_sum(student: torch.Tensor, teacher: torch.Tensor, labels: torch
 def _local_vocab_shards(student: DTensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, VocabShard]:
     """This rank's vocab columns of both logits and where they sit; logits that are not split over the vocab on a
     1-D mesh are gathered whole (differentiably)."""
-    placements = student.placements
-    if student.device_mesh.ndim != 1 or not (placements[0].is_shard() and
-                                             placements[0].dim in (-1, student.ndim - 1)):
-        return student.full_tensor(), _full(teacher), VocabShard()
-    mesh = student.device_mesh
-    vocab, ranks, rank = student.shape[-1], mesh.size(), mesh.get_local_rank()
-    chunk = -(-vocab // ranks)  # torch.chunk's split, as Shard places uneven vocabularies
-    offset = min(rank * chunk, vocab)
-    local = student.to_local()
-    if isinstance(teacher, DTensor) and teacher.placements == placements:
-        teacher_local = teacher.to_local()
-    else:
-        teacher_local = _full(teacher)[..., offset:offset + local.shape[-1]]
-    return local, teacher_local, VocabShard(offset, mesh.get_group())
+    local, shard = local_vocab_shard(student)
+    if shard.group is None:
+        return local, _full(teacher), shard
+    if isinstance(teacher, DTensor) and teacher.placements == student.placements:
+        return local, teacher.to_local(), shard
+    return local, _full(teacher)[..., shard.offset:shard.offset + local.shape[-1]], shard
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _row_blocks(rows: int, width: int, device: torch.device) -> list[slice]:
-    chunk = _CHUNK_ELEMENTS if device.type == "cpu" else _ACCELERATOR_CHUNK_ELEMENTS
-    step = max(1, chunk // max(1, width))
-    return [slice(start, start + step) for start in range(0, rows, step)]
 
 
 class ChunkedDistillSum(torch.autograd.Function):
@@ -106,7 +79,8 @@ class ChunkedDistillSum(torch.autograd.Function):
         grad = _gradient_buffer(student, teacher) if ctx.needs_input_grad[0] else None
         kl = torch.empty(student.shape[0], dtype=torch.float32, device=student.device)
         ce = torch.empty_like(kl)
-        for rows in _row_blocks(student.shape[0], student.shape[1], student.device):
+        for rows in row_blocks(student.shape[0], student.shape[1], student.device,
+                               (_CHUNK_ELEMENTS, _ACCELERATOR_CHUNK_ELEMENTS)):
             kl[rows], ce[rows] = _block(student[rows], teacher[rows], labels[rows], valid[rows], spec, shard,
                                         grad[rows] if grad is not None else None)
         kl_sum, ce_sum = (kl * valid).sum(), (ce * valid).sum()
@@ -156,8 +130,7 @@ def _block(s_raw: torch.Tensor, t_raw: torch.Tensor, labels: torch.Tensor, valid
     diff, shift = (z_s.sub_(z_t), log_sums[1] - log_sums[0]) if reverse else (z_t.sub_(z_s), log_sums[0] - log_sums[1])
     del z_s, z_t
     weights, weight_sum = (p, sums[0]) if reverse else (q, sums[1])
-    local, in_shard = labels - shard.offset, (labels >= shard.offset) & (labels < shard.offset + s_raw.shape[1])
-    local = torch.where(in_shard, local, 0)
+    local, in_shard = shard.local_labels(labels, s_raw.shape[1])
     target = s_raw.gather(1, local[:, None]).squeeze(1).float() * in_shard
     dots = torch.linalg.vecdot(weights, diff, dim=1)
     dots_target = shard.sum_(torch.stack([dots, target]))

@@ -2,7 +2,7 @@
 
 import copy
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -202,20 +202,26 @@ def validation_microbatch_count(cfg: JobConfig, num_stages: int) -> int:
                             batch_key="validation.local_batch_size")
 
 
+# A loss over a target of its own: loss(output, target microbatch) -> (token-loss sum, a part the caller collects).
+TargetLoss = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]]
+
+
 class PipelineRunner:
     """This rank's pipeline schedule, run on whole local batches: a training step (forward and backward over the
     microbatches) or a forward-only evaluation; both return the sum of the batch's token losses (zero on ranks
-    without the last stage)."""
+    without the last stage). A run may compute another loss over a target of its own (data mixtures' per-domain
+    sums, preference tuning's pairs): each real microbatch's part is then in `last_parts` (on the last stage)."""
 
     def __init__(self, cfg: JobConfig, loss_fn: Callable):
         self.cfg = cfg
         self.loss_fn = loss_fn
         self.schedule: _PipelineSchedule | None = None
-        self._eval_schedule: _PipelineSchedule | None = None
+        self._eval_schedules: dict[int, _PipelineSchedule] = {}
         self._scale: torch.Tensor | None = None
         self._loss_sums: list[torch.Tensor] = []
-        self._domain_loss: Callable | None = None
-        self._domain_parts: list[torch.Tensor] = []
+        self._target_loss: TargetLoss | None = None
+        self._parts: list[Any] = []
+        self.last_parts: list[Any] = []
         self._trained = False
 
     def attach(self, schedule: "_PipelineSchedule") -> None:
@@ -227,25 +233,25 @@ class PipelineRunner:
 
     def scaled_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The loss a schedule backpropagates: the microbatch's token-loss sum times the step's scale."""
-        if self._domain_loss is None:
+        if self._target_loss is None:
             loss_sum = self.loss_fn(output, labels)
-        else:  # the targets carry the domain ids as a last column, so they are split into microbatches with them
-            part = torch.zeros_like(self._domain_parts[0])
-            loss_sum = self._domain_loss(output, labels[:, :-1], labels[:, -1], part)
-            self._domain_parts.append(part)
+        else:
+            loss_sum, part = self._target_loss(output, labels)
+            self._parts.append(part)
         self._loss_sums.append(loss_sum.detach())
         return loss_sum * self._scale
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, domains: torch.Tensor | None = None,
              domain_sums: torch.Tensor | None = None, domain_loss: Callable | None = None,
-             extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+             extra: dict[str, torch.Tensor] | None = None, target_loss: TargetLoss | None = None) -> torch.Tensor:
         """Forward and backward of one local batch through the stages; gradients accumulate in the parts. With
         domains, domain_loss(output, labels, domains, sums) is the loss and the last stage adds the real
-        microbatches' per-domain sums to domain_sums (see ModelRunner.forward_backward). `extra`: the forward's
-        keyword inputs besides the token ids ([batch, ...] tensors), cut into microbatches for every stage."""
+        microbatches' per-domain sums to domain_sums (see ModelRunner.forward_backward). With target_loss, `labels`
+        is its target ([batch, ...], cut into microbatches) and it is the loss. `extra`: the forward's keyword
+        inputs besides the token ids ([batch, ...] tensors), cut into microbatches for every stage."""
         first, self._trained = not self._trained, True
         try:
-            return self._step(inputs, labels, scale, domains, domain_sums, domain_loss, extra)
+            return self._step(inputs, labels, scale, domains, domain_sums, domain_loss, extra, target_loss)
         finally:
             if first:  # the schedule's first run inferred shapes with one extra forward per stage
                 for stage in schedule_stages(self.schedule):
@@ -255,54 +261,62 @@ class PipelineRunner:
 
     def _step(self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, domains: torch.Tensor | None,
               domain_sums: torch.Tensor | None, domain_loss: Callable | None,
-              extra: dict[str, torch.Tensor] | None) -> torch.Tensor:
+              extra: dict[str, torch.Tensor] | None, target_loss: "TargetLoss | None") -> torch.Tensor:
         if domains is None:
-            return self._run(self.schedule.step, inputs, labels, scale, extra)
-        self._domain_loss, self._domain_parts = domain_loss, [torch.zeros_like(domain_sums)]
-        try:
-            loss_sum = self._run(self.schedule.step, inputs, torch.cat([labels, domains[:, None]], dim=1), scale,
-                                 extra)
-        finally:
-            self._domain_loss = None
-        real = self._domain_parts[1:][-self._real_microbatches:] if self._real_microbatches else []
-        for part in real:
+            return self._run(self.schedule.step, inputs, labels, scale, extra, target_loss)
+
+        def per_domain(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            part = torch.zeros_like(domain_sums)  # the targets carry the domain ids as a last column
+            return domain_loss(output, target[:, :-1], target[:, -1], part), part
+        loss_sum = self._run(self.schedule.step, inputs, torch.cat([labels, domains[:, None]], dim=1), scale, extra,
+                             per_domain)
+        for part in self.last_parts:
             domain_sums += part
         return loss_sum
 
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor,
-                 extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """Forward only, through a twin schedule sized for validation batches."""
-        return self._run(self.eval_schedule().eval, inputs, labels, torch.ones((), device=inputs.device), extra)
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, extra: dict[str, torch.Tensor] | None = None,
+                 target_loss: TargetLoss | None = None) -> torch.Tensor:
+        """Forward only, through a twin schedule sized for batches of this many rows."""
+        return self._run(self.eval_schedule(inputs.shape[0]).eval, inputs, labels,
+                         torch.ones((), device=inputs.device), extra, target_loss)
 
     def _run(self, run: Callable, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor,
-             extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        self._scale, self._loss_sums = scale, []
+             extra: dict[str, torch.Tensor] | None = None, target_loss: TargetLoss | None = None) -> torch.Tensor:
+        self._scale, self._loss_sums, self._target_loss, self._parts = scale, [], target_loss, []
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first_stage else ()
         kwargs = {"target": labels, "losses": losses} if self.has_last_stage else {}
-        run(*args, return_outputs=False, **kwargs, **(extra or {}))
-        self._real_microbatches = len(losses) if self.has_last_stage else 0
-        if not self.has_last_stage:
-            return torch.zeros((), device=inputs.device)
+        try:
+            run(*args, return_outputs=False, **kwargs, **(extra or {}))
+        finally:
+            self._target_loss = None
         # A schedule's first run also calls the loss once on placeholder activations to infer shapes (its value is
         # garbage); the real microbatches are the last len(losses) calls.
+        real = len(losses) if self.has_last_stage else 0
+        self.last_parts = self._parts[len(self._parts) - real:] if real else []
+        if not self.has_last_stage:
+            return torch.zeros((), device=inputs.device)
         return torch.stack(self._loss_sums[-len(losses):]).sum()
 
-    def eval_schedule(self) -> "_PipelineSchedule":
-        """A schedule of the same kind over the same stage modules, for validation batches (run it with .eval()).
+    def eval_schedule(self, rows: int | None = None) -> "_PipelineSchedule":
+        """A schedule of the same kind over the same stage modules, for forward-only batches of `rows` rows
+        (default: validation batches), run with .eval().
 
-        Fresh PipelineStage objects infer the activation shapes of validation batches (batch size and sequence
-        length may differ from training) once, instead of the training stages re-inferring at every switch.
+        Fresh PipelineStage objects infer the activation shapes of those batches (batch size and sequence length
+        may differ from training) once, instead of the training stages re-inferring at every switch.
         """
-        if self._eval_schedule is None:
-            from torch.distributed.pipelining import PipelineStage  # see the top
+        from torch.distributed.pipelining import PipelineStage  # see the top
 
-            old = schedule_stages(self.schedule)
+        old = schedule_stages(self.schedule)
+        p = self.cfg.parallelism
+        n_micro = validation_microbatch_count(self.cfg, old[0].num_stages) if rows is None else \
+            microbatch_count(rows, p.pipeline_parallel_microbatch_size, p.pipeline_parallel_schedule,
+                             old[0].num_stages, p.pipeline_parallel_degree)
+        if n_micro not in self._eval_schedules:
             stages = [PipelineStage(s.submod, s.stage_index, s.num_stages, s.device, group=s.group) for s in old]
-            n_micro = validation_microbatch_count(self.cfg, old[0].num_stages)
-            self._eval_schedule = build_schedule(self.cfg.parallelism.pipeline_parallel_schedule, stages, n_micro,
-                                                 self.scaled_loss)
-        return self._eval_schedule
+            self._eval_schedules[n_micro] = build_schedule(p.pipeline_parallel_schedule, stages, n_micro,
+                                                           self.scaled_loss)
+        return self._eval_schedules[n_micro]
 
 
 def check_pipeline_config(cfg: JobConfig, n_layers: int, tied_embeddings: bool) -> tuple[int, list[list[int]], int]:

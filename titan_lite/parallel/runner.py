@@ -2,6 +2,7 @@
 
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,18 +92,21 @@ class ModelRunner:
         parallel only the last stage adds to them (callers sum them over the stages, as global_sum does).
         documents: the [batch, seq] document ids of packed documents (block_causal), or None."""
         extra = self.extra_inputs(documents)
+        prepared = self.objective.prepare(labels, documents, self.shard)
         inputs, labels = self.shard(inputs, labels)
         with self.context():
-            if self.pipeline is not None:
+            if self.pipeline is not None and domains is None:
+                loss_sum = self.objective.pipeline_step(self.pipeline, inputs, labels, documents, scale, extra)
+            elif self.pipeline is not None:
                 loss_sum = self.pipeline.step(inputs, labels, scale, domains, domain_sums, self.domain_loss, extra)
             else:
-                teacher_logits = self.objective.teacher_logits(lambda model: self.logits(model, inputs, extra))
+                reference = self.objective.reference(lambda model: self.logits(model, inputs, extra), prepared)
                 logits = self.logits(self.model_parts[0], inputs, extra)
                 if domains is None:
-                    loss_sum = self.objective.loss_sum(logits, labels, teacher_logits)
+                    loss_sum = self.objective.loss_sum(logits, labels, reference, prepared)
                 else:
                     loss_sum = self.domain_loss(logits, labels, domains, domain_sums)
-                del logits, teacher_logits
+                del logits, reference
                 (loss_sum * scale).backward()
         return full_tensor(loss_sum.detach())
 
@@ -137,6 +141,31 @@ class ModelRunner:
                 loss = self.loss_fn(logits, labels)
                 correct = (full_tensor(logits).argmax(dim=-1) == labels).sum().double()
         return full_tensor(loss).double(), (labels != IGNORE_INDEX).sum().double(), correct
+
+    @torch.no_grad()
+    def forward_only(self, run: Callable[[Callable[[nn.Module], torch.Tensor]], Any], inputs: torch.Tensor,
+                     documents: torch.Tensor | None = None) -> Any:
+        """run(forward), where forward(model) is a model's logits on this rank's part of the batch (the forward of
+        training: CP sharding, extra inputs, loss parallel, autocast), without gradients."""
+        extra = self.extra_inputs(documents)
+        (inputs,) = self.shard(inputs)
+        with self.context():
+            return run(lambda model: self.logits(model, inputs, extra))
+
+    @torch.no_grad()
+    def objective_sums(self, inputs: torch.Tensor, labels: torch.Tensor,
+                       documents: torch.Tensor | None = None) -> torch.Tensor:
+        """The objective's evaluation sums of one batch on this rank (its reference run first, as in training)."""
+        if self.pipeline is not None:
+            with self.context():
+                return self.objective.pipeline_eval_sums(self.pipeline, inputs, labels, documents,
+                                                         self.extra_inputs(documents))
+        prepared = self.objective.prepare(labels, documents, self.shard)
+
+        def run(forward: Callable[[nn.Module], torch.Tensor]) -> torch.Tensor:
+            reference = self.objective.reference(forward, prepared)
+            return self.objective.eval_sums(forward(self.model_parts[0]), reference, prepared)
+        return self.forward_only(run, inputs, documents)
 
     def global_sum(self, local: torch.Tensor, loss_values: bool) -> torch.Tensor:
         """Sum of a per-rank statistic over the ranks that split a batch (data and context parallel). Loss values
