@@ -41,7 +41,12 @@ _LABELS = {"tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "step_s": "step s", "
            "prune_s": "prune s", "floor_s": "floor s", "transformers_step_s": "HF step s",
            "kernel_floor_s": "kernels s", "distill_step_s": "distilled s", "teacher_forward_s": "teacher fwd s",
            "teacher_cost_s": "teacher cost s", "trained_tokens_per_s": "trained tok/s",
-           "trained_pct": "trained %", "real_pct": "not padding %"}
+           "trained_pct": "trained %", "real_pct": "not padding %", "pairs_per_s": "pairs/s",
+           "duplicated_s_per_pair": "copies s/pair", "shared_s_per_pair": "shared s/pair",
+           "duplicated_tokens_per_pair": "copies tok/pair", "shared_tokens_per_pair": "shared tok/pair",
+           "logps_max_difference": "logp max diff", "dpo_step_s": "DPO step s", "given_step_s": "given step s",
+           "reference_cost_s": "ref cost s", "reference_forward_s": "ref fwd s", "parameter_gib_held": "params GiB",
+           "planned_peak_gib": "planned GiB", "plan_error_pct": "plan error %", "base_vs_bf16": "base/bf16"}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

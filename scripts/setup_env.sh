@@ -18,7 +18,7 @@ if [ -n "${TITAN_LITE_WHEELS:-}" ] && [ -d "$TITAN_LITE_WHEELS" ]; then
   TITAN_LITE_WHEELS="$(cd "$TITAN_LITE_WHEELS" && pwd)"
 fi
 check_runtime='import torch, torchdata, tomli, tensorboard, sentencepiece, tiktoken, safetensors, torchao, jinja2'
-check_test='import pytest, transformers, tokenizers, peft, lm_eval, wandb, trl'
+check_test='import pytest, xdist, transformers, tokenizers, peft, lm_eval, wandb, trl'
 # The oldest torch titan_lite runs on (titan_lite/__init__.py refuses older ones the same way).
 check_torch='import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(0 if v >= (2, 9) else f"error: titan_lite needs torch >= 2.9, found {torch.__version__}")'
 

@@ -188,3 +188,12 @@ def test_every_benchmarks_help_states_its_whole_first_paragraph(name, monkeypatc
     first = " ".join(module.__doc__.strip().split("\n\n")[0].split())
     assert first.rstrip().endswith((".", ":", ")")), name
     assert "".join(first.split()) in "".join(capsys.readouterr().out.split()), name  # argparse wraps at hyphens
+
+
+def test_every_cases_columns_have_a_table_label():
+    """The table run.py prints names each column of every case (a case whose column has no label fails only after
+    all of its runs, at the table)."""
+    from benchmarks.run import _LABELS
+
+    missing = {name: [c for c in build().columns if c not in _LABELS] for name, build in CASES.items()}
+    assert {name: cols for name, cols in missing.items() if cols} == {}
