@@ -3,6 +3,7 @@ that file as GitHub spells it (lowercase, punctuation dropped, spaces to hyphens
 
 import re
 import sys
+from functools import cache
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,6 +26,7 @@ def slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", text.replace("`", "")).replace(" ", "-")
 
 
+@cache
 def anchors(path: Path) -> set[str]:
     found, seen = set(), {}
     for line in prose(path.read_text()).splitlines():
@@ -75,3 +77,13 @@ def test_a_broken_link_or_anchor_is_found(tmp_path, monkeypatch):
                                    "[bad](#nope) [bad](c.md) `[code](#x)`\n```\n[code](#y)\n```\n")
     (tmp_path / "b.md").write_text("# A title\n\n# A title\n")
     assert broken_links(tmp_path / "a.md") == ["#nope (no heading '#nope' in a.md)", "c.md (no such file)"]
+
+
+def test_the_readme_is_a_front_door_to_every_guide():
+    """README.md stays short (what titan_lite is, the two commands, the feature table, one example per workflow) and
+    links every guide in docs/, which hold the rest."""
+    readme = REPO / "README.md"
+    assert len(readme.read_text().splitlines()) <= 300
+    linked = {(REPO / target.partition("#")[0]).resolve() for target in relative_links(readme)}
+    missing = [p.name for p in sorted((REPO / "docs").glob("*.md")) if p.resolve() not in linked]
+    assert not missing, f"guides the README does not link: {missing}"
