@@ -1,7 +1,8 @@
 """Check, or rewrite, the figures README.md and its guides (docs/*.md) quote from commands: every entry of FIGURES
 below is a figure the documentation shows, the command that prints it, and a pattern for each side; the command runs
-as the documentation gives it, from the checkout, and its figures must be the quoted ones. Quick commands (plans, estimates: seconds) run by default, and the
-test suite runs them (tests/test_readme_figures.py); --slow adds the training examples (minutes).
+as the documentation gives it, from the checkout, and its figures must be the quoted ones. Quick commands (plans,
+estimates: seconds) run by default, and the test suite runs them (tests/test_readme_figures.py); --slow adds the
+training examples (minutes).
 
     .venv/bin/python scripts/update_readme_figures.py --check            # the quick figures: exit 1 on a difference
     .venv/bin/python scripts/update_readme_figures.py --check --slow     # every figure (about 8 minutes on 2 cores)
@@ -11,8 +12,8 @@ test suite runs them (tests/test_readme_figures.py); --slow adds the training ex
 A new figure is an entry in FIGURES: its `readme` pattern must match exactly once across README.md and docs/*.md
 (in whichever file quotes it), its `printed` pattern the command's output; each has the same number of groups,
 compared in order. A new command goes into COMMANDS (slow=True for anything that trains). Without --check, the quoted
-groups are replaced by the printed values and the file that holds them is written; nothing else in it changes. Each command's output is kept in
-outputs/readme_figures/<command>.log (--from_logs compares or rewrites from those).
+groups are replaced by the printed values and the file that holds them is written; nothing else in it changes. Each
+command's output is kept in outputs/readme_figures/<command>.log (--from_logs compares or rewrites from those).
 """
 
 import argparse
@@ -336,7 +337,8 @@ FIGURES = [
            rf"validate step: 20 .*rewards/accuracies: {NUMBER} .*\n(?:.*\n)*?.*validate step: 40 .*rewards/accuracies: "
            rf"{NUMBER}", rf"accuracy rises from {NUMBER} at step 20 \(chance\) to {NUMBER} at step 40"),
     Figure("DPO example: the prose's margins", "dpo_example",
-           rf"validate step: 20 .*rewards/margins: {NUMBER} (?:.*\n)*?.*validate step: 100 .*rewards/margins: {NUMBER} ",
+           rf"validate step: 20 .*rewards/margins: {NUMBER} (?:.*\n)*?.*validate step: 100 .*rewards/margins: "
+           rf"{NUMBER} ",
            rf"and the margins from {NUMBER} to {NUMBER} at step\s+100"),
     Figure("show_data: the first sample", "chat_show_data",
            r"^--- sample 1: (\d+) tokens, (\d+) documents, (\d+) trained",

@@ -56,7 +56,7 @@ def readme_script_commands() -> list[tuple[str, list[str]]]:
                 continue
             words = shlex.split(line)
             at = next(i for i, w in enumerate(words) if w.startswith("scripts/") and w.endswith(".py"))
-            assert words[0] in (".venv/bin/python", ".venv/bin/torchrun"), f"the documentation runs a script bare: {line}"
+            assert words[0] in (".venv/bin/python", ".venv/bin/torchrun"), f"a documented script runs bare: {line}"
             commands.append((Path(words[at]).stem, words[at + 1:]))
     return commands
 
