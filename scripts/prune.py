@@ -151,7 +151,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             help="per_group_query: keep every KV head, the same number of query heads in each group; "
                                  "kv_group: remove whole KV groups (a KV head and its query heads)")
     structured.add_argument("--keep_first_last", action="store_true",
-                            help="keep the first and last layers at full width (refused: see the README)")
+                            help="keep the first and last layers at full width (refused: see docs/pruning.md)")
     depth = parser.add_argument_group("depth")
     depth.add_argument("--remove_layers", type=int,
                        help="remove this many blocks: those of lowest block influence 1 - cos(input, output)")

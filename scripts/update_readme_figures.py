@@ -1,18 +1,19 @@
-"""Check, or rewrite, the figures README.md quotes from commands: every entry of FIGURES below is a figure the README
-shows, the command that prints it, and a pattern for each side; the command runs as the README gives it, from the
-checkout, and its figures must be the README's. Quick commands (plans, estimates: seconds) run by default, and the
-test suite runs them (tests/test_readme_figures.py); --slow adds the training examples (minutes).
+"""Check, or rewrite, the figures README.md and its guides (docs/*.md) quote from commands: every entry of FIGURES
+below is a figure the documentation shows, the command that prints it, and a pattern for each side; the command runs
+as the documentation gives it, from the checkout, and its figures must be the quoted ones. Quick commands (plans,
+estimates: seconds) run by default, and the test suite runs them (tests/test_readme_figures.py); --slow adds the
+training examples (minutes).
 
     .venv/bin/python scripts/update_readme_figures.py --check            # the quick figures: exit 1 on a difference
     .venv/bin/python scripts/update_readme_figures.py --check --slow     # every figure (about 8 minutes on 2 cores)
     .venv/bin/python scripts/update_readme_figures.py --slow             # run them all, write what they print
     .venv/bin/python scripts/update_readme_figures.py --slow --from_logs # again from their saved output, no runs
 
-A new README figure is an entry in FIGURES: its `readme` pattern must match README.md exactly once, its `printed`
-pattern the command's output; each has the same number of groups, compared in order. A new command goes into
-COMMANDS (slow=True for anything that trains). Without --check, the README's groups are replaced by the printed
-values and the file is written; nothing else in it changes. Each command's output is kept in
-outputs/readme_figures/<command>.log (--from_logs compares or rewrites from those).
+A new figure is an entry in FIGURES: its `readme` pattern must match exactly once across README.md and docs/*.md
+(in whichever file quotes it), its `printed` pattern the command's output; each has the same number of groups,
+compared in order. A new command goes into COMMANDS (slow=True for anything that trains). Without --check, the quoted
+groups are replaced by the printed values and the file that holds them is written; nothing else in it changes. Each
+command's output is kept in outputs/readme_figures/<command>.log (--from_logs compares or rewrites from those).
 """
 
 import argparse
@@ -31,14 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from titan_lite.job.cli import ScriptParser
 
 REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
 LOGS = REPO / "outputs" / "readme_figures"
 NUMBER = r"(-?[\d,]+\.?\d*)"
 
 
 @dataclass(frozen=True)
 class Command:
-    """A README command (bash, from the checkout), whether it is slow (trains), and the exit codes that mean it
+    """A documented command (bash, from the checkout), whether it is slow (trains), and the exit codes that mean it
     printed its figures (a DRY_RUN without the data files exits 5 after the plan)."""
 
     line: str
@@ -48,7 +48,7 @@ class Command:
 
 @dataclass(frozen=True)
 class Figure:
-    """Figures the README quotes (`readme`'s groups) and where the command prints them (`printed`'s groups)."""
+    """Figures the documentation quotes (`readme`'s groups) and where the command prints them (`printed`'s groups)."""
 
     name: str
     command: str  # a key of COMMANDS
@@ -238,7 +238,8 @@ FIGURES = [
            rf"{NUMBER} GiB  FSDP: \.\.\. NF4 dequantization of one weight \({NUMBER} elements\)"),
     Figure("QLoRA 70B plan: the last line", "qlora_70b_plan",
            rf"^dry run OK: 2 ranks; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",
-           rf"^dry run OK: 2 ranks; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB"),
+           rf"NF4 dequantization of one weight .*\ndry run OK: 2 ranks; largest peak {NUMBER} GiB on rank 0, head-room "
+           rf"{NUMBER} GiB"),  # the DPO 70B plan's line, in docs/preference.md, is its own figure
     Figure("QLoRA 70B plan: the prose", "qlora_70b_plan", rf"^  peak +{NUMBER} GiB", rf"offload of the sharded "
            rf"parameters and optimizer state\) peaks at {NUMBER} GiB"),
     # LoRA 8B plan
@@ -249,9 +250,9 @@ FIGURES = [
            rf"^  parameters +{NUMBER} GiB +{NUMBER} local x bfloat16/float32\n(?:.*\n)*?  activations +{NUMBER} GiB .*"
            rf"block-causal \(sdpa\) {NUMBER} GiB of mask and RoPE rows per microbatch\n(?:.*\n)*?dry run OK: 1 ranks; "
            rf"largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",
-           rf"^  parameters +{NUMBER} GiB +{NUMBER} local x bfloat16/float32\n  activations +{NUMBER} GiB .*"
+           rf"^```\n  parameters +{NUMBER} GiB +{NUMBER} local x bfloat16/float32\n  activations +{NUMBER} GiB .*"
            rf"block-causal \(sdpa\) {NUMBER} GiB of mask and RoPE rows per microbatch\ndry run OK: 1 ranks; "
-           rf"largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB"),
+           rf"largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB"),  # the DPO 8B plan's lines follow a name
     Figure("chat 8B QLoRA plan", "chat_8b_qlora_plan",
            rf"^  parameters +{NUMBER} GiB +{NUMBER} local x {NUMBER} bytes each\n(?:.*\n)*?dry run OK: 1 ranks; "
            rf"largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",
@@ -336,7 +337,8 @@ FIGURES = [
            rf"validate step: 20 .*rewards/accuracies: {NUMBER} .*\n(?:.*\n)*?.*validate step: 40 .*rewards/accuracies: "
            rf"{NUMBER}", rf"accuracy rises from {NUMBER} at step 20 \(chance\) to {NUMBER} at step 40"),
     Figure("DPO example: the prose's margins", "dpo_example",
-           rf"validate step: 20 .*rewards/margins: {NUMBER} (?:.*\n)*?.*validate step: 100 .*rewards/margins: {NUMBER} ",
+           rf"validate step: 20 .*rewards/margins: {NUMBER} (?:.*\n)*?.*validate step: 100 .*rewards/margins: "
+           rf"{NUMBER} ",
            rf"and the margins from {NUMBER} to {NUMBER} at step\s+100"),
     Figure("show_data: the first sample", "chat_show_data",
            r"^--- sample 1: (\d+) tokens, (\d+) documents, (\d+) trained",
@@ -379,24 +381,33 @@ FIGURES = [
 # ------------------------------------------------------------------------------------------ checking
 
 
+def documents() -> dict[str, str]:
+    """The text of README.md and of every guide in docs/, by path from the checkout: where figures are quoted."""
+    paths = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    return {str(path.relative_to(REPO)): path.read_text() for path in paths}
+
+
 @dataclass
 class Found:
     figure: Figure
-    readme: list[str] | None  # None: the README pattern does not match exactly once
+    readme: list[str] | None  # None: the quoted pattern does not match exactly once across the documents
     printed: list[str] | None  # None: the command's output does not hold it
     spans: list[tuple[int, int]]
+    document: str | None = None  # the file that quotes it
 
     @property
     def same(self) -> bool:
         return self.readme is not None and self.readme == self.printed
 
 
-def readme_values(figure: Figure, text: str) -> tuple[list[str] | None, list[tuple[int, int]]]:
-    matches = list(re.finditer(figure.readme, text, flags=re.M))
+def readme_values(figure: Figure, texts: dict[str, str]) -> tuple[list[str] | None, list[tuple[int, int]], str | None]:
+    """The quoted values, their spans and the document that holds them, where the pattern matches exactly once in
+    all the documents together."""
+    matches = [(name, match) for name, text in texts.items() for match in re.finditer(figure.readme, text, flags=re.M)]
     if len(matches) != 1:
-        return None, []
-    match = matches[0]
-    return list(match.groups()), [match.span(i) for i in range(1, len(match.groups()) + 1)]
+        return None, [], None
+    name, match = matches[0]
+    return list(match.groups()), [match.span(i) for i in range(1, len(match.groups()) + 1)], name
 
 
 def printed_values(figure: Figure, output: str) -> list[str] | None:
@@ -404,21 +415,25 @@ def printed_values(figure: Figure, output: str) -> list[str] | None:
     return list(match.groups()) if match else None
 
 
-def compare(figures: list[Figure], outputs: dict[str, str], text: str) -> list[Found]:
+def compare(figures: list[Figure], outputs: dict[str, str], texts: dict[str, str]) -> list[Found]:
     found = []
     for figure in figures:
-        readme, spans = readme_values(figure, text)
-        found.append(Found(figure, readme, printed_values(figure, outputs[figure.command]), spans))
+        readme, spans, document = readme_values(figure, texts)
+        found.append(Found(figure, readme, printed_values(figure, outputs[figure.command]), spans, document))
     return found
 
 
-def rewrite(text: str, found: list[Found]) -> str:
-    """The README with every figure its command printed put in place of the quoted one."""
-    edits = sorted(((span, value) for f in found if f.readme is not None and f.printed is not None
-                    for span, value in zip(f.spans, f.printed, strict=True)), reverse=True)
-    for (start, end), value in edits:
-        text = text[:start] + value + text[end:]
-    return text
+def rewrite(texts: dict[str, str], found: list[Found]) -> dict[str, str]:
+    """The documents that change, each with every figure its command printed put in place of the quoted one."""
+    changed = {}
+    for name, text in texts.items():
+        edits = sorted(((span, value) for f in found if f.document == name and f.printed is not None
+                        for span, value in zip(f.spans, f.printed, strict=True)), reverse=True)
+        for (start, end), value in edits:
+            text = text[:start] + value + text[end:]
+        if text != texts[name]:
+            changed[name] = text
+    return changed
 
 
 def run_command(name: str, command: Command) -> str:
@@ -445,18 +460,18 @@ def saved_output(name: str) -> str:
 
 def describe(f: Found) -> str:
     if f.readme is None:
-        return f"MISSING {f.figure.name}: its pattern does not match README.md exactly once"
+        return f"MISSING {f.figure.name}: its pattern does not match README.md and docs/*.md exactly once"
     if f.printed is None:
         return f"NOT PRINTED {f.figure.name}: command {f.figure.command} printed no such figure"
     if f.same:
         return f"ok {f.figure.name}: {', '.join(f.readme)}"
-    return f"DIFFERS {f.figure.name}: README {', '.join(f.readme)}; printed {', '.join(f.printed)}"
+    return f"DIFFERS {f.figure.name}: {f.document} {', '.join(f.readme)}; printed {', '.join(f.printed)}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ScriptParser(__doc__)
     parser.add_argument("--check", action="store_true", help="compare only (exit 1 on a difference); without it the "
-                                                             "README's figures are rewritten")
+                                                             "quoted figures are rewritten")
     parser.add_argument("--slow", action="store_true", help="also the slow commands (training examples, lm_eval)")
     parser.add_argument("--only", help="comma list of command names (COMMANDS keys) to run")
     parser.add_argument("--jobs", type=int, default=2, help="commands run at once")
@@ -480,22 +495,25 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
-    text = README.read_text()
-    found = compare(figures, outputs, text)
+    texts = documents()
+    found = compare(figures, outputs, texts)
     for f in found:
         print(describe(f), flush=True)
     wrong = [f for f in found if not f.same]
     elapsed = f"{len(found)} figures from {len(chosen)} commands in {time.monotonic() - start:.0f}s"
     if not wrong:
-        print(f"result: README.md quotes what its commands print: {elapsed}", flush=True)
+        print(f"result: README.md and docs/*.md quote what their commands print: {elapsed}", flush=True)
         return 0
     if opts.check or any(f.readme is None or f.printed is None for f in wrong):
         rerun = f".venv/bin/python scripts/update_readme_figures.py{' --slow' if opts.slow else ''}"
-        print(f"result: {len(wrong)} of {elapsed} differ from README.md ({'; '.join(f.figure.name for f in wrong)}); "
+        names = "; ".join(f.figure.name for f in wrong)
+        print(f"result: {len(wrong)} of {elapsed} differ from what README.md and docs/*.md quote ({names}); "
               f"rewrite them with: {rerun}", flush=True)
         return 1
-    README.write_text(rewrite(text, found))
-    print(f"result: README.md rewritten: {len(wrong)} of {elapsed} now as printed", flush=True)
+    changed = rewrite(texts, found)
+    for name, text in changed.items():
+        (REPO / name).write_text(text)
+    print(f"result: {', '.join(changed)} rewritten: {len(wrong)} of {elapsed} now as printed", flush=True)
     return 0
 
 

@@ -247,7 +247,7 @@ def collect(opts: argparse.Namespace) -> str:
                                             "torch": torch, "packages": dict(sorted(pins.items()))}, indent=1) + "\n")
     wheels = list(out.glob("*.whl"))
     size = sum(w.stat().st_size for w in wheels) / 2**20
-    extra_arg = " test" if "test" in extras else ""  # setup_env.sh's one extra (eval: see the README)
+    extra_arg = " test" if "test" in extras else ""  # setup_env.sh's one extra (eval: see docs/setup.md)
     return (f"wheelhouse ready: {len(wheels)} wheels ({size:,.0f} MiB) in {out.resolve()} for Python {opts.python} "
             f"on {opts.platform}, extras: {', '.join(extras) or 'none'}; {torch}; install there with: "
             f"TITAN_LITE_WHEELS={out.resolve()} scripts/setup_env.sh{extra_arg}")

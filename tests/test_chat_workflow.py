@@ -29,7 +29,7 @@ def chat_script():
 
 @pytest.fixture(scope="module")
 def chat_data(tmp_path_factory) -> tuple[Path, Path]:
-    """60 conversations and the ChatML tokenizer folder, written as the README's first command writes them."""
+    """60 conversations and the ChatML tokenizer folder, written as docs/chat.md's first command writes them."""
     folder = tmp_path_factory.mktemp("chat")
     data, tokenizer = folder / "train.jsonl", folder / "tokenizer"
     code = chat_script().main(["--output", str(data), "--num_conversations", "60", "--seed", "0",

@@ -9,7 +9,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "titan_lite"
 
 # Bottom to top. A module may import from its own unit and from units of lower layers, never from a unit of its
-# own layer or above. The README's architecture section draws the same picture.
+# own layer or above. docs/architecture.md draws the same picture.
 LAYERS = [
     ["titan_lite.errors"],
     ["titan_lite.config", "titan_lite.launcher"],

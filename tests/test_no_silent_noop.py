@@ -234,8 +234,8 @@ def test_sections_and_keys_added_later_are_covered_without_a_change_to_the_rule(
 
 
 def test_a_section_switched_off_in_so_many_words_keeps_its_settings_with_a_warning(tmp_path):
-    """README's control run takes the distillation TOML with --distill.enable=false: the section is off on purpose,
-    so its teacher is a warning; the same teacher without the switch ever named is refused."""
+    """docs/distillation.md's control run takes the distillation TOML with --distill.enable=false: the section is off
+    on purpose, so its teacher is a warning; the same teacher without the switch ever named is refused."""
     line = ("'distill.teacher_path' = '/t' has no effect: it takes effect only with 'distill.enable' = true, and that "
             "is false; set --distill.enable or drop the setting")
     assert switched_off_settings(parse_args(["--distill.teacher_path", "/t"])) == [(line, False)]

@@ -1,4 +1,4 @@
-"""The offline install as the README gives it: scripts/wheelhouse.sh fills a folder on a machine with an index, and
+"""The offline install as docs/setup.md gives it: scripts/wheelhouse.sh fills a folder on a machine with an index, and
 `TITAN_LITE_WHEELS=DIR scripts/setup_env.sh` installs from it with the index switched off, keeping the machine's own
 torch (a GPU image's python3 is a virtual environment holding a CUDA torch)."""
 
@@ -56,7 +56,7 @@ def run(argv: list, env: dict | None = None, cwd: Path = REPO) -> subprocess.Com
 @pytest.mark.slow  # downloads the runtime wheels (~45 MiB, 15 s) and installs them into a fresh venv (30 s)
 def test_a_runtime_wheelhouse_installs_with_the_index_switched_off(tmp_path):
     wheels = tmp_path / "wheels"
-    # here the index is reachable; the folder named as the README does, relative to where the command runs
+    # here the index is reachable; the folder named as docs/setup.md does, relative to where the command runs
     built = run([REPO / "scripts" / "wheelhouse.sh", "wheels/", "--python", PYTHON], cwd=tmp_path)
     assert built.returncode == 0, built.stderr
     last = built.stdout.strip().splitlines()[-1]
@@ -96,8 +96,8 @@ def test_a_runtime_wheelhouse_installs_with_the_index_switched_off(tmp_path):
 
 
 def test_the_readmes_relative_wheelhouse_path_is_read_from_where_the_command_runs(tmp_path):
-    """`TITAN_LITE_WHEELS=wheels/ scripts/setup_env.sh`, as the README writes it: the folder is found from the current
-    directory (setup_env.sh's checks run elsewhere), here to refuse one built for another Python in one line."""
+    """`TITAN_LITE_WHEELS=wheels/ scripts/setup_env.sh`, as docs/setup.md writes it: the folder is found from the
+    current directory (setup_env.sh's checks run elsewhere), here to refuse one built for another Python in one line."""
     (tmp_path / "wheels").mkdir()
     (tmp_path / "wheels" / "titan_lite_wheelhouse.json").write_text(json.dumps({"python": "2.7", "extras": []}))
     env = offline_environment(PYTHON_BIN=str(BASE_PYTHON), TITAN_LITE_VENV=str(tmp_path / "venv"),

@@ -240,7 +240,7 @@ def test_skip_patterns_leave_those_linears_dense(process_group, dense):
 
 
 SMALL_CACHE = ("--pruning.nsamples", "8", "--pruning.seq_len", "128", "--pruning.batch_size", "2")
-# OWL at 70% with 64 x 256 calibration (the README's setting): the cache outweighs the tiny model's weights, so its
+# OWL at 70% with 64 x 256 calibration (docs/pruning.md's setting): the cache outweighs the tiny model's weights, so its
 # dense outlier pass (the cache, each linear's outlier count) and the pruning pass after it must both be planned.
 OWL = ("--pruning.layer_ratios", "owl", "--pruning.sparsity", "0.7", "--pruning.nsamples", "64", "--pruning.seq_len",
        "256")

@@ -1,7 +1,8 @@
-"""The README's commands stay true: every run_train.sh line in it parses against the config schema, and every
-script line runs with the environment's Python as written (`.venv/bin/python scripts/...`, no activated venv) and
-parses with that script's own parser; no line runs a bare python or pip; each module run (`-m benchmarks.x`) names a
-module of the checkout and parses with its parser; each training example writes its own output folder."""
+"""The documentation's commands stay true (README.md and every guide in docs/): every run_train.sh line parses
+against the config schema, and every script line runs with the environment's Python as written (`.venv/bin/python
+scripts/...`, no activated venv) and parses with that script's own parser; no line runs a bare python or pip; each
+module run (`-m benchmarks.x`) names a module of the checkout and parses with its parser; each training example writes
+its own output folder."""
 
 import importlib
 import importlib.util
@@ -19,9 +20,17 @@ from titan_lite.errors import ConfigError, pip_install
 REPO = Path(__file__).resolve().parents[1]
 
 
+def documentation() -> str:
+    """README.md and the guides in docs/, one after the other: where the commands a user copies are."""
+    paths = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    assert len(paths) >= 15, "README.md and its guides in docs/"
+    return "\n".join(path.read_text() for path in paths)
+
+
 def readme_train_commands() -> list[tuple[dict[str, str], list[str]]]:
-    """(environment assignments, override arguments) of each `./run_train.sh` command in the README's code blocks."""
-    text = (REPO / "README.md").read_text()
+    """(environment assignments, override arguments) of each `./run_train.sh` command in the documentation's code
+    blocks."""
+    text = documentation()
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -36,9 +45,9 @@ def readme_train_commands() -> list[tuple[dict[str, str], list[str]]]:
 
 
 def readme_script_commands() -> list[tuple[str, list[str]]]:
-    """(script name, arguments) of each line of the README's code blocks that runs a script, with the interpreter
-    it names checked: `.venv/bin/python scripts/x.py` or `.venv/bin/torchrun ... scripts/x.py`."""
-    text = (REPO / "README.md").read_text()
+    """(script name, arguments) of each line of the documentation's code blocks that runs a script, with the
+    interpreter it names checked: `.venv/bin/python scripts/x.py` or `.venv/bin/torchrun ... scripts/x.py`."""
+    text = documentation()
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -47,7 +56,7 @@ def readme_script_commands() -> list[tuple[str, list[str]]]:
                 continue
             words = shlex.split(line)
             at = next(i for i, w in enumerate(words) if w.startswith("scripts/") and w.endswith(".py"))
-            assert words[0] in (".venv/bin/python", ".venv/bin/torchrun"), f"README runs a script bare: {line}"
+            assert words[0] in (".venv/bin/python", ".venv/bin/torchrun"), f"a documented script runs bare: {line}"
             commands.append((Path(words[at]).stem, words[at + 1:]))
     return commands
 
@@ -68,7 +77,7 @@ def test_readme_script_commands_parse_with_their_scripts():
         try:
             load_script(name).parse_args(args)
         except SystemExit as exc:
-            raise AssertionError(f"README: scripts/{name}.py {' '.join(args)} does not parse") from exc
+            raise AssertionError(f"documentation: scripts/{name}.py {' '.join(args)} does not parse") from exc
 
 
 def test_readme_has_the_two_setup_commands():
@@ -84,7 +93,7 @@ def test_readme_command_parses(env, args):
     try:
         cfg = parse_args(["--job.config_file", str(REPO / config), *args])
     except ConfigError as exc:
-        raise AssertionError(f"README command {env} {args}: {exc}") from None
+        raise AssertionError(f"documented command {env} {args}: {exc}") from None
     # Paths to the user's own data (e.g. /data/c4/en) are not here; everything else must validate.
     cfg.training.dataset_path = cfg.validation.dataset_path = None
     cfg.checkpoint.initial_load_path = None
@@ -106,9 +115,9 @@ BARE = re.compile(r"^(?:\$ )?(?:[A-Z_]+=\S* )*(python3?|pip3?|torchrun) +\S")
 
 
 def readme_command_lines() -> list[str]:
-    """Every line of the README's code blocks (continuations joined) and every inline code span: where a command
-    the reader copies can be."""
-    text = (REPO / "README.md").read_text()
+    """Every line of the documentation's code blocks (continuations joined) and every inline code span: where a
+    command the reader copies can be."""
+    text = documentation()
     blocks = re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S)
     lines = [line.strip() for block in blocks for line in block.replace("\\\n", " ").splitlines()]
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
@@ -118,7 +127,7 @@ def readme_command_lines() -> list[str]:
 def test_no_readme_line_runs_a_bare_python_or_pip():
     """A bare `python`/`pip` is whatever the shell finds first, not the checkout's .venv: every command names it."""
     bare = [line for line in readme_command_lines() if BARE.match(line)]
-    assert not bare, f"README runs a bare python or pip (use .venv/bin/python, .venv/bin/pip): {bare}"
+    assert not bare, f"the documentation runs a bare python or pip (use .venv/bin/python, .venv/bin/pip): {bare}"
     assert BARE.match("pip install -e .[eval]") and BARE.match("OMP_NUM_THREADS=2 python -m benchmarks.run")
     assert not BARE.match(".venv/bin/pip install -e '.[eval]'")
 
@@ -137,7 +146,7 @@ def test_install_hints_name_the_environments_pip(monkeypatch, tmp_path):
 
 
 def readme_module_commands() -> list[tuple[str, list[str]]]:
-    """(module, arguments) of each `.venv/bin/python -m <module> ...` in the README."""
+    """(module, arguments) of each `.venv/bin/python -m <module> ...` in the documentation."""
     found = []
     for line in readme_command_lines():
         line = line.split("  #")[0].strip()
@@ -165,16 +174,19 @@ def test_readme_module_runs_name_modules_of_the_checkout_and_parse():
 
 
 def test_each_training_example_writes_its_own_folder():
-    """Two README examples that train into one folder would mix their logs, and the second would resume (or refuse)
-    the first's checkpoints: each has its own job.dump_folder (the two-node example is one run on two nodes)."""
+    """Two documented examples that train into one folder would mix their logs, and the second would resume (or
+    refuse) the first's checkpoints: each has its own job.dump_folder (the two-node example is one run on two nodes;
+    an example the README repeats from its guide is the same example)."""
     owners: dict[str, str] = {}
+    seen = set()
     for env, args in readme_train_commands():
-        if env.get("DRY_RUN") == "1" or env.get("NODE_RANK") == "1":
+        if env.get("DRY_RUN") == "1" or env.get("NODE_RANK") == "1" or (key := repr((env, args))) in seen:
             continue
+        seen.add(key)
         config = env.get("CONFIG_FILE", "train_configs/debug_model.toml")
         cfg = parse_args(["--job.config_file", str(REPO / config), *args])
         folder = os.path.normpath(cfg.job.dump_folder)
         command = f"{config} {' '.join(args)}"
-        assert folder not in owners, f"README examples share {folder}: '{owners[folder]}' and '{command}'"
+        assert folder not in owners, f"documented examples share {folder}: '{owners[folder]}' and '{command}'"
         owners[folder] = command
     assert len(owners) >= 15 and "outputs/debug" in owners

@@ -1,7 +1,7 @@
-"""The README's figures stay true: scripts/update_readme_figures.py runs the quick commands (plans and estimates) and
-compares what they print with what README.md quotes; the training examples (slow) are checked by the same script with
---slow. Here: the quick check itself, the registry's patterns against the README, and that a difference is caught and
-rewritten."""
+"""The documentation's figures stay true: scripts/update_readme_figures.py runs the quick commands (plans and
+estimates) and compares what they print with what README.md and docs/*.md quote; the training examples (slow) are
+checked by the same script with --slow. Here: the quick check itself, the registry's patterns against the documents,
+and that a difference is caught and rewritten in the file that quotes it."""
 
 import importlib.util
 import re
@@ -24,22 +24,30 @@ FIGURES = load_script()
 
 
 def test_every_figure_is_quoted_once_and_printed_by_a_known_command():
-    """For the slow figures too: the README pattern matches exactly once, both sides have as many groups."""
-    text = (REPO / "README.md").read_text()
+    """For the slow figures too: the quoted pattern matches exactly once across README.md and docs/*.md, both sides
+    have as many groups; most figures live in the guides."""
+    texts = FIGURES.documents()
+    assert "README.md" in texts and "docs/preference.md" in texts
+    where = []
     for figure in FIGURES.FIGURES:
         assert figure.command in FIGURES.COMMANDS, figure.name
-        values, _ = FIGURES.readme_values(figure, text)
-        assert values is not None, f"{figure.name}: its README pattern does not match README.md exactly once"
+        values, _, document = FIGURES.readme_values(figure, texts)
+        assert values is not None, f"{figure.name}: its pattern does not match README.md and docs/*.md exactly once"
         assert re.compile(figure.printed).groups == len(values), figure.name
+        where.append(document)
     assert sum(not c.slow for c in FIGURES.COMMANDS.values()) >= 5
+    assert len(set(where)) >= 8, set(where)
 
 
 def test_a_figure_the_command_no_longer_prints_is_caught_and_rewritten():
     figure = FIGURES.Figure("peak", "plan", rf"^  peak +{FIGURES.NUMBER} GiB", rf"^peak {FIGURES.NUMBER} GiB \(8B\)")
-    readme = "intro\npeak 47.48 GiB (8B)\nend\n"
-    (found,) = FIGURES.compare([figure], {"plan": "...\n  peak            40.97 GiB\n"}, readme)
-    assert not found.same and FIGURES.describe(found) == "DIFFERS peak: README 47.48; printed 40.97"
-    assert FIGURES.rewrite(readme, [found]) == "intro\npeak 40.97 GiB (8B)\nend\n"
+    texts = {"README.md": "intro\n", "docs/plan.md": "intro\npeak 47.48 GiB (8B)\nend\n"}
+    (found,) = FIGURES.compare([figure], {"plan": "...\n  peak            40.97 GiB\n"}, texts)
+    assert not found.same and FIGURES.describe(found) == "DIFFERS peak: docs/plan.md 47.48; printed 40.97"
+    assert FIGURES.rewrite(texts, [found]) == {"docs/plan.md": "intro\npeak 40.97 GiB (8B)\nend\n"}
+    texts["README.md"] += "peak 47.48 GiB (8B)\n"  # quoted twice: which one to check is unknown
+    (twice,) = FIGURES.compare([figure], {"plan": "  peak 40.97 GiB\n"}, texts)
+    assert twice.readme is None and FIGURES.describe(twice).startswith("MISSING peak")
 
 
 @pytest.mark.slow  # seven DRY_RUN plans and estimates, two at a time: about 30 s
@@ -47,4 +55,4 @@ def test_the_quick_figures_are_what_their_commands_print(capsys):
     code = FIGURES.main(["--check"])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert out.strip().splitlines()[-1].startswith("result: README.md quotes what its commands print: ")
+    assert out.strip().splitlines()[-1].startswith("result: README.md and docs/*.md quote what their commands print: ")

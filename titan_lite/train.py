@@ -63,7 +63,7 @@ class TrainState:
 
 
 class Trainer:
-    """One straight path, each step a short method: the design's life of a run (see README, Architecture)."""
+    """One straight path, each step a short method: the design's life of a run (see docs/architecture.md)."""
 
     def __init__(self, cfg: JobConfig, plan: JobPlan | None = None):
         """`plan`: the pre-launch check's plan for this world size (its transforms already checked), or None."""

@@ -1,5 +1,5 @@
-"""The README's CPU LoRA workflow as a newcomer runs it, shortened: in a shell without an activated venv, the
-commands exactly as the README spells them (`.venv/bin/python scripts/...`), then the base + adapter the run leaves
+"""docs/lora.md's CPU LoRA workflow as a newcomer runs it, shortened: in a shell without an activated venv, the
+commands exactly as the guide spells them (`.venv/bin/python scripts/...`), then the base + adapter the run leaves
 checked against PEFT (the oracle) and the merged model against the run's own merged export."""
 
 import json
@@ -22,7 +22,7 @@ def fresh_shell_env() -> dict[str, str]:
 
 
 def sh(command: str, code: int = 0) -> str:
-    """Run one README command line with bash from the checkout; its output (it must exit with `code`)."""
+    """Run one documented command line with bash from the checkout; its output (it must exit with `code`)."""
     proc = subprocess.run(["bash", "-c", command], cwd=REPO, env=fresh_shell_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == code, f"{command}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"

@@ -117,7 +117,7 @@ FLAVORS: dict[str, LlamaArgs] = {
     "debugmodel_gqa": LlamaArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=4, vocab_size=2048, ffn_dim=768,
                                 rope_theta=500000.0),
     # The debug model with tied embeddings, like Llama 3.2 1B/3B and SmolLM2: the embedding's std is dim^-0.5, so the
-    # blocks, not a large embedding, carry the prediction (the pruning-quality example in the README trains it).
+    # blocks, not a large embedding, carry the prediction (the pruning-quality example in docs/pruning.md trains it).
     "debugmodel_tied": LlamaArgs(dim=256, n_layers=6, n_heads=16, vocab_size=2048, ffn_dim=768, rope_theta=500000.0,
                                  tie_word_embeddings=True),
     # For tests: small enough for multi-process parity runs on a CPU; GQA, 4 layers for pipeline splits.
