@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.cli import parser
 from benchmarks.worker import RESULT_PREFIX, machine_busy_seconds, measure, peak_rss_bytes
 from titan_lite.checkpoint.hf import write_hf_folder
 from titan_lite.config import parse_args
@@ -295,7 +296,7 @@ def alternate(work: dict, opts: argparse.Namespace) -> dict:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=".venv/bin/python -m benchmarks.preference", description=__doc__.splitlines()[0])
+    p = parser(__doc__, ".venv/bin/python -m benchmarks.preference")
     p.add_argument("--mode", choices=["packing", "prompt", "reference"], required=True)
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="packed", help="packing: how pairs are laid out")
     p.add_argument("--reference", choices=["base", "path"], default="base", help="reference: which reference")

@@ -17,7 +17,8 @@ args=()
 for arg in "$@"; do
   if [ "$arg" = "--quick" ]; then args+=(-m "not slow"); else args+=("$arg"); fi
 done
-workers="${TITAN_LITE_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}"
+# (getconf, not nproc: GNU nproc answers OMP_NUM_THREADS, set to 1 above)
+workers="${TITAN_LITE_TEST_WORKERS:-$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)}"
 if ! [[ "$workers" =~ ^[0-9]+$ ]]; then
   echo "error: TITAN_LITE_TEST_WORKERS=$workers is not a number of pytest workers (0 or 1: none)" >&2
   exit 2

@@ -1,5 +1,5 @@
-"""Fixtures for every test: each test ends with the `titan_lite` logger as the session found it and the rendezvous
-environment as the test found it."""
+"""Fixtures for every test: each test ends with the `titan_lite` logger as the session found it, the rendezvous
+environment as the test found it and no default process group."""
 
 import logging
 
@@ -39,6 +39,18 @@ def restore_rendezvous_environment():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(autouse=True)
+def destroy_leftover_process_group():
+    """A Trainer built in the test's process initialises a one-process group and keeps it (run_train.sh's process
+    ends there); destroy it after the test, so that a later test in the same process (the suite runs each file's tests
+    in one worker) that plans ranks with a fake group, or starts its own, does not find it."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # Slow without a mark of their own: every integration test launches ./run_train.sh (a fresh torch process, often
