@@ -17,8 +17,12 @@ command's output is kept in outputs/readme_figures/<command>.log (--from_logs co
 """
 
 import argparse
+import contextlib
+import io
+import logging
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -436,19 +440,53 @@ def rewrite(texts: dict[str, str], found: list[Found]) -> dict[str, str]:
     return changed
 
 
+# A plan as the documents give it: run_train.sh execs `python -m titan_lite.train` for it with these variables set.
+DRY_RUN_LINE = re.compile(r"DRY_RUN=1 NGPU=(\d+) CONFIG_FILE=(\S+) \./run_train\.sh(.*)")
+
+
 def run_command(name: str, command: Command) -> str:
-    """The command's output (stdout and stderr), run with bash from the checkout as a user runs it."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
+    """The command's output (stdout and stderr), run with bash from the checkout as a user runs it; a DRY_RUN plan
+    in this process (see run_plan)."""
     start = time.monotonic()
-    result = subprocess.run(["bash", "-c", command.line], cwd=REPO, env=env, capture_output=True, text=True)
-    output = result.stdout + result.stderr
-    if result.returncode not in command.exit_codes:
+    plan = DRY_RUN_LINE.fullmatch(command.line)
+    if plan is not None:
+        code, output = run_plan(int(plan.group(1)), plan.group(2), shlex.split(plan.group(3)))
+    else:
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
+        result = subprocess.run(["bash", "-c", command.line], cwd=REPO, env=env, capture_output=True, text=True)
+        code, output = result.returncode, result.stdout + result.stderr
+    if code not in command.exit_codes:
         tail = " | ".join(output.strip().splitlines()[-3:])
-        raise RuntimeError(f"command {name} exited {result.returncode}: {command.line}\n  ... {tail}")
+        raise RuntimeError(f"command {name} exited {code}: {command.line}\n  ... {tail}")
     print(f"ran {name} in {time.monotonic() - start:.1f}s", flush=True)
     LOGS.mkdir(parents=True, exist_ok=True)
     (LOGS / f"{name}.log").write_text(output)
     return output
+
+
+def run_plan(ngpu: int, config: str, args: list[str]) -> tuple[int, str]:
+    """What `DRY_RUN=1 NGPU=ngpu CONFIG_FILE=config ./run_train.sh args` prints and its exit code, from
+    titan_lite.train.main in this process (the module run_train.sh execs for a plan): the same lines without a fresh
+    Python and torch per plan, which the suite's figure check would otherwise start twenty times. It sets the
+    process's environment, working folder and standard streams while it runs: call it from one thread, alone."""
+    from titan_lite.train import main as train_main
+
+    settings = {"DRY_RUN": "1", "NGPU": str(ngpu), "NNODES": "1"}
+    log = logging.getLogger("titan_lite")
+    saved_env = {k: os.environ.get(k) for k in settings}
+    saved_log, cwd, out = (list(log.handlers), log.level, log.propagate), os.getcwd(), io.StringIO()
+    os.environ.update(settings)
+    os.chdir(REPO)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            code = train_main(["--job.config_file", config, *args])
+    finally:
+        os.chdir(cwd)
+        for key, value in saved_env.items():
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+        log.handlers[:], log.propagate = saved_log[0], saved_log[2]
+        log.setLevel(saved_log[1])
+    return code, out.getvalue()
 
 
 def saved_output(name: str) -> str:
@@ -490,8 +528,11 @@ def main(argv: list[str] | None = None) -> int:
         if opts.from_logs:
             outputs = {name: saved_output(name) for name in chosen}
         else:
+            plans = [n for n in sorted(chosen) if DRY_RUN_LINE.fullmatch(COMMANDS[n].line)]
+            outputs = {name: run_command(name, COMMANDS[name]) for name in plans}  # in this process, one at a time
+            rest = sorted(chosen - set(plans))
             with ThreadPoolExecutor(max(1, opts.jobs)) as pool:
-                outputs = dict(zip(chosen, pool.map(lambda n: run_command(n, COMMANDS[n]), chosen), strict=True))
+                outputs |= dict(zip(rest, pool.map(lambda n: run_command(n, COMMANDS[n]), rest), strict=True))
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -50,7 +50,7 @@ def test_a_figure_the_command_no_longer_prints_is_caught_and_rewritten():
     assert twice.readme is None and FIGURES.describe(twice).startswith("MISSING peak")
 
 
-@pytest.mark.slow  # seven DRY_RUN plans and estimates, two at a time: about 30 s
+@pytest.mark.slow  # twenty DRY_RUN plans (in this process) and two estimates: about 15 s
 def test_the_quick_figures_are_what_their_commands_print(capsys):
     code = FIGURES.main(["--check"])
     out = capsys.readouterr().out
