@@ -46,10 +46,11 @@ def destroy_leftover_process_group():
     """A Trainer built in the test's process initialises a one-process group and keeps it (run_train.sh's process
     ends there); destroy it after the test, so that a later test in the same process (the suite runs each file's tests
     in one worker) that plans ranks with a fake group, or starts its own, does not find it."""
-    yield
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    there = dist.is_available() and dist.is_initialized()  # a module fixture's group is kept for its other tests
+    yield
+    if not there and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -81,24 +81,19 @@ def _set_unless_present(names: tuple[str, ...], value: str) -> bool:
 
 
 def init_process_group(device: torch.device, timeout_s: int) -> None:
-    """Join the job's process group (a group of one when not launched by torchrun)."""
+    """Join the job's process group: torchrun's (WORLD_SIZE > 1, or a torchelastic launch), else a group of one."""
     if dist.is_initialized():
         return
     backend = choose_backend(device)
     kwargs = {"device_id": device} if device.type != "cpu" else {}
-    if "MASTER_ADDR" in os.environ:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or "TORCHELASTIC_RUN_ID" in os.environ:
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
         return
-    # plain `python -m titan_lite.train` or a script: a single-process group on a free port, tried again when another
-    # process takes that port between the probe and the listen (a busy machine)
-    for attempt in range(3):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-        try:
-            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
-            return
-        except dist.DistNetworkError:
-            if attempt == 2:
-                raise
+    # plain `python -m titan_lite.train`, a script, run_train.sh's one rank: a group of one on an in-memory store, so
+    # no port is taken (a MASTER_ADDR/MASTER_PORT exported for another job, e.g. in a SLURM script, is not used)
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timedelta(seconds=timeout_s), **kwargs)
 
 
 def set_collective_timeout(seconds: float) -> None:
@@ -110,7 +105,7 @@ def set_collective_timeout(seconds: float) -> None:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a single-process group's rendezvous)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous a test or benchmark starts)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
