@@ -1,11 +1,14 @@
 """DRY_RUN=1 through ./run_train.sh: full-size plans, their printed numbers, verdicts, errors, time and memory."""
 
+import contextlib
 import gzip
+import io
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,19 +65,44 @@ def c4_shard(tmp_path_factory) -> Path:
     return path
 
 
-def dry_run(config: str, shard: Path, ngpu: int, nnodes: int = 1, extra: tuple[str, ...] = ()) -> DryRun:
+def dry_run(config: str, shard: Path, ngpu: int, nnodes: int = 1, extra: tuple[str, ...] = (),
+            measured: bool = False) -> DryRun:
+    """`DRY_RUN=1 NGPU=ngpu NNODES=nnodes CONFIG_FILE=config ./run_train.sh ...`: through run_train.sh in a child
+    whose CPU time and peak RSS are measured, or (not measured) titan_lite.train.main in this process, the module
+    run_train.sh execs for a plan: the same lines and exit code without a fresh Python and torch."""
+    args = ["--model.hf_assets_path", "./assets/tokenizer", "--training.dataset_path", str(shard), *extra]
+    if not measured:
+        return dry_run_in_process(config, ngpu, nnodes, args)
     env = {**os.environ, "DRY_RUN": "1", "NGPU": str(ngpu), "NNODES": str(nnodes), "OMP_NUM_THREADS": "1",
            "CONFIG_FILE": str(REPO / "train_configs" / config)}
-    cmd = [sys.executable, "-c", _MEASURE, str(REPO / "run_train.sh"), "--model.hf_assets_path", "./assets/tokenizer",
-           "--training.dataset_path", str(shard), *extra]
+    cmd = [sys.executable, "-c", _MEASURE, str(REPO / "run_train.sh"), *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     m = re.search(r"MEASURED cpu=([\d.]+) wall=([\d.]+) maxrss_kib=(\d+)", proc.stdout)
     assert m, proc.stdout + proc.stderr
     return DryRun(proc.returncode, proc.stdout, proc.stderr, float(m[1]), float(m[2]), int(m[3]) * 1024)
 
 
+def dry_run_in_process(config: str, ngpu: int, nnodes: int, args: list[str]) -> DryRun:
+    from titan_lite.train import main
+
+    settings = {"DRY_RUN": "1", "NGPU": str(ngpu), "NNODES": str(nnodes)}
+    saved, cwd, out, err = {k: os.environ.get(k) for k in settings}, os.getcwd(), io.StringIO(), io.StringIO()
+    os.environ.update(settings)
+    os.chdir(REPO)
+    start, cpu = time.monotonic(), time.process_time()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["--job.config_file", str(REPO / "train_configs" / config), *args])
+    finally:
+        os.chdir(cwd)
+        for key, value in saved.items():
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+    return DryRun(code, out.getvalue(), err.getvalue(), time.process_time() - cpu, time.monotonic() - start, 0)
+
+
 def assert_plans_fast_and_small(run: DryRun) -> None:
-    # CPU seconds, not wall time: the test machine's cores are shared, the bound is about the planner's own work.
+    # CPU seconds, not wall time: the test machine's cores are shared, the bound is about the planner's own work
+    # (a measured run's host memory too; one in this process has no peak of its own: max_rss_bytes 0).
     assert run.cpu_seconds < 10, f"planning took {run.cpu_seconds:.1f} CPU seconds"
     assert run.max_rss_bytes < 1 * GIB, f"planning used {run.max_rss_bytes / GIB:.2f} GiB of host memory"
 
@@ -88,7 +116,7 @@ def assert_verdict_consistent(run: DryRun, capacity: float) -> None:
 
 
 def test_llama3_8b_fsdp_on_8_ranks(c4_shard):
-    run = dry_run("llama3_8b.toml", c4_shard, ngpu=8)
+    run = dry_run("llama3_8b.toml", c4_shard, ngpu=8, measured=True)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "world 8 = dp_replicate 1 x dp_shard 8 x cp 1 x tp 1 x pp 1" in run.stdout
     assert f"{LLAMA_8B_PARAMS:,} parameters" in run.stdout
@@ -161,7 +189,7 @@ def test_llama3_8b_sheared_pruning_and_its_continued_pretraining_on_2_ranks(c4_s
 
 
 def test_llama3_70b_tp8_pp2_fsdp4_on_64_ranks(c4_shard):
-    run = dry_run("llama3_70b.toml", c4_shard, ngpu=8, nnodes=8)
+    run = dry_run("llama3_70b.toml", c4_shard, ngpu=8, nnodes=8, measured=True)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "world 64 = dp_replicate 1 x dp_shard 4 x cp 1 x tp 8 x pp 2" in run.stdout
     # 80 layers + 1 (embeddings) + 1 (head) = 82 units, 41 per stage: 40 layers each
