@@ -72,7 +72,7 @@ class InstructionFile:
     field is an OpenAI conversation, one with the conversations field a ShareGPT one, any other a prompt/response
     example."""
 
-    DATASET, WHAT = "instruct", "instruction data"  # for error lines (a subclass reads preference pairs)
+    DATASET, WHAT, ROWS = "instruct", "instruction data", ""  # for error lines (a subclass reads preference pairs)
 
     def __init__(self, path: Path, cfg: Instruct, key: str):
         self.path = path
@@ -379,24 +379,27 @@ def _sample(tokens: list[int], trained: list[bool]) -> Sample:
 # ---------------------------------------------------------------- from the config
 
 
-def carves_validation(cfg: JobConfig) -> bool:
-    """Whether validation examples are held out of the training file (validation on instruct data with no file of
-    its own)."""
+def carves_validation(cfg: JobConfig, dataset: str = "instruct") -> bool:
+    """Whether validation examples are held out of the training file (validation on `dataset` with no file of its
+    own)."""
     v = cfg.validation
-    return v.enable and v.dataset == "instruct" and v.dataset_path is None
+    return v.enable and v.dataset == dataset and v.dataset_path is None
 
 
-def instruction_file_and_split(cfg: JobConfig, section: str) -> tuple[InstructionFile, str]:
-    """The file and split that [training] or [validation] reads."""
+def instruction_file_and_split(cfg: JobConfig, section: str, file_class: type["InstructionFile"] | None = None,
+                               settings: Any = None) -> tuple["InstructionFile", str]:
+    """The file and split that [training] or [validation] reads: instruction data, or (file_class, settings) a
+    reader of other rows (preference pairs) and its section."""
+    file_class, settings = file_class or InstructionFile, cfg.instruct if settings is None else settings
     if section == "validation" and cfg.validation.dataset_path is not None:
-        return InstructionFile(Path(cfg.validation.dataset_path), cfg.instruct, "validation.dataset_path"), "all"
+        return file_class(Path(cfg.validation.dataset_path), settings, "validation.dataset_path"), "all"
     if cfg.training.dataset_path is None:
         raise ConfigError("'training.dataset_path' must name a .jsonl, .json or .parquet file (or a saved datasets "
-                          "folder) for dataset 'instruct'")
-    file = InstructionFile(Path(cfg.training.dataset_path), cfg.instruct, "training.dataset_path")
+                          f"folder){file_class.ROWS} for dataset '{file_class.DATASET}'")
+    file = file_class(Path(cfg.training.dataset_path), settings, "training.dataset_path")
     if section == "validation":
         return file, "heldout"
-    return file, "train" if carves_validation(cfg) else "all"
+    return file, "train" if carves_validation(cfg, file_class.DATASET) else "all"
 
 
 def tokenizer_folder(cfg: JobConfig) -> Path | None:

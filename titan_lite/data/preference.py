@@ -13,7 +13,13 @@ from typing import Any
 from titan_lite.config.schema import JobConfig, Preference
 from titan_lite.data.chat import ChatEncoder, Conversation, conversation_of, load_chat_template, openai_turns
 from titan_lite.data.datasets import Sample, packed_sample
-from titan_lite.data.instruct import PAD_DOCUMENT, InstructionFile, in_split, tokenizer_folder
+from titan_lite.data.instruct import (
+    PAD_DOCUMENT,
+    InstructionFile,
+    in_split,
+    instruction_file_and_split,
+    tokenizer_folder,
+)
 from titan_lite.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -63,7 +69,7 @@ class Pair:
 class PreferenceFile(InstructionFile):
     """The pairs of one file (or saved `datasets` folder), in order, read with the instruction files' readers."""
 
-    DATASET, WHAT = "preference", "preference data"
+    DATASET, WHAT, ROWS = "preference", "preference data", " of chosen/rejected pairs"
 
     def __init__(self, path: Path, cfg: Preference, key: str):
         super().__init__(path, cfg, key)
@@ -343,22 +349,9 @@ class PreferenceSource:
 # ---------------------------------------------------------------------------------------------- from the config
 
 
-def carves_preference_validation(cfg: JobConfig) -> bool:
-    v = cfg.validation
-    return v.enable and v.dataset == "preference" and v.dataset_path is None
-
-
 def preference_file_and_split(cfg: JobConfig, section: str) -> tuple[PreferenceFile, str]:
     """The file and split that [training] or [validation] reads."""
-    if section == "validation" and cfg.validation.dataset_path is not None:
-        return PreferenceFile(Path(cfg.validation.dataset_path), cfg.preference, "validation.dataset_path"), "all"
-    if cfg.training.dataset_path is None:
-        raise ConfigError("'training.dataset_path' must name a .jsonl, .json or .parquet file (or a saved datasets "
-                          "folder) of chosen/rejected pairs for dataset 'preference'")
-    file = PreferenceFile(Path(cfg.training.dataset_path), cfg.preference, "training.dataset_path")
-    if section == "validation":
-        return file, "heldout"
-    return file, "train" if carves_preference_validation(cfg) else "all"
+    return instruction_file_and_split(cfg, section, PreferenceFile, cfg.preference)
 
 
 def pair_encoder(cfg: JobConfig, tokenizer) -> PairEncoder:
