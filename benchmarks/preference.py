@@ -25,14 +25,13 @@ import math
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.cli import parser
-from benchmarks.worker import RESULT_PREFIX, machine_busy_seconds, measure, peak_rss_bytes
+from benchmarks.worker import RESULT_PREFIX, alternate, measure, peak_rss_bytes
 from titan_lite.checkpoint.hf import write_hf_folder
 from titan_lite.config import parse_args
 from titan_lite.data.dataloader import split_batch
@@ -207,7 +206,7 @@ def prompt_copies(opts: argparse.Namespace, folder: Path) -> dict:
 
     agree = check_agreement(duplicated, shared, model, tree_forward, tree_logps)
     work = {"duplicated_s": dpo_duplicated, "shared_s": dpo_shared}
-    times = alternate(work, opts)
+    times = alternate(work, opts.warmup, opts.steps)
     tokens = {"duplicated_tokens": [int((d[2] >= 0).sum()) for d in duplicated],
               "shared_tokens": [int(w[0].numel()) for w in shared], "pairs": [len(w[-1]) for w in shared]}
     return times | tokens | {"logps_max_difference": agree}
@@ -270,29 +269,12 @@ def reference_cost(opts: argparse.Namespace, folder: Path) -> dict:
         return 0.0
 
     times = alternate({"dpo_step_s": with_objective(online), "given_step_s": with_objective(given),
-                       "reference_forward_s": forward_alone}, opts)
+                       "reference_forward_s": forward_alone}, opts.warmup, opts.steps)
     held = sum(p.numel() * p.element_size() for part in trainer.model_parts for p in part.parameters())
     reference_parts = getattr(online.frozen, "parts", [])
     if reference_parts and reference_parts[0] is not trainer.model_parts[0]:
         held += sum(p.numel() * p.element_size() for part in reference_parts for p in part.parameters())
     return times | {"reference": opts.reference, "parameter_bytes_held": held}
-
-
-def alternate(work: dict, opts: argparse.Namespace) -> dict:
-    """The named steps alternating, each round in turn order reversed: per-step seconds of each."""
-    for i in range(opts.warmup):
-        for fn in work.values():
-            fn(i)
-    times: dict[str, list[float]] = {name: [] for name in work}
-    busy0, cpu0, wall0 = machine_busy_seconds(), time.process_time(), time.perf_counter()
-    for i in range(opts.warmup, opts.warmup + opts.steps):
-        for name in (list(work) if i % 2 else list(work)[::-1]):
-            start = time.perf_counter()
-            work[name](i)
-            times[name].append(time.perf_counter() - start)
-    busy1 = machine_busy_seconds()
-    return {**times, "losses": [0.0], "wall_s": time.perf_counter() - wall0, "own_cpu_s": time.process_time() - cpu0,
-            "machine_busy_s": None if busy0 is None or busy1 is None else busy1 - busy0}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -192,20 +192,25 @@ def distill_steps(shape: Shape, opts: argparse.Namespace, dump_folder: str) -> d
         return 0.0
     work = {"step_s": with_objective(plain), "distill_step_s": with_objective(distilled),
             "teacher_forward_s": teacher_forward}
-    for i in range(opts.warmup):
+    return alternate(work, opts.warmup, opts.steps) | {"teacher_flavor": opts.teacher or shape.flavor}
+
+
+def alternate(work: dict[str, Callable[[int], object]], warmup: int, steps: int) -> dict:
+    """The named steps alternating in one process, each round in the other order after `warmup` untimed rounds: the
+    seconds of each step by name, with the wall and own CPU time and the machine's busy time over the timed rounds."""
+    for i in range(warmup):
         for fn in work.values():
             fn(i)
     times: dict[str, list[float]] = {name: [] for name in work}
     busy0, cpu0, wall0 = machine_busy_seconds(), time.process_time(), time.perf_counter()
-    for i in range(opts.warmup, opts.warmup + opts.steps):
+    for i in range(warmup, warmup + steps):
         for name in (list(work) if i % 2 else list(work)[::-1]):
             start = time.perf_counter()
             work[name](i)
             times[name].append(time.perf_counter() - start)
     wall, cpu, busy1 = time.perf_counter() - wall0, time.process_time() - cpu0, machine_busy_seconds()
     return {**times, "losses": [0.0], "wall_s": wall, "own_cpu_s": cpu,
-            "machine_busy_s": None if busy0 is None or busy1 is None else busy1 - busy0,
-            "teacher_flavor": opts.teacher or shape.flavor}
+            "machine_busy_s": None if busy0 is None or busy1 is None else busy1 - busy0}
 
 
 # ------------------------------------------------------------------------------------------ wanda
