@@ -26,10 +26,21 @@ def restore_titan_lite_logger():
 RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def restore_rendezvous_environment_after_the_module():
+    """The same around each test file: a module fixture's process group sets these for all of the file's tests, and
+    the next file in the same process (the suite runs each file in one worker) must not find them."""
+    yield from _restoring_rendezvous_environment()
+
+
 @pytest.fixture(autouse=True)
 def restore_rendezvous_environment():
-    """A script or trainer run in the test's process sets MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE for its own
-    single-process group; put them back after each test, so a later test's launches do not rendezvous on that port."""
+    """A test that starts a process group in its own process sets MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE for it;
+    put them back after each test, so a later test's launches do not rendezvous on that port."""
+    yield from _restoring_rendezvous_environment()
+
+
+def _restoring_rendezvous_environment():
     import os
 
     saved = {k: os.environ.get(k) for k in RENDEZVOUS_ENV}
@@ -41,11 +52,21 @@ def restore_rendezvous_environment():
             os.environ[key] = value
 
 
+@pytest.fixture(autouse=True, scope="module")
+def destroy_leftover_process_group_after_the_module():
+    """The same around each test file, for a group a module fixture started and left."""
+    yield from _destroying_a_new_process_group()
+
+
 @pytest.fixture(autouse=True)
 def destroy_leftover_process_group():
     """A Trainer built in the test's process initialises a one-process group and keeps it (run_train.sh's process
     ends there); destroy it after the test, so that a later test in the same process (the suite runs each file's tests
     in one worker) that plans ranks with a fake group, or starts its own, does not find it."""
+    yield from _destroying_a_new_process_group()
+
+
+def _destroying_a_new_process_group():
     import torch.distributed as dist
 
     there = dist.is_available() and dist.is_initialized()  # a module fixture's group is kept for its other tests

@@ -90,8 +90,8 @@ def init_process_group(device: torch.device, timeout_s: int) -> None:
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
         return
     # plain `python -m titan_lite.train`, a script, run_train.sh's one rank: a group of one on an in-memory store, so
-    # no port is taken (a MASTER_ADDR/MASTER_PORT exported for another job, e.g. in a SLURM script, is not used)
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
+    # no port is taken (a MASTER_ADDR/MASTER_PORT exported for another job, e.g. in a SLURM script, is not used); the
+    # environment is left as it is (RANK, WORLD_SIZE absent read as 0 and 1)
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
                             timeout=timedelta(seconds=timeout_s), **kwargs)
 
