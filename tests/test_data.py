@@ -177,7 +177,7 @@ def microbatches(folder: Path, local: int, degree: int, accumulation: int, rank:
                  num_workers: int = 0, state: dict | None = None):
     """`steps` global batches' microbatches of one rank, and the loader (to read its state)."""
     loader = build_dataloader("jsonl", str(folder), TOK, SEQ, BatchLayout(local, rank, degree, accumulation),
-                              LoaderOptions(num_workers=num_workers))
+                              LoaderOptions(num_workers=num_workers, start_method="forkserver"))
     if state is not None:
         loader.load_state_dict(pickle.loads(pickle.dumps(state)))  # as a checkpoint would store it
     return list(itertools.islice(iter(loader), steps * accumulation)), loader

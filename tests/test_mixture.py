@@ -106,7 +106,8 @@ def read_global_batches(loader: DataLoader, it, n: int) -> list[tuple[torch.Tens
 def test_loader_restarts_exactly_after_a_weight_change(workers):
     """A weight change between global batches drops what was read ahead (workers, prefetch) with the old weights:
     the batches after it equal those of a loader restarted from the checkpointed position with the new weights."""
-    layout, options = BatchLayout(2, 0, 1, accumulation=2), LoaderOptions(num_workers=workers)
+    layout = BatchLayout(2, 0, 1, accumulation=2)
+    options = LoaderOptions(num_workers=workers, start_method="forkserver")
     loader = DataLoader(mixture([0.9, 0.1], seed=1), layout, options)
     it = iter(loader)
     read_global_batches(loader, it, 2)

@@ -108,6 +108,9 @@ class LoaderOptions:
     pin_memory: bool = False
     persistent_workers: bool = False
     prefetch_factor: int | None = None
+    # How worker processes start: None = the multiprocessing default (fork on Linux). The tests start theirs from a
+    # forkserver: forking a pytest-xdist worker, whose threads may hold a lock at that moment, once hung a worker.
+    start_method: str | None = None
 
 
 class DataLoader:
@@ -150,7 +153,8 @@ class DataLoader:
         o = self.options
         return StatefulDataLoader(self.dataset, batch_size=self.layout.local_batch, collate_fn=self.collate,
                                   num_workers=o.num_workers, pin_memory=o.pin_memory,
-                                  persistent_workers=o.persistent_workers, prefetch_factor=o.prefetch_factor)
+                                  persistent_workers=o.persistent_workers, prefetch_factor=o.prefetch_factor,
+                                  multiprocessing_context=o.start_method if o.num_workers > 0 else None)
 
     def state_dict(self) -> dict[str, Any]:
         if self.microbatches % self.layout.accumulation:
