@@ -3,9 +3,10 @@
 # pytest). A ruff finding fails the command before any test runs.
 #   ./scripts/run_tests.sh            the whole suite (CI runs exactly this via .ci/run)
 #   ./scripts/run_tests.sh --quick    the tests not marked slow: the unit tests, for iteration
-# Tests run on one pytest worker per core (pytest-xdist; each test file stays on one worker, so a file's fixtures are
-# built once): most tests use one thread (OMP_NUM_THREADS=1). TITAN_LITE_TEST_WORKERS=N sets the number of workers;
-# 0 or 1 runs them in this process.
+# Tests run on one pytest worker per core (pytest-xdist; each worker starts with a contiguous share of the tests, so
+# most of a file's tests share its fixtures, and an idle worker takes over part of a busy one's queue): most tests use
+# one thread (OMP_NUM_THREADS=1). TITAN_LITE_TEST_WORKERS=N sets the number of workers; 0 or 1 runs them in this
+# process.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # titan_lite is importable from the checkout even when the python is not the project's .venv.
@@ -24,7 +25,7 @@ if ! [[ "$workers" =~ ^[0-9]+$ ]]; then
   exit 2
 fi
 if [ "$workers" -gt 1 ]; then
-  args=(-n "$workers" --dist loadfile "${args[@]+"${args[@]}"}")
+  args=(-n "$workers" --dist worksteal "${args[@]+"${args[@]}"}")
 fi
 "$PYTHON" -m ruff check titan_lite scripts tests benchmarks || { echo "ruff check failed: fix the findings above" >&2; exit 1; }
 exec "$PYTHON" -m pytest -q tests "${args[@]+"${args[@]}"}"
