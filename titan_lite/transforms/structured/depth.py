@@ -47,20 +47,25 @@ def _accumulate(sums: Tensor, index: int, module: nn.Module, args: tuple, output
 
 
 @torch.no_grad()
+def calibration_forwards(runner: ModelRunner, batches: list[tuple[Tensor, Tensor]], method: str) -> None:
+    """The model's forward over every calibration batch (its hooks observe), eager, with a progress line each."""
+    model, begin = runner.model_parts[0], time.monotonic()
+    with torch.compiler.set_stance("force_eager"):  # compiled blocks would recompile for calibration shapes
+        for i, (inputs, labels) in enumerate(batches, start=1):
+            inputs, _ = runner.shard(inputs, labels)
+            with runner.context():
+                runner.logits(model, inputs, {})
+            logger.info(f"{method}: calibration batch {i}/{len(batches)} ({time.monotonic() - begin:.1f}s)")
+
+
 def block_influence(runner: ModelRunner, batches: list[tuple[Tensor, Tensor]], device: torch.device) -> list[float]:
     """BI of every block (in the model's layer order) over every rank's calibration batches (a collective)."""
     model = runner.model_parts[0]
     blocks = list(model.layers.values())
     sums = torch.zeros(2, len(blocks), dtype=torch.float64, device=device)
     handles = [block.register_forward_hook(partial(_accumulate, sums, i)) for i, block in enumerate(blocks)]
-    begin = time.monotonic()
     try:
-        with torch.compiler.set_stance("force_eager"):  # compiled blocks would recompile for calibration shapes
-            for i, (inputs, labels) in enumerate(batches, start=1):
-                inputs, _ = runner.shard(inputs, labels)
-                with runner.context():
-                    runner.logits(model, inputs, {})
-                logger.info(f"depth: calibration batch {i}/{len(batches)} ({time.monotonic() - begin:.1f}s)")
+        calibration_forwards(runner, batches, "depth")
     finally:
         for handle in handles:
             handle.remove()

@@ -11,7 +11,6 @@ the same as others), so every rank ranks the same numbers.
 """
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +26,7 @@ from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.runner import ModelRunner
 from titan_lite.transforms.base import PassPlan
 from titan_lite.transforms.pruning.memory_plan import Precision, block_forward_bytes, format_bytes, weight_bytes
-from titan_lite.transforms.structured.depth import two_groups_gathered
+from titan_lite.transforms.structured.depth import calibration_forwards, two_groups_gathered
 
 logger = logging.getLogger("titan_lite")
 EXPERT_SCORES = ("reap", "frequency")
@@ -123,14 +122,8 @@ def expert_sums(runner: ModelRunner, batches: list[tuple[Tensor, Tensor]], devic
     """The sums over every rank's calibration batches (a collective)."""
     model = runner.model_parts[0]
     observer = ExpertObserver(runner.model_parts, device)
-    begin = time.monotonic()
     try:
-        with torch.compiler.set_stance("force_eager"):  # compiled blocks would recompile for calibration shapes
-            for i, (inputs, labels) in enumerate(batches, start=1):
-                inputs, _ = runner.shard(inputs, labels)
-                with runner.context():
-                    runner.logits(model, inputs, {})
-                logger.info(f"reap: calibration batch {i}/{len(batches)} ({time.monotonic() - begin:.1f}s)")
+        calibration_forwards(runner, batches, "reap")
     finally:
         observer.close()
     if isinstance(model, FSDPModule):
