@@ -720,14 +720,10 @@ class Preference:
         "file's pairs (evenly spread, the same every run) is held out for validation and never trained on.")
 
 
-def reads_preference(cfg: "JobConfig") -> bool:
-    """Whether a run reads [preference]: its training data, or its validation data (validation on), is 'preference'."""
-    return cfg.training.dataset == "preference" or (cfg.validation.enable and cfg.validation.dataset == "preference")
-
-
-def reads_instruct(cfg: "JobConfig") -> bool:
-    """Whether a run reads [instruct]: its training data, or its validation data (validation on), is 'instruct'."""
-    return cfg.training.dataset == "instruct" or (cfg.validation.enable and cfg.validation.dataset == "instruct")
+def reads_dataset(name: str) -> Callable[[Any], bool]:
+    """Whether a run reads a dataset's section: its training data, or its validation data (validation on), is
+    `name` ([instruct], [preference])."""
+    return lambda cfg: cfg.training.dataset == name or (cfg.validation.enable and cfg.validation.dataset == name)
 
 
 # What a setting made while its section's switch is off gets (config/gates.py): a warning on the sections that are
@@ -756,7 +752,8 @@ class JobConfig:
     instruct: Instruct = section(Instruct, "Instruction data (training.dataset / validation.dataset = "
                                            "\"instruct\"): fields, prompt template, packing, held-out split.",
                                  read_when=ReadWhen(
-                                     "'training.dataset' or 'validation.dataset' is 'instruct'", reads_instruct,
+                                     "'training.dataset' or 'validation.dataset' is 'instruct'",
+                                     reads_dataset("instruct"),
                                      "set --training.dataset instruct (or --validation.dataset instruct)"))
     debug: Debug = section(Debug, "Seeds and determinism.")
     dry_run: DryRun = section(DryRun, "DRY_RUN=1 planning options.")
@@ -770,7 +767,7 @@ class JobConfig:
                                                  "\"preference\"): DPO and its reference-free cousins.",
                                      read_when=ReadWhen(
                                          "'training.dataset' or 'validation.dataset' is 'preference'",
-                                         reads_preference, "set --training.dataset preference"))
+                                         reads_dataset("preference"), "set --training.dataset preference"))
     memory_estimation: MemoryEstimation = section(MemoryEstimation, "torchtitan memory estimation (see DRY_RUN).",
                                                   inert=True)
     fault_tolerance: FaultTolerance = section(FaultTolerance, "torchft (not supported).", inert=True)
