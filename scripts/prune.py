@@ -406,11 +406,12 @@ def depth_config(opts: argparse.Namespace, device_type: str) -> JobConfig:
     return job_config(opts.hf_assets_path, opts.flavor, dtype, opts.seq_len, opts.tp, extra)
 
 
-def depth_plan(plan: JobPlan, cfg: JobConfig, opts: argparse.Namespace) -> PassPlan:
-    """The scoring pass's memory on rank 0 of the plan's world, for an accelerator (parts on the meta device)."""
+def scoring_plan(plan: JobPlan, cfg: JobConfig, opts: argparse.Namespace, pass_plan) -> PassPlan:
+    """A scoring pass's memory (depth_pass_plan, reap_pass_plan) on rank 0 of the plan's world, for an accelerator
+    (parts on the meta device)."""
     def of(parts, dims):
         p = precision(cfg, dims, "cuda", getattr(torch, cfg.training.dtype))
-        return depth_pass_plan(plan.model_args, dims, parts, opts.nsamples, opts.batch_size, opts.seq_len, p)
+        return pass_plan(plan.model_args, dims, parts, opts.nsamples, opts.batch_size, opts.seq_len, p)
     return with_rank_parts(plan, 0, of)
 
 
@@ -422,7 +423,7 @@ def estimate_depth(opts: argparse.Namespace) -> None:
     check_dense(plan.model_args, "depth")
     check_removal_count(opts, plan.model_args.n_layers)
     capacity = device_memory_gib(cfg)
-    scoring = depth_plan(plan, cfg, opts)
+    scoring = scoring_plan(plan, cfg, opts, depth_pass_plan)
     print(f"{cfg.model.flavor}: {plan.full_param_count():,} parameters, {plan.model_args.n_layers} blocks; depth, "
           f"{opts.nsamples} x {opts.seq_len} calibration tokens in batches of {opts.batch_size}; "
           f"{plan.parallel_dims.describe()}; {cfg.training.dtype}")
@@ -507,14 +508,6 @@ def check_reap_options(opts: argparse.Namespace) -> None:
         check_text_data("--calib_path", opts.calib_path)
 
 
-def reap_plan(plan: JobPlan, cfg: JobConfig, opts: argparse.Namespace) -> PassPlan:
-    """The scoring pass's memory on rank 0 of the plan's world, for an accelerator (parts on the meta device)."""
-    def of(parts, dims):
-        p = precision(cfg, dims, "cuda", getattr(torch, cfg.training.dtype))
-        return reap_pass_plan(plan.model_args, dims, parts, opts.nsamples, opts.batch_size, opts.seq_len, p)
-    return with_rank_parts(plan, 0, of)
-
-
 def model_source(opts: argparse.Namespace) -> str:
     return f"flavor '{opts.flavor}'" if opts.flavor else f"'{opts.hf_assets_path}'"
 
@@ -527,7 +520,7 @@ def estimate_reap(opts: argparse.Namespace) -> None:
     args = plan.model_args
     kept = check_reap_model(args, opts.expert_ratio, model_source(opts))
     capacity = device_memory_gib(cfg)
-    scoring = reap_plan(plan, cfg, opts)
+    scoring = scoring_plan(plan, cfg, opts, reap_pass_plan)
     print(f"{cfg.model.flavor}: {plan.full_param_count():,} parameters, {len(args.moe_layers)} MoE layers of "
           f"{args.n_experts} experts -> {kept}; REAP ({opts.expert_score}), {opts.nsamples} x {opts.seq_len} "
           f"calibration tokens in batches of {opts.batch_size}; {plan.parallel_dims.describe()}; {cfg.training.dtype}")
