@@ -450,7 +450,8 @@ def run_command(name: str, command: Command) -> str:
     start = time.monotonic()
     plan = DRY_RUN_LINE.fullmatch(command.line)
     if plan is not None:
-        code, output = run_plan(int(plan.group(1)), plan.group(2), shlex.split(plan.group(3)))
+        code, out, err = run_plan(int(plan.group(1)), plan.group(2), shlex.split(plan.group(3)))
+        output = out + err  # as a subprocess's output is kept: stdout, then stderr
     else:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
         result = subprocess.run(["bash", "-c", command.line], cwd=REPO, env=env, capture_output=True, text=True)
@@ -464,21 +465,22 @@ def run_command(name: str, command: Command) -> str:
     return output
 
 
-def run_plan(ngpu: int, config: str, args: list[str]) -> tuple[int, str]:
-    """What `DRY_RUN=1 NGPU=ngpu CONFIG_FILE=config ./run_train.sh args` prints and its exit code, from
-    titan_lite.train.main in this process (the module run_train.sh execs for a plan): the same lines without a fresh
-    Python and torch per plan, which the suite's figure check would otherwise start twenty times. It sets the
-    process's environment, working folder and standard streams while it runs: call it from one thread, alone."""
+def run_plan(ngpu: int, config: str, args: list[str], nnodes: int = 1) -> tuple[int, str, str]:
+    """What `DRY_RUN=1 NGPU=ngpu NNODES=nnodes CONFIG_FILE=config ./run_train.sh args` exits with and prints on
+    stdout and stderr, from titan_lite.train.main in this process (the module run_train.sh execs for a plan): the same
+    lines without a fresh Python and torch per plan, which the suite's figure check would otherwise start twenty
+    times. It sets the process's environment, working folder and standard streams while it runs: call it from one
+    thread, alone. (tests/test_dry_run.py plans through it too.)"""
     from titan_lite.train import main as train_main
 
-    settings = {"DRY_RUN": "1", "NGPU": str(ngpu), "NNODES": "1"}
+    settings = {"DRY_RUN": "1", "NGPU": str(ngpu), "NNODES": str(nnodes)}
     log = logging.getLogger("titan_lite")
     saved_env = {k: os.environ.get(k) for k in settings}
-    saved_log, cwd, out = (list(log.handlers), log.level, log.propagate), os.getcwd(), io.StringIO()
+    saved_log, cwd, out, err = (list(log.handlers), log.level, log.propagate), os.getcwd(), io.StringIO(), io.StringIO()
     os.environ.update(settings)
     os.chdir(REPO)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = train_main(["--job.config_file", config, *args])
     finally:
         os.chdir(cwd)
@@ -486,7 +488,7 @@ def run_plan(ngpu: int, config: str, args: list[str]) -> tuple[int, str]:
             os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
         log.handlers[:], log.propagate = saved_log[0], saved_log[2]
         log.setLevel(saved_log[1])
-    return code, out.getvalue()
+    return code, out.getvalue(), err.getvalue()
 
 
 def saved_output(name: str) -> str:

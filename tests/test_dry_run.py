@@ -1,8 +1,6 @@
 """DRY_RUN=1 through ./run_train.sh: full-size plans, their printed numbers, verdicts, errors, time and memory."""
 
-import contextlib
 import gzip
-import io
 import json
 import os
 import re
@@ -14,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_readme_figures import load_script
+
 REPO = Path(__file__).resolve().parents[1]
+FIGURES = load_script()  # scripts/update_readme_figures.py: its run_plan runs a plan in this process
 GIB = 1024**3
 LLAMA_8B_PARAMS = 8_030_261_248
 LLAMA_70B_PARAMS = 70_553_706_496
@@ -83,21 +84,9 @@ def dry_run(config: str, shard: Path, ngpu: int, nnodes: int = 1, extra: tuple[s
 
 
 def dry_run_in_process(config: str, ngpu: int, nnodes: int, args: list[str]) -> DryRun:
-    from titan_lite.train import main
-
-    settings = {"DRY_RUN": "1", "NGPU": str(ngpu), "NNODES": str(nnodes)}
-    saved, cwd, out, err = {k: os.environ.get(k) for k in settings}, os.getcwd(), io.StringIO(), io.StringIO()
-    os.environ.update(settings)
-    os.chdir(REPO)
     start, cpu = time.monotonic(), time.process_time()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(["--job.config_file", str(REPO / "train_configs" / config), *args])
-    finally:
-        os.chdir(cwd)
-        for key, value in saved.items():
-            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
-    return DryRun(code, out.getvalue(), err.getvalue(), time.process_time() - cpu, time.monotonic() - start, 0)
+    code, out, err = FIGURES.run_plan(ngpu, str(REPO / "train_configs" / config), args, nnodes)
+    return DryRun(code, out, err, time.process_time() - cpu, time.monotonic() - start, 0)
 
 
 def assert_plans_fast_and_small(run: DryRun) -> None:
