@@ -4,6 +4,7 @@ CPOTrainer's loss for cDPO and SimPO; ORPOTrainer's odds ratio for ORPO), and so
 log-probabilities hold no float32 [tokens, vocab] copy; the reference 'base' equals an explicit frozen copy of the
 base, and DPO with fresh adapters starts at ln 2; a precomputed reference resumes exactly; bad settings are one line."""
 
+import logging
 import math
 import types
 import warnings
@@ -455,3 +456,17 @@ def test_a_reference_that_is_a_file_is_named_as_one(tmp_path):
     assert str(error.value) == (
         f"'preference.reference' = '{weights}' is a file; the reference must be a folder: a Hugging Face folder "
         "(config.json and safetensors) or a DCP step folder of a titan_lite run (or 'base')")
+
+
+def test_the_reference_precomputation_says_what_it_reads_before_its_first_batch(tmp_path, caplog):
+    """Tokenizing and packing thousands of pairs before the first batch takes a minute: it is announced, then
+    reported every few seconds, never silent."""
+    from tests.test_preference_data import PAIRS, TOK, config, source, write_jsonl
+    from titan_lite.objective.reference_pass import _read_windows
+
+    path = write_jsonl(tmp_path / "d.jsonl", PAIRS)
+    with caplog.at_level(logging.INFO, logger="titan_lite"):
+        windows = _read_windows(source(config(path), TOK), "reference log-probabilities (training)", every_s=0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == f"reference log-probabilities (training): reading, tokenizing and packing the pairs of '{path}'"
+    assert lines[-1] == f"reference log-probabilities (training): {len(windows)} windows of pairs packed so far"

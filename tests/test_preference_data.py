@@ -259,6 +259,20 @@ def test_what_a_newcomer_got_wrong_is_named_as_it_is(tmp_path: Path, caplog):
         "seq_len)")
 
 
+def test_the_first_pair_of_a_kind_is_named_once(tmp_path: Path, caplog):
+    """The check before launch reads up to the first usable pair quietly; training, and a second pass over the same
+    file (the reference precomputation's), name the first cut pair once."""
+    from titan_lite.job.plan import check_section_data
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "c" * 40, "chosen": " y", "rejected": " z"}, *PAIRS[:8]])
+    cfg = config(path)
+    with caplog.at_level(logging.WARNING, logger="titan_lite"):
+        check_section_data(cfg, "training", TOK)
+        for _ in range(2):
+            list(source(cfg).encoded())
+    assert caplog.text.count("d.jsonl:1: pair cut to fit seq_len + 1 = 65 tokens") == 1, caplog.text
+
+
 def parse_and_validate(argv: list[str]) -> None:
     validate(parse_args(argv))
 

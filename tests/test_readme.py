@@ -6,6 +6,7 @@ its own output folder."""
 
 import importlib
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -190,3 +191,17 @@ def test_each_training_example_writes_its_own_folder():
         assert folder not in owners, f"documented examples share {folder}: '{owners[folder]}' and '{command}'"
         owners[folder] = command
     assert len(owners) >= 15 and "outputs/debug" in owners
+
+
+def test_the_preference_row_the_guide_quotes_is_the_one_its_commands_write(tmp_path, capsys):
+    """docs/preference.md shows a row of its CPU example: the commands given there (the first conversations of the
+    seeded generators are the same whatever their count) write exactly that row."""
+    text = (REPO / "docs" / "preference.md").read_text()
+    quoted = re.search(r"the second row of the CPU example below: `(\{.*?\})`", text, flags=re.S).group(1)
+    chat, pairs = tmp_path / "chat.jsonl", tmp_path / "pairs.jsonl"
+    assert load_script("make_synthetic_chat").main(["--output", str(chat), "--num_conversations", "2",
+                                                    "--seed", "0"]) == 0
+    assert load_script("make_synthetic_preferences").main(["--chat", str(chat), "--output", str(pairs),
+                                                           "--seed", "0"]) == 0
+    capsys.readouterr()
+    assert json.loads(quoted.replace("\n  ", " ")) == json.loads(pairs.read_text().splitlines()[1])
