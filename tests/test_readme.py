@@ -205,3 +205,17 @@ def test_the_preference_row_the_guide_quotes_is_the_one_its_commands_write(tmp_p
                                                            "--seed", "0"]) == 0
     capsys.readouterr()
     assert json.loads(quoted.replace("\n  ", " ")) == json.loads(pairs.read_text().splitlines()[1])
+
+
+def test_the_front_door_fine_tunes_a_downloaded_model():
+    """README.md shows the path from a Hugging Face repo to a trained, exported adapter: the download, a LoRA run
+    that starts from the folder it downloads into, and where the Wanda example's model and C4 shard come from."""
+    text = (REPO / "README.md").read_text()
+    scripts = [(name, args) for name, args in readme_script_commands() if name == "download_hf_assets"]
+    assert ("download_hf_assets", ["meta-llama/Llama-3.2-1B", "--include", "weights"]) in scripts
+    runs = [args for _, args in readme_train_commands() if "--checkpoint.initial_load_in_hf" in args]
+    front = next(args for args in runs if args[args.index("--model.hf_assets_path") + 1] == "assets/hf/Llama-3.2-1B")
+    cfg = parse_args(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), *front])
+    assert cfg.model.converters == ["lora"] and cfg.checkpoint.last_save_in_hf and cfg.checkpoint.enable
+    assert text.index("## Fine-tune a Hugging Face model") < text.index("## What works")
+    assert "hf download allenai/c4 en/c4-train.00000-of-01024.json.gz --repo-type dataset --local-dir /data/c4" in text
