@@ -362,6 +362,17 @@ def test_the_data_generators_never_overwrite_a_users_file(tmp_path, capsys):
     assert code == 0 and len(mine.read_text().splitlines()) == 3
 
 
+def test_a_pruning_estimate_warns_about_no_setting_the_user_never_made(capsys):
+    """prune.py --estimate_only (Wanda's config, and depth's and REAP's) prints its plan without a word on
+    checkpoint keys."""
+    tokenizer = str(REPO / "assets" / "tokenizer")
+    for argv in (["--flavor", "tiny"], ["--flavor", "tiny_moe", "--method", "reap", "--expert_ratio", "0.5"]):
+        code, out, err = run("prune", [*argv, "--hf_assets_path", tokenizer, "--estimate_only", "--nsamples", "2",
+                                       "--seq_len", "16", "--device_memory_gib", "24"], capsys)
+        assert code == 0 and out.strip().splitlines()[-1].startswith("estimate: peak "), out + "\n".join(err)
+        assert "WARNING" not in out + "\n".join(err), err
+
+
 # ------------------------------------------------------------------------------------------------- help
 
 
