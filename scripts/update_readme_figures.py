@@ -5,7 +5,7 @@ estimates: seconds) run by default, and the test suite runs them (tests/test_rea
 training examples (minutes).
 
     .venv/bin/python scripts/update_readme_figures.py --check            # the quick figures: exit 1 on a difference
-    .venv/bin/python scripts/update_readme_figures.py --check --slow     # every figure (the REAP example alone: 32 minutes on 2 busy cores)
+    .venv/bin/python scripts/update_readme_figures.py --check --slow     # every figure (REAP: 32 min, 2 busy cores)
     .venv/bin/python scripts/update_readme_figures.py --check --slow --only reap_example   # one command's figures
     .venv/bin/python scripts/update_readme_figures.py --slow             # run them all, write what they print
     .venv/bin/python scripts/update_readme_figures.py --slow --from_logs # again from their saved output, no runs
