@@ -194,8 +194,10 @@ def ratios_of(case: Case, result: dict) -> list[dict]:
 # ---------------------------------------------------------------------------------------- report
 
 
-def table(results: list[dict], peak_gflops: float) -> str:
-    lines = [f"fp32 matmul peak (median): {peak_gflops:.1f} GFLOP/s"]
+def table(results: list[dict], peak_gflops: float | None) -> str:
+    """The results table; `peak_gflops` None when no case trains (the peak is measured for MFU only)."""
+    lines = [f"fp32 matmul peak (median): {peak_gflops:.1f} GFLOP/s" if peak_gflops is not None else
+             "fp32 matmul peak: not measured (no case here trains; it is what MFU is measured against)"]
     for res in results:
         cols = res["columns"]
         lines.append("")
@@ -267,9 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         result = run_case(case, settings, opts, peaks)
         result["ratios"] = []
         results.append((case, result))
-    peak = statistics.median(peaks) if peaks else float("nan")
+    peak = statistics.median(peaks) if peaks else None
     for case, result in results:
-        add_mfu(result, peak)
+        if peak is not None:
+            add_mfu(result, peak)
         result["ratios"] = ratios_of(case, result)
     load_after = machine_load()
     results = [r for _, r in results]

@@ -21,7 +21,8 @@ from titan_lite.checkpoint.dcp import read_dcp_model
 from titan_lite.checkpoint.hf import check_state_dict, read_hf_folder, write_hf_folder
 from titan_lite.errors import ConfigError
 from titan_lite.job.cli import ScriptParser
-from titan_lite.job.script import atomic_folder, check_output_folder, run_script
+from titan_lite.job.outputs import FOLDER_HELP, output_folder
+from titan_lite.job.script import check_output_folder, run_script
 from titan_lite.models.llama.args import LlamaArgs, flavor_args
 from titan_lite.models.llama.hf import args_from_hf_config, read_hf_config
 
@@ -39,8 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             ("hf-to-dcp", "a Hugging Face folder -> a titan_lite DCP checkpoint (model only)")):
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=parser.formatter_class)
         p.add_argument("input", help="the folder to read")
-        p.add_argument("output", help="the folder to write (a new or empty folder, or one titan_lite wrote, which "
-                                      "is replaced; any other is refused)")
+        p.add_argument("output", help=f"the folder to write: {FOLDER_HELP}")
         source = p.add_mutually_exclusive_group()
         source.add_argument("--flavor", help="model flavor (titan_lite.models.llama.FLAVORS)")
         source.add_argument("--hf_config", help="an HF config.json describing the model")
@@ -87,7 +87,7 @@ def write_dcp_model(sd: dict[str, torch.Tensor], folder: str, prefix: str) -> No
         state = {prefix[:-1]: sd}  # nested, as the manager saves it; DCP flattens it to "<prefix><fqn>"
     else:
         state = {prefix + name: tensor for name, tensor in sd.items()}
-    with atomic_folder(folder) as partial:
+    with output_folder("output", folder) as partial:
         dcp.save(state, checkpoint_id=str(partial), no_dist=True)
 
 
@@ -118,7 +118,7 @@ def dcp_to_hf(opts: argparse.Namespace) -> None:
     check_state_dict(sd, args, opts.input)
     dtype = output_dtype(opts, sd)
     print(f"writing {opts.output}", flush=True)
-    with atomic_folder(opts.output) as partial:
+    with output_folder("output", opts.output) as partial:
         write_hf_folder(sd, args, str(partial), dtype, opts.assets, int(opts.max_shard_gb * 2**30))
     print(f"wrote {opts.output} ({_dtype_name(dtype)})")
 

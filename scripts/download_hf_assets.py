@@ -5,7 +5,7 @@
     .venv/bin/python scripts/download_hf_assets.py HuggingFaceTB/SmolLM2-135M --all --exclude 'onnx/*'
 
 Needs `.venv/bin/pip install huggingface_hub`. Gated repos (Meta's Llama) need an account with access: run
-`huggingface-cli login` or set HF_TOKEN. The folder must be new, empty, or a download of the same repo (to add files
+`.venv/bin/hf auth login` or set HF_TOKEN. The folder must be new, empty, or a download of the same repo (to add files
 or resume): files are never mixed into another folder.
 """
 
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_lite.errors import ConfigError, pip_install
 from titan_lite.job.cli import ScriptParser
-from titan_lite.job.outputs import OUTPUT_MARKER, check_replaceable, mark_written
+from titan_lite.job.outputs import OUTPUT_MARKER, check_replaceable, mark_written, written_files
 
 # Named groups accepted by --include besides glob patterns.
 FILE_GROUPS = {
@@ -29,7 +29,7 @@ FILE_GROUPS = {
     "weights": ["*.safetensors", "model.safetensors.index.json"],
 }
 DEFAULT_GROUPS = ("config", "tokenizer")
-LOGIN_HINT = "run `huggingface-cli login` or set HF_TOKEN"
+LOGIN_HINT = "run `.venv/bin/hf auth login` or set HF_TOKEN"
 
 
 class DownloadError(Exception):
@@ -146,12 +146,19 @@ def download(plan: Plan) -> Path:
     return Path(path)
 
 
+def entries(folder: Path) -> list[str]:
+    return [p.name for p in folder.iterdir() if p.name != OUTPUT_MARKER] if folder.is_dir() else []
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         plan = build_plan(parse_args(argv))
         check_local_dir(plan)
+        before = set(entries(plan.local_dir))
+        recorded = written_files(plan.local_dir) or set()
         path = download(plan)
-        mark_written(path, repo_id=plan.repo_id, revision=plan.revision)
+        # the marker lists what the downloads brought, never a file that was there before them and not theirs
+        mark_written(path, recorded | (set(entries(path)) - before), repo_id=plan.repo_id, revision=plan.revision)
     except DownloadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -68,7 +68,9 @@ def evaluate(opts: argparse.Namespace) -> None:
     windows = text_windows(plan.tokenizer.encode(read_text(opts.data), bos=True, eos=False), opts.seq_len,
                            opts.max_windows)
     if is_rank0():
-        print(f"evaluating {windows.shape[0]} windows of {opts.seq_len} tokens from {opts.data} "
+        model = opts.hf_assets_path + (f" + {opts.checkpoint}" if opts.checkpoint else "") + \
+            (f" + {opts.adapter}" if opts.adapter else "")
+        print(f"evaluating {model} on {windows.shape[0]} windows of {opts.seq_len} tokens from {opts.data} "
               f"({plan.parallel_dims.describe()}, {dtype})", flush=True)
     result = evaluate_perplexity(built.runner, windows, plan.parallel_dims, device, opts.batch_size)
     if is_rank0():

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from titan_lite.data.tokenizer import LLAMA3_PATTERN, byte_level_alphabet, parse_tiktoken_file
 from titan_lite.errors import ConfigError
 from titan_lite.job.cli import ScriptParser
-from titan_lite.job.outputs import check_output_file, check_replaceable, mark_written
+from titan_lite.job.outputs import FOLDER_HELP, check_output_file, check_replaceable, output_folder, write_output_file
 
 BUNDLED_TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tokenizer" / "tokenizer.model"
 CHATML_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -100,10 +100,9 @@ def chat_tokenizer_folder(folder: Path) -> Path:
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
               "pad_token": "<|endoftext|>", "clean_up_tokenization_spaces": False, "model_max_length": 2048,
               "chat_template": CHATML_TEMPLATE}
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    mark_written(folder)
+    with output_folder("--tokenizer_output", folder) as partial:
+        (partial / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+        (partial / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return folder
 
 
@@ -113,7 +112,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num_conversations", type=int, default=3000, help="conversations to write")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--max_count", type=int, default=9, help="counts and changes are 0..max_count")
-    parser.add_argument("--tokenizer_output", help="also write the ChatML tokenizer folder of the CPU chat example")
+    parser.add_argument("--tokenizer_output", help="also write the ChatML tokenizer folder of the CPU chat example: "
+                                                   f"{FOLDER_HELP}")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --output that holds something else (by default it is refused; one "
+                             "that already holds exactly what this command writes is left as it is)")
     return parser.parse_args(argv)
 
 
@@ -137,14 +140,18 @@ def main(argv: list[str] | None = None) -> int:
         conversations.append(make_conversation(rng, opts.max_count))
         if (i + 1) % max(1, opts.num_conversations // 4) == 0:
             print(f"{i + 1}/{opts.num_conversations} conversations", flush=True)
-    out = Path(opts.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations))
+    try:
+        written = write_output_file("--output", opts.output,
+                                    "".join(json.dumps({"messages": m}) + "\n" for m in conversations), opts.overwrite)
+        tokenizer = f"; ChatML tokenizer folder {chat_tokenizer_folder(Path(opts.tokenizer_output))}" \
+            if opts.tokenizer_output else ""
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     turns = sum(len(m) for m in conversations)
-    tokenizer = f"; ChatML tokenizer folder {chat_tokenizer_folder(Path(opts.tokenizer_output))}" \
-        if opts.tokenizer_output else ""
-    print(f"wrote {len(conversations)} conversations ({turns} turns; counts 0..{opts.max_count}; seed {opts.seed}) "
-          f"to {out}{tokenizer}")
+    what = f"{len(conversations)} conversations ({turns} turns; counts 0..{opts.max_count}; seed {opts.seed})"
+    print((f"wrote {what} to {opts.output}" if written else f"{opts.output} already holds {what}: left as it is")
+          + tokenizer)
     return 0
 
 

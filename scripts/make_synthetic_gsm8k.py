@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_lite.errors import ConfigError
 from titan_lite.job.cli import ScriptParser
-from titan_lite.job.outputs import check_output_file
+from titan_lite.job.outputs import check_output_file, write_output_file
 
 NAMES = ("Tom", "Sara", "Ali", "Mia", "Ben", "Lea")
 ITEMS = ("apples", "pens", "books", "coins", "cards", "eggs")
@@ -75,6 +75,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max_operand", type=int, default=9, help="operands are 0..max_operand")
     parser.add_argument("--ops", default="add,sub", help="comma-separated operations among add, sub, mul "
                                                          "(default add,sub)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --output that holds something else (by default it is refused; one "
+                             "that already holds exactly what this command writes is left as it is)")
     return parser.parse_args(argv)
 
 
@@ -105,11 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     problems = make_problems(opts.num_problems, opts.seed, opts.max_operand, ops,
                              progress=lambda n: print(f"{n}/{opts.num_problems} problems", flush=True))
-    out = Path(opts.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(p.record()) + "\n" for p in problems))
-    print(f"wrote {len(problems)} problems ({', '.join(ops)}; operands 0..{opts.max_operand}; seed {opts.seed}) "
-          f"to {out}")
+    try:
+        written = write_output_file("--output", opts.output, "".join(json.dumps(p.record()) + "\n" for p in problems),
+                                    opts.overwrite)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    what = f"{len(problems)} problems ({', '.join(ops)}; operands 0..{opts.max_operand}; seed {opts.seed})"
+    print(f"wrote {what} to {opts.output}" if written else f"{opts.output} already holds {what}: left as it is")
     return 0
 
 

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_lite.errors import ConfigError
 from titan_lite.job.cli import ScriptParser
+from titan_lite.job.outputs import check_not_input, check_output_file, write_output_file
 
 NUMBER = re.compile(r"\d+")
 
@@ -38,6 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kind", choices=["follow", "count"], default="follow",
                         help="follow: the answer written as the system turn asks (lower case or capitals) over the "
                              "other way; count: the right count over a wrong one")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --output that holds something else (by default it is refused; one "
+                             "that already holds exactly what this command writes is left as it is)")
     return parser.parse_args(argv)
 
 
@@ -68,11 +72,12 @@ def make_pair(messages: list[dict[str, str]], rng: random.Random, turn: str, kin
             "rejected": [{"role": "assistant", "content": worse}]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def read_pairs(args: argparse.Namespace) -> list[dict]:
     source = Path(args.chat)
     if not source.is_file():
         raise ConfigError(f"--chat '{source}' is not a file (write it with scripts/make_synthetic_chat.py)")
+    check_output_file("--output", args.output)
+    check_not_input("--output", args.output, {"--chat": source})
     rng = random.Random(args.seed)
     pairs = []
     for line_no, line in enumerate(source.read_text().splitlines(), start=1):
@@ -84,17 +89,23 @@ def main(argv: list[str] | None = None) -> int:
             pair = make_pair(messages, rng, args.turn, args.kind)
             if pair is not None:
                 pairs.append(pair)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(p) + "\n" for p in pairs))
-    print(f"wrote {len(pairs)} preference pairs (at the {args.turn} assistant turn of each conversation of {source}, "
-          f"kind {args.kind}; seed {args.seed}) to {out}")
+    return pairs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        pairs = read_pairs(args)
+        written = write_output_file("--output", args.output, "".join(json.dumps(p) + "\n" for p in pairs),
+                                    args.overwrite)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    what = (f"{len(pairs)} preference pairs (at the {args.turn} assistant turn of each conversation of {args.chat}, "
+            f"kind {args.kind}; seed {args.seed})")
+    print(f"wrote {what} to {args.output}" if written else f"{args.output} already holds {what}: left as it is")
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(main())

@@ -20,8 +20,9 @@ from titan_lite.config import parse_args as parse_job_args
 from titan_lite.config import validate
 from titan_lite.errors import ConfigError
 from titan_lite.job.cli import ScriptParser
+from titan_lite.job.outputs import FOLDER_HELP, output_folder
 from titan_lite.job.plan import build_model_args
-from titan_lite.job.script import atomic_folder, check_output_folder, run_script
+from titan_lite.job.script import check_output_folder, run_script
 from titan_lite.transforms.sheared import ShearedTransform
 from titan_lite.transforms.sheared.keep import GATE_PREFIX, materialize_pruned
 from titan_lite.transforms.structured.materialize import param_count, write_materialized_hf
@@ -34,8 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", required=True, help="DCP step folder of the pruning run "
                         "(e.g. <dump_folder>/checkpoint/step-N)")
     parser.add_argument("--config", required=True, help="the pruning run's TOML (model flavor and [sheared] targets)")
-    parser.add_argument("--output_dir", required=True, help="folder to write the pruned model to "
-                        "(a new or empty folder, or one titan_lite wrote, which is replaced; any other is refused)")
+    parser.add_argument("--output_dir", required=True, help=f"folder to write the pruned model to: {FOLDER_HELP}")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="dtype of the written weights (default: the "
                         "config's checkpoint.export_dtype)")
     return parser.parse_args(argv)
@@ -62,7 +62,7 @@ def materialize(opts: argparse.Namespace) -> str:
     dtype = DTYPES[opts.dtype or cfg.checkpoint.export_dtype]
     print(f"writing {opts.output_dir}", flush=True)
     try:
-        with atomic_folder(opts.output_dir) as partial:
+        with output_folder("--output_dir", opts.output_dir) as partial:
             write_materialized_hf(pruned, new_args, partial, dtype, cfg.model.hf_assets_path)
     except ValueError as exc:  # per-layer widths, which an HF config.json cannot describe
         raise ConfigError(str(exc)) from None

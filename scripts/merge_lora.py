@@ -27,7 +27,8 @@ from titan_lite.checkpoint.peft import (
 )
 from titan_lite.errors import ConfigError
 from titan_lite.job.cli import ScriptParser
-from titan_lite.job.script import atomic_folder, check_output_folder, require_folder, run_script
+from titan_lite.job.outputs import FOLDER_HELP, output_folder
+from titan_lite.job.script import check_output_folder, require_folder, run_script
 from titan_lite.models.llama.hf import args_from_hf_config, read_hf_config
 from titan_lite.transforms.lora.adapters import adapted_modules_of, merge_adapters, peft_specs
 from titan_lite.transforms.lora.qlora import nf4_round_trip
@@ -42,8 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(config.json + safetensors)")
     parser.add_argument("--adapter", required=True, help="PEFT adapter folder (adapter_config.json + "
                                                           "adapter_model.safetensors)")
-    parser.add_argument("--output_dir", required=True, help="folder to write the merged model to "
-                        "(a new or empty folder, or one titan_lite wrote, which is replaced; any other is refused)")
+    parser.add_argument("--output_dir", required=True, help=f"folder to write the merged model to: {FOLDER_HELP}")
     parser.add_argument("--dtype", choices=tuple(DTYPES),
                         help="dtype of the written weights (default: the base's dtype)")
     parser.add_argument("--base_nf4", action="store_true",
@@ -121,7 +121,7 @@ def merge(opts: argparse.Namespace) -> str:
     masked = sparse_merge(opts, state, modules)
     merged = merge_adapters({**state, **tensors}, peft_specs(adapter, modules), masked)
     print(f"writing {opts.output_dir}", flush=True)
-    with atomic_folder(opts.output_dir) as partial:
+    with output_folder("--output_dir", opts.output_dir) as partial:
         write_hf_folder(merged, args, str(partial), dtype, opts.base, int(opts.max_shard_gb * 2**30))
         record_merge(partial, opts.adapter, record)
     kept = ", the base's zeros kept" if masked else ""

@@ -43,10 +43,10 @@ from titan_lite.dry_run import device_memory_gib, pass_verdict, plan_passes, wit
 from titan_lite.errors import ConfigError
 from titan_lite.job.assembly import assemble_model, calibration_source, hf_weight_loader
 from titan_lite.job.cli import ScriptParser
+from titan_lite.job.outputs import FOLDER_HELP, output_folder
 from titan_lite.job.plan import JobPlan, plan_job
 from titan_lite.job.script import (
     DTYPES,
-    atomic_folder,
     check_output_folder,
     check_text_data,
     is_rank0,
@@ -104,8 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf_assets_path", required=True,
                         help="HF folder: config.json, tokenizer and safetensors (only the tokenizer with "
                              "--estimate_only and --flavor)")
-    parser.add_argument("--output_dir", help="the pruned HF folder to write: a new or empty folder, or one titan_lite "
-                                             "wrote (replaced); any other is refused")
+    parser.add_argument("--output_dir", help=f"the pruned HF folder to write: {FOLDER_HELP}")
     parser.add_argument("--method", choices=("wanda", "magnitude", "sparsegpt", "taylor_structured", "depth", "reap"),
                         default="wanda", help="unstructured or N:M pruning (wanda, magnitude, sparsegpt), whole "
                                               "heads and MLP channels removed (taylor_structured), whole blocks "
@@ -174,9 +173,8 @@ def pruning_config(opts: argparse.Namespace, device_type: str) -> JobConfig:
              "--pruning.pattern", opts.pattern, "--pruning.nsamples", str(opts.nsamples),
              "--pruning.seq_len", str(opts.seq_len), "--pruning.batch_size", str(opts.batch_size),
              "--pruning.blocksize", str(opts.blocksize), "--pruning.percdamp", str(opts.percdamp),
-             "--pruning.hold_masks", "false", "--checkpoint.export_dtype", dtype,
-             "--pruning.layer_ratios", opts.layer_ratios, "--pruning.owl_lambda", str(opts.owl_lambda),
-             "--pruning.owl_m", str(opts.owl_m)]
+             "--pruning.hold_masks", "false", "--pruning.layer_ratios", opts.layer_ratios,
+             "--pruning.owl_lambda", str(opts.owl_lambda), "--pruning.owl_m", str(opts.owl_m)]
     if opts.skip:
         extra += ["--pruning.skip", ",".join(opts.skip)]
     if opts.calib_path:
@@ -188,11 +186,10 @@ def pruning_config(opts: argparse.Namespace, device_type: str) -> JobConfig:
 
 
 def check_output(opts: argparse.Namespace) -> None:
-    """--output_dir is no input, and new, empty or a folder titan_lite wrote (its marker, or an older run's report)."""
+    """--output_dir is no input, and new, empty or holds only what titan_lite wrote there."""
     check_output_folder("--output_dir", opts.output_dir,
                         {"--hf_assets_path": opts.hf_assets_path, "--remask_from": opts.remask_from,
-                         "--calib_path": opts.calib_path},
-                        reports=(REPORT_NAME, STRUCTURE_REPORT_NAME, DEPTH_REPORT_NAME))
+                         "--calib_path": opts.calib_path})
 
 
 def estimate(opts: argparse.Namespace) -> None:
@@ -231,7 +228,7 @@ def prune(opts: argparse.Namespace) -> None:
     out = Path(opts.output_dir)
     if is_rank0():
         print(f"writing {out}", flush=True)
-    with atomic_folder(out, owner=is_rank0()) as partial:
+    with output_folder("--output_dir", out, owner=is_rank0()) as partial:
         export_hf(built.parts, plan.model_args, str(partial), getattr(torch, cfg.training.dtype),
                   opts.hf_assets_path, plan.parallel_dims)
         if is_rank0():
@@ -258,7 +255,7 @@ def remask(opts: argparse.Namespace) -> None:
     for flag, folder in (("--hf_assets_path", opts.hf_assets_path), ("--remask_from", opts.remask_from)):
         if not Path(folder).is_dir():
             raise ConfigError(f"{flag} '{folder}' is not a folder")
-    with atomic_folder(opts.output_dir) as partial:
+    with output_folder("--output_dir", opts.output_dir) as partial:
         linears, rezeroed = remask_hf_folder(opts.hf_assets_path, opts.remask_from, partial)
     print(f"re-applied the zeros of {opts.remask_from} to {linears} linear layers of {opts.hf_assets_path}: "
           f"{rezeroed:,} weights set back to zero; written to {opts.output_dir}")
@@ -289,7 +286,7 @@ def structured_config(opts: argparse.Namespace, device_type: str) -> JobConfig:
     checkpointing (the calibration backward is the memory peak)."""
     dtype = resolve_dtype(opts.dtype, device_type)
     return job_config(opts.hf_assets_path, opts.flavor, dtype, opts.seq_len, opts.tp,
-                      ["--activation_checkpoint.mode", "full", "--checkpoint.export_dtype", dtype])
+                      ["--activation_checkpoint.mode", "full"])
 
 
 def calibration_batches(opts: argparse.Namespace, plan: JobPlan, device: torch.device) -> list:
@@ -310,7 +307,7 @@ def write_smaller_model(opts: argparse.Namespace, sd: dict, args: LlamaArgs, kee
         print(f"writing {out}", flush=True)
         report = report_of(new_args)
         report["memory"] = {"measured_peak_bytes": measured.bytes, "measured_by": measured.source}
-        with atomic_folder(out) as partial:
+        with output_folder("--output_dir", out) as partial:
             write_materialized_hf(new_sd, new_args, partial, dtype, opts.hf_assets_path)
             write_report(report, partial / report_name)
         p = report["parameters"]
@@ -400,9 +397,7 @@ def check_depth_options(opts: argparse.Namespace) -> None:
 def depth_config(opts: argparse.Namespace, device_type: str) -> JobConfig:
     """The source model's job for scoring: its own shapes, weights and compute in the chosen dtype."""
     dtype = resolve_dtype(opts.dtype, device_type)
-    extra = ["--checkpoint.export_dtype", dtype]
-    if opts.device_memory_gib is not None:
-        extra += ["--dry_run.device_memory_gib", str(opts.device_memory_gib)]
+    extra = [] if opts.device_memory_gib is None else ["--dry_run.device_memory_gib", str(opts.device_memory_gib)]
     return job_config(opts.hf_assets_path, opts.flavor, dtype, opts.seq_len, opts.tp, extra)
 
 
@@ -581,7 +576,7 @@ def prune_reap(opts: argparse.Namespace) -> None:
         print(f"writing {out}", flush=True)
         report = reap_report(opts, args, new_args, scores, keep, time.monotonic() - begin)
         report["memory"] = {"measured_peak_bytes": measured.bytes, "measured_by": measured.source}
-        with atomic_folder(out) as partial:
+        with output_folder("--output_dir", out) as partial:
             write_materialized_hf(new_sd, new_args, partial, dtype, opts.hf_assets_path)
             write_report(report, partial / REAP_REPORT_NAME)
         p = report["parameters"]

@@ -5,7 +5,8 @@ estimates: seconds) run by default, and the test suite runs them (tests/test_rea
 training examples (minutes).
 
     .venv/bin/python scripts/update_readme_figures.py --check            # the quick figures: exit 1 on a difference
-    .venv/bin/python scripts/update_readme_figures.py --check --slow     # every figure (about 8 minutes on 2 cores)
+    .venv/bin/python scripts/update_readme_figures.py --check --slow     # every figure (REAP: 32 min, 2 busy cores)
+    .venv/bin/python scripts/update_readme_figures.py --check --slow --only reap_example   # one command's figures
     .venv/bin/python scripts/update_readme_figures.py --slow             # run them all, write what they print
     .venv/bin/python scripts/update_readme_figures.py --slow --from_logs # again from their saved output, no runs
 
@@ -61,6 +62,11 @@ class Figure:
 
 
 DRY = (0, 5)  # a plan is printed whether or not the data files are there
+# The REAP example's models (docs/pruning.md's table rows -> their folders under outputs/).
+REAP_MODELS = {"unpruned (step 200)": "debug_moe/checkpoint/step-200-hf", "REAP, 4 of 8 experts": "debug_moe_reap50",
+               "frequency, 4 of 8 experts": "debug_moe_freq50",
+               "REAP, then 40 steps distilled from the unpruned model": "reap_recovery/checkpoint/step-40-hf",
+               "REAP, then 40 steps of plain training (control)": "reap_recovery_plain/checkpoint/step-40-hf"}
 GSM8K_RUN = "outputs/lora_gsm8k_100"
 GSM8K_CONFIG = "train_configs/lora_synthetic_gsm8k_cpu.toml"
 COMMANDS = {
@@ -156,6 +162,22 @@ COMMANDS = {
         "3000 --seed 0 --tokenizer_output data/synthetic_chat/tokenizer",
         ".venv/bin/python scripts/show_data.py --config train_configs/chat_lora_cpu.toml --count 1 --jsonl "
         "outputs/chat_samples.jsonl"]), slow=True),
+    # The pruning guide's REAP example, at the thread count it documents (its figures depend on it).
+    "reap_example": Command(" && ".join([
+        "export OMP_NUM_THREADS=1",
+        # finished runs do not train again; folders an older titan_lite wrote are not replaced
+        "rm -rf outputs/debug_moe outputs/reap_recovery outputs/reap_recovery_plain outputs/debug_moe_reap50 "
+        "outputs/debug_moe_freq50",
+        "CONFIG_FILE=train_configs/debug_moe_cpu.toml ./run_train.sh",
+        *(".venv/bin/python scripts/prune.py --hf_assets_path outputs/debug_moe/checkpoint/step-200-hf --output_dir "
+          f"outputs/debug_moe_{name}50 --method reap --expert_ratio 0.5{score} --nsamples 32 --seq_len 128 "
+          "--batch_size 4" for name, score in (("reap", ""), ("freq", " --expert_score frequency"))),
+        "CONFIG_FILE=train_configs/reap_recovery_cpu.toml ./run_train.sh",
+        "CONFIG_FILE=train_configs/reap_recovery_cpu.toml ./run_train.sh --distill.enable=false --job.dump_folder "
+        "outputs/reap_recovery_plain",
+        "for model in " + " ".join(REAP_MODELS.values()) + "; do .venv/bin/python scripts/eval_ppl.py "
+        "--hf_assets_path outputs/$model --seq_len 128 --data "
+        "titan_lite/data/corpus/shakespeare/validation/midsummer_nights_dream.txt || exit 1; done"]), slow=True),
     # The preference section's CPU example: the pairs, then 100 steps of LoRA DPO with validation every 20.
     "dpo_example": Command(" && ".join([
         ".venv/bin/python scripts/make_synthetic_chat.py --output data/synthetic_chat/train.jsonl --num_conversations "
@@ -328,6 +350,15 @@ FIGURES = [
       for step in (100, 200, 300, 400)),
     Figure("chat example: eval_answers", "chat_example", r"answer accuracy: (\d+)/(\d+) = ([\d.]+)",
            r"measured the same held-out problems again: `answer accuracy: (\d+)/(\d+) = ([\d.]+)`"),
+    # the REAP example (slow): the pruned model's line, and each model's perplexity
+    Figure("REAP example: the pruned model", "reap_example",
+           rf"^pruned model written to outputs/debug_moe_reap50: 8 -> 4 experts in each of 6 MoE layers \(reap\); "
+           rf"{NUMBER} -> {NUMBER} parameters \({NUMBER}%\), {NUMBER} active",
+           rf"^pruned model written to outputs/debug_moe_reap50: 8 -> 4 experts in each of 6 MoE layers \(reap\); "
+           rf"{NUMBER} -> {NUMBER} parameters \({NUMBER}%\), {NUMBER} active"),
+    *(Figure(f"REAP example: {row}", "reap_example",
+             rf"^evaluating outputs/{re.escape(folder)} on (?:.*\n)*?perplexity: {NUMBER}$",
+             rf"^\| {re.escape(row)} \| {NUMBER} \|$") for row, folder in REAP_MODELS.items()),
     # the preference example (slow)
     Figure("DPO example: the first step", "dpo_example", rf"step: +1/100 +loss: +{NUMBER} ",
            rf"^step: +1/100 +loss: +{NUMBER} "),

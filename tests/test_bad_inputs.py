@@ -285,10 +285,10 @@ CASES = [
         "--validation.enable", "--validation.dataset", "text", "--validation.dataset_path",
         text_file("A short play.")(tmp)[-1]]),
     Case("instruction data with empty responses only", "'training.dataset_path' = '{tmp}/i.jsonl' holds no examples "
-         "with a non-empty response (or assistant turn) for the all split",
+         "with a non-empty response (or assistant turn)",
          build=instruct_file(['{"question": "1 + 1?", "answer": ""}'])),
     Case("chat data with empty assistant turns only", "'training.dataset_path' = '{tmp}/i.jsonl' holds no examples "
-         "with a non-empty response (or assistant turn) for the all split", ["--instruct.chat_template", str(
+         "with a non-empty response (or assistant turn)", ["--instruct.chat_template", str(
              REPO / "tests" / "chat_templates" / "chatml_smollm2.jinja")], build=instruct_file([json.dumps(
                  {"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": ""},
                                {"role": "user", "content": "and 2 + 2?"}, {"role": "assistant", "content": " "}]})])),

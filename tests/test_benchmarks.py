@@ -197,3 +197,12 @@ def test_every_cases_columns_have_a_table_label():
 
     missing = {name: [c for c in build().columns if c not in _LABELS] for name, build in CASES.items()}
     assert {name: cols for name, cols in missing.items() if cols} == {}
+
+
+def test_a_run_without_training_cases_prints_no_nan_peak():
+    """The matmul peak is measured only for cases that train (MFU): without one the table says so."""
+    from benchmarks.run import table
+
+    assert table([], None).splitlines()[0] == ("fp32 matmul peak: not measured (no case here trains; it is what MFU "
+                                               "is measured against)")
+    assert table([], 123.45).splitlines()[0] == "fp32 matmul peak (median): 123.5 GFLOP/s"

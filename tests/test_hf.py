@@ -418,7 +418,7 @@ def test_download_explains_gated_and_unauthorised():
 
     gated = GatedRepoError.__new__(GatedRepoError)  # its constructor wants a live HTTP response
     Exception.__init__(gated, "403 gated")
-    assert "huggingface-cli login" in download.explain(gated, "meta-llama/Llama-3.2-1B")
+    assert "hf auth login" in download.explain(gated, "meta-llama/Llama-3.2-1B")
 
     class Response:
         status_code = 401

@@ -99,11 +99,11 @@ def test_a_target_matching_nothing_is_refused(flavor, targets, message):
      "projections are adapted together (one A per expert, as PEFT adapts transformers' fused gate_up_proj); name "
      "'experts.gate_up_proj', 'experts.down_proj' or 'experts'"),
     (["--lora.target_modules", "experts", "--lora.use_dora"], "'lora.use_dora' = True: LoRA on experts "
-     "('lora.target_modules' names experts) has no DoRA's per-row magnitude of a grouped weight; turn it off or adapt "
-     "only attention and dense projections"),
+     "('lora.target_modules' names experts) does not support DoRA's per-row magnitude of a grouped weight; turn it "
+     "off or adapt only attention and dense projections"),
     (["--lora.target_modules", "experts", "--lora.base_dtype", "nf4"], "'lora.base_dtype' = 'nf4': LoRA on experts "
-     "('lora.target_modules' names experts) has no an NF4 base (no NF4 grouped matmul: the experts, most of the "
-     "model, would stay unquantized); turn it off or adapt only attention and dense projections"),
+     "('lora.target_modules' names experts) does not support an NF4 base (no NF4 grouped matmul: the experts, most "
+     "of the model, would stay unquantized); turn it off or adapt only attention and dense projections"),
 ])
 def test_what_lora_on_experts_lacks_is_one_line(overrides, message):
     from titan_lite.parallel.parallel_dims import ParallelDims

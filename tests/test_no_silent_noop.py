@@ -246,3 +246,25 @@ def test_a_section_switched_off_in_so_many_words_keeps_its_settings_with_a_warni
                                              "--no-distill.enable"])) == [(line, True)]
     with pytest.raises(ConfigError, match="'distill.teacher_path' = '/t' has no effect"):
         validate(parse_args(["--distill.teacher_path", "/t"]))
+
+
+def test_preference_settings_their_loss_does_not_read_are_refused():
+    """Settings a preference loss does not read (schema.When: a condition on another key's value) are one line each,
+    before any path they name is looked at."""
+    dpo = ("--training.dataset", "preference")
+    assert refusal(*dpo, "--preference.loss", "simpo", "--preference.reference", "/no/such/folder") == (
+        "'preference.reference' = '/no/such/folder' has no effect: it takes effect only when 'preference.loss' is one "
+        "that compares with a reference (sigmoid, hinge or ipo), and it is 'simpo'; set --preference.loss sigmoid or "
+        "drop the setting")
+    assert refusal(*dpo, "--preference.loss", "orpo", "--preference.reference_flavor", "1B").startswith(
+        "'preference.reference_flavor' = '1B' has no effect: it takes effect only when 'preference.loss' is one that "
+        "compares with a reference")
+    assert refusal(*dpo, "--preference.robust") == (
+        "'preference.robust' = True has no effect: it takes effect only when 'preference.label_smoothing' is above 0 "
+        "(the share of flipped labels it corrects for), and it is 0.0; set --preference.label_smoothing 0.1 or drop "
+        "the setting")
+    assert refusal(*dpo, "--preference.loss", "hinge", "--preference.simpo_gamma", "1.0") == (
+        "'preference.simpo_gamma' = 1.0 has no effect: it takes effect only when 'preference.loss' is 'simpo', and it "
+        "is 'hinge'; set --preference.loss simpo or drop the setting")
+    validate(parse_args([*dpo, "--preference.loss", "simpo", "--preference.simpo_gamma", "1.0"]))
+    validate(parse_args([*dpo, "--preference.robust", "--preference.label_smoothing", "0.1"]))

@@ -4,6 +4,7 @@ CPOTrainer's loss for cDPO and SimPO; ORPOTrainer's odds ratio for ORPO), and so
 log-probabilities hold no float32 [tokens, vocab] copy; the reference 'base' equals an explicit frozen copy of the
 base, and DPO with fresh adapters starts at ln 2; a precomputed reference resumes exactly; bad settings are one line."""
 
+import logging
 import math
 import types
 import warnings
@@ -22,9 +23,15 @@ from titan_lite.job.plan import check_before_launch
 from titan_lite.loss import IGNORE_INDEX
 from titan_lite.models.llama import Llama, flavor_args
 from titan_lite.objective import check_objective
-from titan_lite.objective.frozen import FrozenForward
+from titan_lite.objective.frozen import FrozenForward, frozen_config
 from titan_lite.objective.logps import token_logps
-from titan_lite.objective.preference import ContextParallelSum, PreferenceObjective, pair_batch, pair_units
+from titan_lite.objective.preference import (
+    ContextParallelSum,
+    PreferenceObjective,
+    pair_batch,
+    pair_units,
+    reference_spec,
+)
 from titan_lite.objective.preference_loss import PreferenceLoss
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -437,3 +444,29 @@ def test_dry_run_plans_a_held_reference_and_a_precomputed_ones_pass(monkeypatch,
     assert "precomputing the reference's log-probabilities before training" in out
     assert "  reference       14.96 GiB  reference 8,030,261,248 local x bfloat16 (frozen)" in out
     assert str(error.value).startswith("the reference's precomputation does not fit: it needs an estimated ")
+
+
+def test_a_reference_that_is_a_file_is_named_as_one(tmp_path):
+    """A reference path that names a file (a safetensors, say) says it must be a folder, not to set its flavor."""
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"")
+    cfg = parse_args(["--training.dataset", "preference", "--preference.reference", str(weights)])
+    with pytest.raises(ConfigError) as error:
+        frozen_config(cfg, reference_spec(cfg), "cpu")
+    assert str(error.value) == (
+        f"'preference.reference' = '{weights}' is a file; the reference must be a folder: a Hugging Face folder "
+        "(config.json and safetensors) or a DCP step folder of a titan_lite run (or 'base')")
+
+
+def test_the_reference_precomputation_says_what_it_reads_before_its_first_batch(tmp_path, caplog):
+    """Tokenizing and packing thousands of pairs before the first batch takes a minute: it is announced, then
+    reported every few seconds, never silent."""
+    from tests.test_preference_data import PAIRS, TOK, config, source, write_jsonl
+    from titan_lite.objective.reference_pass import _read_windows
+
+    path = write_jsonl(tmp_path / "d.jsonl", PAIRS)
+    with caplog.at_level(logging.INFO, logger="titan_lite"):
+        windows = _read_windows(source(config(path), TOK), "reference log-probabilities (training)", every_s=0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == f"reference log-probabilities (training): reading, tokenizing and packing the pairs of '{path}'"
+    assert lines[-1] == f"reference log-probabilities (training): {len(windows)} windows of pairs packed so far"

@@ -12,7 +12,7 @@ import torch
 
 from titan_lite.config import parse_args, validate
 from titan_lite.data.dataloader import BatchLayout, build_section_loader, build_section_source, split_batch
-from titan_lite.data.preference import CHOSEN, REJECTED, EncodedPair, Pair, fit_pair
+from titan_lite.data.preference import CHOSEN, REJECTED, EncodedPair, Pair, fit_pair, pair_encoder
 from titan_lite.errors import ConfigError
 from titan_lite.job.plan import check_data
 from titan_lite.loss import IGNORE_INDEX
@@ -28,6 +28,9 @@ class ByteTokenizer:
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         return ([BOS] if bos else []) + [b + OFFSET for b in text.encode()] + ([EOS] if eos else [])
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i - OFFSET for i in ids if i >= OFFSET).decode(errors="replace")
 
 
 TOK = ByteTokenizer()
@@ -186,8 +189,9 @@ def test_identical_empty_and_too_long_pairs_are_named_once_and_counted(tmp_path:
     text = caplog.text
     assert "d.jsonl:4: pair skipped: its answers are identical" in text
     assert "d.jsonl:5: pair skipped: its answers are empty" in text
-    assert "d.jsonl:6: pair dropped: its two answers do not fit seq_len + 1 = 65 tokens" in text
-    assert (f"preference data '{tmp_path / 'd.jsonl'}' (all split), epoch 0: 4 of 7 pairs used, 1 dropped as longer "
+    assert ("d.jsonl:6: pair dropped: its two documents (the prompt twice and both answers) hold 168 tokens, more "
+            "than seq_len + 1 = 65 tokens (truncation_mode 'drop')") in text
+    assert (f"preference data '{tmp_path / 'd.jsonl'}', epoch 0: 4 of 7 pairs used, 1 dropped as longer "
             "than a window (65 tokens for both answers), 1 skipped with identical answers, 1 skipped with an empty "
             "answer") in text
     cut = config(tmp_path / "d.jsonl")  # keep_end: the long pair is cut instead, and counted
@@ -212,7 +216,7 @@ def test_bad_rows_and_settings_are_one_line(tmp_path: Path):
     assert "must end in one of .jsonl, .json, .parquet for dataset 'preference'" in one_line_error(
         check_data, config(tmp_path / "d.csv"))
     same = write_jsonl(tmp_path / "same.jsonl", [{"prompt": "p", "chosen": " c", "rejected": " c"}])
-    assert "holds no usable pairs for the all split" in one_line_error(check_data, config(same))
+    assert one_line_error(check_data, config(same)) == f"'training.dataset_path' = '{same}' holds no usable pairs"
     path = write_jsonl(tmp_path / "d.jsonl", PAIRS)
     assert one_line_error(parse_and_validate, ["--preference.beta", "0.2"]) == (
         "'preference.beta' = 0.2 has no effect: [preference] is read only when 'training.dataset' or "
@@ -230,6 +234,43 @@ def test_bad_rows_and_settings_are_one_line(tmp_path: Path):
          "set validation.dataset = 'preference'"),
     ]:
         assert expected in one_line_error(config, path, *flags), flags
+
+
+def test_what_a_newcomer_got_wrong_is_named_as_it_is(tmp_path: Path, caplog):
+    """A missing template file names its key, a number where an answer belongs says so, a pair whose kept prompt
+    leaves its answers no room says that (not that the answers do not fit), and a max_prompt_length that would do so
+    for every long pair is refused."""
+    path = write_jsonl(tmp_path / "d.jsonl", [*PAIRS[:2], {"prompt": "c" * 80, "chosen": " y", "rejected": " z"}])
+    missing = str(tmp_path / "missing.jinja")
+    assert one_line_error(pair_encoder, config(path, "--preference.chat_template", missing), TOK) == (
+        f"'preference.chat_template' = '{missing}' is neither 'tokenizer' nor a template file")
+    number = write_jsonl(tmp_path / "n.jsonl", [{"prompt": "p", "chosen": 5, "rejected": " r"}])
+    assert one_line_error(lambda: list(source(config(number)).pairs())) == (
+        f"{number}:1: 'chosen' is int 5, not a string or a message list ('preference.chosen_field')")
+    cfg = config(path)
+    cfg.preference.max_prompt_length = 40  # as validation would refuse it
+    with caplog.at_level(logging.WARNING, logger="titan_lite"):
+        assert [i for i, _ in source(cfg).encoded()] == [0, 1]
+    assert ("d.jsonl:3: pair dropped: its prompt, kept at 40 tokens (max_prompt_length, or a quarter of seq_len) and "
+            "held twice, leaves no room for its answers in seq_len + 1 = 65 tokens") in caplog.text
+    assert one_line_error(config, path, "--preference.max_prompt_length", "40") == (
+        "'preference.max_prompt_length' = 40 leaves no room for the answers in a window of 'training.seq_len' + 1 = "
+        "65 tokens (a pair holds its prompt twice, once per answer): set it to at most 31, or 0 (a quarter of "
+        "seq_len)")
+
+
+def test_the_first_pair_of_a_kind_is_named_once(tmp_path: Path, caplog):
+    """The check before launch reads up to the first usable pair quietly; training, and a second pass over the same
+    file (the reference precomputation's), name the first cut pair once."""
+    from titan_lite.job.plan import check_section_data
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "c" * 40, "chosen": " y", "rejected": " z"}, *PAIRS[:8]])
+    cfg = config(path)
+    with caplog.at_level(logging.WARNING, logger="titan_lite"):
+        check_section_data(cfg, "training", TOK)
+        for _ in range(2):
+            list(source(cfg).encoded())
+    assert caplog.text.count("d.jsonl:1: pair cut to fit seq_len + 1 = 65 tokens") == 1, caplog.text
 
 
 def parse_and_validate(argv: list[str]) -> None:

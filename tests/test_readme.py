@@ -6,6 +6,7 @@ its own output folder."""
 
 import importlib
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -190,3 +191,31 @@ def test_each_training_example_writes_its_own_folder():
         assert folder not in owners, f"documented examples share {folder}: '{owners[folder]}' and '{command}'"
         owners[folder] = command
     assert len(owners) >= 15 and "outputs/debug" in owners
+
+
+def test_the_preference_row_the_guide_quotes_is_the_one_its_commands_write(tmp_path, capsys):
+    """docs/preference.md shows a row of its CPU example: the commands given there (the first conversations of the
+    seeded generators are the same whatever their count) write exactly that row."""
+    text = (REPO / "docs" / "preference.md").read_text()
+    quoted = re.search(r"the second row of the CPU example below: `(\{.*?\})`", text, flags=re.S).group(1)
+    chat, pairs = tmp_path / "chat.jsonl", tmp_path / "pairs.jsonl"
+    assert load_script("make_synthetic_chat").main(["--output", str(chat), "--num_conversations", "2",
+                                                    "--seed", "0"]) == 0
+    assert load_script("make_synthetic_preferences").main(["--chat", str(chat), "--output", str(pairs),
+                                                           "--seed", "0"]) == 0
+    capsys.readouterr()
+    assert json.loads(quoted.replace("\n  ", " ")) == json.loads(pairs.read_text().splitlines()[1])
+
+
+def test_the_front_door_fine_tunes_a_downloaded_model():
+    """README.md shows the path from a Hugging Face repo to a trained, exported adapter: the download, a LoRA run
+    that starts from the folder it downloads into, and where the Wanda example's model and C4 shard come from."""
+    text = (REPO / "README.md").read_text()
+    scripts = [(name, args) for name, args in readme_script_commands() if name == "download_hf_assets"]
+    assert ("download_hf_assets", ["meta-llama/Llama-3.2-1B", "--include", "weights"]) in scripts
+    runs = [args for _, args in readme_train_commands() if "--checkpoint.initial_load_in_hf" in args]
+    front = next(args for args in runs if args[args.index("--model.hf_assets_path") + 1] == "assets/hf/Llama-3.2-1B")
+    cfg = parse_args(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), *front])
+    assert cfg.model.converters == ["lora"] and cfg.checkpoint.last_save_in_hf and cfg.checkpoint.enable
+    assert text.index("## Fine-tune a Hugging Face model") < text.index("## What works")
+    assert "hf download allenai/c4 en/c4-train.00000-of-01024.json.gz --repo-type dataset --local-dir /data/c4" in text

@@ -56,3 +56,18 @@ def test_the_quick_figures_are_what_their_commands_print(capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert out.strip().splitlines()[-1].startswith("result: README.md and docs/*.md quote what their commands print: ")
+
+
+def test_the_reap_table_is_checked_at_the_thread_count_the_guide_gives():
+    """docs/pruning.md's REAP perplexities depend on the thread count: the guide's commands fix it, the figure
+    command runs them with it, and every row of the table (and the eval_ppl command of each model) is checked."""
+    command = FIGURES.COMMANDS["reap_example"]
+    assert command.slow and command.line.startswith("export OMP_NUM_THREADS=1 && ")
+    guide = (REPO / "docs" / "pruning.md").read_text()
+    assert "```bash\nexport OMP_NUM_THREADS=1   # the figures below depend on the thread count\n" in guide
+    rows = re.findall(r"^\| ((?:unpruned|REAP|frequency)[^|]*?) \| [\d.]+ \|$", guide, flags=re.M)
+    checked = {f.name.removeprefix("REAP example: ") for f in FIGURES.FIGURES if f.command == "reap_example"}
+    assert len(rows) == 5 and set(rows) <= checked
+    loop = re.search(r"^for model in (.*?); do\n  \.venv/bin/python scripts/eval_ppl\.py --hf_assets_path "
+                     r"outputs/\$model ", guide.replace("\\\n", ""), flags=re.M | re.S)
+    assert loop.group(1).split() == list(FIGURES.REAP_MODELS.values())  # each model's eval_ppl, in the table's order

@@ -185,7 +185,7 @@ def test_toml_adds_yarn_to_a_flavor_without_it():
 
 @pytest.mark.parametrize("overrides, message", [
     (["--model.rope.scaling", "longrope"],
-     "'model.rope.scaling' = 'longrope' is not one of: none, llama, llama3, yarn, linear, dynamic"),
+     "'model.rope.scaling' = 'longrope' is not one of: none, llama, llama3, yarn, linear"),
     (["--model.rope.scaling", "yarn", "--model.rope.rope_factor", "4"],
      "'model.rope.scaling' = 'yarn' needs 'model.rope.original_seq_len' (the context length the model was "
      "pre-trained with, e.g. 32768 for Qwen2.5/Qwen3)"),
@@ -224,6 +224,35 @@ def test_config_json_rope_types_refused_in_one_line():
         with pytest.raises(ConfigError) as exc:
             args_from_hf_config({**config, "rope_parameters": {"rope_theta": 1e6, **rope}})
         assert str(exc.value).startswith(message) and "\n" not in str(exc.value)
+
+
+def test_the_scalings_listed_are_the_ones_accepted():
+    """dynamic is refused with its reason, so the list of values a typo gets does not offer it."""
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--model.rope.scaling", "longrope"])
+    assert str(exc.value) == "'model.rope.scaling' = 'longrope' is not one of: none, llama, llama3, yarn, linear"
+
+
+@pytest.mark.parametrize("rope, message", [
+    ('"yarn"', "'rope_scaling' is \"yarn\"; expected an object such as {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+     "\"original_max_position_embeddings\": 32768}, or null for plain RoPE"),
+    ("[1, 2]", "'rope_scaling' is [1, 2]; expected an object such as"),
+    ('{"factor": 4.0}', "'rope_scaling' has 'factor' 4.0 but no 'rope_type' (or 'type'), so it would evaluate as "
+     "plain RoPE: name the scaling ('linear', 'llama3' or 'yarn'), or drop 'factor'"),
+    ('{"type": "linear", "factor": 0.5}', "'rope_scaling': 'factor' is 0.5; expected a number of at least 1 (the "
+     "factor the context grows by)"),
+    ('{"rope_type": "yarn", "factor": "4", "original_max_position_embeddings": 32768}',
+     "'rope_scaling': 'factor' is \"4\"; expected a number of at least 1"),
+])
+def test_config_json_rope_scaling_is_checked_as_strictly_as_the_toml(tmp_path, rope, message):
+    """A run on an HF folder whose config.json's rope_scaling is not an object, has a factor without a type, or a
+    bad factor: one line naming the file and its key (never model.rope's keys, which the user did not write)."""
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, '
+        f'"vocab_size": 2048, "intermediate_size": 8, "rope_scaling": {rope}}}')
+    with pytest.raises(ConfigError) as exc:
+        build_model_args(parse_args(["--model.flavor", "hf", "--model.hf_assets_path", str(tmp_path)]), None)
+    assert str(exc.value).startswith(f"{tmp_path / 'config.json'}: {message}"), str(exc.value)
 
 
 # ------------------------------------------------------------------------------ DRY_RUN of the 128K example

@@ -242,7 +242,8 @@ def someone_elses_folder(tmp_path: Path) -> Path:
 
 
 def tree(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {str(p.relative_to(folder)): p.read_bytes().decode("latin-1")
+            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 FOLDER_WRITERS = {
@@ -274,21 +275,39 @@ def test_a_folder_titan_lite_did_not_write_is_refused_and_left_intact(writer, ba
 
 
 def test_a_folder_titan_lite_wrote_is_replaced(base, tmp_path, capsys):
-    """The marker every script leaves (and an older prune run's report) let the next run replace the folder."""
+    """The marker every script leaves lists the files it wrote: the next run replaces those (and only those)."""
     adapter = write_adapter(tmp_path / "adapter")
     merged = tmp_path / "merged"
     for _ in range(2):
         code, out, err = run("merge_lora", ["--base", str(base), "--adapter", str(adapter), "--output_dir",
                                             str(merged)], capsys)
         assert code == 0, err
-        assert json.loads((merged / "titan_lite_output.json").read_text())["written_by"].startswith("titan_lite")
-    older = tmp_path / "pruned"  # what prune.py wrote before markers: its report
+        marker = json.loads((merged / "titan_lite_output.json").read_text())
+        assert marker["written_by"].startswith("titan_lite")
+        assert marker["files"] == sorted(p.name for p in merged.iterdir() if p.name != "titan_lite_output.json")
+
+
+def test_a_file_the_user_added_to_an_output_folder_is_never_lost(base, tmp_path, capsys):
+    """prune.py --output_dir on a folder it wrote earlier, to which the user added a file: refused, naming the file,
+    which stays as it was; moved away, the rerun replaces the folder."""
+    out = tmp_path / "pruned"
+    argv = ["--hf_assets_path", str(base), "--output_dir", str(out), "--method", "depth", "--remove_layers", "1",
+            "--nsamples", "2", "--seq_len", "16"]
+    assert run("prune", argv, capsys)[0] == 0
+    (out / "my_eval_results.txt").write_text("ppl 12.3")
+    before = tree(out)
+    assert_one_line(*run("prune", argv, capsys), f"--output_dir '{out}' holds my_eval_results.txt, which titan_lite "
+                    "did not write (it replaces only the files its titan_lite_output.json lists): move it out of the "
+                    "folder or name another folder; nothing there was changed")
+    assert tree(out) == before
+    older = tmp_path / "older"  # a marker without a list of files: what wrote it is known, what the user added not
     older.mkdir()
-    (older / "depth_report.json").write_text("{}")
-    code, out, err = run("prune", ["--hf_assets_path", str(base), "--output_dir", str(older), "--method", "depth",
-                                   "--remove_layers", "1", "--nsamples", "4", "--seq_len", "16"], capsys)
-    assert code == 0, err
-    assert {"config.json", "depth_report.json", "titan_lite_output.json"} <= {p.name for p in older.iterdir()}
+    (older / "titan_lite_output.json").write_text('{"written_by": "titan_lite prune.py"}')
+    (older / "notes.txt").write_text("mine")
+    assert_one_line(*run("prune", [*argv[:2], "--output_dir", str(older), *argv[4:]], capsys),
+                    "was written by an older titan_lite, whose titan_lite_output.json does not list the files it "
+                    "wrote, so a file you added there cannot be told apart")
+    assert (older / "notes.txt").read_text() == "mine"
 
 
 def test_a_download_goes_only_into_a_new_folder_or_one_of_the_same_repo(tmp_path, capsys):
@@ -317,6 +336,41 @@ def test_an_output_file_that_is_a_folder_is_one_line(script, argv, tmp_path, cap
     flag = "--jsonl" if script == "show_data" else "--output"
     named = folder / "d.jsonl" if script == "make_synthetic_gsm8k" else folder
     assert_one_line(*run(script, argv, capsys), f"{flag} '{named}' is a folder; name a file to write")
+
+
+def test_the_data_generators_never_overwrite_a_users_file(tmp_path, capsys):
+    """--output = --chat is refused; an existing --output holding something else is refused without --overwrite;
+    one holding exactly what the command writes is left as it is (the documented commands can be run again)."""
+    chat = tmp_path / "chat.jsonl"
+    assert run("make_synthetic_chat", ["--output", str(chat), "--num_conversations", "4"], capsys)[0] == 0
+    conversations = chat.read_text()
+    assert_one_line(*run("make_synthetic_preferences", ["--chat", str(chat), "--output", str(chat)], capsys),
+                    f"--output '{chat}' is also --chat: writing it would overwrite the input; name another file")
+    assert chat.read_text() == conversations
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("my own data\n")
+    for script, argv in (("make_synthetic_preferences", ["--chat", str(chat)]), ("make_synthetic_gsm8k", []),
+                         ("make_synthetic_chat", ["--num_conversations", "4"])):
+        assert_one_line(*run(script, [*argv, "--output", str(mine)], capsys),
+                        f"--output '{mine}' exists and holds something else than this command writes: pass "
+                        "--overwrite to replace it, or name another file; it was left as it is")
+        assert mine.read_text() == "my own data\n"
+    code, out, err = run("make_synthetic_chat", ["--output", str(chat), "--num_conversations", "4"], capsys)
+    assert code == 0 and out.strip().endswith(f"{chat} already holds 4 conversations (24 turns; counts 0..9; seed "
+                                              "0): left as it is"), out
+    code, out, _ = run("make_synthetic_gsm8k", ["--output", str(mine), "--num_problems", "3", "--overwrite"], capsys)
+    assert code == 0 and len(mine.read_text().splitlines()) == 3
+
+
+def test_a_pruning_estimate_warns_about_no_setting_the_user_never_made(capsys):
+    """prune.py --estimate_only (Wanda's config, and depth's and REAP's) prints its plan without a word on
+    checkpoint keys."""
+    tokenizer = str(REPO / "assets" / "tokenizer")
+    for argv in (["--flavor", "tiny"], ["--flavor", "tiny_moe", "--method", "reap", "--expert_ratio", "0.5"]):
+        code, out, err = run("prune", [*argv, "--hf_assets_path", tokenizer, "--estimate_only", "--nsamples", "2",
+                                       "--seq_len", "16", "--device_memory_gib", "24"], capsys)
+        assert code == 0 and out.strip().splitlines()[-1].startswith("estimate: peak "), out + "\n".join(err)
+        assert "WARNING" not in out + "\n".join(err), err
 
 
 # ------------------------------------------------------------------------------------------------- help

@@ -64,7 +64,7 @@ def submit(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.Completed
     bin_dir = tmp_path / "bin" if (tmp_path / "bin").exists() else stand_ins(tmp_path, SRUN_RECORD)
     spool = tmp_path / "slurm_script"
     spool.write_text(SCRIPT.read_text())
-    proc = subprocess.run(["bash", str(spool), *args], cwd=tmp_path, env=slurm_env(bin_dir, log, **env),
+    proc = subprocess.run(["bash", str(spool), *args], cwd=REPO, env=slurm_env(bin_dir, log, **env),
                           capture_output=True, text=True, timeout=60)
     srun = json.loads((log / "srun.json").read_text()) if (log / "srun.json").exists() else None
     scontrol = (log / "scontrol").read_text().splitlines() if (log / "scontrol").exists() else []
@@ -104,6 +104,11 @@ def test_gpus_per_node_port_and_exit_code(tmp_path):
      "error: SLURM_JOB_NODELIST is not set: submit this script with sbatch (or run it in an salloc allocation)"),
     ({"SLURM_GPUS_ON_NODE": "1", "SLURM_SUBMIT_DIR": "/nonexistent"},
      "error: no run_train.sh in '/nonexistent': submit from the titan_lite checkout or set TITAN_LITE_ROOT"),
+    ({"SLURM_GPUS_ON_NODE": "1", "SLURM_JOB_NUM_NODES": ""},
+     "error: SLURM_JOB_NUM_NODES is not set (got ''): submit this script with sbatch --nodes N"),
+    ({"SLURM_GPUS_ON_NODE": "1", "CONFIG_FILE": "train_configs/no_such.toml"},
+     f"error: the config 'train_configs/no_such.toml' does not exist (relative to {REPO}, where every node starts "
+     "run_train.sh)"),
 ])
 def test_bad_allocations_are_one_line(tmp_path, env, message):
     proc, srun, _ = submit(tmp_path, **env)
@@ -116,6 +121,7 @@ def test_help_prints_the_usage(tmp_path):
     assert proc.returncode == 0 and proc.stdout.startswith("titan_lite on a SLURM cluster")
     assert "CONFIG_FILE=train_configs/llama3_8b.toml sbatch --nodes 4 scripts/slurm/multinode_trainer.slurm" in \
         proc.stdout
+    assert "adjust --gpus-per-node and --cpus-per-task to your\nnodes" in proc.stdout
 
 
 @pytest.mark.slow

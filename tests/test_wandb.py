@@ -150,3 +150,12 @@ def test_training_and_its_resume_log_one_wandb_run(tmp_path):
     assert [runs[i]["run"]["config"]["update"]["training"]["steps"] for i in (0, 1)] == [4, 6]
     assert {s: h["loss/global_avg"] for s, h in runs[1]["history"].items()} == \
         pytest.approx({s: second.printed_losses[s] for s in (5, 6)}, abs=5e-5)
+
+
+def test_an_unknown_wandb_mode_is_one_line_before_any_login(monkeypatch):
+    """WANDB_MODE=bogus is named as a mode W&B does not have (wandb.init would ask to log in instead)."""
+    monkeypatch.setenv("WANDB_MODE", "bogus")
+    with pytest.raises(ConfigError) as exc:
+        check_wandb_installed(parse_args(["--metrics.enable_wandb"]))
+    assert str(exc.value) == ("'metrics.enable_wandb': WANDB_MODE='bogus' is not a W&B mode; expected online (the "
+                              "default), offline (no account needed) or disabled (also shared, dryrun, run)")

@@ -1,5 +1,6 @@
 """Process-group and device set-up: device, compute dtype, backend (COMM_BACKEND), flight recorder, seeds, teardown."""
 
+import contextlib
 import ctypes
 import os
 import random
@@ -56,20 +57,27 @@ def choose_backend(device: torch.device) -> str:
     return backend
 
 
-def configure_flight_recorder(comm: Comm, dump_folder: str) -> None:
+def configure_flight_recorder(comm: Comm, dump_folder: str, backend: str) -> None:
     """Set the NCCL flight-recorder variables from [comm] before the process group exists (gloo ignores them).
 
     A buffer size > 0 also dumps the recorded collectives on a timeout, one file per rank named
-    {dump_folder}/{comm.save_traces_folder}/{comm.save_traces_file_prefix}{rank}. A variable the user set
-    (under either of its names) is left alone.
+    {dump_folder}/{comm.save_traces_folder}/{comm.save_traces_file_prefix}{rank}; the folder is created for an
+    NCCL group only (NCCL writes there, it does not create it) and removed at the end if nothing was dumped
+    (remove_empty_trace_folder). A variable the user set (under either of its names) is left alone.
     """
     _set_unless_present(_FR_BUFFER_SIZE, str(comm.trace_buf_size))
     if comm.trace_buf_size <= 0:
         return
     _set_unless_present(_FR_DUMP_ON_TIMEOUT, "1")
     folder = os.path.join(dump_folder, comm.save_traces_folder)
-    if _set_unless_present(_FR_DUMP_FILE, os.path.join(folder, comm.save_traces_file_prefix)):
+    if _set_unless_present(_FR_DUMP_FILE, os.path.join(folder, comm.save_traces_file_prefix)) and backend == "nccl":
         os.makedirs(folder, exist_ok=True)
+
+
+def remove_empty_trace_folder(comm: Comm, dump_folder: str) -> None:
+    """The flight-recorder folder, left only when a dump is in it."""
+    with contextlib.suppress(OSError):  # not there, or holds a dump
+        os.rmdir(os.path.join(dump_folder, comm.save_traces_folder))
 
 
 def _set_unless_present(names: tuple[str, ...], value: str) -> bool:

@@ -70,7 +70,7 @@ class Trainer:
         self.cfg = cfg
         self.device = tl_dist.local_device()
         tl_dist.keep_freed_memory(self.device)
-        tl_dist.configure_flight_recorder(cfg.comm, cfg.job.dump_folder)
+        tl_dist.configure_flight_recorder(cfg.comm, cfg.job.dump_folder, tl_dist.choose_backend(self.device))
         ACTIVITY.timeout("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
         ACTIVITY.now("joining the process group")
         tl_dist.init_process_group(self.device, cfg.comm.init_timeout_seconds)
@@ -432,6 +432,7 @@ def run(cfg: JobConfig) -> int:
     with StopSignals().installed() as stop:
         register_rank()  # after the handlers: the launcher signals registered ranks
         Trainer(cfg, plan).train(stop)
+    tl_dist.remove_empty_trace_folder(cfg.comm, cfg.job.dump_folder)
     tl_dist.shutdown()
     return 0
 

@@ -8,7 +8,9 @@ declared, with no change here:
   are read either way, e.g. checkpoint.initial_load_path);
 - a boolean `enable_<name>`: the keys of its section that name it in `needs`, or whose name contains <name>
   (metrics.enable_wandb switches a later wandb_project);
-- a key's `needs` naming a boolean key elsewhere ('checkpoint.last_save_in_hf').
+- a key's `needs` naming a boolean key elsewhere ('checkpoint.last_save_in_hf');
+- a key's `needs` as a condition on another key's value (schema.When: preference.simpo_gamma is read only when
+  preference.loss is 'simpo').
 A setting changed from its default behind a switch that is off is refused with one line, or warned about in the
 same words where the section is declared `inert` (see the comment above schema.JobConfig for which and why).
 """
@@ -21,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from titan_lite.config.manager import given_keys, iter_options, iter_sections
-from titan_lite.config.schema import AUTO, JobConfig
+from titan_lite.config.schema import AUTO, JobConfig, When
 from titan_lite.errors import ConfigError
 
 logger = logging.getLogger("titan_lite")
@@ -66,6 +68,20 @@ def key_switch(key: str | tuple[str, ...]) -> Switch:
                   lambda cfg: "set " + " or ".join(f"--{k}" for k in keys), keys[0] if len(keys) == 1 else None)
 
 
+def when_switch(section: str, when: When) -> Switch:
+    """A condition on another key's value (that key of the same section unless dotted)."""
+    key = when.key if "." in when.key else f"{section}.{when.key}"
+
+    def reason(cfg: JobConfig, several: bool) -> str:
+        return (f"{'they take' if several else 'it takes'} effect only when '{key}' {when.text}, and it is "
+                f"{value_at(cfg, key)!r}")
+    return Switch(lambda cfg: when.holds(value_at(cfg, key)), reason, lambda cfg: f"set {when.fix}")
+
+
+def needs_switch(section: str, needs: str | tuple[str, ...] | When) -> Switch:
+    return when_switch(section, needs) if isinstance(needs, When) else key_switch(needs)
+
+
 def converter_switch(section: str, converter: str) -> Switch:
     def reason(cfg: JobConfig, several: bool) -> str:
         return (f"[{section}] is read only by the '{converter}' converter, which 'model.converters' = "
@@ -106,7 +122,7 @@ def gates(schema: type = JobConfig) -> tuple[Gate, ...]:
         for key, g in leaves.items():
             needs = _needs(key, g, section, switches)
             if needs and (not isinstance(needs, str) or not needs.startswith(f"{section}.")) and key not in claimed:
-                per_key.append(Gate(key_switch(needs), section, (key,), inert))
+                per_key.append(Gate(needs_switch(section, needs), section, (key,), inert))
                 claimed.add(key)
         if ENABLE in switches:
             rest = [key for key, g in leaves.items() if key != f"{section}.{ENABLE}" and key not in claimed
@@ -122,14 +138,17 @@ def switch_names(cls: type) -> list[str]:
             if hints[f.name] is bool and (f.name == ENABLE or f.name.startswith(ENABLE + "_"))]
 
 
-def _needs(key: str, f: dataclasses.Field, section: str, switches: list[str]) -> str | tuple[str, ...] | None:
-    """The dotted boolean key (or keys, any of which will do) that `key` takes effect behind besides its section's
-    `enable` (None: none): its declared `needs`, else the section's `enable_<name>` whose <name> its own name
-    contains."""
+def _needs(key: str, f: dataclasses.Field, section: str,
+           switches: list[str]) -> str | tuple[str, ...] | When | None:
+    """The dotted boolean key (or keys, any of which will do, or the condition) that `key` takes effect behind besides
+    its section's `enable` (None: none): its declared `needs`, else the section's `enable_<name>` whose <name> its
+    own name contains."""
     needs = f.metadata.get("needs", AUTO)
     leaf = key.removeprefix(f"{section}.")
     if needs is None or leaf in switches:
         return None
+    if isinstance(needs, When):
+        return needs
     if isinstance(needs, tuple):
         return tuple(n if "." in n else f"{section}.{n}" for n in needs)
     if needs != AUTO:

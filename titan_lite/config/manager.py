@@ -2,6 +2,7 @@
 
 import dataclasses
 import difflib
+import functools
 import json
 import sys
 import types
@@ -73,8 +74,16 @@ def choices_of(tp: Any) -> tuple | None:
 
 
 def not_one_of(key: str, value: Any, choices: tuple) -> str:
-    """The one-line error for a value outside a Literal field's choices."""
+    """The one-line error for a value outside a Literal field's choices (a value the field declares `refused`: why)."""
+    refused = _refused_values().get(key, {})
+    if isinstance(value, str) and value in refused:
+        return f"'{key}' = {value!r} is not supported: {refused[value]}"
     return f"'{key}' = {value!r} is not one of: {', '.join(map(str, choices))}"
+
+
+@functools.cache
+def _refused_values() -> dict[str, dict[str, str]]:
+    return {key: f.metadata["refused"] for key, f, _ in iter_options() if f.metadata.get("refused")}
 
 
 def _type_name(tp: Any) -> str:

@@ -19,12 +19,23 @@ PipelineSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "Int
 AUTO = "auto"  # `needs`: the switch the key's name and section imply (see config/gates.py)
 
 
+@dataclass(frozen=True)
+class When:
+    """`needs` as a condition on the value of another key, e.g. a preference loss that reads the setting."""
+
+    key: str  # of the same section, or dotted
+    holds: Callable[[Any], bool]  # of that key's value
+    text: str  # the condition, for the one line: "is 'simpo'"
+    fix: str  # what makes it hold: "--preference.loss simpo"
+
+
 def opt(default: Any, help: str, *, unsupported: str | None = None,
-        needs: str | tuple[str, ...] | None = AUTO) -> Any:
+        needs: "str | tuple[str, ...] | When | None" = AUTO, refused: dict[str, str] | None = None) -> Any:
     """A config field: its default, its documentation, whether it is inert (a Literal type lists its values), and
-    the boolean key it takes effect behind (`needs`: a key of its section or a dotted one, or several of which any
-    one will do; None: read whatever the section's switches say)."""
-    meta = {"help": help, "unsupported": unsupported, "needs": needs}
+    what it takes effect behind (`needs`: a boolean key of its section or a dotted one, or several of which any one
+    will do, or a condition on another key's value (When); None: read whatever the section's switches say).
+    `refused`: values the field's type does not list, each with the one line that says why it is not supported."""
+    meta = {"help": help, "unsupported": unsupported, "needs": needs, "refused": refused or {}}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -100,11 +111,14 @@ class RoPE:
     """[model.rope]: torchtitan's RoPE config names (scaling, rope_factor, beta_fast, beta_slow, original_seq_len,
     truncate, low/high_freq_factor, theta). Every key unset (None) keeps the flavor's or config.json's value."""
 
-    scaling: Literal["none", "llama", "llama3", "yarn", "linear", "dynamic"] | None = opt(
+    scaling: Literal["none", "llama", "llama3", "yarn", "linear"] | None = opt(
         None, "Long-context RoPE scaling, as transformers computes it: yarn (Qwen2.5/Qwen3 past 32K), llama "
         "(= llama3, Llama 3.1's), linear (positions / rope_factor), none (plain RoPE); None = the flavor's or "
         "config.json's. dynamic is refused: its frequencies follow the longest sequence seen, so no fixed rotation "
-        "exists to train.")
+        "exists to train.",
+        refused={"dynamic": "dynamic NTK frequencies follow the longest sequence seen so far (transformers recomputes "
+                            "them whenever a longer one arrives), so a trained model has no fixed rotation per "
+                            "position; use 'yarn' or 'linear'"})
     rope_factor: float | None = opt(
         None, "The scaling factor (transformers' factor; torchtitan's llama scaling_factor): the new context is about "
         "factor x original_seq_len. Needed when scaling names a type the model does not already have.")
@@ -660,6 +674,11 @@ class Distill:
         "forward", "forward: KL(teacher || student), mass-covering; reverse: KL(student || teacher), mode-seeking.")
 
 
+REFERENCE_FREE = ("simpo", "orpo")  # preference losses that compare the policy with itself, without a reference
+WITH_REFERENCE = When("loss", lambda loss: loss not in REFERENCE_FREE, "is one that compares with a reference "
+                      "(sigmoid, hinge or ipo)", "--preference.loss sigmoid")
+
+
 @dataclass
 class Preference:
     loss: Literal["sigmoid", "ipo", "hinge", "simpo", "orpo"] = opt(
@@ -675,8 +694,11 @@ class Preference:
         0.0, "sigmoid and simpo: the probability eps that a pair's labels are flipped, in [0, 0.5): cDPO's loss "
         "-(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h); with robust, robust DPO's unbiased loss.")
     robust: bool = opt(False, "sigmoid with label_smoothing eps: robust DPO, (-(1 - eps) log sigmoid(beta h) + eps "
-                              "log sigmoid(-beta h)) / (1 - 2 eps), as TRL's 'robust'.")
-    simpo_gamma: float = opt(0.5, "simpo: the target reward margin gamma.")
+                              "log sigmoid(-beta h)) / (1 - 2 eps), as TRL's 'robust'.",
+                       needs=When("label_smoothing", lambda eps: eps > 0, "is above 0 (the share of flipped labels "
+                                  "it corrects for)", "--preference.label_smoothing 0.1"))
+    simpo_gamma: float = opt(0.5, "simpo: the target reward margin gamma.",
+                             needs=When("loss", lambda loss: loss == "simpo", "is 'simpo'", "--preference.loss simpo"))
     sft_weight: float = opt(
         0.0, "Weight of an NLL term on the chosen answers (RPO with sigmoid): their mean token NLL over the global "
         "batch, as TRL's 'sft' loss; 0 = none. orpo has its own NLL term (weight 1).")
@@ -684,12 +706,13 @@ class Preference:
         "base", "The reference model of sigmoid, hinge and ipo: 'base' = the policy itself with its adapters switched "
         "off (LoRA, QLoRA, DoRA, PiSSA with its initial adapters added back: no second copy of the model); or a "
         "Hugging Face folder or a DCP step folder of a titan_lite run, loaded frozen and sharded by the policy's mesh. "
-        "Reference-free losses (simpo, orpo) load none.")
+        "Reference-free losses (simpo, orpo) load none.", needs=WITH_REFERENCE)
     reference_flavor: str = opt("", "The reference's flavor (default: the shape of reference/config.json, or "
                                     "reference_config's model.flavor); names one when the folder is not there yet "
-                                    "(DRY_RUN).")
+                                    "(DRY_RUN).", needs=WITH_REFERENCE)
     reference_config: str = opt("", "For a DCP reference: the TOML of the run that wrote it (default: the "
-                                    "config.toml that run saved two folders above the step folder).")
+                                    "config.toml that run saved two folders above the step folder).",
+                                needs=WITH_REFERENCE)
     precompute_reference: bool = opt(
         False, "Compute the reference's log-probabilities of every pair (training and held-out) in one pass before "
         "training, keep them in a table checkpointed with the run (a resumed run loads them, never recomputes) and "

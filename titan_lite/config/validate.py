@@ -6,7 +6,7 @@ from pathlib import Path
 
 from titan_lite.config.gates import check_switched_off
 from titan_lite.config.manager import choices_of, iter_options, not_one_of
-from titan_lite.config.schema import JobConfig
+from titan_lite.config.schema import REFERENCE_FREE, JobConfig
 from titan_lite.errors import ConfigError, quote_path
 
 
@@ -329,9 +329,6 @@ def check_distill(cfg: JobConfig) -> None:
                                           "domains by their cross entropy, not by the distillation loss")
 
 
-REFERENCE_FREE = ("simpo", "orpo")  # preference losses that compare the policy with itself, without a reference
-
-
 def check_preference(cfg: JobConfig) -> None:
     """[preference]: read only with training.dataset = 'preference'; its values, and what it cannot go with."""
     p, v = cfg.preference, cfg.validation
@@ -359,6 +356,8 @@ def check_preference(cfg: JobConfig) -> None:
              f"'preference.precompute_reference' = true with loss '{p.loss}', which is reference-free: there is no "
              "reference to compute")
     _require(p.max_prompt_length >= 0, f"'preference.max_prompt_length' must be at least 0, got {p.max_prompt_length}")
+    for section in ("training", "validation") if v.enable else ("training",):
+        check_prompt_room(p.max_prompt_length, section, getattr(cfg, section).seq_len)
     _require(0 <= p.validation_fraction < 1,
              f"'preference.validation_fraction' must be in [0, 1), got {p.validation_fraction}")
     fields = {k: getattr(p, k) for k in ("prompt_field", "chosen_field", "rejected_field")}
@@ -393,6 +392,16 @@ def check_preference(cfg: JobConfig) -> None:
                                      "objective")
     _require(not cfg.data_mixture.enable, "'data_mixture.enable' cannot go with 'training.dataset' = 'preference': "
                                           "the mixture draws pre-training domains")
+
+
+def check_prompt_room(max_prompt_length: int, section: str, seq_len: int) -> None:
+    """A pair's two documents each hold the prompt, in seq_len + 1 tokens: a prompt kept at max_prompt_length must
+    leave each answer at least one token, or every pair that is cut would be dropped instead."""
+    most = (seq_len - 1) // 2
+    _require(max_prompt_length <= most,
+             f"'preference.max_prompt_length' = {max_prompt_length} leaves no room for the answers in a window of "
+             f"'{section}.seq_len' + 1 = {seq_len + 1} tokens (a pair holds its prompt twice, once per answer): set "
+             f"it to at most {most}, or 0 (a quarter of seq_len)")
 
 
 def check_checkpoint(cfg: JobConfig) -> None:

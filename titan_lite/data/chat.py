@@ -208,9 +208,9 @@ def load_chat_template(setting: str, tokenizer_folder: Path | None, tokenizer=No
     config = _read_config(tokenizer_folder / "tokenizer_config.json") if tokenizer_folder else {}
     variables = special_token_variables(config)
     if tokenizer is not None:
-        for key, token_id in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id)):
-            if key not in variables and token_id >= 0:
-                variables[key] = tokenizer.decode([token_id])
+        for name, token_id in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id)):
+            if name not in variables and token_id >= 0:
+                variables[name] = tokenizer.decode([token_id])
     if setting != TOKENIZER_TEMPLATE:
         path = Path(setting)
         if not path.is_file():

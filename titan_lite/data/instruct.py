@@ -62,6 +62,11 @@ def in_split(index: int, split: str, fraction: float) -> bool:
     return is_held_out(index, fraction) == (split == "heldout")
 
 
+def split_words(split: str) -> str:
+    """How a line names a split: '' for the whole file, else which rows."""
+    return {"all": "", "train": " outside its held-out split", "heldout": " in its held-out split"}[split]
+
+
 def prompt_text(template: str, prompt: str) -> str:
     """The template with its {prompt} placeholder replaced (other braces in the template are kept as they are)."""
     return template.replace("{prompt}", prompt)
@@ -318,8 +323,8 @@ class InstructionSource:
                         tokens, trained = tokens[window:], trained[window:]
                         yield sample, self._state(epoch, index + 1, tokens, trained)
             if not found and start == 0:
-                raise ConfigError(f"'{self.file.key}' = '{self.file.path}' holds no examples for the {self.split} "
-                                  f"split")
+                raise ConfigError(f"'{self.file.key}' = '{self.file.path}' holds no examples"
+                                  f"{split_words(self.split)}")
             if not self.infinite:
                 return
             epoch, start = epoch + 1, 0
@@ -461,7 +466,7 @@ def check_instruction_data(cfg: JobConfig, section: str, tokenizer=None) -> None
             return
         found = True
     what = "examples with a non-empty response (or assistant turn)" if found else "examples"
-    raise ConfigError(f"'{file.key}' = '{file.path}' holds no {what} for the {split} split"
+    raise ConfigError(f"'{file.key}' = '{file.path}' holds no {what}{split_words(split)}"
                       + (" (raise 'instruct.validation_fraction')" if split == "heldout" else ""))
 
 

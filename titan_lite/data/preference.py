@@ -3,6 +3,7 @@ answers hold the whole conversation) from the instruction file formats, tokenize
 and prompt + rejected (each with its own copy of the prompt), cut to fit a window by [preference]'s truncation policy,
 and packed whole into windows (or one pair per sequence) whose document ids name the pair and its answer."""
 
+import json
 import logging
 from collections import Counter
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from titan_lite.data.instruct import (
     InstructionFile,
     in_split,
     instruction_file_and_split,
+    split_words,
     tokenizer_folder,
 )
 from titan_lite.errors import ConfigError
@@ -26,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 CHOSEN, REJECTED = 0, 1
 Turns = tuple[tuple[str, str], ...]
+_WARNED: set[tuple[str, str]] = set()  # (file, problem) named in a warning in this process
 
 
 def answer_document(index: int, answer: int) -> int:
@@ -93,9 +96,7 @@ class PreferenceFile(InstructionFile):
         if whole:  # both answers hold the whole conversation, prompt included
             return _split_conversations(chosen, rejected, where, c)
         if not isinstance(prompt, (str, list)):
-            found = ", ".join(sorted(record)) or "none"
-            raise ConfigError(f"{where}: no '{c.prompt_field}' string or message list ('preference.prompt_field'; "
-                              f"fields found: {found})")
+            raise ConfigError(field_problem(record, c.prompt_field, "preference.prompt_field", where))
         if isinstance(prompt, str) and isinstance(chosen, str):
             return Pair(prompt, chosen, rejected, where)
         prompt_turns = (("user", prompt),) if isinstance(prompt, str) else \
@@ -115,8 +116,17 @@ class PreferenceFile(InstructionFile):
             return value
         if isinstance(value, list):
             return openai_turns(value, where, name)
-        found = ", ".join(sorted(record)) or "none"
-        raise ConfigError(f"{where}: no '{name}' string or message list ('preference.{key}'; fields found: {found})")
+        raise ConfigError(field_problem(record, name, f"preference.{key}", where))
+
+
+def field_problem(record: dict, name: str, key: str, where: str) -> str:
+    """The line for a row whose field `name` is missing, or is neither a string nor a message list."""
+    if name in record:
+        value = record[name]
+        return (f"{where}: '{name}' is {type(value).__name__} {json.dumps(value)[:40]}, not a string or a message "
+                f"list ('{key}')")
+    found = ", ".join(sorted(record)) or "none"
+    return f"{where}: no '{name}' string or message list ('{key}'; fields found: {found})"
 
 
 def _split_conversations(chosen: list, rejected: list, where: str, c: Preference) -> Pair:
@@ -194,10 +204,18 @@ def fit_pair(pair: EncodedPair, budget: int, mode: str, min_prompt: int, bos_id:
     nothing of an answer would train). The prompt is cut first (keep_end: from the left, keeping a leading bos;
     keep_start: from the right), only as far as the answers need but to no fewer than `min_prompt` tokens; then the
     answers from their end, the longer first."""
+    return cut_pair(pair, budget, mode, min_prompt, bos_id)[0]
+
+
+def cut_pair(pair: EncodedPair, budget: int, mode: str, min_prompt: int,
+             bos_id: int) -> tuple[EncodedPair | None, str]:
+    """fit_pair's pair, and why it was dropped ('' when it was not), for the warning that names it."""
     if pair.length <= budget:
-        return pair
+        return pair, ""
+    window = f"seq_len + 1 = {budget} tokens"
     if mode == "drop":
-        return None
+        return None, (f"its two documents (the prompt twice and both answers) hold {pair.length} tokens, more than "
+                      f"{window} (truncation_mode 'drop')")
     answer_lengths = [len(ids) for ids, _ in pair.answers]
     keep = min(len(pair.prompt), max(min_prompt, (budget - sum(answer_lengths)) // 2, 1))
     prompt = pair.prompt[:keep]
@@ -205,10 +223,14 @@ def fit_pair(pair: EncodedPair, budget: int, mode: str, min_prompt: int, bos_id:
         lead = pair.prompt[:1] if pair.prompt[0] == bos_id and keep > 1 else []
         prompt = lead + pair.prompt[len(pair.prompt) - (keep - len(lead)):]
     cap = _answer_cap(answer_lengths, budget - 2 * len(prompt))
+    if cap < 1:
+        return None, (f"its prompt, kept at {len(prompt)} tokens (max_prompt_length, or a quarter of seq_len) and "
+                      f"held twice, leaves no room for its answers in {window}")
     answers = tuple((ids[:cap], mask[:cap]) for ids, mask in pair.answers)
-    if cap < 1 or not all(any(mask) for _, mask in answers):
-        return None
-    return EncodedPair(prompt, answers)
+    if not all(any(mask) for _, mask in answers):
+        return None, (f"cut to fit {window} (each answer to {cap} tokens), an answer keeps none of the tokens it "
+                      "trains on")
+    return EncodedPair(prompt, answers), ""
 
 
 def _answer_cap(lengths: list[int], room: int) -> int:
@@ -235,7 +257,7 @@ class PreferenceSource:
     come next."""
 
     def __init__(self, name: str, file: PreferenceFile, encoder: PairEncoder, seq_len: int, split: str = "all",
-                 infinite: bool = True, report: bool = False):
+                 infinite: bool = True, report: bool = False, warn: bool = True):
         self.name = name
         self.file = file
         self.cfg: Preference = file.cfg
@@ -244,8 +266,8 @@ class PreferenceSource:
         self.split = split
         self.infinite = infinite
         self.report = report  # log each epoch's counts (the training stream; not validation's repeated passes)
+        self.warn = warn  # name the first pair of each kind (not the check before launch: training names it)
         self.counts: Counter = Counter()
-        self._warned: set[str] = set()
 
     @property
     def min_prompt(self) -> int:
@@ -261,15 +283,15 @@ class PreferenceSource:
         """(row index, the pair as it trains) of every usable pair, counting what is skipped, cut or dropped."""
         budget, bos = self.seq_len + 1, self.encoder.tokenizer.bos_id
         for index, pair in self.pairs(start):
-            problem = pair.problem()
+            problem, why = pair.problem(), ""
             if problem is None:
                 encoded = self.encoder.encode(pair)
-                fitted = fit_pair(encoded, budget, self.cfg.truncation_mode, self.min_prompt, bos)
+                fitted, why = cut_pair(encoded, budget, self.cfg.truncation_mode, self.min_prompt, bos)
                 problem = "too long" if fitted is None else ("cut" if fitted is not encoded else None)
             self.counts["pairs"] += 1
             if problem is not None:
                 self.counts[problem] += 1
-                self._warn(problem, pair.where)
+                self._warn(problem, pair.where, why)
             if problem in (None, "cut"):
                 yield index, fitted
 
@@ -284,10 +306,11 @@ class PreferenceSource:
                 found = True
                 yield sample, {"epoch": epoch, "index": next_index}
             if not found and start == 0:
-                raise ConfigError(f"'{self.file.key}' = '{self.file.path}' holds no usable pairs for the {self.split} "
-                                  f"split ({self.summary()})")
+                raise ConfigError(f"'{self.file.key}' = '{self.file.path}' holds no usable pairs"
+                                  f"{split_words(self.split)} ({self.summary()})")
             if self.report and start == 0:
-                logger.info(f"preference data '{self.file.path}' ({self.split} split), epoch {epoch}: {self.summary()}")
+                logger.info(f"preference data '{self.file.path}'{split_words(self.split)}, epoch {epoch}: "
+                            f"{self.summary()}")
             if not self.infinite:
                 return
             epoch, start = epoch + 1, 0
@@ -303,15 +326,17 @@ class PreferenceSource:
         parts += [f"{c[k]:,} {text}" for k, text in what.items() if c[k]]
         return ", ".join(parts)
 
-    def _warn(self, problem: str, where: str) -> None:
-        if problem in self._warned:
+    def _warn(self, problem: str, where: str, why: str) -> None:
+        """The first pair of each kind of problem in this process, named (a source read again, as the reference
+        precomputation reads the training pairs, names none twice)."""
+        if not self.warn or (str(self.file.path), problem) in _WARNED:
             return
-        self._warned.add(problem)
+        _WARNED.add((str(self.file.path), problem))
         if problem == "cut":
             action = (f"cut to fit seq_len + 1 = {self.seq_len + 1} tokens (truncation_mode "
                       f"'{self.cfg.truncation_mode}')")
         elif problem == "too long":
-            action = f"dropped: its two answers do not fit seq_len + 1 = {self.seq_len + 1} tokens"
+            action = f"dropped: {why}"
         else:
             action = f"skipped: its answers are {problem} (nothing to prefer)"
         logger.warning(f"{where}: pair {action}; further pairs like it are counted in each epoch's summary line")
@@ -375,11 +400,12 @@ def check_preference_data(cfg: JobConfig, section: str, tokenizer=None) -> None:
     one; with a tokenizer that pair is also encoded (rendered with the chat template) and fitted to the window."""
     file, split = preference_file_and_split(cfg, section)
     encoder = pair_encoder(cfg, tokenizer)
-    source = PreferenceSource("preference", file, encoder, getattr(cfg, section).seq_len, split, infinite=False)
+    source = PreferenceSource("preference", file, encoder, getattr(cfg, section).seq_len, split, infinite=False,
+                              warn=False)
     pairs = source.encoded() if tokenizer is not None else \
         ((i, p) for i, p in source.pairs() if p.problem() is None and _renders(p, encoder, cfg))
     if next(pairs, None) is None:
-        raise ConfigError(f"'{file.key}' = '{file.path}' holds no usable pairs for the {split} split"
+        raise ConfigError(f"'{file.key}' = '{file.path}' holds no usable pairs{split_words(split)}"
                           + (" (raise 'preference.validation_fraction')" if split == "heldout" else ""))
 
 

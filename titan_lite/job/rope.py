@@ -18,9 +18,6 @@ _KEYS = {
     "high_freq_factor": ("rope_high_freq_factor", ("llama3",)),
 }
 _ALIASES = {"llama": "llama3"}  # torchtitan's name of Llama 3.1's scaling
-_DYNAMIC = ("'model.rope.scaling' = 'dynamic' is not supported: dynamic NTK frequencies follow the longest sequence "
-            "seen so far (transformers recomputes them whenever a longer one arrives), so a trained model has no fixed "
-            "rotation per position; use 'yarn' or 'linear'")
 
 
 def apply_rope_settings(args: LlamaArgs, rope: RoPE) -> LlamaArgs:
@@ -46,7 +43,7 @@ def apply_rope_settings(args: LlamaArgs, rope: RoPE) -> LlamaArgs:
     if kind != _current_type(args):
         args = _fresh_scaling(args, kind, given)
     args = replace(args, **{_KEYS[key][0]: value for key, value in given.items()})
-    if not args.rope_scaling_factor >= 1:
+    if "rope_factor" in given and not args.rope_scaling_factor >= 1:  # config.json's own factor: models/llama/hf.py
         raise ConfigError(f"'model.rope.rope_factor' must be at least 1 (the factor the context grows by), got "
                           f"{args.rope_scaling_factor}")
     return args
@@ -60,8 +57,6 @@ def _scaling_type(args: LlamaArgs, rope: RoPE) -> str | None:
     """The scaling type of the run: model.rope.scaling, else the model's own (None: plain RoPE)."""
     if rope.scaling is None:
         return _current_type(args)
-    if rope.scaling == "dynamic":
-        raise ConfigError(_DYNAMIC)
     return None if rope.scaling == "none" else _ALIASES.get(rope.scaling, rope.scaling)
 
 

@@ -1,12 +1,10 @@
-"""What the scripts share (their command line is job/cli.py's ScriptParser): checks of their inputs, a job config for a
-model folder, the process group and job plan, output folders written whole or not at all, and an entry point whose
-user errors are one line (exit 2) and whose Ctrl-C is one line (exit 130)."""
+"""What the scripts share (their command line is job/cli.py's ScriptParser): checks of their inputs and output
+folders (job/outputs.py writes them), a job config for a model folder, the process group and job plan, and an entry
+point whose user errors are one line (exit 2) and whose Ctrl-C is one line (exit 130)."""
 
 import logging
-import shutil
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,7 +14,7 @@ from titan_lite import distributed as tl_dist
 from titan_lite.config import JobConfig, parse_args, validate
 from titan_lite.data.datasets import check_has_documents, shards_at
 from titan_lite.errors import USER_ERROR, ConfigError, quote_path
-from titan_lite.job.outputs import check_replaceable, mark_written
+from titan_lite.job.outputs import check_replaceable
 from titan_lite.job.plan import HF_FLAVOR, JobPlan, plan_job
 from titan_lite.metrics.logger import init_logger
 from titan_lite.models.llama.hf import flavor_of_hf_config
@@ -48,9 +46,10 @@ def check_text_data(flag: str, path: str) -> None:
 # ---------------------------------------------------------------------------------------------- outputs
 
 
-def check_output_folder(flag: str, out: str, inputs: dict[str, str | None], reports: tuple[str, ...] = ()) -> None:
+def check_output_folder(flag: str, out: str, inputs: dict[str, str | None]) -> None:
     """Refuse an output folder that is an input, lies inside one, or holds one (replacing it would delete it), and
-    one that holds anything titan_lite did not write (job/outputs.py; `reports`: the script's own report files)."""
+    one that holds anything titan_lite did not write (job/outputs.py's check_replaceable). Write it with
+    job/outputs.py's output_folder."""
     target = Path(out).resolve()
     for name, path in inputs.items():
         if not path:
@@ -62,39 +61,7 @@ def check_output_folder(flag: str, out: str, inputs: dict[str, str | None], repo
                               "(it replaces what is there)")
         if target in source.parents:
             raise ConfigError(f"{flag} '{out}' holds {name} '{path}': replacing it would delete the input")
-    check_replaceable(flag, out, reports)
-
-
-def partial_folder(out: str | Path) -> Path:
-    """The folder an output is written into before it is renamed to `out` (the same name on every rank)."""
-    out = Path(out)
-    return out.with_name(f".{out.name}.partial")
-
-
-@contextmanager
-def atomic_folder(out: str | Path, owner: bool = True) -> Iterator[Path]:
-    """Yield a fresh partial folder to write the whole output into; on success it gets titan_lite's marker and
-    replaces `out` (an older `out` is removed only after the rename; check_output_folder said it may be), on any
-    failure it is removed and `out` is untouched. `owner` is the one process (rank 0) that creates, renames and
-    removes."""
-    out, tmp = Path(out), partial_folder(out)
-    if owner:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    try:
-        yield tmp
-        if owner:
-            mark_written(tmp)
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            if out.exists():
-                out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if owner:
-            shutil.rmtree(tmp, ignore_errors=True)
+    check_replaceable(flag, out)
 
 
 # --------------------------------------------------------------------------------------------- the job

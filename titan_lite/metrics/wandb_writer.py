@@ -11,12 +11,17 @@ from titan_lite.errors import ConfigError, pip_install
 
 RUN_ID_FILE = "wandb_run_id"
 DEFAULT_PROJECT = "titan_lite"
+WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # what wandb.Settings accepts
 
 
 def check_wandb_installed(cfg: JobConfig) -> None:
-    """metrics.enable_wandb needs the optional wandb package: one line naming the install command."""
+    """metrics.enable_wandb needs the optional wandb package and a WANDB_MODE it knows: one line each."""
     if not cfg.metrics.enable_wandb:
         return
+    mode = os.environ.get("WANDB_MODE")
+    if mode is not None and mode not in WANDB_MODES:
+        raise ConfigError(f"'metrics.enable_wandb': WANDB_MODE={mode!r} is not a W&B mode; expected online (the "
+                          f"default), offline (no account needed) or disabled (also {', '.join(WANDB_MODES[3:])})")
     try:
         import wandb  # noqa: F401
     except ImportError:

@@ -65,6 +65,10 @@ def frozen_config(cfg: JobConfig, spec: FrozenSpec, device_type: str) -> JobConf
         t.model.hf_assets_path, t.model.tokenizer_path = run.model.hf_assets_path, run.model.tokenizer_path
         t.checkpoint = Checkpoint(initial_load_path=str(path))
     else:
+        if path.is_file():
+            raise ConfigError(f"'{spec.path_key}' = '{path}' is a file; the {spec.role} must be a folder: a Hugging "
+                              "Face folder (config.json and safetensors) or a DCP step folder of a titan_lite run "
+                              "(or 'base')")
         if not spec.flavor and not path.exists():
             raise ConfigError(f"'{spec.path_key}' = {quote_path(path)} does not exist (to plan with DRY_RUN before the "
                               f"{spec.role} is downloaded, set '{spec.flavor_key}')")

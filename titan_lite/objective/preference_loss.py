@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from titan_lite.config.schema import REFERENCE_FREE
+
 LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
-REFERENCE_FREE = ("simpo", "orpo")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 from titan_lite.data.dataloader import build_section_source, pad_collate
+from titan_lite.data.instruct import split_words
+from titan_lite.data.preference import PreferenceSource
 from titan_lite.job.assembly import BuiltModel
 from titan_lite.job.plan import JobPlan
 from titan_lite.loss import IGNORE_INDEX
@@ -75,8 +77,8 @@ class ReferencePass:
     @torch.no_grad()
     def compute(self, section: str, frozen: FrozenForward) -> torch.Tensor:
         cfg, dims = self.plan.cfg, self.plan.parallel_dims
-        source = build_section_source(cfg, section, self.plan.tokenizer, infinite=False)
-        windows = [sample for sample, _ in source.samples()]
+        windows = _read_windows(build_section_source(cfg, section, self.plan.tokenizer, infinite=False),
+                                f"reference log-probabilities ({section})")
         rows = max(int(docs.max()) for _, _, docs in windows) // 2 + 1
         batch_mesh = dims.submesh("batch")
         mine = windows[batch_mesh.get_local_rank()::batch_mesh.size()]
@@ -100,6 +102,20 @@ class ReferencePass:
         _sum_over(table, seen, dims)
         table[seen == 0] = float("nan")
         return table.cpu()
+
+
+def _read_windows(source: PreferenceSource, what: str, every_s: float = 10.0) -> list:
+    """Every window of the section's pairs, tokenized and packed (for thousands of conversations rendered with a chat
+    template, a minute or more): a line when it starts and one at most every `every_s` seconds."""
+    logger.info(f"{what}: reading, tokenizing and packing the pairs of '{source.file.path}'"
+                f"{split_words(source.split)}")
+    windows, last = [], time.perf_counter()
+    for sample, _ in source.samples():
+        windows.append(sample)
+        if time.perf_counter() - last >= every_s:
+            last = time.perf_counter()
+            logger.info(f"{what}: {len(windows):,} windows of pairs packed so far")
+    return windows
 
 
 def _padding_window(window: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

@@ -397,21 +397,59 @@ _DYNAMIC_REFUSED = ("its frequencies follow the longest sequence seen so far (tr
                     "'linear'")
 
 
+def _rope_entry(cfg: dict, source: str) -> tuple[str, dict]:
+    """Which of ROPE_FORMS holds the scaling (rope_scaling when it has one) and its object ({} for plain RoPE); a
+    value that is no object (or null) is a ConfigError naming the key."""
+    for key in ROPE_FORMS:
+        value = cfg.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{source}: '{key}' is {json.dumps(value)}; expected an object such as "
+                              '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, '
+                              "or null for plain RoPE")
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    return key, cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+
+
+# Keys of a scaling object and what each must hold (the rope type's own keys; rope_theta and rope_type apart).
+_ROPE_NUMBERS = {"factor": 1.0, "low_freq_factor": 0.0, "high_freq_factor": 0.0, "beta_fast": 0.0, "beta_slow": 0.0,
+                 "attention_factor": 0.0, "mscale": 0.0, "mscale_all_dim": 0.0,
+                 "original_max_position_embeddings": 1.0}  # the smallest value each may take
+
+
+def _checked_number(scaling: dict, name: str, where: str) -> None:
+    value = scaling.get(name)
+    if value is None:
+        return
+    low = _ROPE_NUMBERS[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
+        raise ConfigError(f"{where}: '{name}' is {json.dumps(value)}; expected a number of at least {low:g}"
+                          + (" (the factor the context grows by)" if name == "factor" else ""))
+
+
 def _rope_fields(cfg: dict, source: str) -> dict:
     """The LlamaArgs rope fields of a config.json, from transformers 4 (rope_theta + rope_scaling) or 5
-    (rope_parameters, rope_theta inside) configs; a rope type titan_lite cannot compute is a ConfigError."""
-    params = cfg.get("rope_parameters") or {}
-    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
-    scaling = cfg.get("rope_scaling") or params
-    fields = {"rope_theta": float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    (rope_parameters, rope_theta inside) configs; a rope type titan_lite cannot compute, or a value transformers
+    would refuse, is a ConfigError naming the file and its key."""
+    key, scaling = _rope_entry(cfg, source)
     where = f"{source}: '{key}'"
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise ConfigError(f"{source}: 'rope_theta' is {json.dumps(theta)}; expected a positive number")
+    fields = {"rope_theta": float(theta)}
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    for name in _ROPE_NUMBERS:
+        _checked_number(scaling, name, where)
+    if rope_type is None and scaling.get("factor") is not None:
+        raise ConfigError(f"{where} has 'factor' {json.dumps(scaling['factor'])} but no 'rope_type' (or 'type'), so "
+                          "it would evaluate as plain RoPE: name the scaling ('linear', 'llama3' or 'yarn'), or drop "
+                          "'factor'")
+    rope_type = "default" if rope_type is None else rope_type
     if rope_type == "default":
         return fields
     if rope_type == "dynamic":
         raise ConfigError(f"{where}: rope type 'dynamic' is not supported: {_DYNAMIC_REFUSED}")
     if rope_type not in ROPE_SCALING_TYPES:
-        raise ConfigError(f"{where}: rope type '{rope_type}' is not supported; expected 'default', "
+        raise ConfigError(f"{where}: rope type {rope_type!r} is not supported; expected 'default', "
                           f"{', '.join(repr(t) for t in ROPE_SCALING_TYPES)}")
     if scaling.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError(f"{where}: partial_rotary_factor {scaling['partial_rotary_factor']}; titan_lite rotates "
@@ -425,6 +463,8 @@ def _rope_fields(cfg: dict, source: str) -> dict:
         if scaling.get("original_max_position_embeddings") is None:
             raise ConfigError(f"{where}: rope type 'yarn' needs 'original_max_position_embeddings' (the context "
                               "length the model was pre-trained with, e.g. 32768 for Qwen2.5/Qwen3)")
+        if not isinstance(scaling.get("truncate", True), bool):
+            raise ConfigError(f"{where}: 'truncate' is {json.dumps(scaling['truncate'])}; expected true or false")
         optional = {k: scaling[k] if scaling.get(k) is not None else v for k, v in _YARN_DEFAULTS.items()}
         fields |= {"rope_original_max_seq_len": int(scaling["original_max_position_embeddings"]),
                    "rope_beta_fast": float(optional["beta_fast"]), "rope_beta_slow": float(optional["beta_slow"]),

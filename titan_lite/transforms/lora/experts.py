@@ -104,7 +104,8 @@ def check_expert_options(options, args, keep_sparsity: bool) -> None:
     for key, on, what in refused:
         if on:
             raise ConfigError(f"'lora.{key}' = {getattr(c, key)!r}: LoRA on experts ('lora.target_modules' names "
-                              f"experts) has no {what}; turn it off or adapt only attention and dense projections")
+                              f"experts) does not support {what}; turn it off or adapt only attention and dense "
+                              "projections")
     for key, entries in (("rank_pattern", options.rank_pattern), ("alpha_pattern", options.alpha_pattern)):
         for pattern, value in entries:
             if any(pattern_matches(pattern, m) for m in options.adapted_expert_groups(args)):
