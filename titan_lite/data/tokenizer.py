@@ -353,15 +353,27 @@ class HFByteLevelBPETokenizer(Tokenizer):
         if core is not False:
             self._start_core(path, spec, checked=bool(core))
 
-    def __reduce__(self):
-        """Pickled as its file (workers started by spawn or forkserver read it again), with the core's verdict."""
-        return type(self), (self.source, self._core is not None)
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its text functions (workers started by spawn or forkserver build them again from the
+        file's specs) and without its word cache."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_steps", "_normalize", "_cache")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _cache={})
+        self._normalize = _normalizer(self.source, self._specs["normalizer"])
 
     # -- loading
 
     def _load_text_pipeline(self, path: Path, spec: dict[str, Any]) -> None:
+        self._specs = {name: spec.get(name) for name in ("normalizer", "pre_tokenizer")}
         self._steps = _pre_tokenizer_steps(path, spec.get("pre_tokenizer"))
         self._normalize = _normalizer(path, spec.get("normalizer"))
+
+    @property
+    def _pre_steps(self) -> list[PreTokenizeStep]:
+        if "_steps" not in self.__dict__:  # an unpickled copy builds them when it first needs them
+            self._steps = _pre_tokenizer_steps(self.source, self._specs["pre_tokenizer"])
+        return self._steps
 
     def _start_core(self, path: Path, spec: dict[str, Any], checked: bool) -> None:
         """Encode plain text with tiktoken's core when its ids are exactly the merge list's (bpe_core), and say in
@@ -449,7 +461,7 @@ class HFByteLevelBPETokenizer(Tokenizer):
                 text = " " + text
             return self._core.encode_ordinary(text)
         pieces = [self._normalize(text)]
-        for step in self._steps:
+        for step in self._pre_steps:
             pieces = [out for piece in pieces for out in step(piece) if out]
         ids: list[int] = []
         for piece in pieces:
@@ -703,6 +715,7 @@ class HFByteFallbackBPETokenizer(HFByteLevelBPETokenizer):
         """tiktoken's core merges bytes, not characters: this BPE stays in Python."""
 
     def _load_text_pipeline(self, path: Path, spec: dict[str, Any]) -> None:
+        self._specs = {name: spec.get(name) for name in ("normalizer", "pre_tokenizer")}
         self._normalize = _normalizer(path, spec.get("normalizer"))
         pre = spec.get("pre_tokenizer")
         self._metaspace, self._prepend_scheme, self._split = None, "never", False

@@ -1,0 +1,370 @@
+"""Writes token files (token_files.py's format) from what training.dataset_path reads: documents of .txt, .jsonl,
+.json.gz and .parquet shards (with bos and eos, as packing reads them), or chat, instruction and preference rows (ids
+and trained-token masks; a pair as its two sequences). Chunks of the input are tokenized by N processes, each chunk
+a shard of its own that an interrupted run keeps: the same command resumes from there. Everything is written into a
+partial folder first and appears under its name only when whole."""
+
+import json
+import logging
+import multiprocessing
+import shutil
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from titan_lite.data.chat import ChatEncoder, Conversation, load_chat_template
+from titan_lite.data.datasets import DocumentStream, StreamPosition, shards_at
+from titan_lite.data.instruct import Example, InstructFormat, InstructionFile
+from titan_lite.data.preference import Pair, PairEncoder, PreferenceFile
+from titan_lite.data.token_files import (
+    FORMAT,
+    KINDS,
+    MANIFEST,
+    OFFSETS,
+    PAIR_PROBLEMS,
+    RECORD_ARRAYS,
+    VERSION,
+    capacity,
+    dtype_for,
+    encoding_settings,
+    partial_folder,
+    shard_file,
+)
+from titan_lite.data.tokenizer import Tokenizer, tokenizer_fingerprint
+from titan_lite.errors import ConfigError, quote_path
+
+logger = logging.getLogger(__name__)
+PLAN = "plan.json"  # in the partial folder: what it is being written from (a resumed run must match it)
+
+
+# ---------------------------------------------------------------- records and their tokens
+
+
+@dataclass
+class Encoded:
+    """One record's documents (ids and trained masks; text documents train every token) and its record values."""
+
+    documents: list[list[int]]
+    masks: list[list[bool]] | None = None
+    record: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class RecordEncoder:
+    """Turns records of one kind into tokens; picklable (each worker process builds its chat template itself)."""
+
+    kind: str
+    tokenizer: Tokenizer
+    settings: Any = None  # [instruct] or [preference] (config.schema.Instruct / Preference)
+    folder: Path | None = None  # the tokenizer folder, where a chat template named 'tokenizer' lives
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_encoder"}
+
+    def encode(self, row: int, record: Any) -> Encoded:
+        if self.kind == "text":
+            return Encoded([self.tokenizer.encode(record, bos=True, eos=True)])
+        if self.kind == "preference":
+            return self._pair(row, record)
+        ids, trained = self._format().encode(record)
+        return Encoded([ids], [trained], {"rows": row})
+
+    def _pair(self, row: int, pair: Pair) -> Encoded:
+        problem = pair.problem()
+        values = {"rows": row, "problems": PAIR_PROBLEMS.index(problem), "prompt_lengths": 0}
+        if problem is not None:
+            return Encoded([[], []], [[], []], values)
+        encoded = self._format().encode(pair)
+        documents = encoded.documents()
+        values["prompt_lengths"] = len(encoded.prompt)
+        return Encoded([ids for ids, _ in documents], [mask for _, mask in documents], values)
+
+    def _format(self) -> InstructFormat | PairEncoder:
+        if getattr(self, "_encoder", None) is None:
+            self._encoder = build_record_format(self.kind, self.tokenizer, self.settings, self.folder)
+        return self._encoder
+
+
+def build_record_format(kind: str, tokenizer: Tokenizer, settings: Any, folder: Path | None):
+    """The InstructFormat (chat or instruct) or PairEncoder (preference) of these settings."""
+    key = "preference.chat_template" if kind == "preference" else "instruct.chat_template"
+    chat = None
+    if settings.chat_template:
+        template = load_chat_template(settings.chat_template, folder, tokenizer, key=key)
+        chat = ChatEncoder(template, tokenizer) if kind == "preference" else \
+            ChatEncoder(template, tokenizer, settings.train_on)
+    return PairEncoder(tokenizer, chat, key) if kind == "preference" else InstructFormat(settings, tokenizer, chat)
+
+
+def read_records(kind: str, paths: list[str], settings: Any = None) -> Iterator[Any]:
+    """The records of the inputs in order: documents' texts, or the rows of chat, instruction or preference files
+    (one file or saved `datasets` folder each)."""
+    if kind == "text":
+        shards = [shard for path in paths for shard in shards_at(Path(path), "--data")]
+        for text, _ in DocumentStream(shards).read(StreamPosition()):
+            yield text
+        return
+    reader = PreferenceFile if kind == "preference" else InstructionFile
+    for path in paths:
+        for _, record in reader(Path(path), settings, "--data").examples():
+            yield record
+
+
+def record_chars(record: Any) -> int:
+    """The characters of a record's text (what a chunk's size and the progress count)."""
+    if isinstance(record, str):
+        return len(record)
+    if isinstance(record, Example):
+        return len(record.prompt) + len(record.response)
+    if isinstance(record, Conversation):
+        return sum(len(text) for _, text in record.turns)
+    parts = (record.prompt, record.chosen, record.rejected)
+    return sum(len(p) if isinstance(p, str) else sum(len(text) for _, text in p) for p in parts)
+
+
+# ---------------------------------------------------------------- chunks
+
+
+@dataclass
+class Chunk:
+    index: int
+    first_row: int
+    records: list[Any]
+    chars: int
+
+
+def chunks(records: Iterator[Any], chunk_chars: int) -> Iterator[Chunk]:
+    """Consecutive records cut into chunks of about `chunk_chars` characters (the same cut for the same input)."""
+    batch, chars, index, row = [], 0, 0, 0
+    for record in records:
+        batch.append(record)
+        chars += record_chars(record)
+        if chars >= chunk_chars:
+            yield Chunk(index, row, batch, chars)
+            index, row, batch, chars = index + 1, row + len(batch), [], 0
+    if batch:
+        yield Chunk(index, row, batch, chars)
+
+
+_WORKER_ENCODER: RecordEncoder | None = None
+
+
+def _start_worker(encoder: RecordEncoder) -> None:
+    global _WORKER_ENCODER
+    _WORKER_ENCODER = encoder
+
+
+def tokenize_chunk(folder: Path, chunk: Chunk, dtype: str) -> dict[str, int]:
+    """Tokenize a chunk (in a worker) into its shard files, the record of it written last: a chunk whose record is
+    there is whole."""
+    encoded = [_WORKER_ENCODER.encode(chunk.first_row + i, r) for i, r in enumerate(chunk.records)]
+    documents = [ids for e in encoded for ids in e.documents]
+    lengths = np.array([len(ids) for ids in documents], dtype=np.int64)
+    ids = np.fromiter((i for doc in documents for i in doc), dtype=np.int64, count=int(lengths.sum()))
+    if len(ids) and int(ids.max()) >= capacity(dtype):
+        raise ConfigError(f"token id {int(ids.max()):,} does not fit {dtype}: the tokenizer's vocabulary is larger "
+                          "than it says")
+    ids.astype(dtype).tofile(folder / shard_file(chunk.index))
+    if encoded[0].masks is not None:
+        masks = np.fromiter((m for e in encoded for mask in e.masks for m in mask), dtype=np.uint8, count=len(ids))
+        masks.tofile(folder / shard_file(chunk.index, "mask"))
+    lengths.tofile(folder / f"chunk-{chunk.index:05d}.lengths")
+    for name, dtype_name in RECORD_ARRAYS.items():
+        if name in encoded[0].record:
+            values = np.array([e.record[name] for e in encoded], dtype=dtype_name)
+            values.tofile(folder / f"chunk-{chunk.index:05d}.{name}")
+    done = {"documents": len(documents), "tokens": len(ids), "records": len(encoded), "chars": chunk.chars}
+    (folder / f"chunk-{chunk.index:05d}.json").write_text(json.dumps(done))
+    return done
+
+
+def finished_chunk(folder: Path, index: int, dtype: str) -> dict[str, int] | None:
+    """A chunk an earlier run finished (its record there, its shard of the size it says), else None."""
+    path = folder / f"chunk-{index:05d}.json"
+    try:
+        done = json.loads(path.read_text())
+        size = (folder / shard_file(index)).stat().st_size
+    except (OSError, ValueError):
+        return None
+    return done if size == done["tokens"] * np.dtype(dtype).itemsize else None
+
+
+# ---------------------------------------------------------------- the folder
+
+
+@dataclass
+class Progress:
+    """Prints how far the tokenizing is, at most every `every` seconds: text done, tokens, rate and ETA."""
+
+    total_chars: int
+    report: Callable[[str], None]
+    every: float = 5.0
+    chars: int = 0
+    tokens: int = 0
+    new_tokens: int = 0
+    start: float = field(default_factory=time.perf_counter)
+    last: float = 0.0
+
+    def add(self, done: dict[str, int], new: bool) -> None:
+        self.chars += done["chars"]
+        self.tokens += done["tokens"]
+        self.new_tokens += done["tokens"] if new else 0
+        now = time.perf_counter()
+        if now - self.last >= self.every:
+            self.last = now
+            self.report(self.line())
+
+    def rate(self) -> float:
+        return self.new_tokens / max(time.perf_counter() - self.start, 1e-9)
+
+    def line(self) -> str:
+        share = min(self.chars / max(self.total_chars, 1), 0.99)
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed * (1 - share) / share if share > 0 and self.new_tokens else float("nan")
+        return (f"tokenized {share:.0%} (about {self.chars / 1e6:,.1f} of {self.total_chars / 1e6:,.1f} MB of text), "
+                f"{self.tokens:,} tokens, {self.rate():,.0f} tokens/s, ETA {_duration(eta)}")
+
+
+def _duration(seconds: float) -> str:
+    if seconds != seconds:
+        return "-"
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{secs:02d}s"
+
+
+def source_list(paths: list[str]) -> list[dict[str, Any]]:
+    """Each input with its size and modification time (a resumed run reads the same files)."""
+    out = []
+    for path in paths:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"--data {quote_path(path)} does not exist")
+        files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
+        out.append({"path": str(p.resolve()), "bytes": sum(f.stat().st_size for f in files),
+                    "mtime_ns": max((f.stat().st_mtime_ns for f in files), default=0)})
+    return out
+
+
+def write_token_folder(out: str | Path, paths: list[str], encoder: RecordEncoder, workers: int = 1,
+                       chunk_chars: int | None = None, report: Callable[[str], None] = print,
+                       finish: Callable[[Path], None] | None = None) -> dict[str, Any]:
+    """Tokenize `paths` into the token folder `out` (which the caller checked may be written) and return its
+    manifest. `finish(partial)` runs just before the rename (e.g. to leave titan_lite's marker)."""
+    if encoder.kind not in KINDS:
+        raise ConfigError(f"--kind {encoder.kind!r}; expected one of {', '.join(KINDS)}")
+    out = Path(out)
+    sources = source_list(paths)
+    total = sum(s["bytes"] for s in sources)
+    chunk_chars = chunk_chars or min(max(total // (4 * workers), 1 << 20), 64 << 20)
+    dtype = dtype_for(encoder.tokenizer.vocab_size)
+    plan = {"format": FORMAT, "version": VERSION, "kind": encoder.kind, "dtype": dtype, "sources": sources,
+            "tokenizer": tokenizer_fingerprint(encoder.tokenizer), "chunk_chars": chunk_chars,
+            "settings": encoding_settings(encoder.kind, encoder.settings, encoder.folder, encoder.tokenizer)}
+    partial = _partial_for(out, plan, report)
+    progress = Progress(total, report)
+    done = _tokenize_all(partial, read_records(encoder.kind, paths, encoder.settings), encoder, workers, plan,
+                         progress)
+    manifest = _finalize(partial, plan, done)
+    if finish is not None:
+        finish(partial)
+    old = out.with_name(f".{out.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        out.rename(old)
+    partial.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+    manifest["tokens_per_second"] = progress.rate()
+    return manifest
+
+
+def _partial_for(out: Path, plan: dict[str, Any], report: Callable[[str], None]) -> Path:
+    """The partial folder: an earlier run's of the same plan is kept (resumed), any other one is cleared."""
+    partial = partial_folder(out)
+    try:
+        earlier = json.loads((partial / PLAN).read_text())
+    except (OSError, ValueError):
+        earlier = None
+    if earlier == plan:
+        count = len(list(partial.glob("chunk-*.json")))
+        report(f"resuming the interrupted run in {quote_path(partial)}: {count} chunk(s) done")
+        return partial
+    if partial.exists():
+        report(f"restarting: {quote_path(partial)} holds an interrupted run of other inputs or settings")
+        shutil.rmtree(partial)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial.mkdir()
+    (partial / PLAN).write_text(json.dumps(plan))
+    return partial
+
+
+def _tokenize_all(partial: Path, records: Iterator[Any], encoder: RecordEncoder, workers: int,
+                  plan: dict[str, Any], progress: Progress) -> list[dict[str, int]]:
+    """Tokenize every chunk not finished before, `workers` at a time (a few queued per worker, so reading stays
+    just ahead of tokenizing); the chunks' records in order."""
+    done: dict[int, dict[str, int]] = {}
+    dtype = plan["dtype"]
+    _start_worker(encoder)
+    pool = _pool(workers, encoder) if workers > 1 else None
+    pending: deque = deque()
+    try:
+        for chunk in chunks(records, plan["chunk_chars"]):
+            earlier = finished_chunk(partial, chunk.index, dtype)
+            if earlier is not None:
+                done[chunk.index] = earlier
+                progress.add(earlier, new=False)
+                continue
+            if pool is None:
+                done[chunk.index] = tokenize_chunk(partial, chunk, dtype)
+                progress.add(done[chunk.index], new=True)
+                continue
+            pending.append((chunk.index, pool.apply_async(tokenize_chunk, (partial, chunk, dtype))))
+            while len(pending) >= 2 * workers:
+                _collect(pending, done, progress)
+        while pending:
+            _collect(pending, done, progress)
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    if not done:
+        raise ConfigError(f"--data {', '.join(s['path'] for s in plan['sources'])} holds no "
+                          f"{'documents' if plan['kind'] == 'text' else 'rows'}")
+    return [done[i] for i in range(len(done))]
+
+
+def _pool(workers: int, encoder: RecordEncoder):
+    """Worker processes from a forkserver that imported this module once (never a fork of a process with threads)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context.Pool(workers, _start_worker, (encoder,))
+
+
+def _collect(pending: deque, done: dict[int, dict[str, int]], progress: Progress) -> None:
+    index, result = pending.popleft()
+    done[index] = result.get()
+    progress.add(done[index], new=True)
+
+
+def _finalize(partial: Path, plan: dict[str, Any], done: list[dict[str, int]]) -> dict[str, Any]:
+    """The global index and record arrays from the chunks' pieces, then the manifest (written last)."""
+    lengths = [np.fromfile(partial / f"chunk-{i:05d}.lengths", dtype=np.int64) for i in range(len(done))]
+    offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int64)
+    offsets.tofile(partial / OFFSETS)
+    arrays = []
+    for name, dtype_name in RECORD_ARRAYS.items():
+        pieces = [partial / f"chunk-{i:05d}.{name}" for i in range(len(done))]
+        if pieces[0].exists():
+            np.concatenate([np.fromfile(p, dtype=dtype_name) for p in pieces]).tofile(partial / f"{name}.{dtype_name}")
+            arrays.append(name)
+    manifest = {k: v for k, v in plan.items() if k != "chunk_chars"} | {
+        "documents": len(offsets) - 1, "tokens": int(offsets[-1]), "records": sum(d["records"] for d in done),
+        "record_arrays": arrays, "shards": [{"tokens": d["tokens"], "documents": d["documents"]} for d in done]}
+    (partial / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    for piece in [*partial.glob("chunk-*"), partial / PLAN]:  # after the manifest: a crash before here resumes
+        piece.unlink()
+    return manifest
