@@ -133,7 +133,7 @@ class Trainer:
         self.mixture: DomainWeights | None = None
         if self.cfg.data_mixture.enable:
             self.mixture = build_domain_weights(self.cfg.data_mixture, self.plan.tokenizer, t.seq_len, self.seed,
-                                                documents=self.plan.block_causal)
+                                                documents=self.plan.block_causal, shuffle=t.shuffle)
             return DataLoader(self.mixture.source, layout, loader_options(t.dataloader))
         return build_section_loader(self.cfg, "training", self.plan.tokenizer, layout,
                                     documents=self.plan.block_causal)

@@ -82,6 +82,51 @@ def encoding_settings(kind: str, section: Any, folder: Path | None, tokenizer) -
         section.chat_template, folder, tokenizer, "instruct.chat_template")
 
 
+# ---------------------------------------------------------------- records as arrays
+
+
+@dataclass
+class Encoded:
+    """One record's documents (ids and trained masks; text documents train every token) and its record values
+    (RECORD_ARRAYS)."""
+
+    documents: list[list[int]]
+    masks: list[list[bool]] | None = None
+    record: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class EncodedArrays:
+    """Encoded records as arrays: every document's ids end to end, their masks, the documents' lengths and the record
+    values."""
+
+    ids: np.ndarray
+    masks: np.ndarray | None
+    lengths: np.ndarray
+    records: dict[str, np.ndarray]
+
+    @classmethod
+    def of(cls, encoded: list[Encoded]) -> "EncodedArrays":
+        documents = [ids for e in encoded for ids in e.documents]
+        lengths = np.array([len(ids) for ids in documents], dtype=np.int64)
+        count = int(lengths.sum())
+        ids = np.fromiter((i for doc in documents for i in doc), dtype=np.int64, count=count)
+        masks = None
+        if encoded and encoded[0].masks is not None:
+            masks = np.fromiter((m for e in encoded for mask in e.masks for m in mask), dtype=np.uint8, count=count)
+        records = {name: np.array([e.record[name] for e in encoded], dtype=dtype)
+                   for name, dtype in RECORD_ARRAYS.items() if encoded and name in encoded[0].record}
+        return cls(ids, masks, lengths, records)
+
+
+def table_in_memory(kind: str, encoded: list[Encoded]) -> "TokenTable":
+    """Records tokenized at the start of a run, as a table in memory (in the dtype token files would keep them)."""
+    arrays = EncodedArrays.of(encoded)
+    offsets = np.concatenate([[0], np.cumsum(arrays.lengths)]).astype(np.int64)
+    ids = arrays.ids.astype(DTYPES[dtype_for(int(arrays.ids.max(initial=0)) + 1)])
+    return TokenTable(kind, offsets, [ids], None if arrays.masks is None else [arrays.masks], arrays.records)
+
+
 # ---------------------------------------------------------------- reading
 
 
@@ -202,8 +247,8 @@ def _array(folder: Path, name: str, dtype: str, count: int, key: str) -> np.ndar
         raise ConfigError(f"'{key}' = {quote_path(folder)}: {name} is missing; {RETOKENIZE}")
     size = path.stat().st_size
     if size != count * itemsize:
-        raise ConfigError(f"'{key}' = {quote_path(folder)}: {name} holds {size // itemsize:,} values, the manifest says "
-                          f"{count:,}: the token files are truncated or damaged; {RETOKENIZE}")
+        raise ConfigError(f"'{key}' = {quote_path(folder)}: {name} holds {size // itemsize:,} values, the manifest "
+                          f"says {count:,}: the token files are truncated or damaged; {RETOKENIZE}")
     if count == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,))

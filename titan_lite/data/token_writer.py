@@ -19,16 +19,17 @@ import numpy as np
 
 from titan_lite.data.chat import ChatEncoder, Conversation, load_chat_template
 from titan_lite.data.datasets import DocumentStream, StreamPosition, shards_at
-from titan_lite.data.instruct import Example, InstructFormat, InstructionFile
-from titan_lite.data.preference import Pair, PairEncoder, PreferenceFile
+from titan_lite.data.instruct import Example, InstructFormat, InstructionFile, encoded_record
+from titan_lite.data.preference import PairEncoder, PreferenceFile, encoded_pair
 from titan_lite.data.token_files import (
     FORMAT,
     KINDS,
     MANIFEST,
     OFFSETS,
-    PAIR_PROBLEMS,
     RECORD_ARRAYS,
     VERSION,
+    Encoded,
+    EncodedArrays,
     capacity,
     dtype_for,
     encoding_settings,
@@ -46,15 +47,6 @@ PLAN = "plan.json"  # in the partial folder: what it is being written from (a re
 
 
 @dataclass
-class Encoded:
-    """One record's documents (ids and trained masks; text documents train every token) and its record values."""
-
-    documents: list[list[int]]
-    masks: list[list[bool]] | None = None
-    record: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
 class RecordEncoder:
     """Turns records of one kind into tokens; picklable (each worker process builds its chat template itself)."""
 
@@ -69,25 +61,9 @@ class RecordEncoder:
     def encode(self, row: int, record: Any) -> Encoded:
         if self.kind == "text":
             return Encoded([self.tokenizer.encode(record, bos=True, eos=True)])
-        if self.kind == "preference":
-            return self._pair(row, record)
-        ids, trained = self._format().encode(record)
-        return Encoded([ids], [trained], {"rows": row})
-
-    def _pair(self, row: int, pair: Pair) -> Encoded:
-        problem = pair.problem()
-        values = {"rows": row, "problems": PAIR_PROBLEMS.index(problem), "prompt_lengths": 0}
-        if problem is not None:
-            return Encoded([[], []], [[], []], values)
-        encoded = self._format().encode(pair)
-        documents = encoded.documents()
-        values["prompt_lengths"] = len(encoded.prompt)
-        return Encoded([ids for ids, _ in documents], [mask for _, mask in documents], values)
-
-    def _format(self) -> InstructFormat | PairEncoder:
         if getattr(self, "_encoder", None) is None:
             self._encoder = build_record_format(self.kind, self.tokenizer, self.settings, self.folder)
-        return self._encoder
+        return (encoded_pair if self.kind == "preference" else encoded_record)(self._encoder, row, record)
 
 
 def build_record_format(kind: str, tokenizer: Tokenizer, settings: Any, folder: Path | None):
@@ -162,23 +138,18 @@ def _start_worker(encoder: RecordEncoder) -> None:
 def tokenize_chunk(folder: Path, chunk: Chunk, dtype: str) -> dict[str, int]:
     """Tokenize a chunk (in a worker) into its shard files, the record of it written last: a chunk whose record is
     there is whole."""
-    encoded = [_WORKER_ENCODER.encode(chunk.first_row + i, r) for i, r in enumerate(chunk.records)]
-    documents = [ids for e in encoded for ids in e.documents]
-    lengths = np.array([len(ids) for ids in documents], dtype=np.int64)
-    ids = np.fromiter((i for doc in documents for i in doc), dtype=np.int64, count=int(lengths.sum()))
+    arrays = EncodedArrays.of([_WORKER_ENCODER.encode(chunk.first_row + i, r) for i, r in enumerate(chunk.records)])
+    ids = arrays.ids
     if len(ids) and int(ids.max()) >= capacity(dtype):
         raise ConfigError(f"token id {int(ids.max()):,} does not fit {dtype}: the tokenizer's vocabulary is larger "
                           "than it says")
     ids.astype(dtype).tofile(folder / shard_file(chunk.index))
-    if encoded[0].masks is not None:
-        masks = np.fromiter((m for e in encoded for mask in e.masks for m in mask), dtype=np.uint8, count=len(ids))
-        masks.tofile(folder / shard_file(chunk.index, "mask"))
-    lengths.tofile(folder / f"chunk-{chunk.index:05d}.lengths")
-    for name, dtype_name in RECORD_ARRAYS.items():
-        if name in encoded[0].record:
-            values = np.array([e.record[name] for e in encoded], dtype=dtype_name)
-            values.tofile(folder / f"chunk-{chunk.index:05d}.{name}")
-    done = {"documents": len(documents), "tokens": len(ids), "records": len(encoded), "chars": chunk.chars}
+    if arrays.masks is not None:
+        arrays.masks.tofile(folder / shard_file(chunk.index, "mask"))
+    arrays.lengths.tofile(folder / f"chunk-{chunk.index:05d}.lengths")
+    for name, values in arrays.records.items():
+        values.tofile(folder / f"chunk-{chunk.index:05d}.{name}")
+    done = {"documents": len(arrays.lengths), "tokens": len(ids), "records": len(chunk.records), "chars": chunk.chars}
     (folder / f"chunk-{chunk.index:05d}.json").write_text(json.dumps(done))
     return done
 
