@@ -22,7 +22,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titan_lite.config.schema import JobConfig
 from titan_lite.data.datasets import Deferred, Sample, SampleSource, build_packed_source, dataset_root
-from titan_lite.data.indexed import IndexedSource, token_windows
+from titan_lite.data.indexed import IndexedSource, RecordSource, TokenWindows, token_windows
 from titan_lite.data.instruct import PAD_DOCUMENT, build_instruction_source
 from titan_lite.data.order import data_order
 from titan_lite.data.preference import build_preference_source
@@ -280,3 +280,29 @@ def split_batch(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Te
     documents = next((t for t in rest if t.dim() == 2), None)
     domains = next((t for t in rest if t.dim() == 1), None)
     return inputs, labels, documents, domains
+
+
+def describe_source(source: SampleSource, layout: BatchLayout) -> str:
+    """How a rank reads its data, for the run's log and DRY_RUN: by index (each rank its own sequences), or a
+    raw-text stream every rank reads whole."""
+    mine = layout.local_batch * layout.accumulation
+    own = (f"each rank reads only its {mine} of the {layout.global_batch} sequences of a step (each DataLoader worker "
+           "only its own)")
+    if isinstance(source, TokenWindows):
+        order = "shuffled per epoch" if source.shuffle else "in order"
+        return (f"token files '{source.table.folder}' ({source.table.num_tokens:,} tokens, "
+                f"{source.epoch_size(0):,} sequences per epoch, {order}): {own}")
+    if isinstance(source, RecordSource):
+        stored = getattr(source.file, "table", None)
+        where = f"token files '{stored.folder}'" if stored is not None else \
+            f"'{source.file.path}' (tokenized once when the run starts)"
+        order = "shuffled per epoch" if source.shuffle else "in order"
+        return f"{source.name} rows from {where}, {order}: {own}"
+    streams = getattr(source, "sources", [source])
+    raw = [s.name for s in streams if not isinstance(s, IndexedSource)]
+    if not raw:
+        return f"data mixture of token files ({', '.join(s.name for s in streams)}): each rank walks the draws and " \
+               f"reads only its {mine} of the {layout.global_batch} sequences of a step"
+    return (f"raw text ({', '.join(raw)}) read in order as a stream: every rank reads and tokenizes all "
+            f"{layout.global_batch} sequences of a step and keeps its {mine} (tokenize once with "
+            "scripts/tokenize_data.py to read only its own, and to shuffle)")

@@ -17,10 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from titan_lite.data.chat import ChatEncoder, Conversation, load_chat_template
+from titan_lite.data import token_chunks
+from titan_lite.data.chat import Conversation
 from titan_lite.data.datasets import DocumentStream, StreamPosition, shards_at
-from titan_lite.data.instruct import Example, InstructFormat, InstructionFile, encoded_record
-from titan_lite.data.preference import PairEncoder, PreferenceFile, encoded_pair
+from titan_lite.data.instruct import Example, InstructionFile
+from titan_lite.data.preference import PreferenceFile
+from titan_lite.data.token_chunks import Chunk, RecordEncoder, finished_chunk, start_worker
 from titan_lite.data.token_files import (
     FORMAT,
     KINDS,
@@ -28,15 +30,11 @@ from titan_lite.data.token_files import (
     OFFSETS,
     RECORD_ARRAYS,
     VERSION,
-    Encoded,
-    EncodedArrays,
-    capacity,
     dtype_for,
     encoding_settings,
     partial_folder,
-    shard_file,
 )
-from titan_lite.data.tokenizer import Tokenizer, tokenizer_fingerprint
+from titan_lite.data.tokenizer import tokenizer_fingerprint
 from titan_lite.errors import ConfigError, quote_path
 
 logger = logging.getLogger(__name__)
@@ -44,37 +42,6 @@ PLAN = "plan.json"  # in the partial folder: what it is being written from (a re
 
 
 # ---------------------------------------------------------------- records and their tokens
-
-
-@dataclass
-class RecordEncoder:
-    """Turns records of one kind into tokens; picklable (each worker process builds its chat template itself)."""
-
-    kind: str
-    tokenizer: Tokenizer
-    settings: Any = None  # [instruct] or [preference] (config.schema.Instruct / Preference)
-    folder: Path | None = None  # the tokenizer folder, where a chat template named 'tokenizer' lives
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "_encoder"}
-
-    def encode(self, row: int, record: Any) -> Encoded:
-        if self.kind == "text":
-            return Encoded([self.tokenizer.encode(record, bos=True, eos=True)])
-        if getattr(self, "_encoder", None) is None:
-            self._encoder = build_record_format(self.kind, self.tokenizer, self.settings, self.folder)
-        return (encoded_pair if self.kind == "preference" else encoded_record)(self._encoder, row, record)
-
-
-def build_record_format(kind: str, tokenizer: Tokenizer, settings: Any, folder: Path | None):
-    """The InstructFormat (chat or instruct) or PairEncoder (preference) of these settings."""
-    key = "preference.chat_template" if kind == "preference" else "instruct.chat_template"
-    chat = None
-    if settings.chat_template:
-        template = load_chat_template(settings.chat_template, folder, tokenizer, key=key)
-        chat = ChatEncoder(template, tokenizer) if kind == "preference" else \
-            ChatEncoder(template, tokenizer, settings.train_on)
-    return PairEncoder(tokenizer, chat, key) if kind == "preference" else InstructFormat(settings, tokenizer, chat)
 
 
 def read_records(kind: str, paths: list[str], settings: Any = None) -> Iterator[Any]:
@@ -106,14 +73,6 @@ def record_chars(record: Any) -> int:
 # ---------------------------------------------------------------- chunks
 
 
-@dataclass
-class Chunk:
-    index: int
-    first_row: int
-    records: list[Any]
-    chars: int
-
-
 def chunks(records: Iterator[Any], chunk_chars: int) -> Iterator[Chunk]:
     """Consecutive records cut into chunks of about `chunk_chars` characters (the same cut for the same input)."""
     batch, chars, index, row = [], 0, 0, 0
@@ -125,44 +84,6 @@ def chunks(records: Iterator[Any], chunk_chars: int) -> Iterator[Chunk]:
             index, row, batch, chars = index + 1, row + len(batch), [], 0
     if batch:
         yield Chunk(index, row, batch, chars)
-
-
-_WORKER_ENCODER: RecordEncoder | None = None
-
-
-def _start_worker(encoder: RecordEncoder) -> None:
-    global _WORKER_ENCODER
-    _WORKER_ENCODER = encoder
-
-
-def tokenize_chunk(folder: Path, chunk: Chunk, dtype: str) -> dict[str, int]:
-    """Tokenize a chunk (in a worker) into its shard files, the record of it written last: a chunk whose record is
-    there is whole."""
-    arrays = EncodedArrays.of([_WORKER_ENCODER.encode(chunk.first_row + i, r) for i, r in enumerate(chunk.records)])
-    ids = arrays.ids
-    if len(ids) and int(ids.max()) >= capacity(dtype):
-        raise ConfigError(f"token id {int(ids.max()):,} does not fit {dtype}: the tokenizer's vocabulary is larger "
-                          "than it says")
-    ids.astype(dtype).tofile(folder / shard_file(chunk.index))
-    if arrays.masks is not None:
-        arrays.masks.tofile(folder / shard_file(chunk.index, "mask"))
-    arrays.lengths.tofile(folder / f"chunk-{chunk.index:05d}.lengths")
-    for name, values in arrays.records.items():
-        values.tofile(folder / f"chunk-{chunk.index:05d}.{name}")
-    done = {"documents": len(arrays.lengths), "tokens": len(ids), "records": len(chunk.records), "chars": chunk.chars}
-    (folder / f"chunk-{chunk.index:05d}.json").write_text(json.dumps(done))
-    return done
-
-
-def finished_chunk(folder: Path, index: int, dtype: str) -> dict[str, int] | None:
-    """A chunk an earlier run finished (its record there, its shard of the size it says), else None."""
-    path = folder / f"chunk-{index:05d}.json"
-    try:
-        done = json.loads(path.read_text())
-        size = (folder / shard_file(index)).stat().st_size
-    except (OSError, ValueError):
-        return None
-    return done if size == done["tokens"] * np.dtype(dtype).itemsize else None
 
 
 # ---------------------------------------------------------------- the folder
@@ -279,7 +200,7 @@ def _tokenize_all(partial: Path, records: Iterator[Any], encoder: RecordEncoder,
     just ahead of tokenizing); the chunks' records in order."""
     done: dict[int, dict[str, int]] = {}
     dtype = plan["dtype"]
-    _start_worker(encoder)
+    start_worker(encoder)
     pool = _pool(workers, encoder) if workers > 1 else None
     pending: deque = deque()
     try:
@@ -290,10 +211,10 @@ def _tokenize_all(partial: Path, records: Iterator[Any], encoder: RecordEncoder,
                 progress.add(earlier, new=False)
                 continue
             if pool is None:
-                done[chunk.index] = tokenize_chunk(partial, chunk, dtype)
+                done[chunk.index] = token_chunks.tokenize_chunk(partial, chunk, dtype)
                 progress.add(done[chunk.index], new=True)
                 continue
-            pending.append((chunk.index, pool.apply_async(tokenize_chunk, (partial, chunk, dtype))))
+            pending.append((chunk.index, pool.apply_async(token_chunks.tokenize_chunk, (partial, chunk, dtype))))
             while len(pending) >= 2 * workers:
                 _collect(pending, done, progress)
         while pending:
@@ -309,10 +230,11 @@ def _tokenize_all(partial: Path, records: Iterator[Any], encoder: RecordEncoder,
 
 
 def _pool(workers: int, encoder: RecordEncoder):
-    """Worker processes from a forkserver that imported this module once (never a fork of a process with threads)."""
+    """Worker processes from a forkserver that imported the worker's module once (never a fork of a process with
+    threads)."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__])
-    return context.Pool(workers, _start_worker, (encoder,))
+    context.set_forkserver_preload(["titan_lite.data.token_chunks"])
+    return context.Pool(workers, start_worker, (encoder,))
 
 
 def _collect(pending: deque, done: dict[int, dict[str, int]], progress: Progress) -> None:

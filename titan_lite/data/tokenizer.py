@@ -8,7 +8,6 @@ import binascii
 import functools
 import hashlib
 import json
-import logging
 import re
 import unicodedata
 from collections.abc import Callable, Iterator
@@ -20,8 +19,6 @@ import tiktoken
 
 from titan_lite.data.bpe_core import GPT2_PATTERN, exact_ranks, merge_symbols, split_pattern, tiktoken_encoding
 from titan_lite.errors import ConfigError
-
-logger = logging.getLogger(__name__)
 
 # Llama 3's pre-tokenizer split pattern (the cl100k pattern with numbers in groups of up to three).
 LLAMA3_PATTERN = (
@@ -57,6 +54,7 @@ class Tokenizer:
     pad_id: int = -1
     special_ids: frozenset[int] = frozenset()  # control tokens (what transformers' skip_special_tokens drops)
     backend: str  # what encodes: 'tiktoken', 'sentencepiece', 'python BPE'
+    backend_note = ""  # why that one (a tokenizer.json byte-level BPE: whether tiktoken's core is exact for it)
     source: Path | None = None  # the file it was read from
 
     def encode(self, text: str, bos: bool = True, eos: bool = False, *, allow_special: bool = False) -> list[int]:
@@ -390,11 +388,9 @@ class HFByteLevelBPETokenizer(Tokenizer):
             except ValueError as err:  # a pattern tiktoken's regex engine does not take
                 why = f"tiktoken cannot use the split pattern ({err})"
         if self._core is None:
-            logger.info(f"tokenizer '{path}': byte-level BPE in Python (tiktoken's core would not be exact: {why})")
+            self.backend_note = f"tiktoken's core would not be exact: {why}"
             return
-        self.backend = "tiktoken"
-        logger.info(f"tokenizer '{path}': byte-level BPE on tiktoken's core (exact: ids in merge order, one split "
-                    "pattern)")
+        self.backend, self.backend_note = "tiktoken", "tiktoken's core: ids in merge order, one split pattern"
 
     def _load_model(self, path: Path, model: dict[str, Any]) -> None:
         vocab = _bpe_vocab(path, model)
@@ -898,3 +894,8 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> dict[str, Any]:
             "sha256": hashlib.sha256(data).hexdigest(), "vocab_size": tokenizer.vocab_size,
             "bos_id": tokenizer.bos_id if getattr(tokenizer, "add_bos", True) else -1, "eos_id": tokenizer.eos_id,
             "pad_id": tokenizer.pad_id}
+
+
+def describe_tokenizer(tokenizer: Tokenizer) -> str:
+    """Which back end encodes, and why: for the run's log and DRY_RUN."""
+    return tokenizer.backend + (f" ({tokenizer.backend_note})" if tokenizer.backend_note else "")
