@@ -197,3 +197,19 @@ def test_every_cases_columns_have_a_table_label():
 
     missing = {name: [c for c in build().columns if c not in _LABELS] for name, build in CASES.items()}
     assert {name: cols for name, cols in missing.items() if cols} == {}
+
+
+def test_data_loading_smoke_prints_every_figure(monkeypatch, capsys):
+    """benchmarks.data_loading --smoke: every part runs (tiny sizes) and prints its figure."""
+    from benchmarks import data_loading
+
+    monkeypatch.setattr(sys, "argv", ["data_loading", "--smoke"])
+    data_loading.main()
+    out = capsys.readouterr().out
+    for start in ("tokenize_data.py on ", "one rank's loader, tokens/s delivered to rank 0 of D ranks:",
+                  "  raw text, tokenizer.json on tiktoken's core ", "  raw text, tokenizer.json in Python ",
+                  "  token files (shuffled) ", "token files at D = 8 / D = 1: ",
+                  "DataLoader workers on token files (D = 8): num_workers 1 ",
+                  "tokenizers on the same text, one thread: titan_lite tokenizer.json on tiktoken's core "):
+        assert any(line.startswith(start) for line in out.splitlines()), start
+    assert "ids equal HF tokenizers' on 40 of 40 documents" in out

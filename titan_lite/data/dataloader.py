@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -129,6 +130,16 @@ def stack_collate(items: list[tuple[tuple, dict]]) -> tuple:
     return (*(torch.stack(column) for column in columns), items[-1][1])
 
 
+@dataclass(frozen=True)
+class AsArrays:
+    """A collate whose tensors come out as numpy arrays (DataLoader.__iter__ turns them back, without a copy)."""
+
+    collate: Callable
+
+    def __call__(self, items: list) -> tuple:
+        return tuple(t.numpy() if isinstance(t, torch.Tensor) else t for t in self.collate(items))
+
+
 @dataclass
 class LoaderOptions:
     num_workers: int = 0
@@ -166,7 +177,7 @@ class DataLoader:
                 self.microbatches += 1
                 if self.microbatches % self.layout.accumulation == 0:
                     self.state = end_state
-                yield tuple(tensors)
+                yield tuple(torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in tensors)
                 if self.microbatches % self.layout.accumulation == 0 and self._source_version() != version:
                     break
             else:
@@ -180,7 +191,10 @@ class DataLoader:
         if isinstance(self.source, IndexedSource):
             self.source.prepare()  # before workers start: they share (fork) or carry (spawn) the work done
         o = self.options
-        return StatefulDataLoader(self.dataset, batch_size=self.layout.local_batch, collate_fn=self.collate,
+        # Batches cross from worker processes as numpy arrays, pickled by value: a shared-memory segment per tensor
+        # costs more than copying a batch (pinned memory needs tensors: then they stay tensors)
+        collate = self.collate if o.num_workers == 0 or o.pin_memory else AsArrays(self.collate)
+        return StatefulDataLoader(self.dataset, batch_size=self.layout.local_batch, collate_fn=collate,
                                   num_workers=o.num_workers, pin_memory=o.pin_memory,
                                   persistent_workers=o.persistent_workers, prefetch_factor=o.prefetch_factor,
                                   multiprocessing_context=o.start_method if o.num_workers > 0 else None)
@@ -299,10 +313,21 @@ def describe_source(source: SampleSource, layout: BatchLayout) -> str:
         order = "shuffled per epoch" if source.shuffle else "in order"
         return f"{source.name} rows from {where}, {order}: {own}"
     streams = getattr(source, "sources", [source])
-    raw = [s.name for s in streams if not isinstance(s, IndexedSource)]
+    raw = [_where(s) for s in streams if not isinstance(s, IndexedSource)]
     if not raw:
         return f"data mixture of token files ({', '.join(s.name for s in streams)}): each rank walks the draws and " \
                f"reads only its {mine} of the {layout.global_batch} sequences of a step"
     return (f"raw text ({', '.join(raw)}) read in order as a stream: every rank reads and tokenizes all "
             f"{layout.global_batch} sequences of a step and keeps its {mine} (tokenize once with "
             "scripts/tokenize_data.py to read only its own, and to shuffle)")
+
+
+def _where(source: SampleSource) -> str:
+    """A raw-text source's file, or the folder of its files."""
+    shards = source.stream.shards
+    return f"'{shards[0] if len(shards) == 1 else shards[0].parent}'"
+
+
+def reads_by_index(source: SampleSource) -> bool:
+    """Whether each rank reads only its own samples (token files, rows; a mixture of token files only)."""
+    return all(isinstance(s, IndexedSource) for s in getattr(source, "sources", [source]))

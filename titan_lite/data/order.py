@@ -4,7 +4,7 @@ rank, any worker and any resumed run asks for any position and gets the same ans
 network over the positions, cycle-walked into [0, size))."""
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -78,6 +78,12 @@ class Permutation:
         return x.astype(np.int64)
 
 
+@lru_cache(maxsize=4)
+def _permutation(size: int, seed: int, epoch: int) -> Permutation:
+    """The epoch's permutation, its round keys computed once (a sample's lookup is then a few hashes)."""
+    return Permutation(size, seed, epoch)
+
+
 @dataclass(frozen=True)
 class GlobalOrder:
     """Position j of epoch e holds stored sample j, or Permutation(size, seed, e)(j) when shuffled."""
@@ -87,7 +93,7 @@ class GlobalOrder:
     shuffle: bool = False
 
     def stored(self, epoch: int, position: int) -> int:
-        return Permutation(self.size, self.seed, epoch)(position) if self.shuffle else position
+        return _permutation(self.size, self.seed, epoch)(position) if self.shuffle else position
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The stored sample of every position of the epoch."""

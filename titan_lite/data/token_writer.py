@@ -8,6 +8,7 @@ import json
 import logging
 import multiprocessing
 import shutil
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -230,11 +231,19 @@ def _tokenize_all(partial: Path, records: Iterator[Any], encoder: RecordEncoder,
 
 
 def _pool(workers: int, encoder: RecordEncoder):
-    """Worker processes from a forkserver that imported the worker's module once (never a fork of a process with
-    threads)."""
+    """Worker processes from a forkserver (never a fork of a process with threads), each importing only the light
+    token_chunks: they are started without the caller's __main__, whose imports (torch) would cost seconds per worker
+    on a busy machine. (Nothing is preloaded into the forkserver: Python 3.11's does so before it takes the caller's
+    sys.path, and could import another installed titan_lite than the caller's.)"""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["titan_lite.data.token_chunks"])
-    return context.Pool(workers, start_worker, (encoder,))
+    main = sys.modules["__main__"]
+    saved = {name: main.__dict__.pop(name) for name in ("__spec__", "__file__") if name in main.__dict__}
+    try:
+        main.__spec__ = None  # what multiprocessing reads to import the main module in each worker
+        return context.Pool(workers, start_worker, (encoder,))
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 def _collect(pending: deque, done: dict[int, dict[str, int]], progress: Progress) -> None:
