@@ -19,13 +19,14 @@ chunks it finished there, and the same command resumes from them.
         --data data/synthetic_chat/train.jsonl --output_dir data/synthetic_chat/tokens
 """
 
+import argparse
 import sys
 from pathlib import Path
 
 # The checkout's titan_lite, whichever python runs the script (e.g. `.venv/bin/python scripts/...`).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan_lite.config import parse_args
+from titan_lite.config import parse_args as parse_config
 from titan_lite.data.token_files import KINDS, partial_folder
 from titan_lite.data.token_writer import RecordEncoder, write_token_folder
 from titan_lite.data.tokenizer import build_tokenizer
@@ -38,7 +39,8 @@ SECTIONS = ("--instruct.", "--preference.", "--job.config_file")
 INTERRUPTED = 130
 
 
-def parse(argv: list[str] | None):
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """(the script's options, the [instruct] / [preference] settings and --job.config_file for the trainer's parser)."""
     parser = ScriptParser(__doc__)
     parser.add_argument("--hf_assets_path", required=True, help="the tokenizer: a folder holding tokenizer.json or "
                         "tokenizer.model (the run's model.hf_assets_path), or the file")
@@ -48,7 +50,7 @@ def parse(argv: list[str] | None):
     parser.add_argument("--kind", default="text", choices=KINDS, help="what the data holds")
     parser.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     parser.add_argument("--chunk_mb", type=float, default=0, help="text per shard and per unit of resumable work, in "
-                        "MB (0: a quarter of the data per worker, between 1 and 64 MB)")
+                        "MB (0: a quarter of each process's share of the data, between 1 and 64 MB)")
     opts, rest = parser.parse_known_args(argv)
     unknown = [word for word in rest if word.startswith("--") and not word.startswith(SECTIONS)]
     if unknown:
@@ -63,7 +65,7 @@ def encoder_of(opts, rest: list[str]) -> RecordEncoder:
     tokenizer = build_tokenizer(opts.hf_assets_path)
     folder = Path(opts.hf_assets_path)
     folder = folder if folder.is_dir() else folder.parent
-    cfg = parse_args(rest)
+    cfg = parse_config(rest)
     if opts.kind == "text":
         return RecordEncoder("text", tokenizer)
     settings = cfg.preference if opts.kind == "preference" else cfg.instruct
@@ -76,7 +78,7 @@ def encoder_of(opts, rest: list[str]) -> RecordEncoder:
 
 
 def main(argv: list[str] | None = None) -> int:
-    opts, rest = parse(argv)
+    opts, rest = parse_args(argv)
     init_logger()
     try:
         if opts.workers < 1:

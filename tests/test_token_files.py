@@ -307,3 +307,27 @@ def test_shuffling_is_a_seeded_permutation_per_epoch_that_keeps_examples_whole(t
     assert epochs[0] != epochs[1]
     twin = build_section_source(cfg, "training", tok, documents=True)
     assert all(torch.equal(x, y) for x, y in zip(twin.sample(3), source.sample(3), strict=True))
+
+
+def test_dry_run_states_each_ranks_data_path_and_warns_when_raw_text_starves_the_gpus(tmp_path, tok):
+    figures = load_script("update_readme_figures")
+    shards = text_shards(tmp_path / "raw")
+    write_token_folder(tmp_path / "tokens", [str(shards)], RecordEncoder("text", tok), report=lambda line: None)
+    plans = {}
+    for name, path in (("raw", shards), ("tokens", tmp_path / "tokens")):
+        code, out, err = figures.run_plan(8, str(ROOT / "train_configs" / "llama3_2_1b_pretrain.toml"), [
+            "--model.hf_assets_path", "./assets/tokenizer", "--training.dataset", "text", "--training.dataset_path",
+            str(path), "--training.local_batch_size", "2", "--training.seq_len", "2048"], nnodes=8)
+        assert code == 0, out + err
+        plans[name] = [line for line in out.splitlines() if line.startswith(("data: ", "warning: raw text"))]
+    assert plans["tokens"] == [
+        f"data: token files '{tmp_path / 'tokens'}' ({open_token_folder(tmp_path / 'tokens', 'k').num_tokens:,} "
+        "tokens, 2 sequences per epoch, shuffled per epoch): each rank reads only its 8 of the 512 sequences of a "
+        "step (each DataLoader worker only its own); 16,392 tokens read per step by each rank"]  # 2 x accumulation 4
+    data, warning = plans["raw"]
+    assert data == (f"data: raw text ('{shards}') read in order as a stream: every rank reads and tokenizes all 512 "
+                    "sequences of a step and keeps its 8 (tokenize once with scripts/tokenize_data.py to read only its "
+                    "own, and to shuffle); 1,049,088 tokens read and tokenized per step by each rank")
+    assert warning.startswith("warning: raw text at data-parallel degree 64: each rank's loader tokenizes the whole "
+                              "global batch, so at the measured ")
+    assert warning.endswith("tokenize once with scripts/tokenize_data.py and train from the token folder")
