@@ -13,12 +13,21 @@ import pytest
 import torch
 
 from titan_lite.config import parse_args, validate
+from titan_lite.config.schema import DataMixture
 from titan_lite.data import token_chunks
 from titan_lite.data.chat import ChatEncoder, load_chat_template
 from titan_lite.data.dataloader import BatchLayout, GlobalBatchSlices, build_section_source
-from titan_lite.data.datasets import BUNDLED_DATASETS, DocumentStream, StreamPosition, build_packed_source, shards_at
+from titan_lite.data.datasets import (
+    BUNDLED_DATASETS,
+    Deferred,
+    DocumentStream,
+    StreamPosition,
+    build_packed_source,
+    shards_at,
+)
 from titan_lite.data.indexed import TokenWindows
 from titan_lite.data.instruct import PAD_DOCUMENT, InstructFormat, InstructionFile
+from titan_lite.data.mixture import build_domain_weights
 from titan_lite.data.order import GlobalOrder, Permutation
 from titan_lite.data.preference import PairEncoder, PreferenceFile
 from titan_lite.data.token_files import MANIFEST, OFFSETS, open_token_folder, partial_folder, shard_file
@@ -331,3 +340,22 @@ def test_dry_run_states_each_ranks_data_path_and_warns_when_raw_text_starves_the
     assert warning.startswith("warning: raw text at data-parallel degree 64: each rank's loader tokenizes the whole "
                               "global batch, so at the measured ")
     assert warning.endswith("tokenize once with scripts/tokenize_data.py and train from the token folder")
+
+
+def test_a_data_mixture_reads_its_token_folder_domains_by_index(tmp_path, tok):
+    shards = text_shards(tmp_path / "raw")
+    write_token_folder(tmp_path / "tokens", [str(shards)], RecordEncoder("text", tok), report=lambda line: None)
+    cfg = DataMixture(enable=True, dataset_paths=[str(tmp_path / "tokens"), str(shards)], domains=["tokens", "raw"])
+    assert "'training.shuffle' = true, but 'data_mixture.dataset_paths[1]'" in one_line(
+        build_domain_weights, cfg, tok, 32, 0, False, True)
+    mixture = build_domain_weights(cfg, tok, 32, 0, shuffle=False).source
+    raw = build_packed_source("text", str(shards), tok, 32).samples()
+    windows = [sample for (sample, _), _ in zip(raw, range(40), strict=False)]
+    taken = [0, 0]
+    for (sample, _), _ in zip(mixture.samples(), range(40), strict=False):
+        deferred = isinstance(sample, Deferred)  # a token-file domain's window: read only by the rank keeping it
+        *tensors, domain = sample.load() if deferred else sample
+        assert deferred == (int(domain) == 0)
+        assert all(torch.equal(a, b) for a, b in zip(tensors, windows[taken[int(domain)]], strict=True))
+        taken[int(domain)] += 1
+    assert min(taken) >= 10  # both domains drawn, each its windows in order (the same data)

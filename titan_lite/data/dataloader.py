@@ -211,6 +211,8 @@ class DataLoader:
                 f"has {self.layout.global_batch} ('training.local_batch_size' {self.layout.local_batch} x "
                 f"data-parallel degree {self.layout.dp_degree} x accumulation {self.layout.accumulation}); set "
                 f"'training.global_batch_size' to {state['global_batch']} to continue the same run")
+        if isinstance(self.source, IndexedSource):
+            self.source.seek(state["source"])  # a position of another order (data, shuffle, seed) is one line now
         self.state, self.microbatches = state["source"], 0
 
     def restart(self) -> None:

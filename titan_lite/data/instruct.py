@@ -476,6 +476,8 @@ def check_instruction_data(cfg: JobConfig, section: str, tokenizer=None) -> None
     if isinstance(file, StoredRecords):
         check_stored_rows(cfg, file, tokenizer, "instruct")
         InstructionSource("instruct", file, tokenizer, getattr(cfg, section).seq_len, split, infinite=False).prepare()
+        if section == "validation" and cfg.validation.answer_problems:
+            next(file.examples(), None)  # answer accuracy generates from the rows' text: its one-line refusal
         return
     template = None
     if cfg.instruct.chat_template:
