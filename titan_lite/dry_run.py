@@ -173,7 +173,8 @@ def data_lines(plan: JobPlan) -> list[str]:
         return [f"data: {t.dataset}" + (f" from '{t.dataset_path}'" if t.dataset_path else "")]
     window = t.seq_len + 1
     if reads_by_index(source):
-        return [f"data: {describe_source(source, layout)}; {layout.local_batch * layout.accumulation * window:,} "
+        most = "up to " if getattr(source, "packing", None) == "one" else ""  # one row per sequence, padded
+        return [f"data: {describe_source(source, layout)}; {most}{layout.local_batch * layout.accumulation * window:,} "
                 "tokens read per step by each rank"]
     read = layout.global_batch * window
     lines = [f"data: {describe_source(source, layout)}; {read:,} tokens read and tokenized per step by each rank"]

@@ -39,8 +39,8 @@ def build_record_format(kind: str, tokenizer: Tokenizer, settings: Any, folder: 
     """(row, record) -> Encoded with the InstructFormat (chat or instruct) or PairEncoder (preference) of these
     settings."""
     # imported here: rows need the instruction and preference modules (and torch); text workers start without them
-    from titan_lite.data.instruct import InstructFormat, encoded_record
-    from titan_lite.data.preference import PairEncoder, encoded_pair
+    from titan_lite.data.instruct import InstructFormat, encoded_record  # (rows only, see above)
+    from titan_lite.data.preference import PairEncoder, encoded_pair  # (rows only, see above)
 
     key = "preference.chat_template" if kind == "preference" else "instruct.chat_template"
     chat = None
