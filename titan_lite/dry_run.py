@@ -136,17 +136,17 @@ def device_memory_gib(cfg: JobConfig) -> float:
 
 def summary_lines(plan: JobPlan) -> list[str]:
     cfg, dims, t = plan.cfg, plan.parallel_dims, plan.cfg.training
-    global_batch = plan.global_batch_size
+    global_batch, params = plan.global_batch_size, plan.full_param_count()
     return [
         f"DRY RUN of '{cfg.job.config_file}': nothing will be trained",
         f"mesh: {dims.describe()}",
-        f"model: {cfg.model.name} {cfg.model.flavor}, {plan.full_param_count():,} parameters, "
+        f"model: {cfg.model.name} {cfg.model.flavor}, {params:,} parameters, "
         f"{plan.model_args.n_layers} layers" + (f"; transforms: {', '.join(cfg.model.converters)}"
                                                  if cfg.model.converters else ""),
         *rope_lines(plan.model_args),
         tokenizer_line(plan),
         *experts_lines(plan),
-        *data_lines(plan),
+        *data_lines(plan, params),
         f"batch: local {t.local_batch_size} x data-parallel {dims.dp_degree} x accumulation {plan.grad_accum} "
         f"= global {global_batch} sequences x {t.seq_len} tokens = {global_batch * t.seq_len:,} tokens per step",
         steps_line(plan, global_batch),
@@ -161,7 +161,7 @@ RAW_TEXT_TOKENS_PER_S = {"tiktoken": 450_000, "python BPE": 75_000}
 GPU_MFU, GPU_PEAK_FLOPS = 0.4, 989e12
 
 
-def data_lines(plan: JobPlan) -> list[str]:
+def data_lines(plan: JobPlan, params: int) -> list[str]:
     """The data path of every rank: token files (each rank reads only its own sequences) or raw text (every rank
     reads and tokenizes the whole global batch), the tokens each rank reads per step, and a warning when a raw-text
     loader would deliver fewer tokens per second than its GPUs consume."""
@@ -179,7 +179,7 @@ def data_lines(plan: JobPlan) -> list[str]:
     read = layout.global_batch * window
     lines = [f"data: {describe_source(source, layout)}; {read:,} tokens read and tokenized per step by each rank"]
     rate = RAW_TEXT_TOKENS_PER_S.get(plan.tokenizer.backend) if plan.tokenizer is not None else None
-    consumed = gpu_tokens_per_s(plan) * dims.non_data_parallel_size
+    consumed = gpu_tokens_per_s(plan, params) * dims.non_data_parallel_size
     if rate is not None and rate / dims.dp_degree < consumed:
         lines.append(f"warning: raw text at data-parallel degree {dims.dp_degree}: each rank's loader tokenizes the "
                      f"whole global batch, so at the measured {rate:,} tokens/s ({plan.tokenizer.backend}, one "
@@ -197,12 +197,12 @@ def training_source(cfg: JobConfig, plan: JobPlan):
     return build_section_source(cfg, "training", plan.tokenizer, documents=plan.block_causal)
 
 
-def gpu_tokens_per_s(plan: JobPlan) -> float:
-    """Tokens per second one GPU trains this model at GPU_MFU of GPU_PEAK_FLOPS."""
+def gpu_tokens_per_s(plan: JobPlan, params: int) -> float:
+    """Tokens per second one GPU trains this model (`params` parameters) at GPU_MFU of GPU_PEAK_FLOPS, every
+    parameter trained (a frozen base would be a little faster)."""
     a = plan.model_args
-    active = plan.full_param_count() - a.inactive_param_count()
-    flops = num_flops_per_token(active, a.vocab_size * a.dim, a.n_layers, a.n_heads, a.head_dim,
-                                plan.cfg.training.seq_len, plan.frozen_matmul_param_count())
+    flops = num_flops_per_token(params - a.inactive_param_count(), a.vocab_size * a.dim, a.n_layers, a.n_heads,
+                                a.head_dim, plan.cfg.training.seq_len)
     return GPU_MFU * GPU_PEAK_FLOPS / flops
 
 
