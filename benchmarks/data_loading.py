@@ -59,20 +59,24 @@ def train_tokenizer(folder: Path, vocab: int, lines: Path) -> Path:
     return folder
 
 
-def loader_rate(source, degree: int, seq_len: int, seconds: float, workers: int = 0) -> float:
-    """Tokens per second delivered to rank 0 of `degree` ranks (local batch 1), after a first batch (the epoch's
-    plan, workers starting) that is not timed: the best of three spans of at least one batch and `seconds` / 3 (the
-    machine is shared: the best span is the least disturbed)."""
+def loader_rates(make_source, degrees: tuple[int, ...], seq_len: int, seconds: float,
+                 workers: int = 0) -> list[float]:
+    """Tokens per second delivered to rank 0 of each of `degrees` ranks (local batch 1): a loader per degree, each
+    first read a batch untimed (the epoch's plan, workers starting), then timed in spans of at least one batch and
+    `seconds` / 3, the degrees taking turns for three rounds; the best span of each (the machine is shared: the best
+    is the least disturbed, and turns spread a disturbance over the degrees alike)."""
     options = LoaderOptions(num_workers=workers, prefetch_factor=4 if workers else None)  # the trainer's start method
-    batches = iter(DataLoader(source, BatchLayout(1, 0, degree), options))
-    next(batches)
-    best = 0.0
+    loaders = [iter(DataLoader(make_source(), BatchLayout(1, 0, d), options)) for d in degrees]
+    for batches in loaders:
+        next(batches)
+    best = [0.0] * len(degrees)
     for _ in range(3):
-        start, count = time.perf_counter(), 0
-        while count == 0 or time.perf_counter() - start < seconds / 3:
-            next(batches)
-            count += 1
-        best = max(best, count * seq_len / (time.perf_counter() - start))
+        for i, batches in enumerate(loaders):
+            start, count = time.perf_counter(), 0
+            while count == 0 or time.perf_counter() - start < seconds / 3:
+                next(batches)
+                count += 1
+            best[i] = max(best[i], count * seq_len / (time.perf_counter() - start))
     return best
 
 
@@ -130,8 +134,8 @@ def main() -> None:
 
 
 def run_tokenize(tmp: Path, lines: Path, folder: Path, smoke: bool) -> None:
-    """scripts/tokenize_data.py's writer on 1 and 2 processes (start-up included), on 8 copies of the text."""
-    big = write_lines(tmp, copies=1 if smoke else 8, limit=40 if smoke else None)
+    """scripts/tokenize_data.py's writer on 1 and 2 processes (start-up included), on 32 copies of the text."""
+    big = write_lines(tmp, copies=1 if smoke else 32, limit=40 if smoke else None)
     encoder = RecordEncoder("text", build_tokenizer(str(folder)))
     rates = {}
     for workers in (1, 2):
@@ -155,7 +159,7 @@ def loader_table(lines: Path, tokens: Path, tokenizers: dict, seq_len: int, degr
            + "".join(f"{f'D = {d}':>12}" for d in degrees))
     figures = {}
     for name, source in sources.items():
-        figures[name] = [loader_rate(source(), d, seq_len, seconds) for d in degrees]
+        figures[name] = loader_rates(source, degrees, seq_len, seconds)
         report(f"  {name:<74}" + "".join(f"{r:>12,.0f}" for r in figures[name]))
     return figures
 
@@ -175,8 +179,8 @@ def run_loaders(lines: Path, folder: Path, tokens: Path, seq_len: int, degrees: 
 def run_workers(tokens: Path, seq_len: int, seconds: float) -> None:
     """Token files at D = 8: num_workers 2 against 1 (each worker reads only its own microbatches)."""
     table = open_token_folder(tokens, "token files")
-    rates = {w: loader_rate(TokenWindows("tokens", table, seq_len, shuffle=True), 8, seq_len, seconds, workers=w)
-             for w in (1, 2)}
+    rates = {w: loader_rates(lambda: TokenWindows("tokens", table, seq_len, shuffle=True), (8,), seq_len, seconds,
+                             workers=w)[0] for w in (1, 2)}
     print(f"DataLoader workers on token files (D = 8): num_workers 1 {rates[1]:,.0f} tokens/s, 2 {rates[2]:,.0f} "
           f"tokens/s: {rates[2] / rates[1]:.2f}x (goal >= 1.7x)", flush=True)
 

@@ -154,8 +154,9 @@ def summary_lines(plan: JobPlan) -> list[str]:
 
 
 # Raw text read by one loader process at data-parallel degree 1, tokens/s, by tokenizer back end: measured by
-# `python -m benchmarks.data_loading` (BENCHMARKS.md, "Data at scale"; a 2-core machine shared with other jobs).
-RAW_TEXT_TOKENS_PER_S = {"tiktoken": 450_000, "python BPE": 75_000}
+# `python -m benchmarks.data_loading` (BENCHMARKS.md, "Data at scale": a tokenizer.json BPE of 16,384 tokens on
+# tiktoken's core and in Python, sequences of 2048, on a 2-core machine shared with other jobs).
+RAW_TEXT_TOKENS_PER_S = {"tiktoken": 1_570_000, "python BPE": 298_000}
 # What one GPU consumes, for the raw-text warning: 40% MFU of an H100's dense bf16 peak (GPU.md measured 33,539
 # tokens/s on the 1B on one H200; this estimate gives about 40,000).
 GPU_MFU, GPU_PEAK_FLOPS = 0.4, 989e12
