@@ -253,6 +253,7 @@ class RecordSource(IndexedSource):
         self.seq_len = seq_len
         self.packing = packing
         self._epoch_plan: tuple[int, np.ndarray, Any] | None = None
+        self._window_counts: dict[int, int] = {}  # windows of each epoch packed so far (whole packing)
         self._items: np.ndarray | None = None
         self._lengths: np.ndarray | None = None
 
@@ -292,7 +293,9 @@ class RecordSource(IndexedSource):
             return len(self._items)
         if self.packing == "across":
             return self._stream_total // self.window
-        return len(self._plan(epoch)[2]) - 1
+        if epoch not in self._window_counts:  # (a saved position names epoch 0's size: kept apart from the plans)
+            self._window_counts[epoch] = len(self._plan(epoch)[2]) - 1
+        return self._window_counts[epoch]
 
     def _plan(self, epoch: int) -> tuple[int, np.ndarray, Any]:
         """(epoch, its records in order, and for whole packing where each window starts (and the end), for packing
