@@ -9,9 +9,10 @@ Cases: correctness (the CUDA-marked tests, `pytest -m cuda`), training throughpu
 (Llama 3.2 1B, and Llama 3.1 8B cut to the layers one GPU holds: sequence 8192, batch 1, bf16, full AC; eager,
 compile, compile + float8; LoRA and QLoRA on the 8B cut) beside torchtitan's published per-GPU figures, memory
 (each training run's CUDA peak beside DRY_RUN's estimate of the same config), 2:4 sparsity (generation with
-semi-structured sparse linears against dense), and MoE experts (one grouped matmul against a loop over experts). A
-case whose hardware or transform is missing is skipped with the reason. Each case prints one result line or more; the
-last line counts them.
+semi-structured sparse linears against dense), MoE experts (one grouped matmul against a loop over experts), and
+the data loader (one rank's tokens/s at D = 1, 8, 64, raw text against token files, on the host's CPU). A case
+whose hardware or transform is missing is skipped with the reason. Each case prints one result line or more; the last
+line counts them.
 """
 
 import argparse
@@ -346,6 +347,34 @@ def moe_experts(lane: Lane) -> list[Line]:
     return [Line(f"moe_experts: {shape[0]} experts {shape[1]} -> {shape[2]}, top {shape[3]}, {shape[4]:,} tokens, "
                  f"{str(dtype).removeprefix('torch.')}: grouped {got['grouped'] * 1e3:.2f} ms ({kernel}), loop "
                  f"{got['loop'] * 1e3:.2f} ms, grouped / loop {got['grouped'] / got['loop']:.2f}x")]
+
+
+# ------------------------------------------------------------------------------------------ data loader
+
+
+@case("loader")
+def loader(lane: Lane) -> list[Line]:
+    """One rank's data loader at D = 1, 8 and 64 (rank 0's loader, local batch 1, sequences of 2048): raw text, which
+    every rank tokenizes whole (Llama 3's tiktoken layout, the bundled vocabulary), against token files, which each
+    rank reads its own share of; on this machine's host CPU (benchmarks/data_loading.py has the full sweep)."""
+    import tempfile
+
+    from benchmarks.data_loading import loader_table, write_lines
+    from titan_lite.data.token_chunks import RecordEncoder
+    from titan_lite.data.token_writer import write_token_folder
+    from titan_lite.data.tokenizer import build_tokenizer
+
+    seq_len, seconds = (64, 0.2) if lane.smoke else (2048, 3.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        lines = write_lines(Path(tmp), limit=40 if lane.smoke else None)
+        tokenizer = build_tokenizer(str(REPO / "assets" / "tokenizer"))
+        write_token_folder(Path(tmp) / "tokens", [str(lines)], RecordEncoder("text", tokenizer),
+                           report=lambda line: None)
+        figures = loader_table(lines, Path(tmp) / "tokens", {"tiktoken": tokenizer}, seq_len, (1, 8, 64), seconds,
+                               report=lambda line: None)
+    return [Line(f"loader {name}: " + ", ".join(f"D = {d} {rate:,.0f}" for d, rate in zip((1, 8, 64), rates,
+                                                                                          strict=True))
+                 + " tokens/s per rank") for name, rates in figures.items()]
 
 
 # ------------------------------------------------------------------------------------------ report

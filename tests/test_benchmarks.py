@@ -206,3 +206,19 @@ def test_a_run_without_training_cases_prints_no_nan_peak():
     assert table([], None).splitlines()[0] == ("fp32 matmul peak: not measured (no case here trains; it is what MFU "
                                                "is measured against)")
     assert table([], 123.45).splitlines()[0] == "fp32 matmul peak (median): 123.5 GFLOP/s"
+
+
+def test_data_loading_smoke_prints_every_figure(monkeypatch, capsys):
+    """benchmarks.data_loading --smoke: every part runs (tiny sizes) and prints its figure."""
+    from benchmarks import data_loading
+
+    monkeypatch.setattr(sys, "argv", ["data_loading", "--smoke"])
+    data_loading.main()
+    out = capsys.readouterr().out
+    for start in ("tokenize_data.py on ", "one rank's loader, tokens/s delivered to rank 0 of D ranks:",
+                  "  raw text, tokenizer.json on tiktoken's core ", "  raw text, tokenizer.json in Python ",
+                  "  token files (shuffled) ", "token files at D = 8 / D = 1: ",
+                  "DataLoader workers on token files (D = 8): num_workers 1 ",
+                  "tokenizers on the same text, one thread: titan_lite tokenizer.json on tiktoken's core "):
+        assert any(line.startswith(start) for line in out.splitlines()), start
+    assert "ids equal HF tokenizers' on 40 of 40 documents" in out

@@ -204,7 +204,8 @@ def test_bad_conversations_are_one_line_naming_file_and_row(folders, tmp_path):
 
 
 def packed_source(folder: Path, data: Path, seq_len: int):
-    cfg = chat_config(data, folder, "--instruct.packing", "--training.seq_len", str(seq_len))
+    cfg = chat_config(data, folder, "--instruct.packing", "--training.seq_len", str(seq_len), "--training.shuffle",
+                      "false")  # records in file order
     return build_section_source(cfg, "training", build_tokenizer(str(folder)), infinite=True, documents=True), cfg
 
 

@@ -62,7 +62,7 @@ def test_show_data_on_the_cpu_example_is_transformers_rendering_and_trains_only_
     out = tmp_path / "samples.jsonl"
     code = load_script("show_data").main(["--config", str(CPU_EXAMPLE), "--count", "6", "--jsonl", str(out),
                                           "--training.dataset_path", str(data), "--model.hf_assets_path",
-                                          str(tokenizer)])
+                                          str(tokenizer), "--training.shuffle", "false"])  # conversations in file order
     printed = capsys.readouterr().out.strip().splitlines()
     assert code == 0 and printed[-1].startswith("packing efficiency over ") and printed[-1].endswith(
         f"; 6 samples written to {out}")
@@ -99,7 +99,7 @@ def test_show_data_shows_every_packing_and_mask_type_as_training_reads_them(chat
     code = load_script("show_data").main(["--config", str(CPU_EXAMPLE), "--count", "2", "--scan", "4", "--jsonl",
                                           str(out), "--training.dataset_path", str(data), "--model.hf_assets_path",
                                           str(tokenizer), "--instruct.packing", packing, "--model.attn_mask_type",
-                                          mask])
+                                          mask, "--training.shuffle", "false"])  # conversations in file order
     printed = capsys.readouterr().out.strip().splitlines()
     assert code == 0 and printed[-1].startswith("packing efficiency over 4 samples")
     records = [json.loads(line) for line in out.read_text().splitlines()]

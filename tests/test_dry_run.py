@@ -134,7 +134,7 @@ def test_llama3_8b_lora_configs_on_8_ranks(tmp_path, config, accumulation, field
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({fields[0]: "What is 2 + 2?", fields[1]: "2 + 2 = 4\n#### 4"}) + "\n")
     run = dry_run(config, data, ngpu=8)
-    assert "data: instruct from" in run.stdout
+    assert f"data: instruct rows from '{data}' (tokenized once when the run starts), shuffled per epoch: " in run.stdout
     assert ("warning: the tokenizer's 2,048 tokens are far fewer than the model's vocabulary of 128,256: is "
             "'./assets/tokenizer' this model's tokenizer?") in run.stdout
     # the plan is complete; the real run would still need the base weights (initial_load_in_hf) in the assets folder

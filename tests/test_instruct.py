@@ -83,7 +83,7 @@ def test_labels_are_the_response_and_eos_only(tmp_path: Path):
     response = TOK.encode("0\n#### 0", bos=False, eos=True)
     assert inputs.tolist() == (prompt + response)[:-1]
     assert labels.tolist() == [IGNORE_INDEX] * (len(prompt) - 1) + response
-    assert state == {"epoch": 0, "index": 1, "tokens": [], "trained": []}
+    assert (state["next"], state["epoch"]) == (1, 0)
 
 
 def test_padding_to_the_longest_and_the_loss_counts_response_tokens(tmp_path: Path):

@@ -55,6 +55,7 @@ def config(dump: Path, data: Path, tokenizer: Path, local_batch: int, *extra: st
                        "--instruct.chat_template", "tokenizer", "--instruct.packing",
                        "--training.seq_len", str(SEQ_LEN), "--training.local_batch_size", str(local_batch),
                        "--training.global_batch_size", str(GLOBAL_BATCH), "--training.max_norm", "0",
+                       "--training.shuffle", "false",  # records in file order, as first_step_conversations reads
                        "--metrics.enable_tensorboard=false", *extra])
 
 

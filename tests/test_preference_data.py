@@ -44,7 +44,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def config(path: Path, *extra: str):
     cfg = parse_args(["--training.dataset", "preference", "--training.dataset_path", str(path), "--training.seq_len",
-                      "64", *extra])
+                      "64", "--training.shuffle", "false", *extra])  # pairs in file order
     validate(cfg)
     return cfg
 
@@ -191,7 +191,7 @@ def test_identical_empty_and_too_long_pairs_are_named_once_and_counted(tmp_path:
     assert "d.jsonl:5: pair skipped: its answers are empty" in text
     assert ("d.jsonl:6: pair dropped: its two documents (the prompt twice and both answers) hold 168 tokens, more "
             "than seq_len + 1 = 65 tokens (truncation_mode 'drop')") in text
-    assert (f"preference data '{tmp_path / 'd.jsonl'}', epoch 0: 4 of 7 pairs used, 1 dropped as longer "
+    assert (f"preference data '{tmp_path / 'd.jsonl'}': 4 of 7 pairs used, 1 dropped as longer "
             "than a window (65 tokens for both answers), 1 skipped with identical answers, 1 skipped with an empty "
             "answer") in text
     cut = config(tmp_path / "d.jsonl")  # keep_end: the long pair is cut instead, and counted

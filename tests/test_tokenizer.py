@@ -18,6 +18,7 @@ from titan_lite.data.tokenizer import (
     TiktokenTokenizer,
     build_tokenizer,
     compile_pattern,
+    describe_tokenizer,
 )
 from titan_lite.errors import ConfigError
 
@@ -347,6 +348,7 @@ def test_tokenizer_json_merges_follow_the_merge_list_not_token_ranks(tmp_path: P
     tok = build_tokenizer(str(tmp_path / "tokenizer.json"))
     assert tok.encode("abc xabcab", bos=False) == oracle.encode("abc xabcab").ids
     assert tok.encode("abc", bos=False) == [vocab["a"], vocab["bc"]]
+    assert tok.backend == "python BPE"  # tiktoken's core would merge a + bc: not exact here
 
 
 def test_tokenizer_json_from_converted_tiktoken_matches_bundled(bundled, tmp_path: Path):
@@ -516,3 +518,69 @@ def test_mistral_tokenizer_json_ids_match_tokenizers(sp_model: Path, tmp_path: P
         import sentencepiece as spm
 
         assert ids == spm.SentencePieceProcessor(model_file=str(sp_model)).encode(marked)
+
+
+# ---------------------------------------------------------------- tiktoken's core for tokenizer.json
+
+
+BUNDLED_TEXTS = sorted((REPO / "titan_lite" / "data" / "corpus").rglob("*.txt"))
+
+
+def smollm2_tokenizer_json(folder: Path) -> Path:
+    """A byte-level BPE in SmolLM2's structure: Digits (individual) then ByteLevel with GPT-2's regex; ChatML specials
+    trained into the vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=QWEN_SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus_lines(), trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "<|endoftext|>"}))
+    return folder / "tokenizer.json"
+
+
+@pytest.mark.parametrize("layout", ["smollm2", "qwen"])
+def test_tiktoken_core_ids_equal_tokenizers_on_bundled_texts_and_a_chat(tmp_path: Path, layout: str):
+    """tokenizer.json byte-level BPE runs on tiktoken's core (the run's log says so) with the ids of `tokenizers`, on
+    every bundled text (its first 40,000 characters: the test's time), on mixed scripts and numbers, and on a ChatML
+    conversation rendered by its template."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from titan_lite.data.chat import ChatTemplate
+
+    path = (smollm2_tokenizer_json if layout == "smollm2" else qwen_tokenizer_json)(tmp_path)
+    tok = build_tokenizer(str(tmp_path))
+    assert describe_tokenizer(tok) == "tiktoken (tiktoken's core: ids in merge order, one split pattern)"
+    oracle = tokenizers.Tokenizer.from_file(str(path))
+    oracle.encode_special_tokens = True
+    for text in [MIXED + " 2024 ١٢٣ ０１２  \n\n 3.14"] + [p.read_text()[:40_000] for p in BUNDLED_TEXTS]:
+        assert tok.encode(text, bos=False) == oracle.encode(text, add_special_tokens=False).ids
+    oracle.encode_special_tokens = False
+    chat = ChatTemplate((REPO / "tests" / "chat_templates" / "chatml_smollm2.jinja").read_text(), {}, "chatml")
+    rendered = chat.render([{"role": "system", "content": "Count 12 apples."}, {"role": "user", "content": MIXED},
+                            {"role": "assistant", "content": "There are 12.\n#### 12"}], add_generation_prompt=False)
+    ids = tok.encode(rendered, bos=False, allow_special=True)
+    assert ids == oracle.encode(rendered, add_special_tokens=False).ids
+    assert oracle.token_to_id("<|im_start|>") in ids
+
+
+def test_tiktoken_core_falls_back_where_the_pre_tokenizer_is_not_one_pattern(tmp_path: Path):
+    tok = build_tokenizer(str(train_hf_tokenizer(tmp_path, "removed_nfkc", bos_template=False)))
+    assert describe_tokenizer(tok) == ("python BPE (tiktoken's core would not be exact: the pre-tokenizer sequence "
+                                       "Split + ByteLevel is not one split pattern)")
+
+
+def test_every_tokenizer_pickles(tmp_path: Path, bundled, sp_model: Path):
+    """DataLoader workers started by spawn or forkserver get the tokenizer pickled: each kind encodes alike after."""
+    import pickle
+
+    kinds = [bundled, build_tokenizer(str(sp_model)), build_tokenizer(str(qwen_tokenizer_json(tmp_path / "q"))),
+             build_tokenizer(str(train_hf_tokenizer(tmp_path / "r", "removed_nfkc", bos_template=True)))]
+    assert [t.backend for t in kinds] == ["tiktoken", "sentencepiece", "tiktoken", "python BPE"]
+    for tok in kinds:
+        copy = pickle.loads(pickle.dumps(tok))
+        assert (copy.backend, copy.encode(TEXT, eos=True)) == (tok.backend, tok.encode(TEXT, eos=True))

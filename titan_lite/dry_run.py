@@ -15,11 +15,14 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan_lite.config.schema import JobConfig
+from titan_lite.data.dataloader import BatchLayout, build_section_source, describe_source, reads_by_index
+from titan_lite.data.mixture import build_domain_weights
 from titan_lite.errors import MISSING_FILES, ConfigError
 from titan_lite.job.assembly import build_parts
 from titan_lite.job.estimate import PassPlan, RolePlan, microbatching, plan_role
 from titan_lite.job.plan import JobPlan, gather_assets, plan_with_tokenizer
 from titan_lite.loss import cross_entropy_sum
+from titan_lite.metrics.flops import num_flops_per_token
 from titan_lite.metrics.memory import device_capacity_gib
 from titan_lite.models.llama import LlamaArgs
 from titan_lite.models.llama.model import rope_attention_factor
@@ -133,21 +136,75 @@ def device_memory_gib(cfg: JobConfig) -> float:
 
 def summary_lines(plan: JobPlan) -> list[str]:
     cfg, dims, t = plan.cfg, plan.parallel_dims, plan.cfg.training
-    global_batch = plan.global_batch_size
+    global_batch, params = plan.global_batch_size, plan.full_param_count()
     return [
         f"DRY RUN of '{cfg.job.config_file}': nothing will be trained",
         f"mesh: {dims.describe()}",
-        f"model: {cfg.model.name} {cfg.model.flavor}, {plan.full_param_count():,} parameters, "
+        f"model: {cfg.model.name} {cfg.model.flavor}, {params:,} parameters, "
         f"{plan.model_args.n_layers} layers" + (f"; transforms: {', '.join(cfg.model.converters)}"
                                                  if cfg.model.converters else ""),
         *rope_lines(plan.model_args),
         tokenizer_line(plan),
         *experts_lines(plan),
-        f"data: {t.dataset}" + (f" from '{t.dataset_path}'" if t.dataset_path else ""),
+        *data_lines(plan, params),
         f"batch: local {t.local_batch_size} x data-parallel {dims.dp_degree} x accumulation {plan.grad_accum} "
         f"= global {global_batch} sequences x {t.seq_len} tokens = {global_batch * t.seq_len:,} tokens per step",
         steps_line(plan, global_batch),
     ]
+
+
+# Raw text read by one loader process at data-parallel degree 1, tokens/s, by tokenizer back end: measured by
+# `python -m benchmarks.data_loading` (BENCHMARKS.md, "Data at scale": a tokenizer.json BPE of 16,384 tokens on
+# tiktoken's core and in Python, sequences of 2048, on a 2-core machine shared with other jobs).
+RAW_TEXT_TOKENS_PER_S = {"tiktoken": 1_570_000, "python BPE": 298_000}
+# What one GPU consumes, for the raw-text warning: 40% MFU of an H100's dense bf16 peak (GPU.md measured 33,539
+# tokens/s on the 1B on one H200; this estimate gives about 40,000).
+GPU_MFU, GPU_PEAK_FLOPS = 0.4, 989e12
+
+
+def data_lines(plan: JobPlan, params: int) -> list[str]:
+    """The data path of every rank: token files (each rank reads only its own sequences) or raw text (every rank
+    reads and tokenizes the whole global batch), the tokens each rank reads per step, and a warning when a raw-text
+    loader would deliver fewer tokens per second than its GPUs consume."""
+    cfg, dims, t = plan.cfg, plan.parallel_dims, plan.cfg.training
+    layout = BatchLayout(t.local_batch_size, 0, dims.dp_degree, plan.grad_accum)
+    try:
+        source = training_source(cfg, plan)
+    except ConfigError:  # data not there yet: the checklist names it
+        return [f"data: {t.dataset}" + (f" from '{t.dataset_path}'" if t.dataset_path else "")]
+    window = t.seq_len + 1
+    if reads_by_index(source):
+        most = "up to " if getattr(source, "packing", None) == "one" else ""  # one row per sequence, padded
+        return [f"data: {describe_source(source, layout)}; {most}{layout.local_batch * layout.accumulation * window:,} "
+                "tokens read per step by each rank"]
+    read = layout.global_batch * window
+    lines = [f"data: {describe_source(source, layout)}; {read:,} tokens read and tokenized per step by each rank"]
+    rate = RAW_TEXT_TOKENS_PER_S.get(plan.tokenizer.backend) if plan.tokenizer is not None else None
+    consumed = gpu_tokens_per_s(plan, params) * dims.non_data_parallel_size
+    if rate is not None and rate / dims.dp_degree < consumed:
+        lines.append(f"warning: raw text at data-parallel degree {dims.dp_degree}: each rank's loader tokenizes the "
+                     f"whole global batch, so at the measured {rate:,} tokens/s ({plan.tokenizer.backend}, one "
+                     f"process) it delivers about {rate // dims.dp_degree:,} tokens/s to its GPUs, which consume "
+                     f"about {consumed:,.0f} ({GPU_MFU:.0%} MFU of an H100): tokenize once with "
+                     "scripts/tokenize_data.py and train from the token folder")
+    return lines
+
+
+def training_source(cfg: JobConfig, plan: JobPlan):
+    """The training data's source as the trainer builds it (a data mixture's, or the section's); nothing read."""
+    if cfg.data_mixture.enable:
+        return build_domain_weights(cfg.data_mixture, plan.tokenizer, cfg.training.seq_len, 0,
+                                    shuffle=cfg.training.shuffle).source
+    return build_section_source(cfg, "training", plan.tokenizer, documents=plan.block_causal)
+
+
+def gpu_tokens_per_s(plan: JobPlan, params: int) -> float:
+    """Tokens per second one GPU trains this model (`params` parameters) at GPU_MFU of GPU_PEAK_FLOPS, every
+    parameter trained (a frozen base would be a little faster)."""
+    a = plan.model_args
+    flops = num_flops_per_token(params - a.inactive_param_count(), a.vocab_size * a.dim, a.n_layers, a.n_heads,
+                                a.head_dim, plan.cfg.training.seq_len)
+    return GPU_MFU * GPU_PEAK_FLOPS / flops
 
 
 def rope_lines(args: LlamaArgs) -> list[str]:

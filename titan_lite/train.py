@@ -21,8 +21,16 @@ from titan_lite.checkpoint.manager import (
     warn_incomplete_saves,
 )
 from titan_lite.config import JobConfig, help_text, parse_args, to_toml, validate
-from titan_lite.data.dataloader import BatchLayout, DataLoader, build_section_loader, loader_options, split_batch
+from titan_lite.data.dataloader import (
+    BatchLayout,
+    DataLoader,
+    build_section_loader,
+    describe_source,
+    loader_options,
+    split_batch,
+)
 from titan_lite.data.mixture import DomainWeights, build_domain_weights
+from titan_lite.data.tokenizer import describe_tokenizer
 from titan_lite.dry_run import dry_run, planned_world_size
 from titan_lite.dtensor import full_tensor
 from titan_lite.errors import FAULT, HANG, USER_ERROR, ConfigError, TrainingFault
@@ -133,10 +141,13 @@ class Trainer:
         self.mixture: DomainWeights | None = None
         if self.cfg.data_mixture.enable:
             self.mixture = build_domain_weights(self.cfg.data_mixture, self.plan.tokenizer, t.seq_len, self.seed,
-                                                documents=self.plan.block_causal)
+                                                documents=self.plan.block_causal, shuffle=t.shuffle)
             return DataLoader(self.mixture.source, layout, loader_options(t.dataloader))
-        return build_section_loader(self.cfg, "training", self.plan.tokenizer, layout,
-                                    documents=self.plan.block_causal)
+        loader = build_section_loader(self.cfg, "training", self.plan.tokenizer, layout,
+                                      documents=self.plan.block_causal)
+        logger.info(f"data: {describe_source(loader.source, layout)}; tokenizer: "
+                    f"{describe_tokenizer(self.plan.tokenizer)}")
+        return loader
 
     def build_checkpointer(self) -> CheckpointManager:
         world = dist.get_world_size()

@@ -232,6 +232,12 @@ class Training:
     seq_len: int = opt(2048, "Tokens per sequence.")
     max_norm: float = opt(1.0, "Clip the global gradient norm to this (0 or less disables clipping).")
     steps: int = opt(10000, "Optimizer steps to train.")
+    shuffle: bool | None = opt(
+        None, "Read the training data in a seeded order drawn anew each epoch (from debug.seed and the epoch): windows "
+        "of token files, instruction examples and preference pairs (packing keeps examples whole). None = on where "
+        "the data can be counted (token files from scripts/tokenize_data.py, instruct, preference), off for raw-text "
+        "pre-training, which streams in order (true is refused there: tokenize it once). A resume, also on another "
+        "data-parallel degree, continues the same order.")
     epochs: float | None = opt(
         None, "Passes over the training data, instead of steps: the run trains ceil(epochs x samples per epoch / "
         "global batch) steps (printed at the start; it replaces training.steps, so the LR schedule, warmup_ratio "

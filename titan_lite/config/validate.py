@@ -418,17 +418,24 @@ def check_checkpoint(cfg: JobConfig) -> None:
                  "'checkpoint.create_seed_checkpoint' = true contradicts 'checkpoint.load_only' = true")
 
 
+def _require_data(key: str, path: str) -> None:
+    """A data path exists; when it does not but an interrupted scripts/tokenize_data.py run left its partial folder
+    beside it, say how to finish it."""
+    partial = Path(path).with_name(f".{Path(path).name}.partial")
+    hint = (f" (an interrupted scripts/tokenize_data.py run left {quote_path(partial)}: run the same command again "
+            "to finish it)") if partial.is_dir() else ""
+    _require(Path(path).exists(), f"'{key}' = {quote_path(path)} does not exist{hint}")
+
+
 def check_paths(cfg: JobConfig) -> None:
     t = cfg.training
     if t.dataset_path is not None:
-        _require(Path(t.dataset_path).exists(),
-                 f"'training.dataset_path' = {quote_path(t.dataset_path)} does not exist")
+        _require_data("training.dataset_path", t.dataset_path)
     if cfg.validation.enable and cfg.validation.dataset_path is not None:
-        _require(Path(cfg.validation.dataset_path).exists(),
-                 f"'validation.dataset_path' = {quote_path(cfg.validation.dataset_path)} does not exist")
+        _require_data("validation.dataset_path", cfg.validation.dataset_path)
     if cfg.data_mixture.enable:
         for i, path in enumerate(cfg.data_mixture.dataset_paths):
-            _require(Path(path).exists(), f"'data_mixture.dataset_paths[{i}]' = {quote_path(path)} does not exist")
+            _require_data(f"data_mixture.dataset_paths[{i}]", path)
     if cfg.pruning.dataset_path is not None:
         _require(Path(cfg.pruning.dataset_path).exists(),
                  f"'pruning.dataset_path' = {quote_path(cfg.pruning.dataset_path)} does not exist")

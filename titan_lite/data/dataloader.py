@@ -2,9 +2,12 @@
 
 Global batch N is samples [N x G, (N + 1) x G) of the source's stream, where G = local batch x data-parallel degree
 x accumulation steps. Its microbatch a of data-parallel rank r is the L samples starting at (a x D + r) x L. So what
-a global batch holds depends only on the data and N, never on the layout; every rank reads the whole stream and
-keeps its slice. The loader's state (the source's state at the end of the last global batch, and G) is the same on
-every rank, so a checkpoint resumes exactly on another data-parallel degree as long as G stays the same.
+a global batch holds depends only on the data and N, never on the layout. A source that hands out any sample by its
+index (token files; instruction and preference rows: data/indexed.py) is read only at this rank's samples, by each
+worker only at its own, so a rank's cost does not grow with D; a raw-text stream is read whole by every rank (and
+every worker), which keeps its slice. The loader's state (the source's state at the end of the last global batch,
+and G) is the same on every rank, so a checkpoint resumes exactly on another data-parallel degree as long as G stays
+the same.
 """
 
 import itertools
@@ -13,14 +16,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titan_lite.config.schema import JobConfig
-from titan_lite.data.datasets import Sample, SampleSource, build_packed_source
+from titan_lite.data.datasets import Deferred, Sample, SampleSource, build_packed_source, dataset_root
+from titan_lite.data.indexed import IndexedSource, RecordSource, TokenWindows, token_windows
 from titan_lite.data.instruct import PAD_DOCUMENT, build_instruction_source
+from titan_lite.data.order import data_order
 from titan_lite.data.preference import build_preference_source
+from titan_lite.data.token_files import is_token_folder
 from titan_lite.errors import ConfigError
 from titan_lite.loss import IGNORE_INDEX
 
@@ -51,7 +58,8 @@ class GlobalBatchSlices(IterableDataset):
     (finite sources) is dropped, so every rank yields the same number of microbatches.
 
     With DataLoader workers, worker w produces the rank's microbatches k with k % workers == w (each worker reads
-    the stream), and the loader's round-robin over workers restores the order.
+    the stream, or only its samples of an IndexedSource), and the loader's round-robin over workers restores the
+    order.
     """
 
     def __init__(self, source: SampleSource, layout: BatchLayout):
@@ -62,6 +70,9 @@ class GlobalBatchSlices(IterableDataset):
     def __iter__(self) -> Iterator[tuple[Sample, dict[str, Any]]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if isinstance(self.source, IndexedSource):
+            yield from self._by_index(worker, workers)
+            return
         samples = self.source.samples(self.start_state)
         for batch_index in itertools.count():
             batch = list(itertools.islice(samples, self.layout.global_batch))
@@ -76,7 +87,24 @@ class GlobalBatchSlices(IterableDataset):
             for a, microbatch in enumerate(mine):
                 if (batch_index * self.layout.accumulation + a) % workers == worker:
                     for sample in microbatch:
-                        yield sample, end_state
+                        yield (sample.load() if isinstance(sample, Deferred) else sample), end_state
+
+    def _by_index(self, worker: int, workers: int) -> Iterator[tuple[Sample, dict[str, Any]]]:
+        """This worker's microbatches of this rank, each sample read by its index and nothing else read."""
+        source, layout = self.source, self.layout
+        first, total, size = source.seek(self.start_state), source.total(), layout.global_batch
+        for batch_index in itertools.count():
+            start = first + batch_index * size
+            if total is not None and start + size > total:
+                return
+            end_state = None
+            for a in range(layout.accumulation):
+                if (batch_index * layout.accumulation + a) % workers != worker:
+                    continue
+                end_state = end_state or source.state_at(start + size)
+                row = (a * layout.dp_degree + layout.dp_rank) * layout.local_batch
+                for position in range(layout.local_batch):
+                    yield source.sample(start + row + position), end_state
 
 
 def pad_collate(pad_id: int, ignore_index: int, multiple: int = 1) -> Callable:
@@ -100,6 +128,16 @@ def stack_collate(items: list[tuple[tuple, dict]]) -> tuple:
     end state last."""
     columns = zip(*(sample for sample, _ in items), strict=True)
     return (*(torch.stack(column) for column in columns), items[-1][1])
+
+
+@dataclass(frozen=True)
+class AsArrays:
+    """A collate whose tensors come out as numpy arrays (DataLoader.__iter__ turns them back, without a copy)."""
+
+    collate: Callable
+
+    def __call__(self, items: list) -> tuple:
+        return tuple(t.numpy() if isinstance(t, torch.Tensor) else t for t in self.collate(items))
 
 
 @dataclass
@@ -139,7 +177,7 @@ class DataLoader:
                 self.microbatches += 1
                 if self.microbatches % self.layout.accumulation == 0:
                     self.state = end_state
-                yield tuple(tensors)
+                yield tuple(torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in tensors)
                 if self.microbatches % self.layout.accumulation == 0 and self._source_version() != version:
                     break
             else:
@@ -150,8 +188,13 @@ class DataLoader:
 
     def _read_from(self, state: dict[str, Any] | None) -> StatefulDataLoader:
         self.dataset.start_state = state
+        if isinstance(self.source, IndexedSource):
+            self.source.prepare()  # before workers start: they share (fork) or carry (spawn) the work done
         o = self.options
-        return StatefulDataLoader(self.dataset, batch_size=self.layout.local_batch, collate_fn=self.collate,
+        # Batches cross from worker processes as numpy arrays, pickled by value: a shared-memory segment per tensor
+        # costs more than copying a batch (pinned memory needs tensors: then they stay tensors)
+        collate = self.collate if o.num_workers == 0 or o.pin_memory else AsArrays(self.collate)
+        return StatefulDataLoader(self.dataset, batch_size=self.layout.local_batch, collate_fn=collate,
                                   num_workers=o.num_workers, pin_memory=o.pin_memory,
                                   persistent_workers=o.persistent_workers, prefetch_factor=o.prefetch_factor,
                                   multiprocessing_context=o.start_method if o.num_workers > 0 else None)
@@ -168,6 +211,8 @@ class DataLoader:
                 f"has {self.layout.global_batch} ('training.local_batch_size' {self.layout.local_batch} x "
                 f"data-parallel degree {self.layout.dp_degree} x accumulation {self.layout.accumulation}); set "
                 f"'training.global_batch_size' to {state['global_batch']} to continue the same run")
+        if isinstance(self.source, IndexedSource):
+            self.source.seek(state["source"])  # a position of another order (data, shuffle, seed) is one line now
         self.state, self.microbatches = state["source"], 0
 
     def restart(self) -> None:
@@ -175,12 +220,24 @@ class DataLoader:
         self.state, self.microbatches = None, 0
 
 
+def pretraining_source(dataset: str, dataset_path: str | None, tokenizer, seq_len: int, infinite: bool = True,
+                       key_prefix: str = "training", documents: bool = False, seed: int = 0,
+                       shuffle: bool = False) -> SampleSource:
+    """Windows of seq_len + 1 tokens: from token files (by index; shuffled per epoch when asked), or packed from a
+    raw-text stream in order."""
+    if is_token_folder(dataset_path):
+        dataset_root(dataset, dataset_path, key_prefix)  # a known dataset name, as for raw text
+        return token_windows(dataset, dataset_path, tokenizer, seq_len, infinite, f"{key_prefix}.dataset_path",
+                             documents, seed, shuffle)
+    return build_packed_source(dataset, dataset_path, tokenizer, seq_len, infinite, key_prefix, documents)
+
+
 def build_dataloader(dataset: str, dataset_path: str | None, tokenizer, seq_len: int, layout: BatchLayout,
                      options: LoaderOptions | None = None, infinite: bool = True,
                      key_prefix: str = "training") -> DataLoader:
-    """The loader of a pre-training dataset (packed windows of seq_len tokens) for this rank's layout.
-    key_prefix names the config section ('training' or 'validation') in error messages."""
-    return DataLoader(build_packed_source(dataset, dataset_path, tokenizer, seq_len, infinite, key_prefix), layout,
+    """The loader of a pre-training dataset (windows of seq_len tokens, from raw text or token files) for this
+    rank's layout. key_prefix names the config section ('training' or 'validation') in error messages."""
+    return DataLoader(pretraining_source(dataset, dataset_path, tokenizer, seq_len, infinite, key_prefix), layout,
                       options)
 
 
@@ -216,13 +273,19 @@ def build_section_source(cfg: JobConfig, section: str, tokenizer, infinite: bool
         return build_instruction_source(cfg, section, tokenizer, infinite, documents)
     if s.dataset == "preference":
         return build_preference_source(cfg, section, tokenizer, infinite)
-    return build_packed_source(s.dataset, s.dataset_path, tokenizer, s.seq_len, infinite, section, documents)
+    where = f"'{section}.dataset_path' = '{s.dataset_path or s.dataset}'"
+    seed, shuffle = data_order(cfg, section, is_token_folder(s.dataset_path), where)
+    return pretraining_source(s.dataset, s.dataset_path, tokenizer, s.seq_len, infinite, section, documents, seed,
+                              shuffle)
 
 
 def samples_per_epoch(cfg: JobConfig, section: str, tokenizer, documents: bool = False) -> int:
-    """Samples (sequences) in one pass over the section's data: what training.epochs counts in."""
-    return sum(1 for _ in build_section_source(cfg, section, tokenizer, infinite=False, documents=documents)
-               .samples())
+    """Samples (sequences) in one pass over the section's data: what training.epochs counts in (the first epoch's,
+    where whole records packed in a shuffled order make epochs of different sizes)."""
+    source = build_section_source(cfg, section, tokenizer, infinite=False, documents=documents)
+    if isinstance(source, IndexedSource):
+        return source.epoch_size(0)
+    return sum(1 for _ in source.samples())
 
 
 def split_batch(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
@@ -233,3 +296,40 @@ def split_batch(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Te
     documents = next((t for t in rest if t.dim() == 2), None)
     domains = next((t for t in rest if t.dim() == 1), None)
     return inputs, labels, documents, domains
+
+
+def describe_source(source: SampleSource, layout: BatchLayout) -> str:
+    """How a rank reads its data, for the run's log and DRY_RUN: by index (each rank its own sequences), or a
+    raw-text stream every rank reads whole."""
+    mine = layout.local_batch * layout.accumulation
+    own = (f"each rank reads only its {mine} of the {layout.global_batch} sequences of a step (each DataLoader worker "
+           "only its own)")
+    if isinstance(source, TokenWindows):
+        order = "shuffled per epoch" if source.shuffle else "in order"
+        return (f"token files '{source.table.folder}' ({source.table.num_tokens:,} tokens, "
+                f"{source.epoch_size(0):,} sequences per epoch, {order}): {own}")
+    if isinstance(source, RecordSource):
+        stored = getattr(source.file, "table", None)
+        where = f"token files '{stored.folder}'" if stored is not None else \
+            f"'{source.file.path}' (tokenized once when the run starts)"
+        order = "shuffled per epoch" if source.shuffle else "in order"
+        return f"{source.name} rows from {where}, {order}: {own}"
+    streams = getattr(source, "sources", [source])
+    raw = [_where(s) for s in streams if not isinstance(s, IndexedSource)]
+    if not raw:
+        return f"data mixture of token files ({', '.join(s.name for s in streams)}): each rank walks the draws and " \
+               f"reads only its {mine} of the {layout.global_batch} sequences of a step"
+    return (f"raw text ({', '.join(raw)}) read in order as a stream: every rank reads and tokenizes all "
+            f"{layout.global_batch} sequences of a step and keeps its {mine} (tokenize once with "
+            "scripts/tokenize_data.py to read only its own, and to shuffle)")
+
+
+def _where(source: SampleSource) -> str:
+    """A raw-text source's file, or the folder of its files."""
+    shards = source.stream.shards
+    return f"'{shards[0] if len(shards) == 1 else shards[0].parent}'"
+
+
+def reads_by_index(source: SampleSource) -> bool:
+    """Whether each rank reads only its own samples (token files, rows; a mixture of token files only)."""
+    return all(isinstance(s, IndexedSource) for s in getattr(source, "sources", [source]))

@@ -40,7 +40,7 @@ def _is_shard(path: Path) -> bool:
     return path.name.endswith(SHARD_SUFFIXES)
 
 
-def _dataset_root(dataset: str, dataset_path: str | None, key_prefix: str) -> Path:
+def dataset_root(dataset: str, dataset_path: str | None, key_prefix: str) -> Path:
     """The file or folder a dataset reads; a given dataset_path overrides the bundled corpus."""
     if dataset not in BUNDLED_DATASETS and dataset not in LOCAL_DATASETS:
         names = known_datasets() + (["instruct", "preference"] if key_prefix in ("training", "validation") else [])
@@ -72,7 +72,7 @@ def shards_at(root: Path, key: str) -> list[Path]:
 
 def resolve_shards(dataset: str, dataset_path: str | None, key_prefix: str = "training") -> list[Path]:
     """The shard files of a dataset, in the order their documents are read."""
-    return shards_at(_dataset_root(dataset, dataset_path, key_prefix), f"{key_prefix}.dataset_path")
+    return shards_at(dataset_root(dataset, dataset_path, key_prefix), f"{key_prefix}.dataset_path")
 
 
 def check_dataset(dataset: str, dataset_path: str | None, key_prefix: str = "training") -> None:
@@ -241,10 +241,10 @@ Sample = tuple[torch.Tensor, ...]
 def packed_sample(tokens: list[int], documents: list[int], trained: list[bool] | None = None) -> Sample:
     """(inputs, labels, document ids) of a window of seq_len + 1 tokens and their document ids: a label is kept
     only where the next token belongs to the same document (and trains, when `trained` says which do)."""
-    ids, docs = torch.tensor(tokens, dtype=torch.long), torch.tensor(documents, dtype=torch.long)
+    ids, docs = torch.as_tensor(tokens, dtype=torch.long), torch.as_tensor(documents, dtype=torch.long)
     keep = docs[1:] == docs[:-1]
     if trained is not None:
-        keep &= torch.tensor(trained[1:])
+        keep &= torch.as_tensor(trained[1:], dtype=torch.bool)
     return ids[:-1], torch.where(keep, ids[1:], IGNORE_INDEX), docs[:-1]
 
 
@@ -255,6 +255,20 @@ def document_positions(documents: torch.Tensor) -> torch.Tensor:
     starts = torch.ones_like(documents, dtype=torch.bool)
     starts[..., 1:] = documents[..., 1:] != documents[..., :-1]
     return index - torch.where(starts, index, 0).cummax(dim=-1).values
+
+
+class Deferred:
+    """A sample read only when a rank keeps it (from a source that reads any sample by index): a data mixture's
+    draws are walked by every rank, but each reads only its own samples. `extra` tensors are appended."""
+
+    def __init__(self, source: Any, index: int, extra: tuple = ()):
+        self.source, self.index, self.extra = source, index, extra
+
+    def with_extra(self, *extra: torch.Tensor) -> "Deferred":
+        return Deferred(self.source, self.index, self.extra + extra)
+
+    def load(self) -> Sample:
+        return (*self.source.sample(self.index), *self.extra)
 
 
 class SampleSource(Protocol):

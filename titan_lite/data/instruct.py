@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from titan_lite.config.schema import Instruct, JobConfig
@@ -26,6 +27,19 @@ from titan_lite.data.chat import (
     sharegpt_turns,
 )
 from titan_lite.data.datasets import Sample, TokenizerLike, packed_sample, parquet_columns
+from titan_lite.data.indexed import RecordSource, trained_within
+from titan_lite.data.order import data_order
+from titan_lite.data.token_files import (
+    Encoded,
+    TokenTable,
+    check_kind,
+    check_settings,
+    check_tokenizer,
+    encoding_settings,
+    is_token_folder,
+    open_token_folder,
+    table_in_memory,
+)
 from titan_lite.errors import ConfigError, pip_install
 from titan_lite.loss import IGNORE_INDEX
 
@@ -260,34 +274,61 @@ class InstructFormat:
         return (self.tokenizer.eos_id,) if self.tokenizer.eos_id >= 0 else ()
 
 
-class InstructionSource:
-    """A sample stream of instruction records (a SampleSource for the layout-independent DataLoader).
+class StoredRecords:
+    """Chat or instruction rows read from token files (in place of an InstructionFile): their tokens and masks, not
+    their text."""
 
-    Each record becomes tokens and a trained mask (InstructFormat); labels are IGNORE_INDEX wherever the next token
-    does not train. Without packing a sample is one record (cut at seq_len + 1 tokens; a record whose trained tokens
-    are cut away entirely is skipped with a warning), to be padded to the longest of its batch. With packing,
-    records follow each other in windows of seq_len + 1 tokens, as pre-training packs documents (attention crosses
-    record boundaries, as torchtitan's packing does); with `documents` (attention block_causal) each window holds
-    whole records (cut at seq_len + 1 tokens alone) and padding after the last one that fits, and carries each
-    token's document id: a record sees only itself, and no label crosses from one to the next.
+    def __init__(self, table: TokenTable, cfg: Instruct, key: str):
+        self.table, self.cfg, self.key, self.path = table, cfg, key, table.folder
 
-    The state after a sample is the epoch, the index of the next record of the file and, when packing across
-    windows, the tokens not yet packed: a source restarted from it continues with exactly the samples that would have
-    come next. An infinite source starts a new epoch at the end of the file; a finite one stops.
+    def examples(self, start: int = 0) -> Iterator[tuple[int, Record]]:
+        raise ConfigError(f"'{self.key}' = '{self.path}' holds token files: the rows' text is not kept there; point "
+                          f"'{self.key}' at the rows themselves (a .jsonl, .json or .parquet file) for this")
+
+
+def split_mask(rows: np.ndarray, split: str, fraction: float) -> np.ndarray:
+    """in_split for every row index at once."""
+    if split == "all":
+        return np.ones(len(rows), dtype=bool)
+    ppm = round(fraction * _PPM)
+    held = (rows + 1) * ppm // _PPM > rows * ppm // _PPM
+    return held if split == "heldout" else ~held
+
+
+def encoded_record(fmt: InstructFormat, row: int, record: Record) -> Encoded:
+    """A row as token files keep it: its ids and trained mask, and its row index."""
+    ids, trained = fmt.encode(record)
+    return Encoded([ids], [trained], {"rows": row})
+
+
+class InstructionSource(RecordSource):
+    """The sample stream of instruction records (an IndexedSource for the layout-independent DataLoader), from a
+    file (its records tokenized once, when first needed) or from token files.
+
+    Each record is tokens and a trained mask (InstructFormat); labels are IGNORE_INDEX wherever the next token does
+    not train. Without packing a sample is one record (cut at seq_len + 1 tokens; a record whose trained tokens are
+    cut away entirely is skipped with a warning), to be padded to the longest of its batch. With packing, records
+    follow each other in windows of seq_len + 1 tokens, as pre-training packs documents (attention crosses record
+    boundaries, as torchtitan's packing does); with `documents` (attention block_causal) each window holds whole
+    records (cut at seq_len + 1 tokens alone) and padding after the last one that fits, and carries each token's
+    document id: a record sees only itself, and no label crosses from one to the next.
+
+    Shuffled (training.shuffle), each epoch takes the records in a seeded order of its own before they are placed.
+    In order, records packed across windows run over the end of an epoch into the next, as a stream does.
     """
 
-    def __init__(self, name: str, file: InstructionFile, tokenizer: TokenizerLike, seq_len: int, split: str = "all",
-                 infinite: bool = True, fmt: InstructFormat | None = None, documents: bool = False):
-        self.name = name
+    def __init__(self, name: str, file: "InstructionFile | StoredRecords", tokenizer: TokenizerLike, seq_len: int,
+                 split: str = "all", infinite: bool = True, fmt: InstructFormat | None = None,
+                 documents: bool = False, seed: int = 0, shuffle: bool = False):
         self.file = file
         self.cfg = file.cfg
         self.tokenizer = tokenizer
-        self.seq_len = seq_len
         self.split = split
-        self.infinite = infinite
         self.format = fmt if fmt is not None else InstructFormat(file.cfg, tokenizer)
         self.documents = documents and file.cfg.packing
-        self._warned = False
+        packing = "whole" if self.documents else "across" if file.cfg.packing else "one"
+        super().__init__(name, seq_len, packing, infinite, seed, shuffle)
+        self._table = file.table if isinstance(file, StoredRecords) else None
 
     def examples(self, start: int = 0) -> Iterator[tuple[int, Record]]:
         """The records of this source's split, with their index in the file."""
@@ -299,85 +340,53 @@ class InstructionSource:
         """(tokens, trained) of one record."""
         return self.format.encode(record)
 
-    def samples(self, state: dict[str, Any] | None = None) -> Iterator[tuple[Sample, dict[str, Any]]]:
-        state = dict(state) if state is not None else {"epoch": 0, "index": 0, "tokens": [], "trained": []}
-        epoch, start = state["epoch"], state["index"]
-        tokens, trained = list(state["tokens"]), list(state["trained"])
-        window = self.seq_len + 1
-        while True:
-            found = False
-            records = self._trainable(self.examples(start), window)
-            if self.documents:
-                for sample, next_index in self._whole_record_windows(records, window):
-                    found = True
-                    yield sample, self._state(epoch, next_index, [], [])
-            else:
-                for index, ids, mask in records:
-                    found = True
-                    if not self.cfg.packing:
-                        yield _sample(ids, mask), self._state(epoch, index + 1, [], [])
-                        continue
-                    tokens, trained = tokens + ids, trained + mask
-                    while len(tokens) >= window:
-                        sample = _sample(tokens[:window], trained[:window])
-                        tokens, trained = tokens[window:], trained[window:]
-                        yield sample, self._state(epoch, index + 1, tokens, trained)
-            if not found and start == 0:
-                raise ConfigError(f"'{self.file.key}' = '{self.file.path}' holds no examples"
-                                  f"{split_words(self.split)}")
-            if not self.infinite:
-                return
-            epoch, start = epoch + 1, 0
-            logger.info("Dataset %s: starting epoch %d", self.name, epoch)
+    def table(self) -> TokenTable:
+        """The split's records as tokens: from token files, or the file's tokenized now (once)."""
+        if self._table is None:
+            encoded = [encoded_record(self.format, index, record) for index, record in self.examples()]
+            self._table = table_in_memory("instruct", encoded)
+        return self._table
 
-    def _trainable(self, records: Iterator[tuple[int, Record]], window: int) -> Iterator[tuple[int, list, list]]:
-        """(index, tokens, trained) of each record; without packing across windows, a record cut at the window
-        with no trained token left (the first token is never a label) is skipped with a warning."""
-        for index, record in records:
-            ids, mask = self.encode(record)
-            if self.cfg.packing and not self.documents:
-                yield index, ids, mask
-            elif any(mask[1:window]):
-                yield index, ids[:window], mask[:window]
-            else:
-                self._warn_cut(index)
+    def usable(self) -> tuple[np.ndarray, np.ndarray]:
+        table = self.table()
+        records = np.flatnonzero(split_mask(table.records["rows"], self.split, self.cfg.validation_fraction))
+        lengths = table.lengths()[records]
+        if self.packing != "across":
+            keep = trained_within(table, records, self.window)
+            if not keep.all():
+                first = int(table.records["rows"][records[np.argmin(keep)]])
+                logger.warning(f"{self.file.path}: example {first} has no trained token within seq_len = "
+                               f"{self.seq_len} tokens and is skipped (so are further ones like it); raise "
+                               "training.seq_len")
+            records, lengths = records[keep], np.minimum(lengths[keep], self.window)
+        if len(records) == 0:
+            raise ConfigError(f"'{self.file.key}' = '{self.file.path}' holds no examples"
+                              f"{split_words(self.split)}")
+        return records, lengths
 
-    def _whole_record_windows(self, records: Iterator[tuple[int, list, list]],
-                              window: int) -> Iterator[tuple[Sample, int]]:
-        """(window sample, index of the first record not in it): records placed whole, in order, until the next
-        does not fit; the rest of the window is padding (document PAD_DOCUMENT, which trains nothing)."""
-        placed: list[tuple[list[int], list[bool]]] = []
-        used, last = 0, None
-        for index, ids, mask in records:
-            if placed and used + len(ids) > window:
-                yield self._document_window(placed, window), index
-                placed, used = [], 0
-            placed.append((ids, mask))
-            used, last = used + len(ids), index
-        if placed:
-            yield self._document_window(placed, window), last + 1
+    def one(self, item: int) -> Sample:
+        tokens, trained = self.table().document(item)
+        return _sample(tokens[:self.window], trained[:self.window])
 
-    def _document_window(self, placed: list[tuple[list[int], list[bool]]], window: int) -> Sample:
-        tokens, trained, documents = [], [], []
-        for doc, (ids, mask) in enumerate(placed):
-            tokens, trained, documents = tokens + ids, trained + mask, documents + [doc] * len(ids)
-        pad = window - len(tokens)
+    def whole(self, items: list[int]) -> Sample:
+        """Whole records and padding after them (document PAD_DOCUMENT, which trains nothing)."""
+        pieces = [self.table().document(item) for item in items]
+        tokens = np.concatenate([t[:self.window] for t, _ in pieces])
+        trained = np.concatenate([m[:self.window] for _, m in pieces])
+        documents = np.concatenate([np.full(min(len(t), self.window), doc) for doc, (t, _) in enumerate(pieces)])
+        pad = self.window - len(tokens)
         pad_id = self.tokenizer.pad_id if self.tokenizer.pad_id >= 0 else self.tokenizer.eos_id
-        return packed_sample(tokens + [pad_id] * pad, documents + [PAD_DOCUMENT] * pad, trained + [False] * pad)
+        return packed_sample(np.concatenate([tokens.astype(np.int64), np.full(pad, pad_id)]),
+                             np.concatenate([documents, np.full(pad, PAD_DOCUMENT)]),
+                             np.concatenate([trained, np.zeros(pad, dtype=bool)]))
 
-    def _state(self, epoch: int, index: int, tokens: list[int], trained: list[bool]) -> dict[str, Any]:
-        return {"epoch": epoch, "index": index, "tokens": list(tokens), "trained": list(trained)}
-
-    def _warn_cut(self, index: int) -> None:
-        if not self._warned:
-            logger.warning(f"{self.file.path}: example {index} has no trained token within seq_len = {self.seq_len} "
-                           "tokens and is skipped (so are further ones like it); raise training.seq_len")
-            self._warned = True
+    def across(self, tokens: np.ndarray, trained: np.ndarray) -> Sample:
+        return _sample(tokens, trained)
 
 
-def _sample(tokens: list[int], trained: list[bool]) -> Sample:
-    ids = torch.tensor(tokens, dtype=torch.long)
-    labels = torch.where(torch.tensor(trained[1:]), ids[1:], IGNORE_INDEX)
+def _sample(tokens, trained) -> Sample:
+    ids = torch.as_tensor(tokens, dtype=torch.long)
+    labels = torch.where(torch.as_tensor(trained[1:], dtype=torch.bool), ids[1:], IGNORE_INDEX)
     return ids[:-1], labels
 
 
@@ -397,14 +406,34 @@ def instruction_file_and_split(cfg: JobConfig, section: str, file_class: type["I
     reader of other rows (preference pairs) and its section."""
     file_class, settings = file_class or InstructionFile, cfg.instruct if settings is None else settings
     if section == "validation" and cfg.validation.dataset_path is not None:
-        return file_class(Path(cfg.validation.dataset_path), settings, "validation.dataset_path"), "all"
+        return _rows(file_class, cfg.validation.dataset_path, settings, "validation"), "all"
     if cfg.training.dataset_path is None:
         raise ConfigError("'training.dataset_path' must name a .jsonl, .json or .parquet file (or a saved datasets "
-                          f"folder){file_class.ROWS} for dataset '{file_class.DATASET}'")
-    file = file_class(Path(cfg.training.dataset_path), settings, "training.dataset_path")
+                          f"folder, or token files){file_class.ROWS} for dataset '{file_class.DATASET}'")
+    file = _rows(file_class, cfg.training.dataset_path, settings, "training")
     if section == "validation":
         return file, "heldout"
     return file, "train" if carves_validation(cfg, file_class.DATASET) else "all"
+
+
+def _rows(file_class: type["InstructionFile"], path: str, settings: Any, section: str) -> "InstructionFile":
+    """The rows at a section's dataset_path: a file of them, or token files of them (StoredRecords)."""
+    key = f"{section}.dataset_path"
+    if is_token_folder(path):
+        table = open_token_folder(path, key)
+        check_kind(table, file_class.DATASET, key, section)
+        return StoredRecords(table, settings, key)
+    return file_class(Path(path), settings, key)
+
+
+def check_stored_rows(cfg: JobConfig, file: Any, tokenizer, section: str) -> None:
+    """Token files of rows were written with the run's tokenizer and the settings ([instruct] or [preference],
+    `section`) that decide tokens."""
+    if not isinstance(file, StoredRecords) or tokenizer is None:
+        return
+    check_tokenizer(file.table, tokenizer, file.key)
+    check_settings(file.table, encoding_settings(file.table.kind, file.cfg, tokenizer_folder(cfg), tokenizer), section,
+                   file.key)
 
 
 def tokenizer_folder(cfg: JobConfig) -> Path | None:
@@ -427,8 +456,10 @@ def instruct_format(cfg: JobConfig, tokenizer) -> InstructFormat:
 def build_instruction_source(cfg: JobConfig, section: str, tokenizer: TokenizerLike, infinite: bool,
                              documents: bool = False) -> InstructionSource:
     file, split = instruction_file_and_split(cfg, section)
+    check_stored_rows(cfg, file, tokenizer, "instruct")
+    seed, shuffle = data_order(cfg, section, countable=True, where=str(file.path))
     return InstructionSource("instruct", file, tokenizer, getattr(cfg, section).seq_len, split, infinite,
-                             instruct_format(cfg, tokenizer), documents)
+                             instruct_format(cfg, tokenizer), documents, seed, shuffle)
 
 
 def trains_text(record: Record, train_on: str) -> bool:
@@ -448,6 +479,12 @@ def check_instruction_data(cfg: JobConfig, section: str, tokenizer=None) -> None
     the template loads and renders those records (with the tokenizer's bos and eos, when given); a conversation
     without one is refused."""
     file, split = instruction_file_and_split(cfg, section)
+    if isinstance(file, StoredRecords):
+        check_stored_rows(cfg, file, tokenizer, "instruct")
+        InstructionSource("instruct", file, tokenizer, getattr(cfg, section).seq_len, split, infinite=False).prepare()
+        if section == "validation" and cfg.validation.answer_problems:
+            next(file.examples(), None)  # answer accuracy generates from the rows' text: its one-line refusal
+        return
     template = None
     if cfg.instruct.chat_template:
         template = load_chat_template(cfg.instruct.chat_template, tokenizer_folder(cfg), tokenizer)
@@ -474,4 +511,6 @@ def count_split_examples(cfg: JobConfig, section: str, limit: int) -> int:
     """Examples of the section's split, counted up to `limit`."""
     file, split = instruction_file_and_split(cfg, section)
     source = InstructionSource("instruct", file, None, 1, split, infinite=False)
+    if isinstance(file, StoredRecords):
+        return min(limit, int(split_mask(file.table.records["rows"], split, cfg.instruct.validation_fraction).sum()))
     return sum(1 for _ in itertools.islice(source.examples(), limit))

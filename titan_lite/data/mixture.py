@@ -13,7 +13,16 @@ from typing import Any
 import torch
 
 from titan_lite.config.schema import DataMixture
-from titan_lite.data.datasets import DocumentStream, PackedSource, TokenizerLike, check_has_documents, shards_at
+from titan_lite.data.datasets import (
+    Deferred,
+    DocumentStream,
+    PackedSource,
+    TokenizerLike,
+    check_has_documents,
+    shards_at,
+)
+from titan_lite.data.indexed import IndexedSource, TokenWindows, token_windows
+from titan_lite.data.token_files import check_kind, is_token_folder, open_token_folder
 from titan_lite.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -45,7 +54,7 @@ class MixtureSource:
     loader restarts its reading (its workers hold a copy of this object) from the last global batch it consumed.
     """
 
-    def __init__(self, names: list[str], sources: list[PackedSource], weights: list[float], seed: int):
+    def __init__(self, names: list[str], sources: list[PackedSource | TokenWindows], weights: list[float], seed: int):
         self.names = names
         self.sources = sources
         self.weights = normalised(weights)
@@ -62,14 +71,16 @@ class MixtureSource:
     def samples(self, state: dict[str, Any] | None = None) -> Iterator[tuple[tuple, dict[str, Any]]]:
         state = self._checked(state) if state is not None else {"domains": [None] * len(self.sources), "drawn": 0}
         domain_states, drawn = list(state["domains"]), state["drawn"]
-        streams = [source.samples(s) for source, s in zip(self.sources, domain_states, strict=True)]
+        streams = [source.refs(s) if isinstance(source, IndexedSource) else source.samples(s)
+                   for source, s in zip(self.sources, domain_states, strict=True)]
         cumulative = list(itertools.accumulate(self.weights))
         while True:
             domain = draw_domain(self.seed, drawn, cumulative)
             drawn += 1
             sample, domain_states[domain] = next(streams[domain])
-            yield (*sample, torch.tensor(domain)), {"domains": list(domain_states), "drawn": drawn,
-                                                            "names": self.names}
+            tagged = sample.with_extra(torch.tensor(domain)) if isinstance(sample, Deferred) else \
+                (*sample, torch.tensor(domain))
+            yield tagged, {"domains": list(domain_states), "drawn": drawn, "names": self.names}
 
     def _checked(self, state: dict[str, Any]) -> dict[str, Any]:
         if "names" not in state:
@@ -164,24 +175,44 @@ def domain_names(cfg: DataMixture) -> list[str]:
     return names
 
 
-def domain_shards(cfg: DataMixture) -> list[list[Path]]:
-    return [shards_at(Path(p), f"data_mixture.dataset_paths[{i}]") for i, p in enumerate(cfg.dataset_paths)]
+def domain_sources(cfg: DataMixture, tokenizer: TokenizerLike | None, seq_len: int, seed: int,
+                   shuffle: bool | None = None, documents: bool = False) -> list[PackedSource | TokenWindows]:
+    """Each domain's endless windows: packed from its raw text in order, or from its token files (shuffled per epoch
+    unless training.shuffle = false; asking raw text to shuffle is refused)."""
+    sources = []
+    for i, (name, path) in enumerate(zip(domain_names(cfg), cfg.dataset_paths, strict=True)):
+        key = f"data_mixture.dataset_paths[{i}]"
+        if is_token_folder(path):
+            sources.append(token_windows(name, path, tokenizer, seq_len, True, key, documents, seed + i + 1,
+                                         shuffle is not False))
+            continue
+        if shuffle:
+            raise ConfigError(f"'training.shuffle' = true, but '{key}' = '{path}' is raw text, read in order as a "
+                              "stream; tokenize it once with scripts/tokenize_data.py and name the token folder")
+        sources.append(PackedSource(name, DocumentStream(shards_at(Path(path), key)), tokenizer, seq_len,
+                                    documents=documents))
+    return sources
 
 
-def check_mixture_data(cfg: DataMixture) -> None:
-    """Every domain path holds shards whose first document reads (as check_dataset for training.dataset_path)."""
-    domain_names(cfg)
-    for i, shards in enumerate(domain_shards(cfg)):
-        check_has_documents(shards, cfg.dataset_paths[i], f"data_mixture.dataset_paths[{i}]")
+def check_mixture_data(cfg: DataMixture, shuffle: bool | None = None) -> None:
+    """Every domain path holds shards whose first document reads (as check_dataset for training.dataset_path), or
+    checked token files."""
+    names = domain_names(cfg)
+    for i, path in enumerate(cfg.dataset_paths):
+        key = f"data_mixture.dataset_paths[{i}]"
+        if is_token_folder(path):
+            check_kind(open_token_folder(path, key), names[i], key, "data_mixture")
+        else:
+            check_has_documents(shards_at(Path(path), key), path, key)
+    domain_sources(cfg, None, 1, 0, shuffle)
 
 
 def build_domain_weights(cfg: DataMixture, tokenizer: TokenizerLike, seq_len: int, default_seed: int,
-                         documents: bool = False) -> DomainWeights:
+                         documents: bool = False, shuffle: bool | None = None) -> DomainWeights:
     """The mixture source (packed windows of seq_len tokens per domain, endless, with document ids when
     `documents`) and its weight controller."""
     names = domain_names(cfg)
-    sources = [PackedSource(name, DocumentStream(shards), tokenizer, seq_len, documents=documents)
-               for name, shards in zip(names, domain_shards(cfg), strict=True)]
-    weights = cfg.weights or [1.0] * len(names)
     seed = cfg.seed if cfg.seed is not None else default_seed
+    sources = domain_sources(cfg, tokenizer, seq_len, seed, shuffle, documents)
+    weights = cfg.weights or [1.0] * len(names)
     return DomainWeights(cfg, MixtureSource(names, sources, weights, seed))

@@ -11,24 +11,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from titan_lite.config.schema import JobConfig, Preference
 from titan_lite.data.chat import ChatEncoder, Conversation, conversation_of, load_chat_template, openai_turns
 from titan_lite.data.datasets import Sample, packed_sample
+from titan_lite.data.indexed import RecordSource
 from titan_lite.data.instruct import (
     PAD_DOCUMENT,
     InstructionFile,
+    StoredRecords,
+    check_stored_rows,
     in_split,
     instruction_file_and_split,
+    split_mask,
     split_words,
     tokenizer_folder,
 )
+from titan_lite.data.order import data_order
+from titan_lite.data.token_files import PAIR_PROBLEMS, Encoded, TokenTable, table_in_memory
 from titan_lite.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 CHOSEN, REJECTED = 0, 1
-Turns = tuple[tuple[str, str], ...]
 _WARNED: set[tuple[str, str]] = set()  # (file, problem) named in a warning in this process
+Turns = tuple[tuple[str, str], ...]
 
 
 def answer_document(index: int, answer: int) -> int:
@@ -244,30 +252,43 @@ def _answer_cap(lengths: list[int], room: int) -> int:
 # ---------------------------------------------------------------------------------------------- the source
 
 
-class PreferenceSource:
-    """A sample stream of pairs (a SampleSource): packed, each window of seq_len + 1 tokens holds whole pairs in file
-    order and padding after the last one that fits; unpacked, each sample is one pair, padded by the collate. Every
-    sample carries the document ids of answer_document (so labels never cross from one answer to the next, and the
-    objective knows each token's pair and answer).
+def encoded_pair(encoder: PairEncoder, row: int, pair: Pair) -> Encoded:
+    """A pair as token files keep it: its two sequences (prompt + chosen, prompt + rejected) with their trained masks,
+    its row, its prompt's length, and why it teaches nothing (empty sequences then)."""
+    problem = pair.problem()
+    values = {"rows": row, "problems": PAIR_PROBLEMS.index(problem), "prompt_lengths": 0}
+    if problem is not None:
+        return Encoded([[], []], [[], []], values)
+    encoded = encoder.encode(pair)
+    documents = encoded.documents()
+    values["prompt_lengths"] = len(encoded.prompt)
+    return Encoded([ids for ids, _ in documents], [mask for _, mask in documents], values)
+
+
+class PreferenceSource(RecordSource):
+    """A sample stream of pairs (an IndexedSource), from a file (its pairs tokenized once, when first needed) or from
+    token files: packed, each window of seq_len + 1 tokens holds whole pairs and padding after the last one that
+    fits; unpacked, each sample is one pair, padded by the collate. Every sample carries the document ids of
+    answer_document (so labels never cross from one answer to the next, and the objective knows each token's pair and
+    answer). Shuffled (training.shuffle), each epoch places the pairs in a seeded order of its own.
 
     A pair with identical or empty answers teaches nothing and is skipped; one longer than a window is cut or dropped
-    ([preference] truncation_mode); the first of each kind is named in a warning and every epoch's counts are logged.
-    The state after a sample is the epoch and the index of the next row: windows never span two epochs, so a pair
-    appears once per window and a source restarted from a state continues with exactly the samples that would have
-    come next."""
+    ([preference] truncation_mode); the first of each kind is named in a warning and the counts are logged."""
 
-    def __init__(self, name: str, file: PreferenceFile, encoder: PairEncoder, seq_len: int, split: str = "all",
-                 infinite: bool = True, report: bool = False, warn: bool = True):
-        self.name = name
+    def __init__(self, name: str, file: "PreferenceFile | StoredRecords", encoder: PairEncoder, seq_len: int,
+                 split: str = "all", infinite: bool = True, report: bool = False, seed: int = 0,
+                 shuffle: bool = False, warn: bool = True):
         self.file = file
         self.cfg: Preference = file.cfg
         self.encoder = encoder
-        self.seq_len = seq_len
         self.split = split
-        self.infinite = infinite
-        self.report = report  # log each epoch's counts (the training stream; not validation's repeated passes)
+        self.report = report  # log the counts (the training stream; not validation's)
         self.warn = warn  # name the first pair of each kind (not the check before launch: training names it)
         self.counts: Counter = Counter()
+        self._fitted: dict[int, EncodedPair] = {}  # pairs cut to fit a window
+        self._wheres: dict[int, str] = {}  # file and line of each row read from a file
+        super().__init__(name, seq_len, "whole" if self.cfg.packing else "one", infinite, seed, shuffle)
+        self._table = file.table if isinstance(file, StoredRecords) else None
 
     @property
     def min_prompt(self) -> int:
@@ -279,42 +300,64 @@ class PreferenceSource:
             if in_split(index, self.split, self.cfg.validation_fraction):
                 yield index, pair
 
-    def encoded(self, start: int = 0) -> Iterator[tuple[int, EncodedPair]]:
-        """(row index, the pair as it trains) of every usable pair, counting what is skipped, cut or dropped."""
-        budget, bos = self.seq_len + 1, self.encoder.tokenizer.bos_id
-        for index, pair in self.pairs(start):
-            problem, why = pair.problem(), ""
-            if problem is None:
-                encoded = self.encoder.encode(pair)
-                fitted, why = cut_pair(encoded, budget, self.cfg.truncation_mode, self.min_prompt, bos)
-                problem = "too long" if fitted is None else ("cut" if fitted is not encoded else None)
-            self.counts["pairs"] += 1
-            if problem is not None:
-                self.counts[problem] += 1
-                self._warn(problem, pair.where, why)
-            if problem in (None, "cut"):
-                yield index, fitted
+    def table(self) -> TokenTable:
+        """The split's pairs as tokens: from token files, or the file's tokenized now (once)."""
+        if self._table is None:
+            pairs = list(self.pairs())
+            self._wheres = {index: pair.where for index, pair in pairs}  # for the warnings
+            self._table = table_in_memory("preference", [encoded_pair(self.encoder, i, pair) for i, pair in pairs])
+        return self._table
 
-    def samples(self, state: dict[str, Any] | None = None) -> Iterator[tuple[Sample, dict[str, Any]]]:
-        state = dict(state) if state is not None else {"epoch": 0, "index": 0}
-        epoch, start = state["epoch"], state["index"]
-        while True:
-            found = False
-            self.counts.clear()
-            windows = self._windows(self.encoded(start)) if self.cfg.packing else self._singles(self.encoded(start))
-            for sample, next_index in windows:
-                found = True
-                yield sample, {"epoch": epoch, "index": next_index}
-            if not found and start == 0:
-                raise ConfigError(f"'{self.file.key}' = '{self.file.path}' holds no usable pairs"
-                                  f"{split_words(self.split)} ({self.summary()})")
-            if self.report and start == 0:
-                logger.info(f"preference data '{self.file.path}'{split_words(self.split)}, epoch {epoch}: "
-                            f"{self.summary()}")
-            if not self.infinite:
-                return
-            epoch, start = epoch + 1, 0
-            logger.info("Dataset %s: starting epoch %d", self.name, epoch)
+    def stored(self, k: int) -> EncodedPair:
+        """Pair k of the table as the encoder made it."""
+        table = self.table()
+        prompt = int(table.records["prompt_lengths"][k])
+        (chosen, chosen_mask), (rejected, rejected_mask) = table.document(2 * k), table.document(2 * k + 1)
+        answers = ((chosen[prompt:].tolist(), chosen_mask[prompt:].tolist()),
+                   (rejected[prompt:].tolist(), rejected_mask[prompt:].tolist()))
+        return EncodedPair(chosen[:prompt].tolist(), answers)
+
+    def fitted(self, k: int) -> EncodedPair:
+        return self._fitted.get(k) or self.stored(k)
+
+    def row(self, k: int) -> int:
+        return int(self.table().records["rows"][k])
+
+    def usable(self) -> tuple[np.ndarray, np.ndarray]:
+        """The pairs that train, counting (and naming the first of) those skipped, cut or dropped."""
+        table = self.table()
+        rows, problems = table.records["rows"], table.records["problems"]
+        in_split = split_mask(rows, self.split, self.cfg.validation_fraction)
+        lengths = table.lengths()[0::2] + table.lengths()[1::2]
+        self.counts = Counter(pairs=int(in_split.sum()))
+        for code, problem in enumerate(PAIR_PROBLEMS[1:], start=1):
+            found = np.flatnonzero(in_split & (problems == code))
+            self.counts[problem] = len(found)
+            if len(found):
+                self._warn(problem, self.row(int(found[0])))
+        ok = in_split & (problems == 0)
+        budget, bos = self.window, self.encoder.tokenizer.bos_id if self.encoder.tokenizer is not None else -1
+        for k in np.flatnonzero(ok & (lengths > budget)).tolist():
+            fitted, why = cut_pair(self.stored(k), budget, self.cfg.truncation_mode, self.min_prompt, bos)
+            problem = "too long" if fitted is None else "cut"
+            self.counts[problem] += 1
+            self._warn(problem, self.row(k), why)
+            ok[k] = fitted is not None
+            if fitted is not None:
+                self._fitted[k], lengths[k] = fitted, fitted.length
+        if not ok.any():
+            raise ConfigError(f"'{self.file.key}' = '{self.file.path}' holds no usable pairs"
+                              f"{split_words(self.split)} ({self.summary()})")
+        if self.report:
+            logger.info(f"preference data '{self.file.path}'{split_words(self.split)}: {self.summary()}")
+        return np.flatnonzero(ok), lengths[ok]
+
+    def encoded(self, start: int = 0) -> Iterator[tuple[int, EncodedPair]]:
+        """(row index, the pair as it trains) of every usable pair from row `start` on, in file order."""
+        self.prepare()
+        for k in self._items.tolist():
+            if self.row(k) >= start:
+                yield self.row(k), self.fitted(k)
 
     def summary(self) -> str:
         c = self.counts
@@ -326,7 +369,7 @@ class PreferenceSource:
         parts += [f"{c[k]:,} {text}" for k, text in what.items() if c[k]]
         return ", ".join(parts)
 
-    def _warn(self, problem: str, where: str, why: str) -> None:
+    def _warn(self, problem: str, row: int, why: str = "") -> None:
         """The first pair of each kind of problem in this process, named (a source read again, as the reference
         precomputation reads the training pairs, names none twice)."""
         if not self.warn or (str(self.file.path), problem) in _WARNED:
@@ -339,25 +382,15 @@ class PreferenceSource:
             action = f"dropped: {why}"
         else:
             action = f"skipped: its answers are {problem} (nothing to prefer)"
-        logger.warning(f"{where}: pair {action}; further pairs like it are counted in each epoch's summary line")
+        where = self._wheres.get(row) or f"{self.file.path}: row {row}"
+        logger.warning(f"{where}: pair {action}; further pairs like it are counted in the summary line")
 
-    def _windows(self, pairs: Iterator[tuple[int, EncodedPair]]) -> Iterator[tuple[Sample, int]]:
-        """(window, row index after its last pair): whole pairs in order until the next does not fit."""
-        window = self.seq_len + 1
-        placed: list[tuple[int, EncodedPair]] = []
-        used, last = 0, None
-        for index, pair in pairs:
-            if placed and used + pair.length > window:
-                yield self._sample(placed, window), index
-                placed, used = [], 0
-            placed.append((index, pair))
-            used, last = used + pair.length, index
-        if placed:
-            yield self._sample(placed, window), last + 1
+    def one(self, item: int) -> Sample:
+        pair = self.fitted(item)
+        return self._sample([(self.row(item), pair)], pair.length)
 
-    def _singles(self, pairs: Iterator[tuple[int, EncodedPair]]) -> Iterator[tuple[Sample, int]]:
-        for index, pair in pairs:
-            yield self._sample([(index, pair)], pair.length), index + 1
+    def whole(self, items: list[int]) -> Sample:
+        return self._sample([(self.row(k), self.fitted(k)) for k in items], self.window)
 
     def _sample(self, placed: list[tuple[int, EncodedPair]], length: int) -> Sample:
         tokens, trained, documents = [], [], []
@@ -391,19 +424,28 @@ def pair_encoder(cfg: JobConfig, tokenizer) -> PairEncoder:
 
 def build_preference_source(cfg: JobConfig, section: str, tokenizer, infinite: bool) -> PreferenceSource:
     file, split = preference_file_and_split(cfg, section)
+    check_stored_rows(cfg, file, tokenizer, "preference")
+    seed, shuffle = data_order(cfg, section, countable=True, where=str(file.path))
     return PreferenceSource("preference", file, pair_encoder(cfg, tokenizer), getattr(cfg, section).seq_len, split,
-                            infinite, report=section == "training" and infinite)
+                            infinite, report=section == "training" and infinite, seed=seed, shuffle=shuffle)
 
 
 def check_preference_data(cfg: JobConfig, section: str, tokenizer=None) -> None:
     """Config-time: the file is there and its pairs of the split read (fields, JSON, roles) up to the first usable
-    one; with a tokenizer that pair is also encoded (rendered with the chat template) and fitted to the window."""
+    one; with a tokenizer that pair is also encoded (rendered with the chat template) and fitted to the window.
+    Token files: written with this tokenizer and these settings, and holding a usable pair."""
     file, split = preference_file_and_split(cfg, section)
     encoder = pair_encoder(cfg, tokenizer)
     source = PreferenceSource("preference", file, encoder, getattr(cfg, section).seq_len, split, infinite=False,
                               warn=False)
-    pairs = source.encoded() if tokenizer is not None else \
-        ((i, p) for i, p in source.pairs() if p.problem() is None and _renders(p, encoder, cfg))
+    if isinstance(file, StoredRecords):
+        check_stored_rows(cfg, file, tokenizer, "preference")
+        source.prepare()
+        return
+    budget, bos = source.window, tokenizer.bos_id if tokenizer is not None else -1
+    pairs = ((i, p) for i, p in source.pairs() if p.problem() is None and (
+        fit_pair(encoder.encode(p), budget, cfg.preference.truncation_mode, source.min_prompt, bos) is not None
+        if tokenizer is not None else _renders(p, encoder, cfg)))
     if next(pairs, None) is None:
         raise ConfigError(f"'{file.key}' = '{file.path}' holds no usable pairs{split_words(split)}"
                           + (" (raise 'preference.validation_fraction')" if split == "heldout" else ""))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
-import heapq
+import hashlib
 import json
 import re
 import unicodedata
@@ -17,6 +17,7 @@ from typing import Any
 import sentencepiece
 import tiktoken
 
+from titan_lite.data.bpe_core import GPT2_PATTERN, exact_ranks, merge_symbols, split_pattern, tiktoken_encoding
 from titan_lite.errors import ConfigError
 
 # Llama 3's pre-tokenizer split pattern (the cl100k pattern with numbers in groups of up to three).
@@ -24,8 +25,6 @@ LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
     r"\s+(?!\S)|\s+"
 )
-# The pattern a HF ByteLevel pre-tokenizer uses when use_regex is true (GPT-2's).
-GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 NUM_LLAMA3_SPECIAL_TOKENS = 256
 
 
@@ -54,6 +53,9 @@ class Tokenizer:
     eos_id: int
     pad_id: int = -1
     special_ids: frozenset[int] = frozenset()  # control tokens (what transformers' skip_special_tokens drops)
+    backend: str  # what encodes: 'tiktoken', 'sentencepiece', 'python BPE'
+    backend_note = ""  # why that one (a tokenizer.json byte-level BPE: whether tiktoken's core is exact for it)
+    source: Path | None = None  # the file it was read from
 
     def encode(self, text: str, bos: bool = True, eos: bool = False, *, allow_special: bool = False) -> list[int]:
         ids = self._encode_text(text, allow_special)
@@ -77,8 +79,11 @@ class Tokenizer:
 class TiktokenTokenizer(Tokenizer):
     """A Llama 3 `tokenizer.model` (lines "<base64 bytes> <rank>") with Llama 3's regex and 256 special tokens."""
 
+    backend = "tiktoken"
+
     def __init__(self, path: Path, ranks: dict[bytes, int]):
         _check_tiktoken_ranks(path, ranks)
+        self.source = path
         num_base = len(ranks)
         self.special_tokens = {tok: num_base + i for i, tok in enumerate(llama3_special_tokens())}
         self._encoding = tiktoken.Encoding(
@@ -133,8 +138,11 @@ def _check_tiktoken_ranks(path: Path, ranks: dict[bytes, int]) -> None:
 class SentencePieceTokenizer(Tokenizer):
     """A sentencepiece `tokenizer.model` (Llama 2 style); bos/eos/pad come from the model."""
 
-    def __init__(self, processor: sentencepiece.SentencePieceProcessor):
+    backend = "sentencepiece"
+
+    def __init__(self, processor: sentencepiece.SentencePieceProcessor, source: Path | None = None):
         self._sp = processor
+        self.source = source
         self.vocab_size = self._sp.get_piece_size()
         self.bos_id = self._sp.bos_id()
         self.eos_id = self._sp.eos_id()
@@ -324,22 +332,65 @@ class HFByteLevelBPETokenizer(Tokenizer):
     _CACHE_LIMIT = 200_000
     _CACHE_WORD_LIMIT: int | None = None  # longer words are not cached (None: every word is)
 
-    def __init__(self, path: Path):
+    backend = "python BPE"
+
+    def __init__(self, path: Path, core: bool | None = None):
+        """`core`: encode with tiktoken's core where it is exact (None: check whether it is; True: checked before,
+        as when unpickled in a worker; False: never)."""
         spec = _read_json(path)
         model = spec.get("model") or {}
         if model.get("type") != "BPE":
             raise ConfigError(f"tokenizer file '{path}': model type is {model.get('type')!r}, expected a BPE model")
+        self.source = path
         self._load_text_pipeline(path, spec)
         self._load_model(path, model)
         self._load_added_tokens(path, spec.get("added_tokens") or [])
         self._load_special_ids(path, spec.get("post_processor"))
         self._cache: dict[bytes, list[int]] = {}
+        self._core: tiktoken.Encoding | None = None
+        if core is not False:
+            self._start_core(path, spec, checked=bool(core))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its text functions (workers started by spawn or forkserver build them again from the
+        file's specs) and without its word cache."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_steps", "_normalize", "_cache")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _cache={})
+        self._normalize = _normalizer(self.source, self._specs["normalizer"])
 
     # -- loading
 
     def _load_text_pipeline(self, path: Path, spec: dict[str, Any]) -> None:
+        self._specs = {name: spec.get(name) for name in ("normalizer", "pre_tokenizer")}
         self._steps = _pre_tokenizer_steps(path, spec.get("pre_tokenizer"))
         self._normalize = _normalizer(path, spec.get("normalizer"))
+
+    @property
+    def _pre_steps(self) -> list[PreTokenizeStep]:
+        if "_steps" not in self.__dict__:  # an unpickled copy builds them when it first needs them
+            self._steps = _pre_tokenizer_steps(self.source, self._specs["pre_tokenizer"])
+        return self._steps
+
+    def _start_core(self, path: Path, spec: dict[str, Any], checked: bool) -> None:
+        """Encode plain text with tiktoken's core when its ids are exactly the merge list's (bpe_core), and say in
+        the log which back end runs."""
+        pattern, self._prefix_space, why = split_pattern(_pre_tokenizer_specs(spec.get("pre_tokenizer")))
+        ranks = None
+        if pattern is not None:
+            # added tokens (a trainer's special tokens sit in the vocab too) are split out before BPE runs
+            plain = {raw: i for raw, i in self._vocab.items() if i not in self._added_ids}
+            ranks, why = (plain, "") if checked else exact_ranks(plain, self._merge_ranks)
+        if ranks is not None:
+            try:
+                self._core = tiktoken_encoding(path.name, pattern, ranks)
+            except ValueError as err:  # a pattern tiktoken's regex engine does not take
+                why = f"tiktoken cannot use the split pattern ({err})"
+        if self._core is None:
+            self.backend_note = f"tiktoken's core would not be exact: {why}"
+            return
+        self.backend, self.backend_note = "tiktoken", "tiktoken's core: ids in merge order, one split pattern"
 
     def _load_model(self, path: Path, model: dict[str, Any]) -> None:
         vocab = _bpe_vocab(path, model)
@@ -361,6 +412,7 @@ class HFByteLevelBPETokenizer(Tokenizer):
         self._added_all = _AddedTokenMatcher.build(by_length)
         self._added_plain = _AddedTokenMatcher.build([t for t in by_length if not t.get("special", False)])
         self.special_ids = frozenset(t["id"] for t in added if t.get("special", False))
+        self._added_ids = frozenset(t["id"] for t in added)
         self.vocab_size = max(self._token_ids.values(), default=-1) + 1
 
     def _load_special_ids(self, path: Path, post_processor: dict[str, Any] | None) -> None:
@@ -399,8 +451,13 @@ class HFByteLevelBPETokenizer(Tokenizer):
         return ids
 
     def _encode_segment(self, text: str) -> list[int]:
+        if self._core is not None:
+            text = self._normalize(text)
+            if self._prefix_space and not text.startswith(" "):
+                text = " " + text
+            return self._core.encode_ordinary(text)
         pieces = [self._normalize(text)]
-        for step in self._steps:
+        for step in self._pre_steps:
             pieces = [out for piece in pieces for out in step(piece) if out]
         ids: list[int] = []
         for piece in pieces:
@@ -579,9 +636,14 @@ def _replace(path: Path, spec: dict[str, Any]) -> Callable[[str], str]:
     raise ConfigError(f"tokenizer file '{path}': Replace normalizer without a String or Regex pattern")
 
 
+def _pre_tokenizer_specs(spec: dict[str, Any] | None) -> list[dict[str, Any] | None]:
+    """The steps of a pre_tokenizer (a Sequence's, or the one)."""
+    return (spec.get("pretokenizers") or []) if spec and spec.get("type") == "Sequence" else [spec]
+
+
 def _pre_tokenizer_steps(path: Path, spec: dict[str, Any] | None) -> list[PreTokenizeStep]:
     """The pre-tokenizer as a list of piece-splitting steps; the last one must be ByteLevel."""
-    specs = (spec.get("pretokenizers") or []) if spec and spec.get("type") == "Sequence" else [spec]
+    specs = _pre_tokenizer_specs(spec)
     if not specs or not specs[-1] or specs[-1].get("type") != "ByteLevel":
         raise ConfigError(f"tokenizer file '{path}': not a byte-level BPE (the pre_tokenizer must end with ByteLevel)")
     return [_pre_tokenizer_step(path, sub) for sub in specs]
@@ -595,7 +657,8 @@ def _pre_tokenizer_step(path: Path, spec: dict[str, Any]) -> PreTokenizeStep:
         if kind == "Split":
             return _split_step(path, spec)
         if kind == "Digits":
-            regex = re.compile("[0-9]" if spec.get("individual_digits") else "[0-9]+")
+            # a digit is any Unicode number (Rust's char::is_numeric), as `tokenizers` splits them
+            regex = compile_pattern(r"\p{N}" if spec.get("individual_digits") else r"\p{N}+")
             return lambda piece: [p for p, _ in _split_on(regex, piece)]
     except (ValueError, re.error) as err:
         raise ConfigError(f"tokenizer file '{path}': cannot use the {kind} pre-tokenizer pattern ({err})") from None
@@ -642,8 +705,13 @@ class HFByteFallbackBPETokenizer(HFByteLevelBPETokenizer):
     character outside the vocab becomes the <0xXX> tokens of its UTF-8 bytes (or <unk> without them)."""
 
     _CACHE_WORD_LIMIT = 256  # longer words (a Prepend normalizer leaves whole documents as one word) are not cached
+    backend = "python BPE (byte fallback)"
+
+    def _start_core(self, path: Path, spec: dict[str, Any], checked: bool) -> None:
+        """tiktoken's core merges bytes, not characters: this BPE stays in Python."""
 
     def _load_text_pipeline(self, path: Path, spec: dict[str, Any]) -> None:
+        self._specs = {name: spec.get(name) for name in ("normalizer", "pre_tokenizer")}
         self._normalize = _normalizer(path, spec.get("normalizer"))
         pre = spec.get("pre_tokenizer")
         self._metaspace, self._prepend_scheme, self._split = None, "never", False
@@ -765,32 +833,6 @@ def _char_merges(path: Path, merges: list[Any], vocab: dict[str, int]) -> dict[t
     return out
 
 
-def merge_symbols(symbols: list[int], merges: dict[tuple[int, int], tuple[int, int]]) -> list[int]:
-    """BPE over a sequence of ids in O(n log n): repeatedly merge the adjacent pair of lowest rank (leftmost on ties),
-    as `tokenizers` does, with a heap of candidate pairs and a linked list of the surviving symbols."""
-    ids = list(symbols)
-    nxt = list(range(1, len(ids) + 1))
-    prev = list(range(-1, len(ids) - 1))
-    alive = [True] * len(ids)
-    heap = [(merges[(ids[i], ids[i + 1])][0], i, ids[i], ids[i + 1]) for i in range(len(ids) - 1)
-            if (ids[i], ids[i + 1]) in merges]
-    heapq.heapify(heap)
-    while heap:
-        rank, i, left, right = heapq.heappop(heap)
-        j = nxt[i] if alive[i] else len(ids)
-        if j >= len(ids) or ids[i] != left or ids[j] != right:
-            continue  # a stale candidate: one side merged since
-        ids[i] = merges[(left, right)][1]
-        alive[j] = False
-        nxt[i] = nxt[j]
-        if nxt[j] < len(ids):
-            prev[nxt[j]] = i
-        for a, b in ((prev[i], i), (i, nxt[i])):
-            if a >= 0 and b < len(ids) and (ids[a], ids[b]) in merges:
-                heapq.heappush(heap, (merges[(ids[a], ids[b])][0], a, ids[a], ids[b]))
-    return [tid for tid, keep in zip(ids, alive, strict=True) if keep]
-
-
 # ---------------------------------------------------------------- entry point
 
 
@@ -838,6 +880,22 @@ def _build_from_model_file(path: Path) -> Tokenizer:
         return TiktokenTokenizer(path, ranks)
     processor = _load_sentencepiece(data)
     if processor is not None:
-        return SentencePieceTokenizer(processor)
+        return SentencePieceTokenizer(processor, path)
     raise ConfigError(f"tokenizer file '{path}' is neither a tiktoken file ('<base64> <rank>' lines) "
                       f"nor a sentencepiece model")
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> dict[str, Any]:
+    """What identifies a tokenizer's ids: its file (name and SHA-256) and the special ids it adds (tokenizer_config.json
+    may change those without touching the file). Token files record it; a run with another tokenizer is refused."""
+    source = tokenizer.source
+    data = source.read_bytes() if source is not None else tokenizer._sp.serialized_model_proto()
+    return {"file": source.name if source is not None else "sentencepiece model",
+            "sha256": hashlib.sha256(data).hexdigest(), "vocab_size": tokenizer.vocab_size,
+            "bos_id": tokenizer.bos_id if getattr(tokenizer, "add_bos", True) else -1, "eos_id": tokenizer.eos_id,
+            "pad_id": tokenizer.pad_id}
+
+
+def describe_tokenizer(tokenizer: Tokenizer) -> str:
+    """Which back end encodes, and why: for the run's log and DRY_RUN."""
+    return tokenizer.backend + (f" ({tokenizer.backend_note})" if tokenizer.backend_note else "")

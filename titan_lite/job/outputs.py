@@ -98,17 +98,25 @@ def output_folder(flag: str, out: str | Path, owner: bool = True, **about: objec
     try:
         yield tmp
         if owner:
-            check_replaceable(flag, out)  # a file added to it while the output was being written stays too
-            mark_written(tmp, **about)
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            if out.exists():
-                out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
+            swap_in(flag, tmp, out, **about)
     finally:
         if owner:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def swap_in(flag: str, partial: Path, out: str | Path, **about: object) -> None:
+    """A whole output written into `partial` becomes `out`: checked again (a file added to `out` while the output was
+    being written stays too), marked as titan_lite's (listing its files, with `about`), then renamed; what titan_lite
+    wrote at `out` before is removed only after the rename."""
+    out = Path(out)
+    check_replaceable(flag, out)
+    mark_written(partial, **about)
+    old = out.with_name(f".{out.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        out.rename(old)
+    partial.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def check_output_file(flag: str, out: str | Path) -> None:

@@ -18,9 +18,12 @@ from titan_lite.config.schema import JobConfig
 from titan_lite.config.validate import validate
 from titan_lite.data.dataloader import build_section_source, samples_per_epoch
 from titan_lite.data.datasets import check_dataset, check_enough_tokens, resolve_shards
+from titan_lite.data.indexed import check_enough_windows
 from titan_lite.data.instruct import check_instruction_data, count_split_examples
 from titan_lite.data.mixture import check_mixture_data
+from titan_lite.data.order import data_order
 from titan_lite.data.preference import check_preference_data
+from titan_lite.data.token_files import is_token_folder
 from titan_lite.data.tokenizer import Tokenizer, build_tokenizer
 from titan_lite.distributed import choose_backend, device_type
 from titan_lite.errors import ConfigError
@@ -254,14 +257,17 @@ def check_section_data(cfg: JobConfig, section: str, tokenizer: Tokenizer | None
         check_instruction_data(cfg, section, tokenizer)
     elif s.dataset == "preference":
         check_preference_data(cfg, section, tokenizer)
+    elif is_token_folder(s.dataset_path):
+        build_section_source(cfg, section, tokenizer)  # opening the files checks them, and the tokenizer
     else:
         check_dataset(s.dataset, s.dataset_path, section)
+        data_order(cfg, section, countable=False, where=f"'{section}.dataset_path' = '{s.dataset_path or s.dataset}'")
 
 
 def check_training_data(cfg: JobConfig, tokenizer: Tokenizer | None = None) -> None:
     """[training]'s dataset, or every domain of [data_mixture] when it replaces it."""
     if cfg.data_mixture.enable:
-        check_mixture_data(cfg.data_mixture)
+        check_mixture_data(cfg.data_mixture, cfg.training.shuffle)
     else:
         check_section_data(cfg, "training", tokenizer)
 
@@ -297,6 +303,10 @@ def check_data_volume(cfg: JobConfig, plan: "JobPlan") -> None:
         if s.dataset in ("instruct", "preference") or (section == "training" and cfg.data_mixture.enable):
             continue
         where = s.dataset_path if s.dataset_path is not None else s.dataset
+        if is_token_folder(s.dataset_path):
+            check_enough_windows(build_section_source(cfg, section, plan.tokenizer), plan.parallel_dims.dp_degree,
+                                 f"{section}.dataset_path")
+            continue
         check_enough_tokens(resolve_shards(s.dataset, s.dataset_path, section), plan.tokenizer, s.seq_len,
                             plan.parallel_dims.dp_degree, where, f"{section}.dataset_path")
 
