@@ -258,7 +258,7 @@ def two_four_prune_(model: torch.nn.Module) -> int:
 
 
 def timed_generation(model, prompts, new_tokens: int, device: torch.device) -> tuple[float, list[list[int]]]:
-    from titan_lite.eval.generate import GenerationConfig, generate
+    from titan_lite.generate import GenerationConfig, generate
 
     generate(model, prompts, GenerationConfig(max_new_tokens=4), device)  # warm-up (kernels, cuSPARSELt plans)
     if device.type == "cuda":

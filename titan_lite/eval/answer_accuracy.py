@@ -9,7 +9,7 @@ from torch import nn
 
 from titan_lite.data.instruct import InstructFormat, Record
 from titan_lite.eval.answers import extract_answer, same_answer
-from titan_lite.eval.generate import GenerationConfig, iter_completions
+from titan_lite.generate import GenerationConfig, iter_completions
 from titan_lite.metrics.logger import Progress
 
 logger = logging.getLogger(__name__)
