@@ -748,6 +748,9 @@ class Grpo:
     epsilon_high: float | None = opt(None, "The upper clipping bound (DAPO's clip-higher); None = epsilon.")
     beta: float = opt(0.0, "Weight of the KL term (k3 estimator, per token) towards the reference; 0 loads no "
                            "reference, as TRL.")
+    use_bias_correction_kl: bool = opt(
+        True, "Multiply each token's KL by its importance ratio (TRL's default since DeepSeek-V3.2: the unbiased "
+        "reverse-KL gradient; with num_iterations 1 the ratio is 1 but its gradient is not 0).")
     reference: str = opt(
         "base", "The KL reference (with beta > 0): 'base' = the policy with its adapters switched off (no second "
         "copy), or a Hugging Face folder or a DCP step folder, loaded frozen and sharded like the policy (as "

@@ -45,6 +45,7 @@ class GRPOLoss:
     beta: float = 0.0
     temperature: float = 1.0
     max_completion_length: int = 512
+    kl_ratio: bool = True  # the KL weighted by the importance ratio (use_bias_correction_kl)
 
     def describe(self) -> str:
         clip = f"clip [1 - {self.epsilon:g}, 1 + {self.epsilon_high:g}]"
@@ -55,7 +56,7 @@ class GRPOLoss:
 def loss_spec(cfg: JobConfig) -> GRPOLoss:
     g = cfg.grpo
     return GRPOLoss(g.loss_type, g.epsilon, g.epsilon if g.epsilon_high is None else g.epsilon_high, g.beta,
-                    g.temperature, g.max_completion_length)
+                    g.temperature, g.max_completion_length, g.use_bias_correction_kl)
 
 
 def reference_spec(cfg: JobConfig) -> FrozenSpec:
@@ -109,7 +110,8 @@ def completion_weights(labels: torch.Tensor, documents: torch.Tensor, loss_type:
 def token_terms(logps: torch.Tensor, batch: CompletionBatch, reference: torch.Tensor | None,
                 spec: GRPOLoss) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """(per-token loss, per-token k3 KL or None, low-clipped, high-clipped) of TRL's GRPO loss, token-level
-    importance sampling: -min(r A, clip(r, 1 - eps, 1 + eps_high) A) + beta KL, r = exp(log pi - log pi_old)."""
+    importance sampling: -min(r A, clip(r, 1 - eps, 1 + eps_high) A) + beta KL, r = exp(log pi - log pi_old), the KL
+    k3 = exp(ref - log pi) - (ref - log pi) - 1, times r with kl_ratio (TRL's use_bias_correction_kl)."""
     ratio = torch.exp(logps - batch.old_logps)
     clipped = torch.clamp(ratio, 1 - spec.epsilon, 1 + spec.epsilon_high)
     a = batch.advantages
@@ -118,6 +120,8 @@ def token_terms(logps: torch.Tensor, batch: CompletionBatch, reference: torch.Te
     if spec.beta:
         delta = reference - logps
         kl = torch.exp(delta) - delta - 1
+        if spec.kl_ratio:
+            kl = kl * ratio
         per_token = per_token + spec.beta * kl
     low = (ratio < 1 - spec.epsilon) & (a < 0)
     high = (ratio > 1 + spec.epsilon_high) & (a > 0)
