@@ -101,11 +101,12 @@ class Rollout:
 
     def state_dict(self) -> dict[str, Any]:
         return {"prompt_ids": self.prompt_ids, "completions": self.completions, "logps": self.logps,
-                "advantages": self.advantages, "passes": self.passes}
+                "advantages": self.advantages, "passes": self.passes, "metrics": self.metrics}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "Rollout":
-        return cls(state["prompt_ids"], state["completions"], state["logps"], state["advantages"], state["passes"])
+        return cls(state["prompt_ids"], state["completions"], state["logps"], state["advantages"], state["passes"],
+                   dict(state["metrics"]))
 
 
 @dataclass(frozen=True)
