@@ -7,6 +7,7 @@ prompt rows and advantages on their own."""
 import json
 import math
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -250,3 +251,78 @@ def test_prompt_rows_keep_every_field_and_check_messages(tmp_path):
     assert second.prompt == (("system", "s"), ("user", "u")) and second.as_reward_input()[1]["content"] == "u"
     with pytest.raises(ConfigError, match=r"p.jsonl:3: 'prompt' must end with a user turn"):
         next(found)
+
+
+# ------------------------------------------------------------------------------------------ bad input, one line
+
+
+def prompts_file(*rows: dict) -> Callable[[Path], list[str]]:
+    def build(tmp: Path) -> list[str]:
+        path = tmp / "p.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return ["--training.dataset", "prompts", "--training.dataset_path", str(path)]
+    return build
+
+
+QUESTION = {"prompt": "What is 1 + 1?", "answer": "#### 2"}
+BAD_INPUTS = [
+    ("a group of one", "'grpo.num_generations' = 1: GRPO compares each completion with the others of its prompt's "
+     "group, so it needs at least 2", ["--grpo.num_generations", "1"], QUESTION),
+    ("a batch G does not divide", "a step's batch of 8 completions ('training.local_batch_size' 8 x data-parallel "
+     "degree 1 x accumulation) is not a multiple of 'grpo.num_generations' = 3", ["--grpo.num_generations", "3"],
+     QUESTION),
+    ("completions as long as a sequence", "'grpo.max_completion_length' = 64 leaves no room for a prompt in "
+     "'training.seq_len' = 64", ["--grpo.max_completion_length", "64"], QUESTION),
+    ("a prompt too long for its completions", "{tmp}/p.jsonl:1: the prompt's 10 tokens plus "
+     "'grpo.max_completion_length' = 60 exceed 'training.seq_len' = 64 (+ 1)", ["--grpo.max_completion_length", "60"],
+     QUESTION),
+    ("a reward module that is not there", "reward function 'no_such_rewards:score': module 'no_such_rewards' cannot "
+     "be imported", ["--grpo.reward_funcs", "no_such_rewards:score"], QUESTION),
+    ("a reward function that is not there", "reward function 'tests.grpo_rewards:nope': module 'tests.grpo_rewards' "
+     "has no function 'nope'", ["--grpo.reward_funcs", "tests.grpo_rewards:nope"], QUESTION),
+    ("a reward name that is neither", "'grpo.reward_funcs' has 'accuracy': not a built-in (answer_match, format, "
+     "length_penalty) nor 'module.path:function'", ["--grpo.reward_funcs", "accuracy"], QUESTION),
+    ("a prompt without the reward's field", "{tmp}/p.jsonl:1: reward function 'answer_match' needs the field 'answer' "
+     "('grpo.answer_field'), which this row lacks (fields: solution)", [], {"prompt": "1 + 1?", "solution": "2"}),
+    ("reference base without adapters", "'grpo.reference' = 'base' runs the policy with its adapters switched off as "
+     "the reference, but no transform of 'model.converters' = [] keeps a base apart", ["--grpo.beta", "0.1"],
+     QUESTION),
+    ("a reference without a KL term", "'grpo.reference' = '/somewhere' has no effect: 'grpo.beta' = 0 has no KL term",
+     ["--grpo.reference", "/somewhere"], QUESTION),
+    ("pipeline parallelism", "'training.dataset' = 'prompts' does not run under pipeline parallelism",
+     ["--parallelism.pipeline_parallel_degree", "2"], QUESTION),
+    ("grpo settings without prompts", "'grpo.beta' = 0.1 has no effect: [grpo] is read only when 'training.dataset' or "
+     "'validation.dataset' is 'prompts'", ["--grpo.beta", "0.1", "--training.dataset", "shakespeare"], None),
+]
+
+
+@pytest.mark.parametrize("name, expected, argv, row", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])
+def test_bad_grpo_input_is_one_line_exit_2(name, expected, argv, row, tmp_path, monkeypatch, capsys):
+    from tests.test_bad_inputs import Case, test_bad_input_is_one_line_exit_2
+
+    build = prompts_file(row) if row is not None else None
+    argv = ["--grpo.max_completion_length", "8", *argv] if row is not None else argv
+    test_bad_input_is_one_line_exit_2(Case(name, expected, argv, build=build), tmp_path, monkeypatch, capsys)
+
+
+def failing(completions, **kwargs):
+    if any("boom" in c for c in completions):
+        raise ValueError("cannot score this")
+    return [0.0] * len(completions)
+
+
+def test_a_reward_function_that_raises_or_miscounts_is_one_line_naming_it_and_the_row(monkeypatch):
+    import tests.test_grpo as here
+
+    rewards = Rewards(Grpo(reward_funcs=["tests.test_grpo:failing"]))
+    batch = rows({}, {}, {})
+    with pytest.raises(ConfigError, match=r"^reward function 'tests.test_grpo:failing' raised ValueError: cannot score "
+                                          r"this \(on the completion of data.jsonl:2\)$"):
+        rewards.score(batch, ["fine", "boom", "fine"], [[1], [2], [3]])
+    monkeypatch.setattr(here, "failing", lambda completions, **kw: [1.0])
+    rewards = Rewards(Grpo(reward_funcs=["tests.test_grpo:failing"]))
+    with pytest.raises(ConfigError, match=r"^reward function 'tests.test_grpo:failing' returned 1 values for 3 "
+                                          r"completions \(rows data.jsonl:1 to data.jsonl:3\); it must return one"):
+        rewards.score(batch, ["a", "b", "c"], [[1], [2], [3]])
+    with pytest.raises(ConfigError, match=r"^data.jsonl:2: reward function 'answer_match' needs the field 'answer'"):
+        Rewards(Grpo()).score(rows({"answer": "1"}, {}), ["1", "2"], [[1], [2]])

@@ -38,8 +38,8 @@ def grpo_args(dump: Path, data: Path, *extra: str) -> list[str]:
             "--training.dataset", "prompts", "--training.dataset_path", str(data), "--grpo.prompt_field", "question",
             "--grpo.template", "Q: {prompt}\nA:", "--grpo.num_generations", "4", "--grpo.max_completion_length", "6",
             "--grpo.temperature", str(TEMPERATURE), "--grpo.reward_funcs", "tests.grpo_rewards:vowels,answer_match",
-            "--training.local_batch_size", "4", "--training.global_batch_size", "8", "--metrics.enable_tensorboard=false",
-            *extra]
+            "--training.local_batch_size", "4", "--training.global_batch_size", "8",
+            "--metrics.enable_tensorboard=false", *extra]
 
 
 def config(dump: Path, data: Path, *extra: str):
@@ -139,11 +139,26 @@ def test_reference_base_equals_an_explicit_frozen_copy(tmp_path):
     from titan_lite.train import Trainer
 
     base, data = base_folder(tmp_path), write_prompts(tmp_path)
-    lora = ["--model.converters", "lora", "--checkpoint.initial_load_path", str(base), "--checkpoint.initial_load_in_hf",
-            "--grpo.beta", "0.1", "--optimizer.lr", "0.05"]
+    lora = ["--model.converters", "lora", "--checkpoint.initial_load_path", str(base),
+            "--checkpoint.initial_load_in_hf", "--grpo.beta", "0.1", "--optimizer.lr", "0.05"]
     own = [(loss, objective["kl"]) for loss, _, _, objective in steps_of(Trainer(config(tmp_path / "own", data,
                                                                                           *lora)), 3)]
     copy = [(loss, objective["kl"]) for loss, _, _, objective in
             steps_of(Trainer(config(tmp_path / "copy", data, *lora, "--grpo.reference", str(base))), 3)]
     assert own == pytest.approx(copy, abs=1e-6), (own, copy)
     assert own[0][1] == pytest.approx(0, abs=1e-7) and own[2][1] > 1e-6
+
+
+def test_the_grpo_benchmark_runs_a_tiny_step_and_its_case_reads_it(capsys):
+    """benchmarks/grpo.py on the tiny flavor, one step, in this process; the grpo_step case reads its result line."""
+    from benchmarks.cases import CASES, RunOutput
+    from benchmarks.grpo import main
+
+    assert main(["--flavor", "tiny", "--steps", "1", "--warmup", "0", "--max_new", "8", "--local_batch", "16"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    packed, padded = CASES["grpo_step"]().variants
+    m = packed.metrics(RunOutput(line, 0, 1.0, 1.0, 2**30))
+    assert m["generation_s"] > 0 and m["reference_s"] > 0 and m["policy_s"] > 0 and m["rollout_tokens_per_s"] > 0
+    assert 0 < m["trained_tokens_per_s"] < m["train_tokens_per_s"] and 0 <= m["padding_pct"] < 100
+    assert padded.command(type("S", (), {"steps": 1, "warmup": 0, "threads": 1})())[0][-5:] == \
+        ["padded", "--steps", "1", "--warmup", "0"]
