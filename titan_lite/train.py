@@ -340,6 +340,7 @@ class Trainer:
 
     def run_step(self, step: int, data_iter) -> None:
         cfg = self.cfg
+        ACTIVITY.now(f"reading step {step}'s batch (RL: sampling its rollout)")
         microbatches = self.next_microbatches(data_iter)
         ntokens = sum(inputs.numel() for inputs, *_ in microbatches)
         self.train_state.ntokens_seen += ntokens
