@@ -368,18 +368,10 @@ def check_preference(cfg: JobConfig) -> None:
         _require(bool(name.strip()), f"'preference.{key}' must name a field, got {name!r}")
         _require(list(fields.values()).count(name) == 1,
                  f"'preference.{key}' = {name!r} is also another preference field; the fields must differ")
-    if v.enable:
-        _require(v.dataset == "preference", f"'validation.dataset' = '{v.dataset}' with 'training.dataset' = "
-                                            "'preference': validation measures the preference loss and rewards on "
-                                            "held-out pairs; set validation.dataset = 'preference'")
-        _require(v.dataset_path is not None or p.validation_fraction > 0,
-                 "'validation.dataset' = 'preference' without 'validation.dataset_path' needs "
-                 "'preference.validation_fraction' > 0 (the held-out split)")
-        _require(v.answer_problems == 0, "'validation.answer_problems' needs instruction data; preference validation "
-                                         "reports rewards and accuracies on held-out pairs")
-    _require(cfg.model.attn_mask_type != "causal",
-             "'training.dataset' = 'preference' packs a pair's two answers as block-causal documents: "
-             "'model.attn_mask_type' must be 'block_causal' (or unset), not 'causal'")
+    check_documents_dataset(cfg, "preference", "preference.validation_fraction", p.validation_fraction,
+                            "validation measures the preference loss and rewards on held-out pairs",
+                            "preference validation reports rewards and accuracies on held-out pairs",
+                            "a pair's two answers")
     _require(p.packing or cfg.parallelism.context_parallel_degree == 1,
              "'preference.packing' = false with 'parallelism.context_parallel_degree' > 1: padded batches vary in "
              "length, packed ones are seq_len long; set preference.packing = true")
@@ -395,6 +387,23 @@ def check_preference(cfg: JobConfig) -> None:
                                      "objective")
     _require(not cfg.data_mixture.enable, "'data_mixture.enable' cannot go with 'training.dataset' = 'preference': "
                                           "the mixture draws pre-training domains")
+
+
+def check_documents_dataset(cfg: JobConfig, dataset: str, fraction_key: str, fraction: float, measures: str,
+                            reports: str, documents: str) -> None:
+    """A dataset whose rows train as block-causal documents (preference pairs, RL's completions): validated on its
+    own terms, from a held-out split or a file of its own, and block-causal attention."""
+    v = cfg.validation
+    if v.enable:
+        _require(v.dataset == dataset, f"'validation.dataset' = '{v.dataset}' with 'training.dataset' = "
+                                       f"'{dataset}': {measures}; set validation.dataset = '{dataset}'")
+        _require(v.dataset_path is not None or fraction > 0,
+                 f"'validation.dataset' = '{dataset}' without 'validation.dataset_path' needs '{fraction_key}' > 0 "
+                 "(the held-out split)")
+        _require(v.answer_problems == 0, f"'validation.answer_problems' needs instruction data; {reports}")
+    _require(cfg.model.attn_mask_type != "causal",
+             f"'training.dataset' = '{dataset}' packs {documents} as block-causal documents: "
+             "'model.attn_mask_type' must be 'block_causal' (or unset), not 'causal'")
 
 
 def check_grpo(cfg: JobConfig) -> None:
@@ -432,18 +441,10 @@ def check_grpo(cfg: JobConfig) -> None:
                                              f"{g.validation_fraction}")
     _require("{prompt}" in g.template, f"'grpo.template' = {g.template!r} has no {{prompt}} placeholder")
     _require(bool(g.prompt_field.strip()), f"'grpo.prompt_field' must name a field, got {g.prompt_field!r}")
-    if v.enable:
-        _require(v.dataset == "prompts", f"'validation.dataset' = '{v.dataset}' with 'training.dataset' = 'prompts': "
-                                         "validation answers held-out prompts and reports their rewards; set "
-                                         "validation.dataset = 'prompts'")
-        _require(v.dataset_path is not None or g.validation_fraction > 0,
-                 "'validation.dataset' = 'prompts' without 'validation.dataset_path' needs 'grpo.validation_fraction' "
-                 "> 0 (the held-out split)")
-        _require(v.answer_problems == 0, "'validation.answer_problems' needs instruction data; prompts validation "
-                                         "answers every held-out prompt (validation.steps batches of them)")
-    _require(cfg.model.attn_mask_type != "causal",
-             "'training.dataset' = 'prompts' packs prompt + completion sequences as block-causal documents: "
-             "'model.attn_mask_type' must be 'block_causal' (or unset), not 'causal'")
+    check_documents_dataset(cfg, "prompts", "grpo.validation_fraction", g.validation_fraction,
+                            "validation answers held-out prompts and reports their rewards",
+                            "prompts validation answers every held-out prompt (validation.steps batches of them)",
+                            "prompt + completion sequences")
     _require(par.pipeline_parallel_degree == 1,
              f"'training.dataset' = 'prompts' does not run under pipeline parallelism ('parallelism."
              f"pipeline_parallel_degree' = {par.pipeline_parallel_degree}): rollouts decode one token at a time "

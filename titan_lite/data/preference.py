@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from titan_lite.config.schema import JobConfig, Preference
-from titan_lite.data.chat import ChatEncoder, Conversation, conversation_of, load_chat_template, openai_turns
+from titan_lite.data.chat import ChatEncoder, Conversation, conversation_of, openai_turns
 from titan_lite.data.datasets import Sample, packed_sample
 from titan_lite.data.instruct import (
     PAD_DOCUMENT,
     InstructionFile,
+    chat_encoder,
     in_split,
     instruction_file_and_split,
-    tokenizer_folder,
 )
 from titan_lite.errors import ConfigError
 
@@ -356,12 +356,7 @@ def preference_file_and_split(cfg: JobConfig, section: str) -> tuple[PreferenceF
 
 def pair_encoder(cfg: JobConfig, tokenizer) -> PairEncoder:
     """The run's PairEncoder: with preference.chat_template, the template loaded (and checked to load) now."""
-    chat = None
-    if cfg.preference.chat_template:
-        template = load_chat_template(cfg.preference.chat_template, tokenizer_folder(cfg), tokenizer,
-                                      key="preference.chat_template")
-        chat = ChatEncoder(template, tokenizer) if tokenizer is not None else None
-    return PairEncoder(tokenizer, chat)
+    return PairEncoder(tokenizer, chat_encoder(cfg, "preference.chat_template", tokenizer))
 
 
 def build_preference_source(cfg: JobConfig, section: str, tokenizer, infinite: bool) -> PreferenceSource:

@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from titan_lite.config.schema import Grpo, JobConfig
-from titan_lite.data.chat import ChatEncoder, Conversation, conversation_of, load_chat_template, openai_turns
+from titan_lite.data.chat import ChatEncoder, Conversation, conversation_of, openai_turns
 from titan_lite.data.instruct import (
     InstructionFile,
+    chat_encoder,
     in_split,
     instruction_file_and_split,
     prompt_text,
-    tokenizer_folder,
 )
 from titan_lite.errors import ConfigError
 
@@ -165,12 +165,7 @@ def prompt_file_and_split(cfg: JobConfig, section: str) -> tuple[PromptFile, str
 
 def prompt_encoder(cfg: JobConfig, tokenizer) -> PromptEncoder:
     """The run's PromptEncoder: with grpo.chat_template, the template loaded (and checked to load) now."""
-    chat = None
-    if cfg.grpo.chat_template:
-        template = load_chat_template(cfg.grpo.chat_template, tokenizer_folder(cfg), tokenizer,
-                                      key="grpo.chat_template")
-        chat = ChatEncoder(template, tokenizer) if tokenizer is not None else None
-    return PromptEncoder(tokenizer, chat, cfg.grpo.template)
+    return PromptEncoder(tokenizer, chat_encoder(cfg, "grpo.chat_template", tokenizer), cfg.grpo.template)
 
 
 def build_prompt_source(cfg: JobConfig, section: str, tokenizer, infinite: bool) -> PromptSource:
