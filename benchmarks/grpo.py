@@ -36,12 +36,12 @@ PROMPTS, GROUP, MAX_NEW = 8, 8, 128
 EXTRA_STOPS = tuple(range(200, 216))
 
 
-def write_prompts(path: Path, count: int = 400, seed: int = 0) -> Path:
+def write_prompts(path: Path, count: int = 400, seed: int = 0, most_words: int = 120) -> Path:
     words = (REPO / "titan_lite/data/corpus/shakespeare/train/lear.txt").read_text().split()
     rng = random.Random(seed)
     with open(path, "w") as f:
         for _ in range(count):
-            n = int(math.exp(rng.uniform(math.log(4), math.log(120))))
+            n = int(math.exp(rng.uniform(math.log(4), math.log(most_words))))
             start = rng.randrange(len(words) - n)
             a, b = rng.randint(0, 99), rng.randint(0, 99)
             f.write(json.dumps({"prompt": " ".join(words[start:start + n]) + f"\nWhat is {a} + {b}?",
@@ -50,11 +50,11 @@ def write_prompts(path: Path, count: int = 400, seed: int = 0) -> Path:
 
 
 def trainer_for(folder: Path, opts: argparse.Namespace) -> Trainer:
-    data = write_prompts(folder / "prompts.jsonl")
+    data = write_prompts(folder / "prompts.jsonl", most_words=opts.most_words)
     cfg = parse_args(["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--model.flavor",
                       opts.flavor, "--model.hf_assets_path", str(REPO / "assets/tokenizer"),
                       "--training.dataset", "prompts", "--training.dataset_path", str(data),
-                      "--training.seq_len", "512", "--training.local_batch_size", str(opts.local_batch),
+                      "--training.seq_len", str(opts.seq_len), "--training.local_batch_size", str(opts.local_batch),
                       "--training.global_batch_size", str(PROMPTS * GROUP), "--grpo.num_generations", str(GROUP),
                       "--grpo.max_completion_length", str(opts.max_new), "--grpo.beta", "0.04",
                       f"--grpo.packing={'true' if opts.layout == 'packed' else 'false'}",
@@ -129,6 +129,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--flavor", default="debugmodel", help="the model (tiny: a seconds-long smoke run)")
     p.add_argument("--local_batch", type=int, default=16, help="completions per microbatch")
     p.add_argument("--max_new", type=int, default=MAX_NEW, help="grpo.max_completion_length")
+    p.add_argument("--seq_len", type=int, default=512, help="training.seq_len (a prompt and its completion fit it)")
+    p.add_argument("--most_words", type=int, default=120, help="the longest prompt's words (smoke runs: a few)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     return p.parse_args(argv)

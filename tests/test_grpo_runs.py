@@ -154,7 +154,8 @@ def test_the_grpo_benchmark_runs_a_tiny_step_and_its_case_reads_it(capsys):
     from benchmarks.cases import CASES, RunOutput
     from benchmarks.grpo import main
 
-    assert main(["--flavor", "tiny", "--steps", "1", "--warmup", "0", "--max_new", "8", "--local_batch", "16"]) == 0
+    assert main(["--flavor", "tiny", "--steps", "1", "--warmup", "0", "--max_new", "8", "--seq_len", "128",
+                 "--most_words", "8"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     packed, padded = CASES["grpo_step"]().variants
     m = packed.metrics(RunOutput(line, 0, 1.0, 1.0, 2**30))
