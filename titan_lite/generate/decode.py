@@ -105,7 +105,9 @@ def sample(model: nn.Module, prompts: Sequence[Sequence[int]], cfg: GenerationCo
     was_training = model.training
     model.eval()
     try:
-        return _decode(model, prompts, cfg, device, uniforms, lockstep, stop_when, on_step)
+        # compiled blocks run eagerly here: each decode step's shapes would recompile them (a full graph's limit)
+        with torch.compiler.set_stance("force_eager"):
+            return _decode(model, prompts, cfg, device, uniforms, lockstep, stop_when, on_step)
     finally:
         model.train(was_training)
 
