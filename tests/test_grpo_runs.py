@@ -163,3 +163,23 @@ def test_the_grpo_benchmark_runs_a_tiny_step_and_its_case_reads_it(capsys):
     assert 0 < m["trained_tokens_per_s"] < m["train_tokens_per_s"] and 0 <= m["padding_pct"] < 100
     assert padded.command(type("S", (), {"steps": 1, "warmup": 0, "threads": 1})())[0][-5:] == \
         ["padded", "--steps", "1", "--warmup", "0"]
+
+
+def test_dry_run_plans_the_cpu_example_on_two_ranks_with_a_held_reference(tmp_path):
+    """The CPU example's config on 2 ranks (FSDP), with beta and a reference folder (not there yet: planned from its
+    flavor): the rollout and training lines, the reference's weights in the step's estimate, the rollout's pass."""
+    from tests.test_readme_figures import load_script
+
+    code, out, err = load_script().run_plan(2, "train_configs/grpo_synthetic_gsm8k_cpu.toml", [
+        "--grpo.beta", "0.04", "--grpo.reference", str(tmp_path / "ref"), "--grpo.reference_flavor", "debugmodel",
+        "--dry_run.device_memory_gib", "8"])
+    assert code == 5, out + err  # the SFT model, the reference and the data are not there yet: the checklist
+    assert ("grpo rollouts: 8 prompts x 8 completions = 64 per step, 32 sampled on each data-parallel rank, 32 "
+            "decoded together: a KV cache of 65 slots each (prompts up to 45 tokens + 20 new)") in out
+    assert ("grpo: loss dapo, clip [1 - 0.2, 1 + 0.2], beta 0.04 x k3 KL, temperature 1; reference: debugmodel "
+            "from") in out
+    assert "reference 3,081,856 local x bfloat16 (frozen)" in out  # half of the reference's weights, on each rank
+    assert "reference: 2 all-gathered groups during its forward; grpo: per-token values and log-probability row " \
+           "blocks" in out
+    rollout = out.split("each step's rollout (generation with the KV cache), per device:")[1]
+    assert "kv cache" in rollout and "verdict: fits" in rollout and "dry run OK: 2 ranks" in out
