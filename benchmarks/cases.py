@@ -302,6 +302,32 @@ class PreferenceVariant(Variant):
 
 
 @dataclass
+class GRPOVariant(Variant):
+    """GRPO's steps (benchmarks/grpo.py): the step split into generation, scoring, the reference's forwards and the
+    policy's forward and backward; completions packed into windows or one per padded row."""
+
+    layout: str = "packed"
+
+    def command(self, settings: Settings) -> tuple[list[str], dict[str, str]]:
+        args = ["-m", "benchmarks.grpo", "--layout", self.layout, "--steps", str(settings.steps), "--warmup",
+                str(settings.warmup)]
+        return [sys.executable, *args], {"OMP_NUM_THREADS": str(settings.threads)}
+
+    def metrics(self, out: RunOutput) -> dict[str, float]:
+        r = _single_result(self.label, out)
+        median = {key: statistics.median(r[key]) for key in ("generation_s", "scoring_s", "reference_s",
+                                                             "policy_s")}
+        train = sum(r["train_s"])
+        return median | {"step_s": statistics.median(a + b for a, b in zip(r["rollout_s"], r["train_s"],
+                                                                           strict=True)),
+                         "rollout_tokens_per_s": sum(r["completion_tokens"]) / sum(r["generation_s"]),
+                         "train_tokens_per_s": sum(r["real_tokens"]) / train,
+                         "trained_tokens_per_s": sum(r["trained_tokens"]) / train,
+                         "padding_pct": 100 * (1 - sum(r["real_tokens"]) / sum(r["total_tokens"])),
+                         "peak_rss_gib": r["peak_rss_bytes"] / 2**30, "foreign_cores": _foreign_cores(r)}
+
+
+@dataclass
 class Ratio:
     """numerator's metric over denominator's (labels of variants in the same case)."""
 
@@ -623,6 +649,21 @@ def _preference_reference() -> Case:
                        higher_is_better=False)],
                 columns=("dpo_step_s", "given_step_s", "reference_cost_s", "reference_forward_s",
                          "parameter_gib_held", "peak_rss_gib"), min_rounds=3)
+
+
+@register_case("grpo_step")
+def _grpo_step() -> Case:
+    """Issue 46: a GRPO step's time by part, rollout tokens/s against training tokens/s, packed against padded."""
+    packed, padded = GRPOVariant("completions packed", layout="packed"), GRPOVariant("one per row, padded",
+                                                                                     layout="padded")
+    return Case("grpo_step", "debugmodel, LoRA GRPO (beta 0.04, reference: base), 8 prompts x 8 completions of up to "
+                "128 tokens a step, microbatches of 16 completions", [packed, padded],
+                [Ratio("trained (completion) tokens/s: packed / padded", "trained_tokens_per_s", packed.label,
+                       padded.label),
+                 Ratio("rollout tokens/s / training tokens/s (packed)", "rollout_tokens_per_s", packed.label,
+                       packed.label, denominator_metric="train_tokens_per_s")],
+                columns=("step_s", "generation_s", "scoring_s", "reference_s", "policy_s", "rollout_tokens_per_s",
+                         "train_tokens_per_s", "trained_tokens_per_s", "padding_pct"), min_rounds=2)
 
 
 @register_case("tiny")

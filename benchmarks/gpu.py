@@ -17,6 +17,7 @@ line counts them.
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import re
@@ -259,7 +260,7 @@ def two_four_prune_(model: torch.nn.Module) -> int:
 
 
 def timed_generation(model, prompts, new_tokens: int, device: torch.device) -> tuple[float, list[list[int]]]:
-    from titan_lite.eval.generate import GenerationConfig, generate
+    from titan_lite.generate import GenerationConfig, generate
 
     generate(model, prompts, GenerationConfig(max_new_tokens=4), device)  # warm-up (kernels, cuSPARSELt plans)
     if device.type == "cuda":
@@ -326,6 +327,35 @@ def sparsity(lane: Lane) -> list[Line]:
     same = sum(a == b for a, b in zip(dense_out, sparse_out, strict=True))
     return [dense, Line(f"sparsity: semi-structured sparse: {sparse_tps:,.0f} generated tokens/s, "
                         f"{sparse_tps / dense_tps:.2f}x dense; {same}/{batch} greedy continuations identical")]
+
+
+# ------------------------------------------------------------------------------------------ GRPO
+
+
+@case("grpo")
+def grpo(lane: Lane) -> list[Line]:
+    """Issue 46: GRPO steps on the 1B with LoRA (benchmarks/grpo.py): 8 prompts x 8 completions of up to 256 tokens
+    sampled by the policy with the KV cache; rollout tokens/s, and the step split into generation and training."""
+    from benchmarks.worker import RESULT_PREFIX
+
+    if not lane.cuda and not lane.smoke:
+        return [Line("grpo: skipped: no CUDA device", "skipped")]
+    flavor, new, seq, words, steps, warmup = ("tiny", 8, 128, 8, 1, 0) if lane.smoke else ("1B", 256, 1024, 120, 2, 1)
+    cmd = [sys.executable, "-m", "benchmarks.grpo", "--flavor", flavor, "--max_new", str(new), "--seq_len", str(seq),
+           "--most_words", str(words), "--steps", str(steps), "--warmup", str(warmup)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=CASE_LIMIT_S)
+    lane.keep_log("grpo", proc.stdout + proc.stderr)
+    found = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not found:
+        return [Line(f"grpo: failed: exit {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-300:]}", "failed")]
+    r = json.loads(found[-1][len(RESULT_PREFIX):])
+    generation, train = sum(r["generation_s"]), sum(r["train_s"])
+    steps_run = len(r["train_s"])
+    return [Line(f"grpo: {flavor} LoRA, 64 completions of up to {new} tokens a step: rollout "
+                 f"{sum(r['completion_tokens']) / generation:,.0f} tokens/s with the KV cache; a step "
+                 f"{generation / steps_run:.2f} s generating + {train / steps_run:.2f} s training "
+                 f"({sum(r['reference_s']) / steps_run:.2f} s of it the reference's forwards), "
+                 f"{sum(r['real_tokens']) / train:,.0f} training tokens/s")]
 
 
 # ------------------------------------------------------------------------------------------ MoE experts

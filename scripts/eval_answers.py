@@ -36,11 +36,11 @@ from titan_lite.data.chat import TOKENIZER_TEMPLATE
 from titan_lite.data.instruct import InstructionFile, Record, in_split, instruct_format, instruction_file_and_split
 from titan_lite.errors import ConfigError
 from titan_lite.eval.answer_accuracy import answer_accuracy
-from titan_lite.eval.answers import same_answer
 from titan_lite.job.cli import ScriptParser
 from titan_lite.job.inference import build_model, model_config
 from titan_lite.job.outputs import check_output_file
 from titan_lite.job.script import run_script
+from titan_lite.rl.answers import same_answer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULTS = Instruct()

@@ -30,7 +30,7 @@ from titan_lite.config.schema import JobConfig
 from titan_lite.data.chat import TOKENIZER_TEMPLATE
 from titan_lite.data.instruct import instruct_format
 from titan_lite.errors import ConfigError
-from titan_lite.eval.generate import GenerationConfig, iter_completions
+from titan_lite.generate import GenerationConfig, iter_completions
 from titan_lite.job.cli import ScriptParser
 from titan_lite.job.inference import build_model, model_config
 from titan_lite.job.outputs import check_output_file

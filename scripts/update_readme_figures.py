@@ -186,6 +186,16 @@ COMMANDS = {
         "data/synthetic_prefs/train.jsonl --seed 0",
         "rm -rf outputs/dpo_lora_cpu",  # a finished run in the folder would not train again
         "CONFIG_FILE=train_configs/dpo_lora_cpu.toml ./run_train.sh"]), slow=True),
+    # RL with verifiable rewards: the 24 GB GPU plan, and the CPU example (200 SFT steps, then 60 GRPO steps).
+    "grpo_1.7b_plan": Command("DRY_RUN=1 NGPU=1 CONFIG_FILE=train_configs/qwen3_1.7b_grpo_gsm8k.toml ./run_train.sh "
+                              "--dry_run.device_memory_gib 24", exit_codes=DRY),
+    "grpo_example": Command(" && ".join([
+        ".venv/bin/python scripts/make_synthetic_gsm8k.py --output data/synthetic_gsm8k/train.jsonl --num_problems "
+        "2000 --seed 0",
+        "rm -rf outputs/gsm8k_sft_200 outputs/grpo_synthetic_gsm8k_cpu",  # finished runs would not train again
+        "OMP_NUM_THREADS=1 CONFIG_FILE=train_configs/lora_synthetic_gsm8k_cpu.toml ./run_train.sh --training.steps "
+        "200 --job.dump_folder outputs/gsm8k_sft_200",
+        "OMP_NUM_THREADS=1 CONFIG_FILE=train_configs/grpo_synthetic_gsm8k_cpu.toml ./run_train.sh"]), slow=True),
 }
 
 
@@ -304,6 +314,16 @@ FIGURES = [
            rf"^  parameters +{NUMBER} GiB +{NUMBER} local x float32; teacher {NUMBER} local x bfloat16 \(frozen\)\n"
            rf"  activations +{NUMBER} GiB .*\n  peak +{NUMBER} GiB"),
     # pruning estimates
+    # RL with verifiable rewards: the 24 GB GPU plan
+    Figure("GRPO 1.7B plan", "grpo_1.7b_plan",
+           rf"^(grpo rollouts: .*)\n(?:.*\n)*?  peak +{NUMBER} GiB\n  verdict: fits: peak {NUMBER} GiB of 24.00 GiB, "
+           rf"head-room {NUMBER} GiB\n(?:.*\n)*?  kv cache +{NUMBER} GiB  (.*)\n(?:.*\n)*?  peak +{NUMBER} GiB",
+           rf"^(grpo rollouts: .*)\n  peak +{NUMBER} GiB\n  verdict: fits: peak {NUMBER} GiB of 24.00 GiB, head-room "
+           rf"{NUMBER} GiB\neach step's rollout \(generation with the KV cache\), per device:\n  kv cache +{NUMBER} "
+           rf"GiB  (.*)\n  peak +{NUMBER} GiB"),
+    Figure("GRPO 1.7B plan: the prose", "grpo_1.7b_plan",
+           rf"^  peak +{NUMBER} GiB\n  verdict: fits(?:.*\n)*?each step's rollout(?:.*\n)*?  peak +{NUMBER} GiB",
+           rf"The training step peaks at {NUMBER} GiB and the rollout at {NUMBER} GiB of 24"),
     # preference tuning's plans
     Figure("DPO 8B LoRA plan", "llama3_8b_dpo_lora_plan",
            rf"^  parameters +{NUMBER} GiB  ([\d,]+) local x bfloat16/float32(?:.*\n)*?  activations +{NUMBER} GiB  AC "

@@ -187,7 +187,7 @@ def test_hf_export_from_cuda_matches_transformers_on_cuda(tmp_path):
 
 
 def test_kv_cache_generation_on_cuda_equals_full_forwards():
-    from titan_lite.eval.generate import GenerationConfig, generate
+    from titan_lite.generate import GenerationConfig, generate
 
     args = flavor_args("tiny")
     args.max_seq_len = 32

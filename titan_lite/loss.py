@@ -112,8 +112,8 @@ def build_loss_fn(compile_cfg: Compile, loss_parallel: bool, per_sample: bool = 
 class Objective:
     """What training minimises for one microbatch, as a sum over the units the loss averages (callers normalise by the
     global count of those units): here the cross entropy of the model's logits, summed over the tokens with a label.
-    titan_lite/objective/ adds distillation and preference tuning: their frozen model (a teacher, a reference) runs
-    through `reference` on the same inputs as the trained model, by the runner's one model-forward path."""
+    titan_lite/objective/ adds distillation, preference tuning and GRPO: their frozen model (a teacher, a reference)
+    runs through `reference` on the same inputs as the trained model, by the runner's one model-forward path."""
 
     def __init__(self, loss_fn: Callable):
         self.loss_fn = loss_fn
@@ -126,9 +126,11 @@ class Objective:
     def start_step(self, global_units: torch.Tensor) -> None:
         """The step's units summed over every microbatch of every data-parallel rank, before its first forward."""
 
-    def prepare(self, labels: torch.Tensor, documents: torch.Tensor | None, shard: Callable) -> Any:
-        """What the loss needs of a microbatch besides this rank's logits and labels, from its whole labels and
-        document ids (shard(*tensors): this rank's context-parallel part of [batch, seq] tensors), or None."""
+    def prepare(self, labels: torch.Tensor, documents: torch.Tensor | None, shard: Callable,
+                values: torch.Tensor | None = None) -> Any:
+        """What the loss needs of a microbatch besides this rank's logits and labels, from its whole labels, document
+        ids and per-token values ([batch, seq, k] floats a source adds: RL's sampling log-probabilities and
+        advantages) (shard(*tensors): this rank's context-parallel part of [batch, seq] tensors), or None."""
         return None
 
     def reference(self, forward: Callable[[torch.nn.Module], torch.Tensor], prepared: Any = None) -> Any:

@@ -28,6 +28,7 @@ from titan_lite.data.dataloader import (
     describe_source,
     loader_options,
     split_batch,
+    token_values,
 )
 from titan_lite.data.mixture import DomainWeights, build_domain_weights
 from titan_lite.data.tokenizer import describe_tokenizer
@@ -47,6 +48,8 @@ from titan_lite.objective.load_balance import LoadBalance
 from titan_lite.optim.lr_scheduler import LRSchedule
 from titan_lite.optim.optimizer import build_optimizer
 from titan_lite.parallel.grad_norm import clip_grad_norm
+from titan_lite.rl.policy import ModelPolicy, lockstep_for
+from titan_lite.rl.rollout import RolloutSource, build_rollout_source
 
 logger = logging.getLogger("titan_lite")
 # Known, harmless warnings from torch and torchdata that would otherwise print on every rank at start.
@@ -135,10 +138,14 @@ class Trainer:
     def checkpoint_folder(self) -> Path:
         return Path(self.cfg.job.dump_folder) / self.cfg.checkpoint.folder
 
-    def build_train_loader(self) -> DataLoader:
+    def build_train_loader(self) -> DataLoader | RolloutSource:
         t, batch_mesh = self.cfg.training, self.parallel_dims.submesh("batch")
         layout = BatchLayout(t.local_batch_size, batch_mesh.get_local_rank(), batch_mesh.size(), self.plan.grad_accum)
         self.mixture: DomainWeights | None = None
+        if t.dataset == "prompts":  # online RL: the policy answers the prompts, and trains on its scored answers
+            policy = ModelPolicy(self.model_parts[0], self.device, lockstep_for(self.parallel_dims),
+                                 self.model.runner.context)
+            return build_rollout_source(self.cfg, self.plan.tokenizer, layout, policy, self.parallel_dims, self.seed)
         if self.cfg.data_mixture.enable:
             self.mixture = build_domain_weights(self.cfg.data_mixture, self.plan.tokenizer, t.seq_len, self.seed,
                                                 documents=self.plan.block_causal, shuffle=t.shuffle)
@@ -211,7 +218,8 @@ class Trainer:
         for batch in microbatches:
             inputs, labels, documents, domains = split_batch(batch)
             loss_sum += self.model.runner.forward_backward(inputs, labels, scale, domains, domain_sums=domain_sums,
-                                                           documents=documents).to(torch.float64)
+                                                           documents=documents,
+                                                           values=token_values(batch)).to(torch.float64)
         self.objective_metrics = self.model.runner.objective.step_metrics(
             lambda sums: self.model.runner.global_sum(sums, loss_values=True), global_units)
         self.add_transform_loss(step)
@@ -337,6 +345,7 @@ class Trainer:
 
     def run_step(self, step: int, data_iter) -> None:
         cfg = self.cfg
+        ACTIVITY.now(f"reading step {step}'s batch (RL: sampling its rollout)")
         microbatches = self.next_microbatches(data_iter)
         ntokens = sum(inputs.numel() for inputs, *_ in microbatches)
         self.train_state.ntokens_seen += ntokens
@@ -346,14 +355,15 @@ class Trainer:
         loss, grad_norm = self.train_step(microbatches, step)
         if self.metrics.should_log(step) or step == cfg.training.steps:
             moe, per_layer = self.moe_metrics()
-            extra = {**self.transforms.metrics(self.model_parts), **self.objective_metrics, **moe}
+            extra = {**self.transforms.metrics(self.model_parts), **self.objective_metrics, **moe,
+                     **self.dataloader.metrics()}
             self.metrics.log(step, loss, grad_norm, lr,
                              extra=extra if self.mixture is None else {**extra, **self.mixture.metrics()},
                              unprinted=per_layer)
         if self.validator is not None and step % cfg.validation.freq == 0:
             ACTIVITY.now(f"validating after step {step}")
             results = self.validator.evaluate(self.model_parts, step)
-            self.metrics.log_validation(step, results.pop("loss"), results)
+            self.metrics.log_validation(step, results.pop("loss", None), results)
         ACTIVITY.now(f"saving checkpoint step-{step}")
         self.checkpointer.save(step, last=step == cfg.training.steps)
         if step == 1:

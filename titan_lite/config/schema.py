@@ -221,7 +221,9 @@ class Training:
         "shakespeare", "Dataset: shakespeare, shakespeare_validation (bundled), c4, c4_test, c4_validation, text, "
         "jsonl (read training.dataset_path); instruct: prompt/response examples from training.dataset_path (a "
         ".jsonl, .json or .parquet file; see [instruct]), loss on response tokens only; preference: chosen/rejected "
-        "pairs from training.dataset_path, trained with [preference]'s loss.")
+        "pairs from training.dataset_path, trained with [preference]'s loss; prompts: prompts (and the fields their "
+        "rewards read) from training.dataset_path, answered by the policy itself and trained with [grpo] (online RL "
+        "with verifiable rewards).")
     dataset_path: str | None = opt(
         None, "Local file or folder of .txt, .jsonl, .json.gz shards (one JSON object per line with a 'text' field) "
         "or .parquet shards (a 'text' column; needs pyarrow).")
@@ -749,6 +751,77 @@ class Preference:
         "file's pairs (evenly spread, the same every run) is held out for validation and never trained on.")
 
 
+@dataclass
+class Grpo:
+    """[grpo]: online RL with verifiable rewards on training.dataset = "prompts" (TRL GRPOConfig's key names)."""
+
+    num_generations: int = opt(
+        8, "G: completions sampled per prompt, compared within their group (at least 2). training.global_batch_size "
+        "(and local_batch_size) count completions, as TRL's batch sizes do: a step answers global_batch_size / G "
+        "prompts, and G must divide it.")
+    max_completion_length: int = opt(
+        512, "Tokens a completion may have at most (its end token included); a prompt plus this must fit "
+        "training.seq_len.")
+    temperature: float = opt(1.0, "Sampling temperature (> 0); the log-probabilities of training and of the KL term "
+                                  "are of the same tempered distribution, as TRL's.")
+    top_p: float = opt(1.0, "Sample among the most likely tokens holding this much probability (1 = all).")
+    top_k: int = opt(0, "Sample among the k most likely tokens (0 = all).")
+    generation_batch_size: int = opt(
+        0, "Completions a rank decodes together (their KV cache is held at once); 0 = all of its completions of the "
+        "step (local_batch_size x gradient accumulation).")
+    loss_type: Literal["dapo", "grpo", "dr_grpo"] = opt(
+        "dapo", "How token losses become the loss (TRL's): dapo sums them over the step's completions and divides by "
+        "their count of completion tokens; grpo averages each completion's tokens, then the completions; dr_grpo "
+        "divides the sum by completions x max_completion_length.")
+    epsilon: float = opt(0.2, "Clipping of the importance ratio: [1 - epsilon, 1 + epsilon_high].")
+    epsilon_high: float | None = opt(None, "The upper clipping bound (DAPO's clip-higher); None = epsilon.")
+    beta: float = opt(0.0, "Weight of the KL term (k3 estimator, per token) towards the reference; 0 loads no "
+                           "reference, as TRL.")
+    use_bias_correction_kl: bool = opt(
+        True, "Multiply each token's KL by its importance ratio (TRL's default since DeepSeek-V3.2: the unbiased "
+        "reverse-KL gradient; with num_iterations 1 the ratio is 1 but its gradient is not 0).")
+    reference: str = opt(
+        "base", "The KL reference (with beta > 0): 'base' = the policy with its adapters switched off (no second "
+        "copy), or a Hugging Face folder or a DCP step folder, loaded frozen and sharded like the policy (as "
+        "preference.reference).")
+    reference_flavor: str = opt("", "The reference's flavor (default: from its config.json or reference_config); "
+                                    "names one when the folder is not there yet (DRY_RUN).")
+    reference_config: str = opt("", "For a DCP reference: the TOML of the run that wrote it.")
+    scale_rewards: Literal["group", "batch", "none"] = opt(
+        "group", "Advantage = reward - its group's mean, divided by the group's std (group), the whole step's "
+        "(batch), or not at all (none; Dr. GRPO).")
+    num_iterations: int = opt(
+        1, "Optimizer steps on each batch of rollouts (TRL's mu): the importance ratio compares the policy with the "
+        "log-probabilities recorded when sampling.")
+    reward_funcs: list[str] = opt(
+        ["answer_match"], "Reward functions, summed with reward_weights: answer_match (1 when the completion's final "
+        "number equals the row's answer_field's, eval's extraction), format (1 when the completion matches "
+        "format_pattern), length_penalty (DAPO's soft overlong punishment over the last length_penalty_buffer "
+        "tokens), or 'module.path:function' with TRL's signature: f(prompts, completions, completion_ids, **fields) "
+        "-> one float (or None) per completion, the row's other fields passed as lists.")
+    reward_weights: list[float] = opt([], "One weight per reward function; [] = all 1.")
+    format_pattern: str = opt("", "The format reward's regular expression, matched from the completion's start "
+                                  "(re.match with DOTALL and MULTILINE).")
+    length_penalty_buffer: int = opt(
+        0, "length_penalty: completions longer than max_completion_length minus this get a penalty growing "
+        "linearly to -1 at max_completion_length (TRL's soft_punish_cache).")
+    prompt_field: str = opt("prompt", "Field of the prompt: a string, or a list of messages (rendered with the chat "
+                                      "template and its generation prompt).")
+    answer_field: str = opt("answer", "Field holding the reference answer answer_match compares with.")
+    template: str = opt("{prompt}", "Text of a string prompt without a chat template; {prompt} is replaced by it.")
+    chat_template: str = opt(
+        "", "'' = none (string prompts use `template`); 'tokenizer' = the tokenizer folder's template; or a Jinja2 "
+        "template file: the prompt is one user turn (or its messages), rendered with the generation prompt; "
+        "completions stop at its end-of-turn token.")
+    packing: bool = opt(
+        True, "Pack each microbatch's prompt + completion sequences whole into windows of seq_len tokens "
+        "(block-causal documents); false = one per sequence, padded to the longest of the microbatch.")
+    validation_fraction: float = opt(
+        0.05, "With validation.dataset = prompts and no validation.dataset_path: this fraction of the training file's "
+        "prompts (evenly spread) is held out; validation answers them greedily and reports the mean reward and "
+        "answer_match's accuracy.")
+
+
 def reads_dataset(name: str) -> Callable[[Any], bool]:
     """Whether a run reads a dataset's section: its training data, or its validation data (validation on), is
     `name` ([instruct], [preference])."""
@@ -797,6 +870,10 @@ class JobConfig:
                                      read_when=ReadWhen(
                                          "'training.dataset' or 'validation.dataset' is 'preference'",
                                          reads_dataset("preference"), "set --training.dataset preference"))
+    grpo: Grpo = section(Grpo, "Online RL with verifiable rewards (training.dataset = \"prompts\"): GRPO, DAPO and "
+                                   "Dr. GRPO with rollouts from the policy itself.",
+                         read_when=ReadWhen("'training.dataset' or 'validation.dataset' is 'prompts'",
+                                            reads_dataset("prompts"), "set --training.dataset prompts"))
     memory_estimation: MemoryEstimation = section(MemoryEstimation, "torchtitan memory estimation (see DRY_RUN).",
                                                   inert=True)
     fault_tolerance: FaultTolerance = section(FaultTolerance, "torchft (not supported).", inert=True)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 
 from titan_lite.config.gates import check_switched_off
@@ -71,6 +72,7 @@ def check_ranges(cfg: JobConfig) -> None:
     check_sheared(cfg)
     check_distill(cfg)
     check_preference(cfg)
+    check_grpo(cfg)
 
 
 def check_training(cfg: JobConfig) -> None:
@@ -365,18 +367,10 @@ def check_preference(cfg: JobConfig) -> None:
         _require(bool(name.strip()), f"'preference.{key}' must name a field, got {name!r}")
         _require(list(fields.values()).count(name) == 1,
                  f"'preference.{key}' = {name!r} is also another preference field; the fields must differ")
-    if v.enable:
-        _require(v.dataset == "preference", f"'validation.dataset' = '{v.dataset}' with 'training.dataset' = "
-                                            "'preference': validation measures the preference loss and rewards on "
-                                            "held-out pairs; set validation.dataset = 'preference'")
-        _require(v.dataset_path is not None or p.validation_fraction > 0,
-                 "'validation.dataset' = 'preference' without 'validation.dataset_path' needs "
-                 "'preference.validation_fraction' > 0 (the held-out split)")
-        _require(v.answer_problems == 0, "'validation.answer_problems' needs instruction data; preference validation "
-                                         "reports rewards and accuracies on held-out pairs")
-    _require(cfg.model.attn_mask_type != "causal",
-             "'training.dataset' = 'preference' packs a pair's two answers as block-causal documents: "
-             "'model.attn_mask_type' must be 'block_causal' (or unset), not 'causal'")
+    check_documents_dataset(cfg, "preference", "preference.validation_fraction", p.validation_fraction,
+                            "validation measures the preference loss and rewards on held-out pairs",
+                            "preference validation reports rewards and accuracies on held-out pairs",
+                            "a pair's two answers")
     _require(p.packing or cfg.parallelism.context_parallel_degree == 1,
              "'preference.packing' = false with 'parallelism.context_parallel_degree' > 1: padded batches vary in "
              "length, packed ones are seq_len long; set preference.packing = true")
@@ -402,6 +396,104 @@ def check_prompt_room(max_prompt_length: int, section: str, seq_len: int) -> Non
              f"'preference.max_prompt_length' = {max_prompt_length} leaves no room for the answers in a window of "
              f"'{section}.seq_len' + 1 = {seq_len + 1} tokens (a pair holds its prompt twice, once per answer): set "
              f"it to at most {most}, or 0 (a quarter of seq_len)")
+def check_documents_dataset(cfg: JobConfig, dataset: str, fraction_key: str, fraction: float, measures: str,
+                            reports: str, documents: str) -> None:
+    """A dataset whose rows train as block-causal documents (preference pairs, RL's completions): validated on its
+    own terms, from a held-out split or a file of its own, and block-causal attention."""
+    v = cfg.validation
+    if v.enable:
+        _require(v.dataset == dataset, f"'validation.dataset' = '{v.dataset}' with 'training.dataset' = "
+                                       f"'{dataset}': {measures}; set validation.dataset = '{dataset}'")
+        _require(v.dataset_path is not None or fraction > 0,
+                 f"'validation.dataset' = '{dataset}' without 'validation.dataset_path' needs '{fraction_key}' > 0 "
+                 "(the held-out split)")
+        _require(v.answer_problems == 0, f"'validation.answer_problems' needs instruction data; {reports}")
+    _require(cfg.model.attn_mask_type != "causal",
+             f"'training.dataset' = '{dataset}' packs {documents} as block-causal documents: "
+             "'model.attn_mask_type' must be 'block_causal' (or unset), not 'causal'")
+
+
+def check_grpo(cfg: JobConfig) -> None:
+    """[grpo]: read only with training.dataset = 'prompts'; its values, and what online RL cannot go with."""
+    g, v, par = cfg.grpo, cfg.validation, cfg.parallelism
+    if cfg.training.dataset != "prompts":  # its settings while so: config/gates.py (read_when)
+        _require(not (v.enable and v.dataset == "prompts"),
+                 "'validation.dataset' = 'prompts' answers held-out prompts with [grpo]'s rewards, which needs "
+                 f"'training.dataset' = 'prompts' (got '{cfg.training.dataset}')")
+        return
+    _require(g.num_generations >= 2, f"'grpo.num_generations' = {g.num_generations}: GRPO compares each completion "
+                                     "with the others of its prompt's group, so it needs at least 2")
+    _require(g.max_completion_length >= 1,
+             f"'grpo.max_completion_length' must be at least 1, got {g.max_completion_length}")
+    _require(g.max_completion_length < cfg.training.seq_len,
+             f"'grpo.max_completion_length' = {g.max_completion_length} leaves no room for a prompt in "
+             f"'training.seq_len' = {cfg.training.seq_len}: a prompt plus its completion must fit one sequence")
+    _require(math.isfinite(g.temperature) and g.temperature > 0,
+             f"'grpo.temperature' must be positive (rollouts sample), got {g.temperature}")
+    _require(0 < g.top_p <= 1, f"'grpo.top_p' must be in (0, 1], got {g.top_p}")
+    for key in ("top_k", "generation_batch_size", "length_penalty_buffer"):
+        _at_least(cfg, f"grpo.{key}", 0)
+    _at_least(cfg, "grpo.num_iterations", 1)
+    _require(0 <= g.epsilon < 1, f"'grpo.epsilon' must be in [0, 1), got {g.epsilon}")
+    _require(g.epsilon_high is None or g.epsilon_high >= 0,
+             f"'grpo.epsilon_high' must be at least 0, got {g.epsilon_high}")
+    _require(math.isfinite(g.beta) and g.beta >= 0, f"'grpo.beta' must be a number >= 0, got {g.beta}")
+    check_grpo_rewards(cfg)
+    _require(not (g.beta == 0 and (g.reference != "base" or g.reference_flavor or g.reference_config)),
+             f"'grpo.reference' = {g.reference!r} has no effect: 'grpo.beta' = 0 has no KL term (no reference is "
+             "loaded); set --grpo.beta or drop the reference settings")
+    _require(bool(g.reference.strip()), "'grpo.reference' must be 'base' (the policy with its adapters off) or a "
+                                        "Hugging Face or DCP folder, got ''")
+    _require(0 <= g.validation_fraction < 1, f"'grpo.validation_fraction' must be in [0, 1), got "
+                                             f"{g.validation_fraction}")
+    _require("{prompt}" in g.template, f"'grpo.template' = {g.template!r} has no {{prompt}} placeholder")
+    _require(bool(g.prompt_field.strip()), f"'grpo.prompt_field' must name a field, got {g.prompt_field!r}")
+    check_documents_dataset(cfg, "prompts", "grpo.validation_fraction", g.validation_fraction,
+                            "validation answers held-out prompts and reports their rewards",
+                            "prompts validation answers every held-out prompt (validation.steps batches of them)",
+                            "prompt + completion sequences")
+    _require(par.pipeline_parallel_degree == 1,
+             f"'training.dataset' = 'prompts' does not run under pipeline parallelism ('parallelism."
+             f"pipeline_parallel_degree' = {par.pipeline_parallel_degree}): rollouts decode one token at a time "
+             "through every layer, which would cross every stage in turn with no schedule for it; use FSDP/HSDP, TP "
+             "and CP")
+    _require(cfg.training.epochs is None, "'training.epochs' with 'training.dataset' = 'prompts': a step answers "
+                                          "global_batch_size / grpo.num_generations prompts; set training.steps")
+    for other, on in (("distill.enable", cfg.distill.enable), ("data_mixture.enable", cfg.data_mixture.enable)):
+        _require(not on, f"'{other}' cannot go with 'training.dataset' = 'prompts': a run has one objective and one "
+                         "source of data")
+
+
+def check_grpo_rewards(cfg: JobConfig) -> None:
+    """The reward functions' settings: known names, weights one per function, each built-in's own key set only
+    when that built-in is used."""
+    g = cfg.grpo
+    _require(bool(g.reward_funcs), "'grpo.reward_funcs' is empty: name at least one reward function (answer_match, "
+                                   "format, length_penalty or 'module.path:function')")
+    _require(len(set(g.reward_funcs)) == len(g.reward_funcs), f"'grpo.reward_funcs' = {g.reward_funcs} repeats a "
+                                                              "function (weigh it with reward_weights instead)")
+    _require(not g.reward_weights or len(g.reward_weights) == len(g.reward_funcs),
+             f"'grpo.reward_weights' has {len(g.reward_weights)} weights but 'grpo.reward_funcs' has "
+             f"{len(g.reward_funcs)} functions; give one weight per function (or none)")
+    for i, w in enumerate(g.reward_weights):
+        _require(math.isfinite(w), f"'grpo.reward_weights[{i}]' = {w} must be a finite number")
+    for name, key, changed in (("format", "format_pattern", bool(g.format_pattern)),
+                               ("length_penalty", "length_penalty_buffer", g.length_penalty_buffer != 0)):
+        _require(name in g.reward_funcs or not changed,
+                 f"'grpo.{key}' has no effect: it configures the '{name}' reward, which 'grpo.reward_funcs' = "
+                 f"{g.reward_funcs} does not list; add it or drop the setting")
+    _require("format" not in g.reward_funcs or bool(g.format_pattern),
+             "'grpo.reward_funcs' has 'format' but 'grpo.format_pattern' is empty: set the regular expression a "
+             "completion must match")
+    if g.format_pattern:
+        try:
+            re.compile(g.format_pattern)
+        except re.error as exc:
+            raise ConfigError(f"'grpo.format_pattern' = {g.format_pattern!r} is not a regular expression: {exc}") \
+                from None
+    _require("length_penalty" not in g.reward_funcs or 0 < g.length_penalty_buffer <= g.max_completion_length,
+             f"'grpo.reward_funcs' has 'length_penalty': 'grpo.length_penalty_buffer' must be in [1, "
+             f"max_completion_length = {g.max_completion_length}], got {g.length_penalty_buffer}")
 
 
 def check_checkpoint(cfg: JobConfig) -> None:

@@ -219,6 +219,10 @@ class DataLoader:
         """Back to the beginning of the data (a finite source's next pass)."""
         self.state, self.microbatches = None, 0
 
+    def metrics(self) -> dict[str, float]:
+        """Scalars of the data logged with the training line (RL's rollout source has some; a loader none)."""
+        return {}
+
 
 def pretraining_source(dataset: str, dataset_path: str | None, tokenizer, seq_len: int, infinite: bool = True,
                        key_prefix: str = "training", documents: bool = False, seed: int = 0,
@@ -291,7 +295,8 @@ def samples_per_epoch(cfg: JobConfig, section: str, tokenizer, documents: bool =
 def split_batch(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                            torch.Tensor | None]:
     """(inputs, labels, document ids or None, domain ids or None) of a loader batch: a source that packs documents
-    adds [batch, seq] document ids after the labels, a data mixture adds [batch] domain ids last."""
+    adds [batch, seq] document ids after the labels, a data mixture adds [batch] domain ids last (and RL's rollouts
+    [batch, seq, k] per-token values: token_values)."""
     inputs, labels, *rest = batch
     documents = next((t for t in rest if t.dim() == 2), None)
     domains = next((t for t in rest if t.dim() == 1), None)
@@ -333,3 +338,6 @@ def _where(source: SampleSource) -> str:
 def reads_by_index(source: SampleSource) -> bool:
     """Whether each rank reads only its own samples (token files, rows; a mixture of token files only)."""
     return all(isinstance(s, IndexedSource) for s in getattr(source, "sources", [source]))
+def token_values(batch: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """The [batch, seq, k] per-token values a source adds for its objective (RL rollouts), or None."""
+    return next((t for t in batch[2:] if t.dim() == 3), None)

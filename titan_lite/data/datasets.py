@@ -43,7 +43,8 @@ def _is_shard(path: Path) -> bool:
 def dataset_root(dataset: str, dataset_path: str | None, key_prefix: str) -> Path:
     """The file or folder a dataset reads; a given dataset_path overrides the bundled corpus."""
     if dataset not in BUNDLED_DATASETS and dataset not in LOCAL_DATASETS:
-        names = known_datasets() + (["instruct", "preference"] if key_prefix in ("training", "validation") else [])
+        names = known_datasets() + (["instruct", "preference", "prompts"] if key_prefix in ("training", "validation")
+                                    else [])
         raise ConfigError(f"'{key_prefix}.dataset' = '{dataset}' is unknown{did_you_mean(dataset, names)}; "
                           f"known datasets: {', '.join(names)}")
     if dataset_path is not None:

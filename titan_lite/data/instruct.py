@@ -446,11 +446,19 @@ def tokenizer_folder(cfg: JobConfig) -> Path | None:
 
 def instruct_format(cfg: JobConfig, tokenizer) -> InstructFormat:
     """The run's InstructFormat: with instruct.chat_template, the template loaded (and checked to load) now."""
-    chat = None
-    if cfg.instruct.chat_template:
-        template = load_chat_template(cfg.instruct.chat_template, tokenizer_folder(cfg), tokenizer)
-        chat = ChatEncoder(template, tokenizer, cfg.instruct.train_on) if tokenizer is not None else None
+    chat = chat_encoder(cfg, "instruct.chat_template", tokenizer, cfg.instruct.train_on)
     return InstructFormat(cfg.instruct, tokenizer, chat)
+
+
+def chat_encoder(cfg: JobConfig, key: str, tokenizer, train_on: str = "assistant") -> ChatEncoder | None:
+    """The chat template a section's `key` names ('' none: None), loaded (and checked to load) now, with the
+    tokenizer (without one, DRY_RUN before the download: loaded only)."""
+    section, name = key.split(".")
+    setting = getattr(getattr(cfg, section), name)
+    if not setting:
+        return None
+    template = load_chat_template(setting, tokenizer_folder(cfg), tokenizer, key=key)
+    return ChatEncoder(template, tokenizer, train_on) if tokenizer is not None else None
 
 
 def build_instruction_source(cfg: JobConfig, section: str, tokenizer: TokenizerLike, infinite: bool,

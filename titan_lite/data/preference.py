@@ -14,19 +14,19 @@ from typing import Any
 import numpy as np
 
 from titan_lite.config.schema import JobConfig, Preference
-from titan_lite.data.chat import ChatEncoder, Conversation, conversation_of, load_chat_template, openai_turns
+from titan_lite.data.chat import ChatEncoder, Conversation, conversation_of, openai_turns
 from titan_lite.data.datasets import Sample, packed_sample
 from titan_lite.data.indexed import RecordSource
 from titan_lite.data.instruct import (
     PAD_DOCUMENT,
     InstructionFile,
     StoredRecords,
+    chat_encoder,
     check_stored_rows,
     in_split,
     instruction_file_and_split,
     split_mask,
     split_words,
-    tokenizer_folder,
 )
 from titan_lite.data.order import data_order
 from titan_lite.data.token_files import PAIR_PROBLEMS, Encoded, TokenTable, table_in_memory
@@ -414,12 +414,7 @@ def preference_file_and_split(cfg: JobConfig, section: str) -> tuple[PreferenceF
 
 def pair_encoder(cfg: JobConfig, tokenizer) -> PairEncoder:
     """The run's PairEncoder: with preference.chat_template, the template loaded (and checked to load) now."""
-    chat = None
-    if cfg.preference.chat_template:
-        template = load_chat_template(cfg.preference.chat_template, tokenizer_folder(cfg), tokenizer,
-                                      key="preference.chat_template")
-        chat = ChatEncoder(template, tokenizer) if tokenizer is not None else None
-    return PairEncoder(tokenizer, chat)
+    return PairEncoder(tokenizer, chat_encoder(cfg, "preference.chat_template", tokenizer))
 
 
 def build_preference_source(cfg: JobConfig, section: str, tokenizer, infinite: bool) -> PreferenceSource:

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from titan_lite.data.instruct import InstructFormat, Record
-from titan_lite.eval.answers import extract_answer, same_answer
-from titan_lite.eval.generate import GenerationConfig, iter_completions
+from titan_lite.generate import GenerationConfig, iter_completions
 from titan_lite.metrics.logger import Progress
+from titan_lite.rl.answers import extract_answer, same_answer
 
 logger = logging.getLogger(__name__)
 

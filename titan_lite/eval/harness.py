@@ -25,8 +25,8 @@ from tqdm import tqdm
 
 from titan_lite.data.chat import TOKENIZER_TEMPLATE, ChatTemplate, TemplateFailure, load_chat_template
 from titan_lite.errors import ConfigError
-from titan_lite.eval.generate import GenerationConfig, generate
 from titan_lite.eval.harness_model import LoadedModel
+from titan_lite.generate import GenerationConfig, generate
 
 logger = logging.getLogger("titan_lite")
 DEFAULT_MAX_GEN_TOKS = 256  # lm_eval's HF backend's

@@ -1,6 +1,6 @@
 """The validator: mean token loss over a held-out split, on any layout, with the same batches every time; on
 instruction data also token accuracy and answer accuracy by generation; on preference pairs the preference loss and
-TRL's rewards and log-probabilities."""
+TRL's rewards and log-probabilities; on RL prompts the greedy answers' rewards and answer accuracy (no loss)."""
 
 import itertools
 import logging
@@ -14,6 +14,8 @@ from titan_lite.eval.answer_accuracy import answer_accuracy
 from titan_lite.metrics.logger import Progress
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.runner import ModelRunner
+from titan_lite.rl.evaluate import PromptValidation
+from titan_lite.rl.policy import ModelPolicy, lockstep_for
 
 logger = logging.getLogger(__name__)
 
@@ -28,15 +30,20 @@ class Validator:
         self.tokenizer = tokenizer
         self.runner = runner
         self.device = device
+        # The last step that validates: sample completions are printed there and at the first evaluation.
+        self.last_step = cfg.training.steps // self.cfg.freq * self.cfg.freq
+        self.evaluations = 0
+        self.prompts = None
+        if self.cfg.dataset == "prompts":
+            policy = ModelPolicy(runner.model_parts[0], device, lockstep_for(parallel_dims), runner.context)
+            self.prompts = PromptValidation(cfg, tokenizer, policy, parallel_dims)
+            return
         batch_mesh = parallel_dims.submesh("batch")
         layout = BatchLayout(self.cfg.local_batch_size, batch_mesh.get_local_rank(), batch_mesh.size())
         self.loader = build_section_loader(cfg, "validation", tokenizer, layout, infinite=False,
                                            documents=runner.block_causal)
         self.instruction_data = self.cfg.dataset == "instruct"
         self.preference_data = self.cfg.dataset == "preference"
-        # The last step that validates: sample completions are printed there and at the first evaluation.
-        self.last_step = cfg.training.steps // self.cfg.freq * self.cfg.freq
-        self.evaluations = 0
         self._batches: int | None = None
 
     def batch_count(self) -> int:
@@ -58,6 +65,8 @@ class Validator:
     def evaluate(self, model_parts: list[nn.Module], step: int, answers: bool = True) -> dict[str, float]:
         """loss; on instruction data token_accuracy (argmax = label on response tokens; not under pipeline
         parallel) and, with validation.answer_problems, answer_accuracy."""
+        if self.prompts is not None:
+            return self._prompt_metrics(step)
         for m in model_parts:
             m.eval()
         results = self._preference_metrics() if self.preference_data else self._token_metrics()
@@ -67,6 +76,15 @@ class Validator:
             m.train()
         self.evaluations += 1
         return results
+
+    def _prompt_metrics(self, step: int) -> dict[str, float]:
+        """RL prompts: the held-out prompts answered greedily (generation puts the model in eval mode itself)."""
+        show = (self.evaluations == 0 or step == self.last_step) and self.cfg.sample_outputs > 0
+        if show:
+            which = "first" if self.evaluations == 0 else "last"
+            logger.info(f"validation at step {step} ({which} evaluation): sample completions of held-out prompts:")
+        self.evaluations += 1
+        return self.prompts.evaluate(show_samples=show)
 
     def _token_metrics(self) -> dict[str, float]:
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, tokens, correct

@@ -23,6 +23,7 @@ from titan_lite.data.instruct import check_instruction_data, count_split_example
 from titan_lite.data.mixture import check_mixture_data
 from titan_lite.data.order import data_order
 from titan_lite.data.preference import check_preference_data
+from titan_lite.data.prompts import check_prompt_data
 from titan_lite.data.token_files import is_token_folder
 from titan_lite.data.tokenizer import Tokenizer, build_tokenizer
 from titan_lite.distributed import choose_backend, device_type
@@ -37,6 +38,8 @@ from titan_lite.parallel.fsdp import check_cpu_offload
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.pipeline import check_pipeline_config
 from titan_lite.parallel.tensor_parallel import check_tp_divisibility
+from titan_lite.rl.rewards import Rewards
+from titan_lite.rl.rollout import check_rollout_batch
 from titan_lite.transforms import Transforms, build_transforms
 
 logger = logging.getLogger(__name__)
@@ -145,8 +148,9 @@ def build_model_args(cfg: JobConfig, vocab_size: int | None, transforms: Transfo
     checked against the tokenizer's vocabulary (None: no tokenizer yet, DRY_RUN before the download)."""
     args = flavor_or_hf_args(cfg)
     args.attn_type = cfg.model.attn_type or args.attn_type
-    # preference pairs are documents: block_causal unless the config says otherwise (validation refuses causal)
-    pairs = "block_causal" if cfg.training.dataset == "preference" else None
+    # preference pairs and RL's prompt + completion sequences are documents: block_causal unless the config says
+    # otherwise (validation refuses causal)
+    pairs = "block_causal" if cfg.training.dataset in ("preference", "prompts") else None
     args.attn_mask_type = cfg.model.attn_mask_type or pairs or args.attn_mask_type
     if cfg.model.router_aux_loss_coef is not None:
         args.router_aux_loss_coef = checked_aux_loss_coef(cfg.model.router_aux_loss_coef, args, cfg.model.flavor)
@@ -213,6 +217,8 @@ def plan_with_tokenizer(cfg: JobConfig, world_size: int, tokenizer: Tokenizer | 
     check_cpu_offload(cfg, dims)
     check_seed_checkpoint_layout(cfg, dims)
     grad_accum = gradient_accumulation_steps(cfg, dims.dp_degree)
+    if cfg.training.dataset == "prompts":
+        check_rollout_batch(cfg, cfg.training.local_batch_size * dims.dp_degree * grad_accum, dims)
     epochs_counted = cfg.training.epochs is not None and count_epochs and tokenizer is not None
     if epochs_counted:
         cfg.training.steps = steps_for_epochs(cfg, tokenizer, cfg.training.local_batch_size * dims.dp_degree
@@ -257,6 +263,8 @@ def check_section_data(cfg: JobConfig, section: str, tokenizer: Tokenizer | None
         check_instruction_data(cfg, section, tokenizer)
     elif s.dataset == "preference":
         check_preference_data(cfg, section, tokenizer)
+    elif s.dataset == "prompts":
+        Rewards(cfg.grpo).check_fields([check_prompt_data(cfg, section, tokenizer)])
     elif is_token_folder(s.dataset_path):
         build_section_source(cfg, section, tokenizer)  # opening the files checks them, and the tokenizer
     else:
@@ -300,7 +308,7 @@ def check_data_volume(cfg: JobConfig, plan: "JobPlan") -> None:
         s = getattr(cfg, section)
         if section == "validation" and s.dataset in ("instruct", "preference"):
             check_validation_examples(cfg, plan)
-        if s.dataset in ("instruct", "preference") or (section == "training" and cfg.data_mixture.enable):
+        if s.dataset in ("instruct", "preference", "prompts") or (section == "training" and cfg.data_mixture.enable):
             continue
         where = s.dataset_path if s.dataset_path is not None else s.dataset
         if is_token_folder(s.dataset_path):

@@ -267,13 +267,15 @@ class MetricsProcessor:
         self.start_window(step)
         return metrics
 
-    def log_validation(self, step: int, loss: float, extra: dict[str, float] | None = None) -> None:
-        """Print and record the validation loss and any further validation metrics (token_accuracy, ...)."""
+    def log_validation(self, step: int, loss: float | None, extra: dict[str, float] | None = None) -> None:
+        """Print and record the validation loss (None: none, RL prompts) and any further validation metrics
+        (token_accuracy, ...)."""
         c = self.colors
         extra = extra or {}
         more = "".join(f"  {c.blue}{name}: {value:.4f}" for name, value in extra.items())
-        logger.info(f"{c.yellow}validate step: {step:2}  {c.green}loss: {float(loss):7.4f}{more}{c.reset}")
-        self._write_scalars(step, {"validation/loss": float(loss),
+        measured = f"  {c.green}loss: {float(loss):7.4f}" if loss is not None else ""
+        logger.info(f"{c.yellow}validate step: {step:2}{measured}{more}{c.reset}")
+        self._write_scalars(step, {**({"validation/loss": float(loss)} if loss is not None else {}),
                                    **{f"validation/{name}": float(value) for name, value in extra.items()}})
 
     def close(self) -> None:

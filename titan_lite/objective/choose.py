@@ -1,5 +1,5 @@
-"""The one chooser of the training objective (cross entropy, distillation, preference tuning): its checks before
-launch, its building (with the frozen model it holds), its work before the first step and its DRY_RUN plan."""
+"""The one chooser of the training objective (cross entropy, distillation, preference tuning, GRPO): its checks
+before launch, its building (with the frozen model it holds), its work before the first step and its DRY_RUN plan."""
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +20,8 @@ from titan_lite.objective.distill import (
     teacher_files_problem,
 )
 from titan_lite.objective.frozen import frozen_items
+from titan_lite.objective.grpo import build_grpo, check_grpo, grpo_reference_problem
+from titan_lite.objective.grpo_plan import grpo_lines, grpo_memory, grpo_passes, grpo_reference_plan
 from titan_lite.objective.preference import build_preference, check_preference, reference_files_problem
 from titan_lite.objective.preference_plan import (
     preference_lines,
@@ -36,7 +38,7 @@ from titan_lite.transforms import PassPlan, PlanItem
 def objective_name(cfg: JobConfig) -> str:
     if cfg.distill.enable:
         return "distill"
-    return "preference" if cfg.training.dataset == "preference" else "cross_entropy"
+    return {"preference": "preference", "prompts": "grpo"}.get(cfg.training.dataset, "cross_entropy")
 
 
 def check_objective(plan: JobPlan) -> None:
@@ -46,6 +48,8 @@ def check_objective(plan: JobPlan) -> None:
         check_distill(plan)
     elif name == "preference":
         check_preference(plan)
+    elif name == "grpo":
+        check_grpo(plan)
 
 
 def objective_files_problem(cfg: JobConfig) -> str | None:
@@ -53,6 +57,8 @@ def objective_files_problem(cfg: JobConfig) -> str | None:
     name = objective_name(cfg)
     if name == "distill":
         return teacher_files_problem(cfg)
+    if name == "grpo":
+        return grpo_reference_problem(cfg)
     return reference_files_problem(cfg) if name == "preference" else None
 
 
@@ -66,10 +72,12 @@ class TrainingObjective:
 
 
 def build_objective(plan: JobPlan, model: BuiltModel, device: torch.device, seed: int) -> TrainingObjective:
-    """Cross entropy, distillation (its teacher assembled here) or preference tuning (its reference)."""
+    """Cross entropy, distillation (its teacher assembled here), preference tuning or GRPO (their reference)."""
     name = objective_name(plan.cfg)
     if name == "distill":
         return TrainingObjective(build_distill(plan, model, device, seed, model.runner.loss_fn))
+    if name == "grpo":
+        return TrainingObjective(build_grpo(plan, model, device, seed))
     if name == "preference":
         objective = build_preference(plan, model, device, seed)
         if objective.table is None:
@@ -109,6 +117,10 @@ def plan_objective(plan: JobPlan) -> ObjectivePlan | None:
     if name == "distill":
         teacher = distill_teacher_plan(plan, teacher_files_problem(plan.cfg) is None)
         return ObjectivePlan(distill_lines(plan, teacher), teacher, "teacher", distill_memory(plan))
+    if name == "grpo":
+        reference = grpo_reference_plan(plan, grpo_reference_problem(plan.cfg) is None)
+        return ObjectivePlan(grpo_lines(plan, reference), reference, "reference", grpo_memory(plan),
+                             grpo_passes(plan))
     if name == "preference":
         reference, held = preference_reference_plan(plan, reference_files_problem(plan.cfg) is None)
         return ObjectivePlan(preference_lines(plan, reference), reference if held else None, "reference",

@@ -152,6 +152,28 @@ def check_frozen(plan: JobPlan, spec: FrozenSpec, device_type: str) -> None:
     check_source_before_launch(tplan.cfg, tplan.model_args)
 
 
+def check_base_reference(plan: JobPlan, key: str, trains_in_full_fix: str | None) -> None:
+    """Before launch: `key` = 'base' (the policy with its adapters switched off as the reference) needs adapters that
+    keep the base apart, no adapter loaded to start from, and no module trained in full (unless `trains_in_full_fix`
+    is None: the reference is then computed before training)."""
+    cfg = plan.cfg
+    if plan.transforms.base_function([]) is None:
+        raise ConfigError(f"'{key}' = 'base' runs the policy with its adapters switched off as the reference, but no "
+                          f"transform of 'model.converters' = {cfg.model.converters} keeps a base apart from what it "
+                          "trains: the policy would equal its reference (nothing to learn); add adapters "
+                          "(--model.converters lora) or name a reference folder")
+    lora = cfg.lora if "lora" in cfg.model.converters else None
+    if lora is not None and lora.train_modules and trains_in_full_fix is not None:
+        raise ConfigError(f"'{key}' = 'base' with 'lora.train_modules' = {lora.train_modules}: those modules train "
+                          f"in full, so switching the adapters off stops giving the base after the first step; "
+                          f"{trains_in_full_fix}")
+    if lora is not None and lora.adapter_path:
+        raise ConfigError(f"'{key}' = 'base' with 'lora.adapter_path' = '{lora.adapter_path}': switching the "
+                          "adapters off gives the model before that adapter, not the one training starts from; merge "
+                          "it into its base (scripts/merge_lora.py) and train new adapters on the merged folder, or "
+                          f"name the merged folder in '{key}'")
+
+
 def frozen_files_problem(cfg: JobConfig, spec: FrozenSpec) -> str | None:
     """DRY_RUN's checklist line for a frozen model not downloaded yet (the plan still prints from its flavor)."""
     path = Path(spec.path)

@@ -1,6 +1,8 @@
 """Log-probabilities of the labels, token by token, from logits [batch, seq, vocab] in float32 blocks of rows (no
 float32 [tokens, vocab] copy; vocab-sharded DTensor logits under loss parallel worked on shard by shard), with the
-mean logit of every token (a metric), and their gradient made in the forward as the chunked cross entropy makes it."""
+mean logit of every token (a metric) or the entropy of its distribution (GRPO's metric), optionally at a temperature
+(the logits scaled by 1 / temperature), and their gradient made in the forward as the chunked cross entropy makes
+it."""
 
 import torch
 
@@ -12,23 +14,34 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tenso
     """(log p(label) of every token, 0 where the label is IGNORE_INDEX; the token's mean logit over the vocabulary,
     detached), both float32 [batch, seq], for logits [batch, seq, vocab] (plain, or a vocab-sharded DTensor)."""
     local, shard = local_vocab_shard(logits)
-    logps, mean_logits = TokenLogps.apply(local.flatten(0, 1), labels.flatten(), shard, logits.shape[-1])
+    logps, mean_logits, _ = TokenLogps.apply(local.flatten(0, 1), labels.flatten(), shard, logits.shape[-1])
     return logps.view(labels.shape), mean_logits.view(labels.shape)
 
 
+def tempered_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                   entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p(label) under softmax(logits / temperature), 0 where the label is IGNORE_INDEX; the entropy of that
+    distribution at every labelled token, detached, or None), float32 [batch, seq]."""
+    local, shard = local_vocab_shard(logits)
+    logps, _, entropies = TokenLogps.apply(local.flatten(0, 1), labels.flatten(), shard, logits.shape[-1],
+                                           1.0 / temperature, entropy)
+    return logps.view(labels.shape), entropies.view(labels.shape) if entropy else None
+
+
 class TokenLogps(torch.autograd.Function):
-    """logits[label] - logsumexp(logits) of every row of [tokens, vocab (shard)] logits, in float32 blocks of rows;
-    blocks without a label are skipped. When a gradient is wanted the forward writes softmax(logits) into the
-    gradient's buffer (in the logits' dtype) and the backward scales it by minus the incoming gradient and adds it at
-    the labels, in place (one backward pass, as ChunkedCrossEntropySum)."""
+    """x[label] - logsumexp(x) of every row of x = scale x [tokens, vocab (shard)] logits, in float32 blocks of
+    rows; blocks without a label are skipped. When a gradient is wanted the forward writes softmax(x) into the
+    gradient's buffer (in the logits' dtype) and the backward scales it by minus the incoming gradient (and `scale`)
+    and adds it at the labels, in place (one backward pass, as ChunkedCrossEntropySum). With `entropy` it also
+    returns each row's entropy -sum p log p of softmax(x) (else zeros)."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, shard: VocabShard,
-                vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, shard: VocabShard, vocab: int, scale: float = 1.0,
+                entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         valid = labels != IGNORE_INDEX
         local_labels, inside = shard.local_labels(torch.where(valid, labels, 0), logits.shape[1])
         lse = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
-        logit_sums = torch.zeros_like(lse)
+        logit_sums, entropies = torch.zeros_like(lse), torch.zeros_like(lse)
         probs = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
         exp_in_probs = probs is not None and probs.dtype == torch.float32
         blocks = row_blocks(logits.shape[0], logits.shape[1], logits.device)
@@ -39,29 +52,34 @@ class TokenLogps(torch.autograd.Function):
                     probs[rows].zero_()
                 continue
             block = logits[rows].float()  # a float32 block (the logits themselves when they are float32)
+            if scale != 1.0:
+                block = block * scale
             row_max = shard.max_(block.amax(dim=1))
             exp = torch.sub(block, row_max[:, None], out=probs[rows] if exp_in_probs else None).exp_()
-            sums = shard.sum_(torch.stack([exp.sum(dim=1), block.sum(dim=1)]))
+            parts = [exp.sum(dim=1), block.sum(dim=1)] + ([(exp * block).sum(dim=1)] if entropy else [])
+            sums = shard.sum_(torch.stack(parts))
             if probs is not None:
                 exp.div_(sums[0][:, None])
                 if not exp_in_probs:
                     probs[rows].copy_(exp)
             lse[rows], logit_sums[rows] = row_max + sums[0].log(), sums[1]
-        target = shard.sum_(logits.gather(1, local_labels[:, None]).squeeze(1).float() * inside)
+            if entropy:  # H = logsumexp(x) - sum softmax(x) x
+                entropies[rows] = lse[rows] - sums[2] / sums[0]
+        target = shard.sum_(logits.gather(1, local_labels[:, None]).squeeze(1).float() * scale * inside)
         logps = (target - lse) * valid
         mean_logits = logit_sums / vocab
-        ctx.mark_non_differentiable(mean_logits)
+        ctx.mark_non_differentiable(mean_logits, entropies)
         ctx.save_for_backward(probs, local_labels, inside, valid)
-        ctx.logits_dtype, ctx.used = logits.dtype, False
-        return logps, mean_logits
+        ctx.logits_dtype, ctx.scale, ctx.used = logits.dtype, scale, False
+        return logps, mean_logits, entropies * valid
 
     @staticmethod
-    def backward(ctx, grad_logps: torch.Tensor, grad_mean_logits: torch.Tensor) -> tuple:
+    def backward(ctx, grad_logps: torch.Tensor, grad_mean_logits: torch.Tensor, grad_entropies: torch.Tensor) -> tuple:
         if ctx.used:  # the gradient is made in place from the saved probabilities: only once
             raise RuntimeError("TokenLogps supports one backward pass (no retain_graph)")
         ctx.used = True
         probs, local_labels, inside, valid = ctx.saved_tensors
-        g = grad_logps * valid  # rows without a label have a constant 0
-        grad = probs.mul_(-g[:, None].to(probs.dtype))  # d log p(label) / d logits = onehot - softmax
+        g = grad_logps * valid * ctx.scale  # rows without a label have a constant 0
+        grad = probs.mul_(-g[:, None].to(probs.dtype))  # d log p(label) / d logits = scale (onehot - softmax)
         grad.scatter_add_(1, local_labels[:, None], (g * inside)[:, None].to(grad.dtype))
-        return grad.to(ctx.logits_dtype), None, None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None, None

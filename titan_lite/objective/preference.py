@@ -29,6 +29,7 @@ from titan_lite.objective.frozen import (
     FrozenSpec,
     assemble_frozen,
     base_forward,
+    check_base_reference,
     check_frozen,
     frozen_files_problem,
     separate_forward,
@@ -223,7 +224,8 @@ class PreferenceObjective(Objective):
         pairs, chosen_tokens = global_units.tolist()
         self.nll_scale = pairs / max(chosen_tokens, 1.0)
 
-    def prepare(self, labels: torch.Tensor, documents: torch.Tensor | None, shard: Callable) -> PairBatch:
+    def prepare(self, labels: torch.Tensor, documents: torch.Tensor | None, shard: Callable,
+                values: torch.Tensor | None = None) -> PairBatch:
         return pair_batch(labels, documents, shard)
 
     @contextlib.contextmanager
@@ -388,23 +390,10 @@ def check_preference(plan: JobPlan) -> None:
     cfg = plan.cfg
     kind = reference_kind(cfg)
     if kind == "base":
-        if plan.transforms.base_function([]) is None:
-            raise ConfigError(f"'preference.reference' = '{BASE_REFERENCE}' runs the policy with its adapters switched "
-                              f"off as the reference, but no transform of 'model.converters' = {cfg.model.converters} "
-                              "keeps a base apart from what it trains: the policy would equal its reference (nothing "
-                              "to learn); add adapters (--model.converters lora) or name a reference folder")
-        lora = cfg.lora if "lora" in cfg.model.converters else None
-        if lora is not None and lora.train_modules and not cfg.preference.precompute_reference:
-            raise ConfigError(f"'preference.reference' = '{BASE_REFERENCE}' with 'lora.train_modules' = "
-                              f"{lora.train_modules}: those modules train in full, so switching the adapters off "
-                              "stops giving the base after the first step; set 'preference.precompute_reference' = "
-                              "true (the reference is computed before training) or name a reference folder")
-        if lora is not None and lora.adapter_path:
-            raise ConfigError(f"'preference.reference' = '{BASE_REFERENCE}' with 'lora.adapter_path' = "
-                              f"'{lora.adapter_path}': switching the adapters off gives the model before that "
-                              "adapter, not the one training starts from; merge it into its base "
-                              "(scripts/merge_lora.py) and train new adapters on the merged folder, or name the "
-                              "merged folder in 'preference.reference'")
+        fix = None if cfg.preference.precompute_reference else \
+            "set 'preference.precompute_reference' = true (the reference is computed before training) or name a " \
+            "reference folder"
+        check_base_reference(plan, "preference.reference", trains_in_full_fix=fix)
     elif kind == "path":
         check_frozen(plan, reference_spec(cfg), device_type())
 

@@ -175,8 +175,8 @@ class GlobalRopePositions:
 
     def __call__(self, attention: nn.Module, args: tuple) -> tuple | None:
         x, rope, *rest = args
-        if rope.dim() == 4:  # each token's own rows already (packed documents: positions within each document)
-            return None
+        if rope is None or rope.dim() == 4:  # a KV cache's own rows, or each token's own rows already (packed
+            return None                      # documents: positions within each document)
         positions = shard_positions(x.shape[1] * self.cp_size, self.cp_rank, self.cp_size, self.load_balancer,
                                     rope.device)
         return (x, rope.index_select(0, positions), *rest)

@@ -84,15 +84,16 @@ class ModelRunner:
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor,
                          domains: torch.Tensor | None = None, domain_sums: torch.Tensor | None = None,
-                         documents: torch.Tensor | None = None) -> torch.Tensor:
+                         documents: torch.Tensor | None = None, values: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of one microbatch with loss = token-loss sum x scale; returns the detached sum.
 
         With domains (a [batch] tensor of domain ids, data mixtures) the loss is computed per sample and this
         rank's per-domain token-loss sums and token counts are added to domain_sums ([2, domains]); under pipeline
         parallel only the last stage adds to them (callers sum them over the stages, as global_sum does).
-        documents: the [batch, seq] document ids of packed documents (block_causal), or None."""
+        documents: the [batch, seq] document ids of packed documents (block_causal), or None; values: the
+        source's [batch, seq, k] per-token values for the objective (RL), or None."""
         extra = self.extra_inputs(documents)
-        prepared = self.objective.prepare(labels, documents, self.shard)
+        prepared = self.objective.prepare(labels, documents, self.shard, values)
         inputs, labels = self.shard(inputs, labels)
         with self.context():
             if self.pipeline is not None and domains is None:

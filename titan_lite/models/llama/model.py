@@ -129,7 +129,7 @@ def apply_rope_real_pairs(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
 
 
 class LayerCache(Protocol):
-    """One layer's view of a generation KV cache (titan_lite.eval.generate): rotates q and k at the cached
+    """One layer's view of a generation KV cache (titan_lite.generate): rotates q and k at the cached
     sequence's positions, appends k and v, and attends q [batch, seq, heads, head_dim] to every cached key;
     returns [batch, heads, seq, head_dim]."""
 
@@ -137,6 +137,8 @@ class LayerCache(Protocol):
 
 
 class KVCache(Protocol):
+    last_only: bool  # compute the last position's logits only (not when ranks hold pieces of the sequence)
+
     def layer(self, layer_id: int) -> LayerCache: ...
 
 
@@ -614,8 +616,9 @@ class Llama(nn.Module):
                 documents: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [batch, seq] (or hidden states on a later pipeline stage) -> logits or hidden states.
 
-        `cache` (generation only, see titan_lite.eval.generate): attention reads and extends the cache's keys and
-        values at its positions, and only the last position's logits are computed. Training never passes one.
+        `cache` (generation only, see titan_lite.generate): attention reads and extends the cache's keys and
+        values at its positions (it holds their rotary rows: the blocks get no rope), and only the last position's
+        logits are computed when its `last_only` says so. Training never passes one.
         `positions` and `documents` (packed documents, attn_mask_type block_causal): every input token's RoPE
         position [batch, seq] and the document id of every key position [batch, kv_seq] (the whole sequence under
         context parallel); each token attends only within its document. The mask is built once, for every layer.
@@ -626,10 +629,10 @@ class Llama(nn.Module):
             rope, mask = self.rope_cache[positions], self.document_mask(documents, h)
         for key, layer in self.layers.items():
             if cache is not None:
-                h = layer(h, rope, cache.layer(int(key)))
+                h = layer(h, None, cache.layer(int(key)))
             else:
                 h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)
-        if cache is not None:
+        if cache is not None and cache.last_only:
             h = h[:, -1:]
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

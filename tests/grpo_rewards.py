@@ -1,0 +1,6 @@
+"""A reward function for the GRPO tests (a user's 'module.path:function'): the share of vowels in a completion, so a
+random tiny model's completions differ in reward."""
+
+
+def vowels(completions, **kwargs) -> list[float]:
+    return [sum(ch in "aeiou" for ch in c) / max(1, len(c)) for c in completions]

@@ -1,0 +1,213 @@
+"""Prompts for online RL (training.dataset = "prompts"): rows with a prompt (a string, or messages ending with a user
+turn) and any other fields (an answer, ...) that reward functions read, from the instruction files' formats; each
+rendered as the policy sees it (the [grpo] template, or the chat template with its generation prompt); and the
+stream of them a run answers, epoch after epoch (shuffled per epoch unless training.shuffle = false), with the
+held-out split carved as instruction data carves it."""
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from titan_lite.config.schema import Grpo, JobConfig
+from titan_lite.data.chat import ChatEncoder, Conversation, conversation_of, openai_turns
+from titan_lite.data.instruct import (
+    InstructionFile,
+    chat_encoder,
+    in_split,
+    instruction_file_and_split,
+    prompt_text,
+)
+from titan_lite.data.order import GlobalOrder, data_order
+from titan_lite.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+Turns = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """A row's prompt (a string, or its turns) and its other fields (passed to the reward functions)."""
+
+    prompt: str | Turns
+    fields: dict[str, Any] = field(default_factory=dict, compare=False)
+    where: str = field(default="", compare=False)
+
+    @property
+    def conversational(self) -> bool:
+        return not isinstance(self.prompt, str)
+
+    def as_reward_input(self) -> str | list[dict[str, str]]:
+        """The prompt as TRL hands it to reward functions: the string, or the list of messages."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return [{"role": role, "content": content} for role, content in self.prompt]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A row as the policy answers it: its index in the file, the row, the rendered text and its token ids."""
+
+    index: int
+    row: PromptRow
+    text: str
+    ids: tuple[int, ...]
+
+
+class PromptFile(InstructionFile):
+    """The prompt rows of one file (or saved `datasets` folder), in order, read with the instruction files' readers;
+    every column is kept (reward functions may read any)."""
+
+    DATASET, WHAT, ROWS = "prompts", "prompt data", " of prompts"
+
+    def __init__(self, path: Path, cfg: Grpo, key: str):
+        super().__init__(path, cfg, key)
+
+    def _columns(self, names: list[str]) -> tuple[list[str], str]:
+        return list(names), "grpo.prompt_field"
+
+    def _record(self, record: Any, where: str) -> PromptRow:
+        name = self.cfg.prompt_field
+        if not isinstance(record, dict):
+            raise ConfigError(f"{where}: not a JSON object; each row must be an object with a '{name}' field "
+                              "('grpo.prompt_field')")
+        prompt = record.get(name)
+        fields = {k: v for k, v in record.items() if k != name}
+        if isinstance(prompt, str):
+            return PromptRow(prompt, fields, where)
+        if isinstance(prompt, list):
+            return PromptRow(prompt_turns(openai_turns(prompt, where, name), where, name), fields, where)
+        found = ", ".join(sorted(record)) or "none"
+        raise ConfigError(f"{where}: no '{name}' string or message list ('grpo.prompt_field'; fields found: {found})")
+
+
+def prompt_turns(turns: list[tuple[Any, Any]], where: str, name: str) -> Turns:
+    """Messages that end with the user turn the policy answers (an optional system turn first, then user and
+    assistant turns alternating): checked as a conversation would be with that answer after them."""
+    if turns and turns[-1][0] != "user":
+        raise ConfigError(f"{where}: '{name}' must end with a user turn (the policy answers it), not "
+                          f"{turns[-1][0]!r}")
+    return conversation_of([*turns, ("assistant", "")], where, name).turns[:-1]
+
+
+class PromptEncoder:
+    """How a row becomes the text and ids the policy continues: a string prompt in the template (with bos), or the
+    row's turns (a string prompt as one user turn) in the chat template with its generation prompt."""
+
+    def __init__(self, tokenizer, chat: ChatEncoder | None, template: str = "{prompt}"):
+        self.tokenizer = tokenizer
+        self.chat = chat
+        self.template = template
+
+    def encode(self, row: PromptRow) -> tuple[str, list[int]]:
+        if self.chat is None:
+            if row.conversational:
+                raise ConfigError(f"{row.where}: a prompt of messages needs a chat template: set "
+                                  "'grpo.chat_template' to 'tokenizer' (the tokenizer folder's) or a template file")
+            text = prompt_text(self.template, row.prompt)
+            return text, self.tokenizer.encode(text, bos=True, eos=False)
+        turns = (("user", row.prompt),) if isinstance(row.prompt, str) else row.prompt
+        conversation = Conversation(turns, row.where)
+        return self.chat.prompt_text(conversation, row.where), self.chat.prompt_ids(conversation, row.where)
+
+    def stop_ids(self) -> tuple[int, ...]:
+        """Where a completion ends: the chat template's end-of-turn token and eos, or eos."""
+        if self.chat is not None:
+            return self.chat.end_of_turn_ids()
+        return (self.tokenizer.eos_id,) if self.tokenizer.eos_id >= 0 else ()
+
+
+class PromptSource:
+    """The prompts of a split (a finite pass, or epoch after epoch), rendered: in file order, or in a seeded
+    permutation per epoch (training.shuffle, as the other row datasets). The split's rows are read once, when first
+    needed. The state after a prompt is the epoch and the position of the next one in that epoch's order, so a source
+    restarted from it continues with exactly the prompts that would have come next."""
+
+    def __init__(self, name: str, file: PromptFile, encoder: PromptEncoder, split: str = "all",
+                 infinite: bool = True, seed: int = 0, shuffle: bool = False):
+        self.name = name
+        self.file = file
+        self.cfg: Grpo = file.cfg
+        self.encoder = encoder
+        self.split = split
+        self.infinite = infinite
+        self.seed, self.shuffle = seed, shuffle
+        self._rows: list[tuple[int, PromptRow]] | None = None
+
+    def rows(self, start: int = 0) -> Iterator[tuple[int, PromptRow]]:
+        """The rows of this source's split in file order, with their index in the file."""
+        for index, row in self.file.examples(start):
+            if in_split(index, self.split, self.cfg.validation_fraction):
+                yield index, row
+
+    def split_rows(self) -> list[tuple[int, PromptRow]]:
+        """Every row of the split (read once); none is one error line."""
+        if self._rows is None:
+            self._rows = list(self.rows())
+            if not self._rows:
+                raise ConfigError(f"'{self.file.key}' = '{self.file.path}' holds no prompts for the {self.split} "
+                                  "split" + (" (raise 'grpo.validation_fraction')" if self.split == "heldout" else ""))
+        return self._rows
+
+    def samples(self, state: dict[str, Any] | None = None) -> Iterator[tuple[Prompt, dict[str, Any]]]:
+        state = dict(state) if state is not None else {"epoch": 0, "position": 0}
+        epoch, start = state["epoch"], state["position"]
+        rows = self.split_rows()
+        order = GlobalOrder(len(rows), self.seed, self.shuffle)
+        while True:
+            for position in range(start, len(rows)):
+                index, row = rows[order.stored(epoch, position)]
+                text, ids = self.encoder.encode(row)
+                yield Prompt(index, row, text, tuple(ids)), {"epoch": epoch, "position": position + 1}
+            if not self.infinite:
+                return
+            epoch, start = epoch + 1, 0
+            logger.info("Dataset %s: starting epoch %d", self.name, epoch)
+
+
+# ---------------------------------------------------------------------------------------------- from the config
+
+
+def prompt_file_and_split(cfg: JobConfig, section: str) -> tuple[PromptFile, str]:
+    """The file and split that [training] or [validation] reads."""
+    return instruction_file_and_split(cfg, section, PromptFile, cfg.grpo)
+
+
+def prompt_encoder(cfg: JobConfig, tokenizer) -> PromptEncoder:
+    """The run's PromptEncoder: with grpo.chat_template, the template loaded (and checked to load) now."""
+    return PromptEncoder(tokenizer, chat_encoder(cfg, "grpo.chat_template", tokenizer), cfg.grpo.template)
+
+
+def build_prompt_source(cfg: JobConfig, section: str, tokenizer, infinite: bool) -> PromptSource:
+    file, split = prompt_file_and_split(cfg, section)
+    seed, shuffle = data_order(cfg, section, countable=True, where=f"'{file.key}' = '{file.path}'")
+    return PromptSource("prompts", file, prompt_encoder(cfg, tokenizer), split, infinite, seed, shuffle)
+
+
+def check_prompt_data(cfg: JobConfig, section: str, tokenizer=None) -> PromptRow:
+    """Config-time: the file is there and its first prompt of the split reads (fields, JSON, roles); with a tokenizer
+    it is rendered and must leave room for a completion of grpo.max_completion_length tokens within seq_len. Returns
+    that row (the reward functions' fields are checked against it)."""
+    file, split = prompt_file_and_split(cfg, section)
+    source = PromptSource("prompts", file, prompt_encoder(cfg, tokenizer), split, infinite=False)
+    index, row = next(source.rows(), (None, None))
+    if row is None:
+        raise ConfigError(f"'{file.key}' = '{file.path}' holds no prompts for the {split} split"
+                          + (" (raise 'grpo.validation_fraction')" if split == "heldout" else ""))
+    if tokenizer is None:
+        if row.conversational and not cfg.grpo.chat_template:
+            source.encoder.encode(row)  # its one-line error
+        return row
+    text, ids = source.encoder.encode(row)
+    check_prompt_fits(Prompt(index, row, text, tuple(ids)), cfg.grpo.max_completion_length,
+                      getattr(cfg, section).seq_len, section)
+    return row
+
+
+def check_prompt_fits(prompt: Prompt, max_completion_length: int, seq_len: int, section: str = "training") -> None:
+    """A prompt and its longest completion fit one sequence of seq_len + 1 tokens (the training window)."""
+    if len(prompt.ids) + max_completion_length > seq_len + 1:
+        raise ConfigError(f"{prompt.row.where}: the prompt's {len(prompt.ids)} tokens plus "
+                          f"'grpo.max_completion_length' = {max_completion_length} exceed '{section}.seq_len' = "
+                          f"{seq_len} (+ 1): raise seq_len, lower max_completion_length, or shorten the prompt")

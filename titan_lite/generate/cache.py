@@ -1,0 +1,78 @@
+"""The KV cache of batched generation: every layer's keys and values in slots, which slots hold real tokens, their
+rotary rows and the attention mask of the slots a forward opens; and its size, for DRY_RUN's plan."""
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from titan_lite.models.llama import LlamaArgs
+from titan_lite.models.llama.model import apply_rope, grouped_attention, rope_cache, within_window
+
+
+class KVCache:
+    """Keys and values of every layer for a batch, in slots 0..capacity-1, with which slots hold real tokens.
+
+    `step(tokens_real, positions)` opens the next slots for a forward: it records their rotary rows and the
+    attention mask (each new query sees the real keys up to its own slot, and itself; with a sliding window only
+    those within the window of its position) that every layer then uses. `last_only`: the model computes the logits
+    of the last slot only (not under sequence parallelism, where a rank holds a piece of the sequence).
+    """
+
+    def __init__(self, args: LlamaArgs, batch: int, capacity: int, device: torch.device, last_only: bool = True):
+        self.rope = rope_cache(replace(args, max_seq_len=capacity), device)
+        self.capacity = capacity
+        self.window = args.sliding_window
+        self.last_only = last_only
+        self.real = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
+        self.positions = torch.zeros(batch, capacity, dtype=torch.long, device=device)
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.start = self.end = 0
+        self.rows = self.mask = None
+
+    def step(self, real: torch.Tensor, positions: torch.Tensor) -> "KVCache":
+        """Open slots for a [batch, seq] forward: `real` marks real tokens, `positions` their rotary positions."""
+        seq = real.shape[1]
+        self.start, self.end = self.end, self.end + seq
+        if self.end > self.capacity:
+            raise ValueError(f"KV cache of {self.capacity} slots is full")
+        self.real[:, self.start:self.end] = real
+        self.positions[:, self.start:self.end] = positions
+        self.rows = self.rope[positions]
+        slots = torch.arange(self.end, device=real.device)
+        queries = slots[self.start:, None]
+        visible = self.real[:, None, :self.end] & (slots[None, :] <= queries)[None]
+        if self.window is not None:
+            visible &= within_window(positions, self.positions[:, :self.end], self.window)
+        self.mask = (visible | (slots[None, :] == queries)[None])[:, None]  # [batch, 1, seq, end]
+        return self
+
+    def layer(self, layer_id: int) -> "LayerView":
+        return LayerView(self, layer_id)
+
+
+@dataclass
+class LayerView:
+    """One layer's access to the cache (the model's LayerCache protocol)."""
+
+    cache: KVCache
+    layer_id: int
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        c = self.cache
+        q, k = apply_rope(q, c.rows).transpose(1, 2), apply_rope(k, c.rows).transpose(1, 2)
+        v = v.transpose(1, 2)
+        if self.layer_id not in c.keys:
+            shape = (k.shape[0], k.shape[1], c.capacity, k.shape[3])
+            c.keys[self.layer_id] = torch.zeros(shape, dtype=k.dtype, device=k.device)
+            c.values[self.layer_id] = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        keys, values = c.keys[self.layer_id], c.values[self.layer_id]
+        keys[:, :, c.start:c.end], values[:, :, c.start:c.end] = k, v
+        return grouped_attention(q, keys[:, :, :c.end], values[:, :, :c.end], attn_mask=c.mask)
+
+
+def kv_cache_bytes(args: LlamaArgs, rows: int, capacity: int, element_bytes: int, tp: int = 1) -> int:
+    """Keys and values of every layer for `rows` sequences of `capacity` slots, each rank holding 1/tp of the KV heads
+    (what a KVCache allocates), plus its mask and bookkeeping."""
+    per_slot = sum(2 * args.heads_of(layer)[1] // tp * args.head_dim for layer in range(args.n_layers))
+    return rows * capacity * (per_slot * element_bytes + capacity + 9)

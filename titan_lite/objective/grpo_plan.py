@@ -1,0 +1,108 @@
+"""DRY_RUN's share of GRPO: the lines naming the loss, the rollout batch and the packed training batch; the memory a
+held reference and the rollouts' per-token values add to the training step; and each step's rollout as a pass of its
+own (the policy's weights and optimizer state, the KV cache of a generation batch, a prefill's working set and the
+decode step's logits: generation and the training forwards never hold their memory together)."""
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from titan_lite.config.schema import JobConfig
+from titan_lite.generate import kv_cache_bytes
+from titan_lite.job.estimate import compute_bytes
+from titan_lite.job.plan import JobPlan, gradient_accumulation_steps
+from titan_lite.objective.frozen import frozen_plan
+from titan_lite.objective.grpo import check_grpo, loss_spec, reference_kind, reference_spec
+from titan_lite.objective.vocab import ACCELERATOR_CHUNK_ELEMENTS, CHUNK_ELEMENTS
+from titan_lite.parallel.memory_estimate import GIB, MemoryEstimate
+from titan_lite.parallel.parallel_dims import ParallelDims
+from titan_lite.transforms import PassPlan, PlanItem
+
+
+def grpo_reference_plan(plan: JobPlan, files_there: bool) -> JobPlan | None:
+    """The reference held through training: a folder's (with beta > 0), else None (none, or the policy's base)."""
+    kind = reference_kind(plan.cfg)
+    if kind == "base":
+        check_grpo(plan)
+    if kind != "path":
+        return None
+    return frozen_plan(plan if files_there else replace(plan, tokenizer=None), reference_spec(plan.cfg),
+                       plan.cfg.dry_run.device_type)
+
+
+def rollout_rows(cfg: JobConfig, dims: ParallelDims) -> tuple[int, int]:
+    """(completions a rank samples per step, completions it decodes together)."""
+    per_rank = cfg.training.local_batch_size * gradient_accumulation_steps(cfg, dims.dp_degree)
+    return per_rank, min(cfg.grpo.generation_batch_size or per_rank, per_rank)
+
+
+def cache_capacity(cfg: JobConfig, tp: int) -> tuple[int, int]:
+    """(the longest prompt that fits, the KV cache's slots for it): under TP every decode step opens tp slots."""
+    prompt = cfg.training.seq_len + 1 - cfg.grpo.max_completion_length
+    prompt_slots = -(-prompt // tp) * tp
+    return prompt, prompt_slots + cfg.grpo.max_completion_length * tp
+
+
+def grpo_lines(plan: JobPlan, reference: JobPlan | None) -> list[str]:
+    cfg, dims = plan.cfg, plan.parallel_dims
+    g, kind = cfg.grpo, reference_kind(cfg)
+    if kind is None:
+        where = "no reference (beta 0)"
+    elif kind == "base":
+        where = "reference: the policy's own base, adapters off (no second copy), one forward per microbatch"
+    else:
+        where = (f"reference: {reference.cfg.model.flavor} from '{g.reference}', {reference.full_param_count():,} "
+                 f"parameters in {reference.cfg.training.dtype}, frozen, sharded like the policy")
+    per_rank, together = rollout_rows(cfg, dims)
+    prompt, slots = cache_capacity(cfg, dims.tp)
+    c = compute_bytes(cfg)[0]
+    cache = kv_cache_bytes(plan.model_args, together, slots, c, dims.tp) / GIB
+    layout = (f"packed whole into windows of seq_len + 1 = {cfg.training.seq_len + 1:,} tokens (block-causal)"
+              if g.packing else "one per row, padded to the longest of the microbatch")
+    return [f"grpo: {loss_spec(cfg).describe()}; {where}",
+            f"grpo rollouts: {plan.global_batch_size // g.num_generations} prompts x {g.num_generations} completions "
+            f"= {plan.global_batch_size} per step, {per_rank} sampled on each data-parallel rank, {together} decoded "
+            f"together: a KV cache of {slots:,} slots each (prompts up to {prompt:,} tokens + "
+            f"{g.max_completion_length:,} new{f' x tp {dims.tp}' if dims.tp > 1 else ''}), {cache:.2f} GiB per device",
+            f"grpo training batch: microbatches of {cfg.training.local_batch_size} completions, their prompt + "
+            f"completion sequences {layout}; each label's sampling log-probability and advantage ride along "
+            f"(float32); {g.num_iterations} optimizer step(s) per rollout"]
+
+
+def value_bytes(cfg: JobConfig, dims: ParallelDims) -> int:
+    """The microbatch's per-token float32 values (log-probability, advantage, weight, the policy's log-probability,
+    a reference's) and the log-probabilities' three float32 row blocks."""
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len // dims.cp
+    chunk = CHUNK_ELEMENTS if cfg.dry_run.device_type == "cpu" else ACCELERATOR_CHUNK_ELEMENTS
+    return tokens * 4 * 6 + 3 * chunk * 4
+
+
+def grpo_memory(plan: JobPlan) -> Callable[[JobConfig, ParallelDims], list[PlanItem]]:
+    def items(cfg: JobConfig, dims: ParallelDims) -> list[PlanItem]:
+        return [PlanItem("buffers", value_bytes(cfg, dims), "grpo: per-token values and log-probability row blocks")]
+    return items
+
+
+def grpo_passes(plan: JobPlan):
+    """Each step's rollout on one rank: the training state it keeps (weights, optimizer, FSDP's buffers), the KV cache
+    of a generation batch, the prefill's working set (one layer's, no gradients) and the decode step's logits."""
+    def passes(cfg: JobConfig, dims: ParallelDims, estimate: MemoryEstimate) -> list[PassPlan]:
+        args, c = plan.model_args, compute_bytes(cfg)[0]
+        _, together = rollout_rows(cfg, dims)
+        prompt, slots = cache_capacity(cfg, dims.tp)
+        cache = kv_cache_bytes(args, together, slots, c, dims.tp)
+        tokens = together * -(-prompt // dims.tp) * dims.tp
+        width = 4 * args.dim + 3 * max(args.ffn_dim_of(layer) for layer in range(args.n_layers)) // dims.tp
+        prefill = tokens * width * c + together * slots * slots
+        logits = together * args.vocab_size * (c + 4 * 4)  # the logits, and float32 scaled, probabilities, CDF
+        kept = estimate.parameters + estimate.optimizer + estimate.buffers
+        rows = [f"  {'training':<12}{kept / GIB:9.2f} GiB  parameters, optimizer state and buffers, kept",
+                f"  {'kv cache':<12}{cache / GIB:9.2f} GiB  {together} completions x {slots:,} slots",
+                f"  {'prefill':<12}{prefill / GIB:9.2f} GiB  a layer's working set over {tokens:,} prompt tokens and "
+                "its attention mask, no gradients",
+                f"  {'decode':<12}{logits / GIB:9.2f} GiB  the next token's logits and its float32 distribution"]
+        peak = kept + cache + prefill + logits
+        rows.append(f"  {'peak':<12}{peak / GIB:9.2f} GiB")
+        return [PassPlan("the rollout", "each step's rollout (generation with the KV cache), per device:", rows, peak,
+                         "lower 'grpo.generation_batch_size' (completions decoded together) or "
+                         "'grpo.max_completion_length', or shard over more devices")]
+    return passes
