@@ -46,7 +46,10 @@ _LABELS = {"tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "step_s": "step s", "
            "duplicated_tokens_per_pair": "copies tok/pair", "shared_tokens_per_pair": "shared tok/pair",
            "logps_max_difference": "logp max diff", "dpo_step_s": "DPO step s", "given_step_s": "given step s",
            "reference_cost_s": "ref cost s", "reference_forward_s": "ref fwd s", "parameter_gib_held": "params GiB",
-           "planned_peak_gib": "planned GiB", "plan_error_pct": "plan error %", "base_vs_bf16": "base/bf16"}
+           "planned_peak_gib": "planned GiB", "plan_error_pct": "plan error %", "base_vs_bf16": "base/bf16",
+           "generation_s": "generation s", "scoring_s": "scoring s", "reference_s": "reference s",
+           "policy_s": "policy s", "rollout_tokens_per_s": "rollout tok/s", "train_tokens_per_s": "train tok/s",
+           "padding_pct": "padding %"}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -264,7 +264,7 @@ def test_local_dataset_without_path_says_local_shards_only(name: str):
 def test_unknown_dataset_lists_known_names():
     message = one_line_error(check_dataset, "c5", None)
     assert "'training.dataset' = 'c5' is unknown" in message
-    assert message.endswith("known datasets: " + ", ".join([*known_datasets(), "instruct", "preference"]))
+    assert message.endswith("known datasets: " + ", ".join([*known_datasets(), "instruct", "preference", "prompts"]))
     assert known_datasets() == ["c4", "c4_test", "c4_validation", "jsonl", "shakespeare",
                                 "shakespeare_validation", "text"]
 

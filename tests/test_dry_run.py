@@ -92,7 +92,8 @@ def dry_run_in_process(config: str, ngpu: int, nnodes: int, args: list[str]) -> 
 def assert_plans_fast_and_small(run: DryRun) -> None:
     # CPU seconds, not wall time: the test machine's cores are shared, the bound is about the planner's own work
     # (a measured run's host memory too; one in this process has no peak of its own: max_rss_bytes 0).
-    assert run.cpu_seconds < 10, f"planning took {run.cpu_seconds:.1f} CPU seconds"
+    # About 5 of them are importing torch; building a full-size model on the CPU instead would take minutes.
+    assert run.cpu_seconds < 15, f"planning took {run.cpu_seconds:.1f} CPU seconds"
     assert run.max_rss_bytes < 1 * GIB, f"planning used {run.max_rss_bytes / GIB:.2f} GiB of host memory"
 
 
