@@ -81,6 +81,18 @@ SLOW_PATHS = ("tests/integration/", "tests/test_benchmarks.py::test_benchmark_ru
               "tests/test_benchmarks.py::test_paired_worker_alternates_both_steps_in_one_process")
 
 
+def heaviest_files_first(items: list) -> list:
+    """The files with the most slow tests first, each file's tests together and in their order (module fixtures are
+    set up once). The suite's workers start with contiguous shares and an idle one takes over the end of a busy one's
+    queue, so the long tests start early and the last ones to run are short: no worker waits alone at the end on a
+    long test that happened to come last."""
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    order = sorted(files.values(), key=lambda tests: -sum(t.get_closest_marker("slow") is not None for t in tests))
+    return [item for tests in order for item in tests]
+
+
 def pytest_collection_modifyitems(config, items):
     """`slow`: the tests above as well as those marked; `cuda` tests need a CUDA device: skipped, with the reason,
     where torch sees none."""
@@ -91,6 +103,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(SLOW_PATHS):
             item.add_marker(pytest.mark.slow)
+    items[:] = heaviest_files_first(items)
 
     if torch.cuda.is_available() or os.environ.get("TITAN_LITE_CUDA_TESTS_ON_CPU") == "1":  # see tests/test_cuda.py
         return
