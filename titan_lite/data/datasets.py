@@ -2,10 +2,13 @@
 stream."""
 
 import dataclasses
+import functools
 import gzip
 import json
 import logging
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
@@ -231,6 +234,64 @@ def parquet_columns(path: Path, columns: list[str], keys: str | None = None) -> 
         yield from zip(*(batch.column(i).to_pylist() for i in range(len(columns))), strict=True)
 
 
+# ---------------------------------------------------------------- encoding, shared by threads
+
+TASK_CHARS = 16_384  # documents are handed to an encoding thread in lists of about this many characters
+TASKS_AHEAD = 4  # lists in flight per thread: enough to keep each busy, and an endless stream is never read far ahead
+
+
+def encoded_documents(documents: Iterator[tuple[str, StreamPosition]], encode: Callable[[str], list[int]],
+                      threads: int = 1) -> Iterator[tuple[list[int], StreamPosition]]:
+    """(ids, position after the document) of every document, in document order. With threads > 1 that many threads
+    encode them side by side (for encoders that release the GIL), reading ahead a bounded number of documents: the
+    positions handed out are still those of the documents returned, so what is read ahead never reaches a state."""
+    if threads <= 1:
+        yield from ((encode(text), position) for text, position in documents)
+        return
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="encode")
+    pending: deque = deque()
+    try:
+        for task in _encoding_tasks(documents, encode):
+            pending.append(pool.submit(task))
+            if len(pending) >= TASKS_AHEAD * threads:
+                yield from pending.popleft().result()
+        while pending:
+            yield from pending.popleft().result()
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _encoding_tasks(documents: Iterator[tuple[str, StreamPosition]],
+                    encode: Callable[[str], list[int]]) -> Iterator[Callable[[], list]]:
+    """Lists of about TASK_CHARS characters of documents, each a call that encodes them. An error reading the
+    stream (a malformed line) becomes a last call that raises it: it reaches the reader where the stream does,
+    after the documents before it."""
+    batch: list[tuple[str, StreamPosition]] = []
+    size = 0
+    try:
+        for text, position in documents:
+            batch.append((text, position))
+            size += len(text)
+            if size >= TASK_CHARS:
+                yield functools.partial(_encode_all, encode, batch)
+                batch, size = [], 0
+    except Exception as error:  # noqa: BLE001 - raised again, in its place in the stream
+        yield functools.partial(_encode_all, encode, batch)
+        yield functools.partial(_raise, error)
+        return
+    if batch:
+        yield functools.partial(_encode_all, encode, batch)
+
+
+def _encode_all(encode: Callable[[str], list[int]],
+                batch: list[tuple[str, StreamPosition]]) -> list[tuple[list[int], StreamPosition]]:
+    return [(encode(text), position) for text, position in batch]
+
+
+def _raise(error: Exception) -> list:
+    raise error
+
+
 # ---------------------------------------------------------------- packing
 
 
@@ -291,6 +352,9 @@ class PackedSource:
     packed (and, with documents, the lengths of the document pieces among them), so a source restarted from it
     continues with exactly the windows that would have come next. An infinite source starts a new epoch at the end
     of the data (the leftover tokens carry over); a finite one stops (the partial last window is dropped).
+
+    `samples(state, encoders=N)` encodes with N threads side by side (encoded_documents): the same windows and
+    states, for a tokenizer that releases the GIL (`releases_gil`).
     """
 
     def __init__(self, name: str, stream: DocumentStream, tokenizer: TokenizerLike, seq_len: int,
@@ -302,7 +366,8 @@ class PackedSource:
         self.infinite = infinite
         self.documents = documents
 
-    def samples(self, state: dict[str, Any] | None = None) -> Iterator[tuple[Sample, dict[str, Any]]]:
+    def samples(self, state: dict[str, Any] | None = None,
+                encoders: int = 1) -> Iterator[tuple[Sample, dict[str, Any]]]:
         state = self._checked(state) if state is not None else {"epoch": 0, "position": {}, "buffer": []}
         epoch, start, buffer = state["epoch"], StreamPosition(**state["position"]), list(state["buffer"])
         # the lengths of the document pieces in the buffer (a state saved without them: one piece)
@@ -310,9 +375,8 @@ class PackedSource:
         window = self.seq_len + 1
         while True:
             found = False
-            for text, position in self.stream.read(start):
+            for ids, position in encoded_documents(self.stream.read(start), self._encode, encoders):
                 found = True
-                ids = self.tokenizer.encode(text, bos=True, eos=True)
                 buffer.extend(ids)
                 lengths += [len(ids)] if self.documents else []
                 while len(buffer) >= window:
@@ -329,6 +393,9 @@ class PackedSource:
                 return
             epoch, start = epoch + 1, StreamPosition()
             logger.info("Dataset %s: starting epoch %d", self.name, epoch)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, bos=True, eos=True)
 
     def _state(self, epoch: int, position: StreamPosition, buffer: list[int], lengths: list[int]) -> dict[str, Any]:
         state = {"epoch": epoch, "position": dataclasses.asdict(position), "buffer": list(buffer),
