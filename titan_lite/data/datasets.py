@@ -241,7 +241,7 @@ TASKS_AHEAD = 4  # lists in flight per thread: enough to keep each busy, and an 
 
 
 def encoded_documents(documents: Iterator[tuple[str, StreamPosition]], encode: Callable[[str], list[int]],
-                      threads: int = 1) -> Iterator[tuple[list[int], StreamPosition]]:
+                      threads: int = 1, task_chars: int = TASK_CHARS) -> Iterator[tuple[list[int], StreamPosition]]:
     """(ids, position after the document) of every document, in document order. With threads > 1 that many threads
     encode them side by side (for encoders that release the GIL), reading ahead a bounded number of documents: the
     positions handed out are still those of the documents returned, so what is read ahead never reaches a state."""
@@ -251,7 +251,7 @@ def encoded_documents(documents: Iterator[tuple[str, StreamPosition]], encode: C
     pool = ThreadPoolExecutor(threads, thread_name_prefix="encode")
     pending: deque = deque()
     try:
-        for task in _encoding_tasks(documents, encode):
+        for task in _encoding_tasks(documents, encode, task_chars):
             pending.append(pool.submit(task))
             if len(pending) >= TASKS_AHEAD * threads:
                 yield from pending.popleft().result()
@@ -261,9 +261,9 @@ def encoded_documents(documents: Iterator[tuple[str, StreamPosition]], encode: C
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _encoding_tasks(documents: Iterator[tuple[str, StreamPosition]],
-                    encode: Callable[[str], list[int]]) -> Iterator[Callable[[], list]]:
-    """Lists of about TASK_CHARS characters of documents, each a call that encodes them. An error reading the
+def _encoding_tasks(documents: Iterator[tuple[str, StreamPosition]], encode: Callable[[str], list[int]],
+                    task_chars: int) -> Iterator[Callable[[], list]]:
+    """Lists of about `task_chars` characters of documents, each a call that encodes them. An error reading the
     stream (a malformed line) becomes a last call that raises it: it reaches the reader where the stream does,
     after the documents before it."""
     batch: list[tuple[str, StreamPosition]] = []
@@ -272,7 +272,7 @@ def _encoding_tasks(documents: Iterator[tuple[str, StreamPosition]],
         for text, position in documents:
             batch.append((text, position))
             size += len(text)
-            if size >= TASK_CHARS:
+            if size >= task_chars:
                 yield functools.partial(_encode_all, encode, batch)
                 batch, size = [], 0
     except Exception as error:  # noqa: BLE001 - raised again, in its place in the stream
