@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
+import numpy as np
 import torch
 
 from titan_lite.errors import ConfigError, did_you_mean, pip_install, quote_path
@@ -300,13 +301,18 @@ def _raise(error: Exception) -> list:
 Sample = tuple[torch.Tensor, ...]
 
 
+def long_tensor(values: list[int]) -> torch.Tensor:
+    """An int64 tensor of a list (through numpy: several times faster than torch.tensor on a Python list)."""
+    return torch.from_numpy(np.asarray(values, dtype=np.int64))
+
+
 def packed_sample(tokens: list[int], documents: list[int], trained: list[bool] | None = None) -> Sample:
     """(inputs, labels, document ids) of a window of seq_len + 1 tokens and their document ids: a label is kept
     only where the next token belongs to the same document (and trains, when `trained` says which do)."""
-    ids, docs = torch.as_tensor(tokens, dtype=torch.long), torch.as_tensor(documents, dtype=torch.long)
+    ids, docs = long_tensor(tokens), long_tensor(documents)
     keep = docs[1:] == docs[:-1]
     if trained is not None:
-        keep &= torch.as_tensor(trained[1:], dtype=torch.bool)
+        keep &= torch.from_numpy(np.asarray(trained[1:], dtype=bool))
     return ids[:-1], torch.where(keep, ids[1:], IGNORE_INDEX), docs[:-1]
 
 
@@ -385,7 +391,7 @@ class PackedSource:
                         documents, lengths = _take_documents(lengths, window)
                         yield packed_sample(chunk, documents), self._state(epoch, position, buffer, lengths)
                     else:
-                        tokens = torch.tensor(chunk, dtype=torch.long)
+                        tokens = long_tensor(chunk)
                         yield (tokens[:-1], tokens[1:]), self._state(epoch, position, buffer, [])
             if not found and start == StreamPosition():
                 raise ConfigError(f"dataset '{self.name}' has no documents")
