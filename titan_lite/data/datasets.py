@@ -1,5 +1,5 @@
 """Document sources (bundled Shakespeare, local .txt/.jsonl/.json.gz/.parquet shards) and token packing into a sample
-stream."""
+stream, its documents encoded in order by one thread, or by several side by side (a raw-text DataLoader's workers)."""
 
 import dataclasses
 import functools
