@@ -1,9 +1,10 @@
 """Data at scale: one rank's loader tokens/s at data-parallel degrees 1, 8, 64 and 512 (rank 0's loader built with
 that degree, local batch 1), raw text (tokenized by every rank) against token files (each rank reads its own); two
 DataLoader workers against one, on token files and on raw text (where the workers' threads share the tokenizing);
-documents encoded by 1 and 2 threads with each tokenizer back end; scripts/tokenize_data.py's tokens/s against its
-number of processes; and the tokenizer on the same text: titan_lite's tokenizer.json BPE on tiktoken's core and in
-Python, HF `tokenizers` and a plain tiktoken encoding of the same ranks and pattern.
+documents encoded by 1 and 2 threads with each tokenizer back end (and whether the library cores release the GIL);
+scripts/tokenize_data.py's tokens/s against its number of processes; and the tokenizer on the same text:
+titan_lite's tokenizer.json BPE on tiktoken's core and in Python, HF `tokenizers` and a plain tiktoken encoding of
+the same ranks and pattern.
 
     .venv/bin/python -m benchmarks.data_loading            # every figure (a few minutes on 2 busy cores)
     .venv/bin/python -m benchmarks.data_loading --smoke    # tiny sizes: checks that every part runs (seconds)
@@ -16,6 +17,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -220,6 +222,31 @@ def run_threads(tmp: Path, lines: Path, folder: Path, vocab: int) -> None:
     print("documents encoded by 1 and 2 threads: " + "; ".join(
         f"{name} {rates[name, 1]:,.0f} and {rates[name, 2]:,.0f} tokens/s ({rates[name, 2] / rates[name, 1]:.2f}x)"
         for name in encoders), flush=True)
+    waits = {name: gil_wait(encoders[name], "".join(texts)) for name in list(encoders)[:2]}
+    print("one encode call of the whole text, and the longest another Python thread waited during it (the GIL held "
+          "throughout: the whole call): " + "; ".join(f"{name} {call * 1000:,.0f} ms, {wait * 1000:,.0f} ms"
+                                                      for name, (call, wait) in waits.items()), flush=True)
+
+
+def gil_wait(tokenizer, text: str) -> tuple[float, float]:
+    """(seconds of one encode call, the longest gap between the steps of a Python thread spinning meanwhile): a
+    library core that releases the GIL lets the spinner run throughout, on a loaded machine too."""
+    stamps: list[float] = []
+    done = threading.Event()
+
+    def spin() -> None:
+        while not done.is_set():
+            stamps.append(time.perf_counter())
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    start = time.perf_counter()
+    tokenizer.encode(text)
+    end = time.perf_counter()
+    done.set()
+    spinner.join()
+    inside = [t for t in stamps if start <= t <= end]
+    return end - start, max(b - a for a, b in zip([start, *inside], [*inside, end], strict=True))
 
 
 if __name__ == "__main__":
