@@ -1,8 +1,10 @@
 """Data at scale: one rank's loader tokens/s at data-parallel degrees 1, 8, 64 and 512 (rank 0's loader built with
 that degree, local batch 1), raw text (tokenized by every rank) against token files (each rank reads its own); two
-DataLoader workers against one on token files; scripts/tokenize_data.py's tokens/s against its number of processes;
-and the tokenizer on the same text: titan_lite's tokenizer.json BPE on tiktoken's core and in Python, HF `tokenizers`
-and a plain tiktoken encoding of the same ranks and pattern.
+DataLoader workers against one, on token files and on raw text (where the workers' threads share the tokenizing);
+documents encoded by 1 and 2 threads with each tokenizer back end (and whether the library cores release the GIL);
+scripts/tokenize_data.py's tokens/s against its number of processes; and the tokenizer on the same text:
+titan_lite's tokenizer.json BPE on tiktoken's core and in Python, HF `tokenizers` and a plain tiktoken encoding of
+the same ranks and pattern.
 
     .venv/bin/python -m benchmarks.data_loading            # every figure (a few minutes on 2 busy cores)
     .venv/bin/python -m benchmarks.data_loading --smoke    # tiny sizes: checks that every part runs (seconds)
@@ -15,17 +17,24 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from benchmarks import cli
 from titan_lite.data.dataloader import BatchLayout, DataLoader, LoaderOptions
-from titan_lite.data.datasets import BUNDLED_DATASETS, build_packed_source
+from titan_lite.data.datasets import (
+    BUNDLED_DATASETS,
+    DocumentStream,
+    StreamPosition,
+    build_packed_source,
+    encoded_documents,
+)
 from titan_lite.data.indexed import TokenWindows
 from titan_lite.data.token_chunks import RecordEncoder
 from titan_lite.data.token_files import open_token_folder
 from titan_lite.data.token_writer import write_token_folder
-from titan_lite.data.tokenizer import HFByteLevelBPETokenizer, build_tokenizer
+from titan_lite.data.tokenizer import HFByteLevelBPETokenizer, SentencePieceTokenizer, build_tokenizer
 
 DEGREES = (1, 8, 64, 512)
 LINE_CHARS = 3000
@@ -68,7 +77,8 @@ def loader_rates(make_source, degrees: tuple[int, ...], seq_len: int, seconds: f
     options = LoaderOptions(num_workers=workers, prefetch_factor=4 if workers else None)  # the trainer's start method
     loaders = [iter(DataLoader(make_source(), BatchLayout(1, 0, d), options)) for d in degrees]
     for batches in loaders:
-        next(batches)
+        for _ in range(1 + 4 * workers):  # and what the workers prefetched meanwhile: no span starts from a full queue
+            next(batches)
     best = [0.0] * len(degrees)
     for _ in range(3):
         for i, batches in enumerate(loaders):
@@ -126,7 +136,8 @@ def main() -> None:
         write_token_folder(tokens, [str(lines)], RecordEncoder("text", build_tokenizer(str(folder))),
                            report=lambda line: None)
         run_loaders(lines, folder, tokens, seq_len, degrees, seconds)
-        run_workers(tokens, seq_len, seconds)
+        run_workers(lines, folder, tokens, seq_len, seconds)
+        run_threads(tmp, lines, folder, vocab)
         rates, equal = tokenizer_rates(folder, lines)
         print("tokenizers on the same text, one thread: " + "; ".join(f"{k} {v:,.0f} tokens/s"
                                                                         for k, v in rates.items())
@@ -176,13 +187,66 @@ def run_loaders(lines: Path, folder: Path, tokens: Path, seq_len: int, degrees: 
           f"{files[-1]:,.0f} tokens/s per rank (goal > 1,000,000)", flush=True)
 
 
-def run_workers(tokens: Path, seq_len: int, seconds: float) -> None:
-    """Token files at D = 8: num_workers 2 against 1 (each worker reads only its own microbatches)."""
-    table = open_token_folder(tokens, "token files")
-    rates = {w: loader_rates(lambda: TokenWindows("tokens", table, seq_len, shuffle=True), (8,), seq_len, seconds,
-                             workers=w)[0] for w in (1, 2)}
-    print(f"DataLoader workers on token files (D = 8): num_workers 1 {rates[1]:,.0f} tokens/s, 2 {rates[2]:,.0f} "
-          f"tokens/s: {rates[2] / rates[1]:.2f}x (goal >= 1.7x)", flush=True)
+def run_workers(lines: Path, folder: Path, tokens: Path, seq_len: int, seconds: float) -> None:
+    """At D = 8, num_workers 2 against 1: on token files (each worker reads only its own microbatches) and on raw
+    text with the tokenizer.json on tiktoken's core (one worker reads the stream, the workers' threads encode)."""
+    table, tokenizer = open_token_folder(tokens, "token files"), build_tokenizer(str(folder))
+    sources = {"token files": lambda: TokenWindows("tokens", table, seq_len, shuffle=True),
+               "raw text": lambda: build_packed_source("jsonl", str(lines), tokenizer, seq_len)}
+    for name, source in sources.items():
+        rates = {w: loader_rates(source, (8,), seq_len, seconds, workers=w)[0] for w in (1, 2)}
+        print(f"DataLoader workers on {name} (D = 8): num_workers 1 {rates[1]:,.0f} tokens/s, 2 {rates[2]:,.0f} "
+              f"tokens/s: {rates[2] / rates[1]:.2f}x (goal >= 1.7x)", flush=True)
+
+
+def run_threads(tmp: Path, lines: Path, folder: Path, vocab: int) -> None:
+    """Documents encoded side by side by 1 and 2 threads (encoded_documents, as a raw-text worker runs them), with
+    each back end: the tokenizer.json on tiktoken's core and in Python, and a sentencepiece model trained on the
+    same text; the best of three alternating rounds."""
+    import sentencepiece  # a dependency (Llama 2's tokenizer.model)
+
+    texts = [json.loads(line)["text"] for line in lines.read_text().splitlines()]
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_prefix=str(tmp / "sp"),
+                                             vocab_size=min(vocab, 4000), num_threads=1, minloglevel=2)
+    encoders = {"tokenizer.json on tiktoken's core": build_tokenizer(str(folder)),
+                "sentencepiece": SentencePieceTokenizer(sentencepiece.SentencePieceProcessor(str(tmp / "sp.model"))),
+                "tokenizer.json in Python": HFByteLevelBPETokenizer(folder / "tokenizer.json", core=False)}
+    stream = DocumentStream([lines])
+    rates = {(name, threads): 0.0 for name in encoders for threads in (1, 2)}
+    for _ in range(3):
+        for name, threads in rates:
+            encode = encoders[name].encode
+            start = time.perf_counter()
+            count = sum(len(ids) for ids, _ in encoded_documents(stream.read(StreamPosition()), encode, threads))
+            rates[name, threads] = max(rates[name, threads], count / (time.perf_counter() - start))
+    print("documents encoded by 1 and 2 threads: " + "; ".join(
+        f"{name} {rates[name, 1]:,.0f} and {rates[name, 2]:,.0f} tokens/s ({rates[name, 2] / rates[name, 1]:.2f}x)"
+        for name in encoders), flush=True)
+    waits = {name: gil_wait(encoders[name], "".join(texts)) for name in list(encoders)[:2]}
+    print("one encode call of the whole text, and the longest another Python thread waited during it (the GIL held "
+          "throughout: the whole call): " + "; ".join(f"{name} {call * 1000:,.0f} ms, {wait * 1000:,.0f} ms"
+                                                      for name, (call, wait) in waits.items()), flush=True)
+
+
+def gil_wait(tokenizer, text: str) -> tuple[float, float]:
+    """(seconds of one encode call, the longest gap between the steps of a Python thread spinning meanwhile): a
+    library core that releases the GIL lets the spinner run throughout, on a loaded machine too."""
+    stamps: list[float] = []
+    done = threading.Event()
+
+    def spin() -> None:
+        while not done.is_set():
+            stamps.append(time.perf_counter())
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    start = time.perf_counter()
+    tokenizer.encode(text)
+    end = time.perf_counter()
+    done.set()
+    spinner.join()
+    inside = [t for t in stamps if start <= t <= end]
+    return end - start, max(b - a for a, b in zip([start, *inside], [*inside, end], strict=True))
 
 
 if __name__ == "__main__":

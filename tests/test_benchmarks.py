@@ -219,6 +219,8 @@ def test_data_loading_smoke_prints_every_figure(monkeypatch, capsys):
                   "  raw text, tokenizer.json on tiktoken's core ", "  raw text, tokenizer.json in Python ",
                   "  token files (shuffled) ", "token files at D = 8 / D = 1: ",
                   "DataLoader workers on token files (D = 8): num_workers 1 ",
+                  "DataLoader workers on raw text (D = 8): num_workers 1 ", "documents encoded by 1 and 2 threads: ",
+                  "one encode call of the whole text, and the longest another Python thread waited during it ",
                   "tokenizers on the same text, one thread: titan_lite tokenizer.json on tiktoken's core "):
         assert any(line.startswith(start) for line in out.splitlines()), start
     assert "ids equal HF tokenizers' on 40 of 40 documents" in out

@@ -5,17 +5,20 @@ import itertools
 import json
 import logging
 import pickle
+import random
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from titan_lite.data.dataloader import BatchLayout, LoaderOptions, build_dataloader
+from titan_lite.data.dataloader import BatchLayout, DataLoader, LoaderOptions, build_dataloader
 from titan_lite.data.datasets import (
     DocumentStream,
     StreamPosition,
     build_packed_source,
     check_dataset,
+    encoded_documents,
     known_datasets,
     resolve_shards,
 )
@@ -35,6 +38,12 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i - OFFSET for i in ids if i >= OFFSET).decode("utf-8")
+
+
+class ThreadedByteTokenizer(ByteTokenizer):
+    """The stand-in, declared to encode without the GIL: raw-text workers share its encoding as threads."""
+
+    backend, releases_gil = "bytes", True
 
 
 TOK = ByteTokenizer()
@@ -207,6 +216,65 @@ def test_dataloader_workers_keep_the_order(mixed_folder: Path):
     plain, _ = microbatches(mixed_folder, 1, 2, 2, 1, steps=5)
     with_workers, _ = microbatches(mixed_folder, 1, 2, 2, 1, steps=5, num_workers=2)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(plain, with_workers, strict=True))
+
+
+def test_encoding_threads_hand_out_documents_in_order_and_a_bad_line_in_its_place(tmp_path: Path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS) + "not json\n")
+    jitter = random.Random(0)
+
+    def encode(text: str) -> list[int]:
+        time.sleep(jitter.random() / 500)  # threads finish out of order
+        return TOK.encode(text)
+
+    got = []
+    with pytest.raises(ConfigError, match=r"docs.jsonl:12: not valid JSON"):
+        for ids, position in encoded_documents(DocumentStream([path]).read(StreamPosition()), encode, threads=3,
+                                               task_chars=20):
+            got.append((ids, position))
+    assert got == [(TOK.encode(t), p) for t, (_, p) in zip(DOCS, DocumentStream([path]).read(StreamPosition()),
+                                                               strict=False)]
+
+
+def test_raw_text_workers_share_the_tokenizing_with_the_same_windows_documents_and_states(
+        mixed_folder: Path, caplog: pytest.LogCaptureFixture):
+    k, total, tok = 4, 9, ThreadedByteTokenizer()
+    layout = BatchLayout(1, 1, 2, 2)  # rank 1 of 2, two microbatches a step
+
+    def loader(num_workers: int) -> DataLoader:
+        source = build_packed_source("jsonl", str(mixed_folder), tok, SEQ, documents=True)
+        return DataLoader(source, layout, LoaderOptions(num_workers=num_workers, start_method="forkserver"))
+
+    def steps(made: DataLoader) -> tuple[list, list]:
+        batches, states = [], []
+        for _, batch in zip(range(total * layout.accumulation), made, strict=False):
+            batches.append(batch)
+            if len(batches) % layout.accumulation == 0:
+                states.append(made.state_dict())
+        return batches, states
+
+    reference, reference_states = steps(loader(0))
+    assert len(reference[0]) == 3  # inputs, labels, document ids
+    with caplog.at_level(logging.INFO, logger="titan_lite.data.dataloader"):
+        shared = loader(2)
+    assert "one worker process reads raw text 'jsonl' once and 2 threads in it share the tokenizing" in caplog.text
+    assert shared._read_from(None).num_workers == 1
+    got, states = steps(shared)
+    assert all(torch.equal(x, y) for a, b in zip(got, reference, strict=True) for x, y in zip(a, b, strict=True))
+    assert states == reference_states  # read ahead, never in a state
+
+    # resumed mid-stream (what the worker runs, here in this process): the uninterrupted stream's samples
+    resumed = loader(2).dataset
+    resumed.start_state, resumed.encoders = pickle.loads(pickle.dumps(states[k - 1]["source"])), 2
+    rest = [sample for sample, _ in itertools.islice(resumed, (total - k) * layout.accumulation)]
+    expected = [tuple(t[0] for t in batch[:3]) for batch in reference[k * layout.accumulation:]]
+    assert all(torch.equal(x, y) for a, b in zip(rest, expected, strict=True) for x, y in zip(a, b, strict=True))
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="titan_lite.data.dataloader"):
+        DataLoader(build_packed_source("jsonl", str(mixed_folder), TOK, SEQ), layout, LoaderOptions(num_workers=2))
+    assert "each of the 2 workers reads and tokenizes the whole raw-text stream (its tokenizer (ByteTokenizer) " \
+           "holds Python's GIL" in caplog.text
 
 
 @pytest.mark.parametrize("saved, resumed", [((2, 2, 1), (4, 1, 1)), ((1, 4, 1), (1, 2, 2)), ((4, 1, 1), (1, 4, 1))])

@@ -209,7 +209,8 @@ class LRScheduler:
 
 @dataclass
 class DataLoader:
-    num_workers: int = opt(0, "DataLoader worker processes.")
+    num_workers: int = opt(0, "DataLoader workers: processes (on raw text whose tokenizer releases the GIL: "
+                               "threads sharing the tokenizing in one worker process).")
     persistent_workers: bool = opt(False, "Keep workers alive between epochs.")
     pin_memory: bool = opt(False, "Pin host memory for faster host-to-device copies.")
     prefetch_factor: int | None = opt(None, "Batches prefetched per worker (needs num_workers > 0).")

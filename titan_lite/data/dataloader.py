@@ -4,13 +4,16 @@ Global batch N is samples [N x G, (N + 1) x G) of the source's stream, where G =
 x accumulation steps. Its microbatch a of data-parallel rank r is the L samples starting at (a x D + r) x L. So what
 a global batch holds depends only on the data and N, never on the layout. A source that hands out any sample by its
 index (token files; instruction and preference rows: data/indexed.py) is read only at this rank's samples, by each
-worker only at its own, so a rank's cost does not grow with D; a raw-text stream is read whole by every rank (and
-every worker), which keeps its slice. The loader's state (the source's state at the end of the last global batch,
-and G) is the same on every rank, so a checkpoint resumes exactly on another data-parallel degree as long as G stays
-the same.
+worker only at its own, so a rank's cost does not grow with D; a raw-text stream is read whole by every rank, which
+keeps its slice. With `num_workers = N` on raw text whose tokenizer releases the GIL (tiktoken, sentencepiece, a
+tokenizer.json BPE on tiktoken's core), one worker process reads the stream once and N threads in it share the
+tokenizing (the same windows, in the same order); otherwise each of the N workers reads the whole stream. The
+loader's state (the source's state at the end of the last global batch, and G) is the same on every rank, so a
+checkpoint resumes exactly on another data-parallel degree as long as G stays the same.
 """
 
 import itertools
+import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,7 +25,14 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titan_lite.config.schema import JobConfig
-from titan_lite.data.datasets import Deferred, Sample, SampleSource, build_packed_source, dataset_root
+from titan_lite.data.datasets import (
+    Deferred,
+    PackedSource,
+    Sample,
+    SampleSource,
+    build_packed_source,
+    dataset_root,
+)
 from titan_lite.data.indexed import IndexedSource, RecordSource, TokenWindows, token_windows
 from titan_lite.data.instruct import PAD_DOCUMENT, build_instruction_source
 from titan_lite.data.order import data_order
@@ -30,6 +40,8 @@ from titan_lite.data.preference import build_preference_source
 from titan_lite.data.token_files import is_token_folder
 from titan_lite.errors import ConfigError
 from titan_lite.loss import IGNORE_INDEX
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -59,13 +71,14 @@ class GlobalBatchSlices(IterableDataset):
 
     With DataLoader workers, worker w produces the rank's microbatches k with k % workers == w (each worker reads
     the stream, or only its samples of an IndexedSource), and the loader's round-robin over workers restores the
-    order.
+    order. `encoders` > 1: a PackedSource's documents are encoded by that many threads (in the one worker).
     """
 
     def __init__(self, source: SampleSource, layout: BatchLayout):
         self.source = source
         self.layout = layout
         self.start_state: dict[str, Any] | None = None
+        self.encoders = 1
 
     def __iter__(self) -> Iterator[tuple[Sample, dict[str, Any]]]:
         info = get_worker_info()
@@ -73,7 +86,8 @@ class GlobalBatchSlices(IterableDataset):
         if isinstance(self.source, IndexedSource):
             yield from self._by_index(worker, workers)
             return
-        samples = self.source.samples(self.start_state)
+        samples = self.source.samples(self.start_state, encoders=self.encoders) if self.encoders > 1 else \
+            self.source.samples(self.start_state)
         for batch_index in itertools.count():
             batch = list(itertools.islice(samples, self.layout.global_batch))
             if len(batch) < self.layout.global_batch:
@@ -166,6 +180,9 @@ class DataLoader:
         self.collate = collate
         self.state: dict[str, Any] | None = None  # the source's state at the end of the last global batch consumed
         self.microbatches = 0
+        streams = getattr(source, "sources", [source])  # a data mixture's domains
+        if self.options.num_workers > 1 and any(isinstance(s, PackedSource) for s in streams):
+            logger.info("DataLoader: %s", describe_workers(source, self.options.num_workers))
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         """(input_ids, labels) per microbatch, plus a [B] domain-id tensor for a MixtureSource. When the source's
@@ -191,13 +208,18 @@ class DataLoader:
         if isinstance(self.source, IndexedSource):
             self.source.prepare()  # before workers start: they share (fork) or carry (spawn) the work done
         o = self.options
+        workers, prefetch = o.num_workers, o.prefetch_factor
+        self.dataset.encoders = 1
+        if shares_tokenizing(self.source, o.num_workers):
+            # one worker reads the stream, N threads in it encode; as many batches in flight as N workers would hold
+            self.dataset.encoders, workers, prefetch = o.num_workers, 1, (prefetch or 2) * o.num_workers
         # Batches cross from worker processes as numpy arrays, pickled by value: a shared-memory segment per tensor
         # costs more than copying a batch (pinned memory needs tensors: then they stay tensors)
-        collate = self.collate if o.num_workers == 0 or o.pin_memory else AsArrays(self.collate)
+        collate = self.collate if workers == 0 or o.pin_memory else AsArrays(self.collate)
         return StatefulDataLoader(self.dataset, batch_size=self.layout.local_batch, collate_fn=collate,
-                                  num_workers=o.num_workers, pin_memory=o.pin_memory,
-                                  persistent_workers=o.persistent_workers, prefetch_factor=o.prefetch_factor,
-                                  multiprocessing_context=o.start_method if o.num_workers > 0 else None)
+                                  num_workers=workers, pin_memory=o.pin_memory,
+                                  persistent_workers=o.persistent_workers, prefetch_factor=prefetch,
+                                  multiprocessing_context=o.start_method if workers > 0 else None)
 
     def state_dict(self) -> dict[str, Any]:
         if self.microbatches % self.layout.accumulation:
@@ -333,6 +355,26 @@ def _where(source: SampleSource) -> str:
     """A raw-text source's file, or the folder of its files."""
     shards = source.stream.shards
     return f"'{shards[0] if len(shards) == 1 else shards[0].parent}'"
+
+
+def shares_tokenizing(source: SampleSource, num_workers: int) -> bool:
+    """Whether N > 1 DataLoader workers of a raw-text stream become N encoding threads in one worker: its tokenizer
+    must release the GIL (a data mixture's raw-text domains keep one stream per worker)."""
+    return num_workers > 1 and isinstance(source, PackedSource) and getattr(source.tokenizer, "releases_gil", False)
+
+
+def describe_workers(source: SampleSource, num_workers: int) -> str:
+    """What N DataLoader workers do for a source read as a stream, for the run's log."""
+    if shares_tokenizing(source, num_workers):
+        return (f"one worker process reads raw text '{source.name}' once and {num_workers} threads in it share the "
+                f"tokenizing ({source.tokenizer.backend}; num_workers = {num_workers})")
+    if isinstance(source, PackedSource):
+        why = f"its tokenizer ({getattr(source.tokenizer, 'backend', type(source.tokenizer).__name__)}) holds " \
+              "Python's GIL, so threads would not share the work"
+    else:
+        why = "a data mixture's raw-text domains are read by each worker"
+    return (f"each of the {num_workers} workers reads and tokenizes the whole raw-text stream ({why}): no faster "
+            "than one worker; tokenize once with scripts/tokenize_data.py to share the reading")
 
 
 def reads_by_index(source: SampleSource) -> bool:

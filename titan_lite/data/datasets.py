@@ -1,14 +1,18 @@
 """Document sources (bundled Shakespeare, local .txt/.jsonl/.json.gz/.parquet shards) and token packing into a sample
-stream."""
+stream, its documents encoded in order by one thread, or by several side by side (a raw-text DataLoader's workers)."""
 
 import dataclasses
+import functools
 import gzip
 import json
 import logging
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
+import numpy as np
 import torch
 
 from titan_lite.errors import ConfigError, did_you_mean, pip_install, quote_path
@@ -231,6 +235,64 @@ def parquet_columns(path: Path, columns: list[str], keys: str | None = None) -> 
         yield from zip(*(batch.column(i).to_pylist() for i in range(len(columns))), strict=True)
 
 
+# ---------------------------------------------------------------- encoding, shared by threads
+
+TASK_CHARS = 16_384  # documents are handed to an encoding thread in lists of about this many characters
+TASKS_AHEAD = 4  # lists in flight per thread: enough to keep each busy, and an endless stream is never read far ahead
+
+
+def encoded_documents(documents: Iterator[tuple[str, StreamPosition]], encode: Callable[[str], list[int]],
+                      threads: int = 1, task_chars: int = TASK_CHARS) -> Iterator[tuple[list[int], StreamPosition]]:
+    """(ids, position after the document) of every document, in document order. With threads > 1 that many threads
+    encode them side by side (for encoders that release the GIL), reading ahead a bounded number of documents: the
+    positions handed out are still those of the documents returned, so what is read ahead never reaches a state."""
+    if threads <= 1:
+        yield from ((encode(text), position) for text, position in documents)
+        return
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="encode")
+    pending: deque = deque()
+    try:
+        for task in _encoding_tasks(documents, encode, task_chars):
+            pending.append(pool.submit(task))
+            if len(pending) >= TASKS_AHEAD * threads:
+                yield from pending.popleft().result()
+        while pending:
+            yield from pending.popleft().result()
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _encoding_tasks(documents: Iterator[tuple[str, StreamPosition]], encode: Callable[[str], list[int]],
+                    task_chars: int) -> Iterator[Callable[[], list]]:
+    """Lists of about `task_chars` characters of documents, each a call that encodes them. An error reading the
+    stream (a malformed line) becomes a last call that raises it: it reaches the reader where the stream does,
+    after the documents before it."""
+    batch: list[tuple[str, StreamPosition]] = []
+    size = 0
+    try:
+        for text, position in documents:
+            batch.append((text, position))
+            size += len(text)
+            if size >= task_chars:
+                yield functools.partial(_encode_all, encode, batch)
+                batch, size = [], 0
+    except Exception as error:  # noqa: BLE001 - raised again, in its place in the stream
+        yield functools.partial(_encode_all, encode, batch)
+        yield functools.partial(_raise, error)
+        return
+    if batch:
+        yield functools.partial(_encode_all, encode, batch)
+
+
+def _encode_all(encode: Callable[[str], list[int]],
+                batch: list[tuple[str, StreamPosition]]) -> list[tuple[list[int], StreamPosition]]:
+    return [(encode(text), position) for text, position in batch]
+
+
+def _raise(error: Exception) -> list:
+    raise error
+
+
 # ---------------------------------------------------------------- packing
 
 
@@ -239,13 +301,18 @@ def parquet_columns(path: Path, columns: list[str], keys: str | None = None) -> 
 Sample = tuple[torch.Tensor, ...]
 
 
+def long_tensor(values: list[int]) -> torch.Tensor:
+    """An int64 tensor of a list (through numpy: several times faster than torch.tensor on a Python list)."""
+    return torch.from_numpy(np.asarray(values, dtype=np.int64))
+
+
 def packed_sample(tokens: list[int], documents: list[int], trained: list[bool] | None = None) -> Sample:
     """(inputs, labels, document ids) of a window of seq_len + 1 tokens and their document ids: a label is kept
     only where the next token belongs to the same document (and trains, when `trained` says which do)."""
-    ids, docs = torch.as_tensor(tokens, dtype=torch.long), torch.as_tensor(documents, dtype=torch.long)
+    ids, docs = long_tensor(tokens), long_tensor(documents)
     keep = docs[1:] == docs[:-1]
     if trained is not None:
-        keep &= torch.as_tensor(trained[1:], dtype=torch.bool)
+        keep &= torch.from_numpy(np.asarray(trained[1:], dtype=bool))
     return ids[:-1], torch.where(keep, ids[1:], IGNORE_INDEX), docs[:-1]
 
 
@@ -291,6 +358,9 @@ class PackedSource:
     packed (and, with documents, the lengths of the document pieces among them), so a source restarted from it
     continues with exactly the windows that would have come next. An infinite source starts a new epoch at the end
     of the data (the leftover tokens carry over); a finite one stops (the partial last window is dropped).
+
+    `samples(state, encoders=N)` encodes with N threads side by side (encoded_documents): the same windows and
+    states, for a tokenizer that releases the GIL (`releases_gil`).
     """
 
     def __init__(self, name: str, stream: DocumentStream, tokenizer: TokenizerLike, seq_len: int,
@@ -302,7 +372,8 @@ class PackedSource:
         self.infinite = infinite
         self.documents = documents
 
-    def samples(self, state: dict[str, Any] | None = None) -> Iterator[tuple[Sample, dict[str, Any]]]:
+    def samples(self, state: dict[str, Any] | None = None,
+                encoders: int = 1) -> Iterator[tuple[Sample, dict[str, Any]]]:
         state = self._checked(state) if state is not None else {"epoch": 0, "position": {}, "buffer": []}
         epoch, start, buffer = state["epoch"], StreamPosition(**state["position"]), list(state["buffer"])
         # the lengths of the document pieces in the buffer (a state saved without them: one piece)
@@ -310,9 +381,8 @@ class PackedSource:
         window = self.seq_len + 1
         while True:
             found = False
-            for text, position in self.stream.read(start):
+            for ids, position in encoded_documents(self.stream.read(start), self._encode, encoders):
                 found = True
-                ids = self.tokenizer.encode(text, bos=True, eos=True)
                 buffer.extend(ids)
                 lengths += [len(ids)] if self.documents else []
                 while len(buffer) >= window:
@@ -321,7 +391,7 @@ class PackedSource:
                         documents, lengths = _take_documents(lengths, window)
                         yield packed_sample(chunk, documents), self._state(epoch, position, buffer, lengths)
                     else:
-                        tokens = torch.tensor(chunk, dtype=torch.long)
+                        tokens = long_tensor(chunk)
                         yield (tokens[:-1], tokens[1:]), self._state(epoch, position, buffer, [])
             if not found and start == StreamPosition():
                 raise ConfigError(f"dataset '{self.name}' has no documents")
@@ -329,6 +399,9 @@ class PackedSource:
                 return
             epoch, start = epoch + 1, StreamPosition()
             logger.info("Dataset %s: starting epoch %d", self.name, epoch)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, bos=True, eos=True)
 
     def _state(self, epoch: int, position: StreamPosition, buffer: list[int], lengths: list[int]) -> dict[str, Any]:
         state = {"epoch": epoch, "position": dataclasses.asdict(position), "buffer": list(buffer),

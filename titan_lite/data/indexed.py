@@ -1,7 +1,8 @@
 """Sources that hand out sample i of their global order directly, so that a rank, and each of its DataLoader workers,
 reads only its own samples: pre-training windows over a token table (token files), and records (instruction examples,
 preference pairs; from token files or tokenized at the start of the run) one per sample, packed whole into windows, or
-packed end to end. The order within an epoch is the stored one or a seeded permutation (data/order.py)."""
+packed end to end. The order within an epoch is the stored one or a seeded permutation (data/order.py). Workers split
+the reading only: a token-file window is one memory-mapped read, which the main process alone does fast enough."""
 
 import bisect
 import logging

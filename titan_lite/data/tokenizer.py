@@ -56,6 +56,8 @@ class Tokenizer:
     backend: str  # what encodes: 'tiktoken', 'sentencepiece', 'python BPE'
     backend_note = ""  # why that one (a tokenizer.json byte-level BPE: whether tiktoken's core is exact for it)
     source: Path | None = None  # the file it was read from
+    # whether encoding runs without Python's GIL (a library core), so threads encoding documents side by side scale
+    releases_gil = False
 
     def encode(self, text: str, bos: bool = True, eos: bool = False, *, allow_special: bool = False) -> list[int]:
         ids = self._encode_text(text, allow_special)
@@ -80,6 +82,7 @@ class TiktokenTokenizer(Tokenizer):
     """A Llama 3 `tokenizer.model` (lines "<base64 bytes> <rank>") with Llama 3's regex and 256 special tokens."""
 
     backend = "tiktoken"
+    releases_gil = True
 
     def __init__(self, path: Path, ranks: dict[bytes, int]):
         _check_tiktoken_ranks(path, ranks)
@@ -139,6 +142,7 @@ class SentencePieceTokenizer(Tokenizer):
     """A sentencepiece `tokenizer.model` (Llama 2 style); bos/eos/pad come from the model."""
 
     backend = "sentencepiece"
+    releases_gil = True
 
     def __init__(self, processor: sentencepiece.SentencePieceProcessor, source: Path | None = None):
         self._sp = processor
@@ -350,6 +354,10 @@ class HFByteLevelBPETokenizer(Tokenizer):
         self._core: tiktoken.Encoding | None = None
         if core is not False:
             self._start_core(path, spec, checked=bool(core))
+
+    @property
+    def releases_gil(self) -> bool:
+        return self._core is not None  # the Python BPE holds the GIL throughout
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without its text functions (workers started by spawn or forkserver build them again from the
