@@ -69,6 +69,7 @@ REAP_MODELS = {"unpruned (step 200)": "debug_moe/checkpoint/step-200-hf", "REAP,
                "REAP, then 40 steps of plain training (control)": "reap_recovery_plain/checkpoint/step-40-hf"}
 GSM8K_RUN = "outputs/lora_gsm8k_100"
 GSM8K_CONFIG = "train_configs/lora_synthetic_gsm8k_cpu.toml"
+GRPO_EXAMPLE_STEPS = (20, 40, 60)  # its evaluations (validation.freq 20)
 COMMANDS = {
     "float8_plan": Command("DRY_RUN=1 NGPU=8 CONFIG_FILE=train_configs/llama3_8b_float8.toml ./run_train.sh "
                           "--model.hf_assets_path ./assets/tokenizer", exit_codes=DRY),
@@ -186,15 +187,19 @@ COMMANDS = {
         "data/synthetic_prefs/train.jsonl --seed 0",
         "rm -rf outputs/dpo_lora_cpu",  # a finished run in the folder would not train again
         "CONFIG_FILE=train_configs/dpo_lora_cpu.toml ./run_train.sh"]), slow=True),
-    # RL with verifiable rewards: the 24 GB GPU plan, and the CPU example (200 SFT steps, then 60 GRPO steps).
+    # RL with verifiable rewards: the 24 GB GPU plan, and the CPU example (300 SFT steps, GRPO's evaluation of
+    # that start, then 60 GRPO steps).
     "grpo_1.7b_plan": Command("DRY_RUN=1 NGPU=1 CONFIG_FILE=train_configs/qwen3_1.7b_grpo_gsm8k.toml ./run_train.sh "
                               "--dry_run.device_memory_gib 24", exit_codes=DRY),
     "grpo_example": Command(" && ".join([
         ".venv/bin/python scripts/make_synthetic_gsm8k.py --output data/synthetic_gsm8k/train.jsonl --num_problems "
         "2000 --seed 0",
-        "rm -rf outputs/gsm8k_sft_200 outputs/grpo_synthetic_gsm8k_cpu",  # finished runs would not train again
+        # finished runs would not train again
+        "rm -rf outputs/gsm8k_sft_300 outputs/grpo_synthetic_gsm8k_cpu_start outputs/grpo_synthetic_gsm8k_cpu",
         "OMP_NUM_THREADS=1 CONFIG_FILE=train_configs/lora_synthetic_gsm8k_cpu.toml ./run_train.sh --training.steps "
-        "200 --job.dump_folder outputs/gsm8k_sft_200",
+        "300 --validation.max_new_tokens 20 --job.dump_folder outputs/gsm8k_sft_300",
+        "OMP_NUM_THREADS=1 CONFIG_FILE=train_configs/grpo_synthetic_gsm8k_cpu.toml ./run_train.sh --training.steps 1 "
+        "--validation.freq 1 --optimizer.lr 1e-12 --job.dump_folder outputs/grpo_synthetic_gsm8k_cpu_start",
         "OMP_NUM_THREADS=1 CONFIG_FILE=train_configs/grpo_synthetic_gsm8k_cpu.toml ./run_train.sh"]), slow=True),
 }
 
@@ -395,6 +400,22 @@ FIGURES = [
            rf"validate step: 20 .*rewards/margins: {NUMBER} (?:.*\n)*?.*validate step: 100 .*rewards/margins: "
            rf"{NUMBER} ",
            rf"and the margins from {NUMBER} to {NUMBER} at step\s+100"),
+    # the GRPO example (slow): the SFT run's last evaluation (the start), then GRPO's every 20 steps
+    Figure("GRPO example: the SFT model's answer accuracy", "grpo_example",
+           r"answer accuracy at step 300 \(last evaluation\): (\d+)/100",
+           r"^answer accuracy at step 300 \(last evaluation\): (\d+)/100$"),
+    Figure("GRPO example: GRPO's own evaluation of the start", "grpo_example",
+           rf"validate step: +1 +reward: {NUMBER} +rewards/answer_match/mean: {NUMBER} +answer_accuracy: {NUMBER}",
+           rf"^validate step: +1 +reward: {NUMBER} +rewards/answer_match/mean: {NUMBER} +answer_accuracy: {NUMBER}"),
+    *(Figure(f"GRPO example: validation at step {step}", "grpo_example",
+             rf"validate step: {step} +reward: {NUMBER} +rewards/answer_match/mean: {NUMBER} +answer_accuracy: "
+             rf"{NUMBER} +completions/mean_length: {NUMBER}",
+             rf"^validate step: {step} +reward: {NUMBER} +rewards/answer_match/mean: {NUMBER} +answer_accuracy: "
+             rf"{NUMBER} +completions/mean_length: {NUMBER}")
+      for step in GRPO_EXAMPLE_STEPS),
+    Figure("GRPO example: the rise, in README", "grpo_example",
+           rf"validate step: 300 .*answer_accuracy: {NUMBER}(?:.*\n)*?.*validate step: 60 +reward: .*answer_accuracy: "
+           rf"{NUMBER}", rf"held-out greedy answer accuracy from {NUMBER} to {NUMBER} in 60 steps"),
     Figure("show_data: the first sample", "chat_show_data",
            r"^--- sample 1: (\d+) tokens, (\d+) documents, (\d+) trained",
            r"^--- sample 1: (\d+) tokens, (\d+) documents, (\d+) trained"),

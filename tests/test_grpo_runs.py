@@ -174,7 +174,7 @@ def test_dry_run_plans_the_cpu_example_on_two_ranks_with_a_held_reference(tmp_pa
         "--grpo.beta", "0.04", "--grpo.reference", str(tmp_path / "ref"), "--grpo.reference_flavor", "debugmodel",
         "--dry_run.device_memory_gib", "8"])
     assert code == 5, out + err  # the SFT model, the reference and the data are not there yet: the checklist
-    assert ("grpo rollouts: 8 prompts x 8 completions = 64 per step, 32 sampled on each data-parallel rank, 32 "
+    assert ("grpo rollouts: 16 prompts x 8 completions = 128 per step, 64 sampled on each data-parallel rank, 64 "
             "decoded together: a KV cache of 65 slots each (prompts up to 45 tokens + 20 new)") in out
     assert ("grpo: loss dapo, clip [1 - 0.2, 1 + 0.2], beta 0.04 x k3 KL, temperature 1; reference: debugmodel "
             "from") in out
