@@ -81,6 +81,11 @@ SLOW_PATHS = ("tests/integration/", "tests/test_benchmarks.py::test_benchmark_ru
               "tests/test_benchmarks.py::test_paired_worker_alternates_both_steps_in_one_process")
 
 
+# Files whose one slow test runs for minutes: first of all, whatever their count of slow tests.
+LONGEST_SINGLE_TESTS = ("tests/integration/test_user_runs.py", "tests/test_gpu_lane.py",
+                        "tests/test_offline_install.py")
+
+
 def heaviest_files_first(items: list) -> list:
     """The files with the most slow tests first, each file's tests together and in their order (module fixtures are
     set up once). The suite's workers start with contiguous shares and an idle one takes over the end of a busy one's
@@ -89,7 +94,11 @@ def heaviest_files_first(items: list) -> list:
     files: dict[str, list] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
-    order = sorted(files.values(), key=lambda tests: -sum(t.get_closest_marker("slow") is not None for t in tests))
+    def weight(tests: list) -> tuple[bool, int]:
+        first = tests[0].nodeid.startswith(LONGEST_SINGLE_TESTS)
+        return not first, -sum(t.get_closest_marker("slow") is not None for t in tests)
+
+    order = sorted(files.values(), key=weight)
     return [item for tests in order for item in tests]
 
 
