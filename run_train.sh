@@ -40,6 +40,14 @@ if [ -z "${NGPU:-}" ]; then
 fi
 LOG_RANK="${LOG_RANK:-0}"
 NNODES="${NNODES:-1}"
+if ! [[ "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
+  echo "error: NGPU=$NGPU is not a number of processes per node (1 or more)" >&2
+  exit 2
+fi
+if ! [[ "$LOG_RANK" =~ ^[0-9]+(,[0-9]+)*$ ]]; then
+  echo "error: LOG_RANK=$LOG_RANK is not a comma list of local ranks whose output is shown (e.g. 0 or 0,1)" >&2
+  exit 2
+fi
 export NGPU NNODES
 [ -n "${COMM_BACKEND:-}" ] && export COMM_BACKEND
 
@@ -65,10 +73,11 @@ else
   launch=(--standalone)
 fi
 
-# The launcher runs torchrun: stop signals reach the ranks once, and a rank's user error ends the run in one line.
-# One process on one node without restarts needs no torchrun: the launcher starts that rank itself.
-if [ "$NGPU" = "1" ] && [ "$NNODES" = "1" ] && [ "${MAX_RESTARTS:-0}" = "0" ]; then
-  exec "$PYTHON" -m titan_lite.launcher --single -m titan_lite.train --job.config_file "$CONFIG_FILE" "$@"
+# The launcher supervises the ranks: stop signals reach them once, and a rank's user error ends the run in one line.
+# One node without restarts needs no torchrun: the launcher starts the ranks itself (torchrun costs ~4 s a launch).
+if [ "$NNODES" = "1" ] && [ "${MAX_RESTARTS:-0}" = "0" ]; then
+  exec "$PYTHON" -m titan_lite.launcher --local "$NGPU" --log-ranks "$LOG_RANK" \
+    -m titan_lite.train --job.config_file "$CONFIG_FILE" "$@"
 fi
 exec "$PYTHON" -m titan_lite.launcher --nproc_per_node "$NGPU" "${launch[@]}" --max_restarts "${MAX_RESTARTS:-0}" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \

@@ -4,6 +4,8 @@ and the launcher's rank-side protocol."""
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -157,3 +159,40 @@ def test_the_entry_point_maps_errors_to_one_line_and_an_exit_code(monkeypatch):
     assert code == HANG and line.startswith("rank 5 of 8 timed out")
     assert one_line_error(TrainingFault("step 3: the loss is nan")) == (3, "step 3: the loss is nan")
     assert one_line_error(ValueError("a bug")) is None  # its traceback is printed
+
+
+def launch_local(ranks: int, log_ranks: str, script: str) -> subprocess.CompletedProcess:
+    """python -m titan_lite.launcher --local ranks --log-ranks log_ranks -c script (no torch: a second or so)."""
+    env = {k: v for k, v in os.environ.items() if k != LAUNCH_DIR_ENV}
+    return subprocess.run([sys.executable, "-m", "titan_lite.launcher", "--local", str(ranks), "--log-ranks",
+                           log_ranks, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_local_ranks_get_torchruns_environment_and_only_the_shown_ranks_output():
+    out = launch_local(3, "0,2", "import os; print(os.environ['RANK'], os.environ['WORLD_SIZE'], "
+                                 "os.environ['LOCAL_RANK'], os.environ['MASTER_ADDR'])")
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["[rank0]:0 3 0 127.0.0.1", "[rank2]:2 3 2 127.0.0.1"]
+
+
+def test_a_local_rank_that_crashes_stops_the_others_and_its_hidden_last_lines_are_shown():
+    """Rank 1 (not shown) raises; rank 0 would sleep for a minute: it is stopped after the grace period."""
+    script = ("import os, time\nif os.environ['RANK'] == '1':\n    raise ValueError('a bug in rank 1')\n"
+              "time.sleep(60)")
+    started = time.monotonic()
+    out = launch_local(2, "0", script)
+    assert time.monotonic() - started < 30
+    assert out.returncode == 1
+    assert "[rank1]:ValueError: a bug in rank 1" in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == ("error: rank 1 exited with code 1 (its last lines are above); the "
+                                                   "other ranks were stopped")
+
+
+def test_several_local_ranks_meet_at_rank_0s_store_on_an_ephemeral_port():
+    script = ("import datetime, torch.distributed as dist\nfrom titan_lite import distributed as d\n"
+              "d.init_process_group(__import__('torch').device('cpu'), 60)\n"
+              "t = __import__('torch').tensor([dist.get_rank() + 1.0]); dist.all_reduce(t); print(int(t.item()))\n"
+              "dist.barrier(); dist.destroy_process_group()")
+    out = launch_local(2, "0,1", script)
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["[rank0]:3", "[rank1]:3"]

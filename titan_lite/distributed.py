@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from titan_lite.config.schema import Comm
 from titan_lite.errors import ConfigError
+from titan_lite.launcher import local_launch, publish_store_port, wait_for_store_port
 
 # The flight-recorder variables: the name set here first, then the other names torch reads for the same setting.
 _FR_BUFFER_SIZE = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # torch 2.13 warns on the second
@@ -95,13 +96,33 @@ def init_process_group(device: torch.device, timeout_s: int) -> None:
     backend = choose_backend(device)
     kwargs = {"device_id": device} if device.type != "cpu" else {}
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or "TORCHELASTIC_RUN_ID" in os.environ:
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+        store = local_launch_store(timeout_s)
+        extra = {} if store is None else {"store": store, "rank": int(os.environ["RANK"]),
+                                          "world_size": int(os.environ["WORLD_SIZE"])}
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs, **extra)
         return
     # plain `python -m titan_lite.train`, a script, run_train.sh's one rank: a group of one on an in-memory store, so
     # no port is taken (a MASTER_ADDR/MASTER_PORT exported for another job, e.g. in a SLURM script, is not used); the
     # environment is left as it is (RANK, WORLD_SIZE absent read as 0 and 1)
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
                             timeout=timedelta(seconds=timeout_s), **kwargs)
+
+
+def local_launch_store(timeout_s: int) -> dist.TCPStore | None:
+    """The rendezvous store of run_train.sh's one-node launch (titan_lite.launcher --local): rank 0 opens it on an
+    ephemeral port of 127.0.0.1 and publishes the port; None under torchrun or a launch of one's own (env://)."""
+    if not local_launch():
+        return None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        publish_store_port(store.port)
+    else:
+        store = dist.TCPStore("127.0.0.1", wait_for_store_port(rank, timeout_s), world, is_master=False,
+                              timeout=timeout)
+    os.environ["MASTER_PORT"] = str(store.port)  # for code that reads the rendezvous from the environment
+    return store
 
 
 def set_collective_timeout(seconds: float) -> None:

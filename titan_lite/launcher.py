@@ -1,7 +1,10 @@
-"""run_train.sh's supervisor of torchrun: stop signals reach the ranks once, a rank's error ends the run in one line.
+"""run_train.sh's supervisor of a node's ranks: stop signals reach the ranks once, a rank's error ends the run in one
+line.
 
-`python -m titan_lite.launcher <torchrun arguments>` runs torchrun as a child and speaks a small protocol with the
-ranks of this node through a folder it creates for the launch (TITAN_LITE_LAUNCH_DIR):
+`python -m titan_lite.launcher --local N [--log-ranks 0,1] <python arguments>` (one node, no restarts) starts the N
+ranks itself; `python -m titan_lite.launcher <torchrun arguments>` (several nodes, or restarts) runs torchrun as a
+child. Either speaks a small protocol with the ranks of this node through a folder it creates for the launch
+(TITAN_LITE_LAUNCH_DIR):
 
 - rank{R}.pid    written by each rank when it starts. SIGTERM and SIGINT sent to the launcher go straight to these
                  processes (the trainer stops at the next step boundary after saving a checkpoint; a second signal
@@ -12,16 +15,20 @@ ranks of this node through a folder it creates for the launch (TITAN_LITE_LAUNCH
                  or a hung collective (4), instead of printing it. The launcher prints the line of the lowest rank
                  once, holds back torchrun's own failure report and traceback, and exits with that code. Codes 2 and
                  3 cannot be fixed by restarting, so the launcher ends torchrun at once (no --max_restarts rounds).
+- store.port     (--local with N > 1) the port of the rendezvous store rank 0 opened on 127.0.0.1 (an ephemeral
+                 one: two launches on one machine never race for a port); the other ranks connect to it.
 
-Everything else passes through: the ranks' output (torchrun's `[rankN]:` lines) as it comes, torchrun's own lines
-as well unless the run ends in one of the single-line outcomes above. This module imports no torch, so it costs
-nothing at launch; the rank-side functions at the bottom are what the trainer calls.
+Everything else passes through: the ranks' output as `[rankN]:` lines (of the ranks --log-ranks or torchrun's
+--local-ranks-filter names) as it comes, torchrun's own lines as well unless the run ends in one of the single-line
+outcomes above. A rank of --local that dies without a line of its own (a crash) ends the others and the launch with
+`error: rank R ...` and, when its output was not shown, the last lines it printed. This module imports no torch, so
+it costs nothing at launch; the rank-side functions at the bottom are what the trainer calls.
 
-`python -m titan_lite.launcher --single <python arguments>` (one process on one node, no restarts) starts the rank
-itself instead of torchrun, with the same protocol and the same `[rank0]:` lines: torchrun's own start and shutdown
-cost about 4 s per launch on a CPU and do nothing for a group of one.
+Why --local: torchrun's own start and shutdown cost about 4 s per launch on a CPU and do nothing that one node
+without restarts needs.
 """
 
+import collections
 import os
 import shutil
 import signal
@@ -43,7 +50,11 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
 NOT_RESTARTABLE = (USER_ERROR, FAULT)
 POLL_SECONDS = 0.2
-SINGLE_RANK_PREFIX = b"[rank0]:"
+LOCAL_STORE_ENV = "TITAN_LITE_LOCAL_STORE"
+STORE_PORT_FILE = "store.port"
+# After a --local rank fails, the others get this long to end on their own (each may report its own line) before
+# they are killed; a crashed rank not shown (LOG_RANK) has this many of its last lines printed.
+CRASH_GRACE_SECONDS, CRASH_TAIL_LINES = 3.0, 40
 
 
 @dataclass
@@ -57,27 +68,29 @@ class RankError:
 
 
 class Launch:
-    """One torchrun child, its launch folder, and what the launcher learned while it ran."""
+    """The launch's children (one torchrun, or the ranks of --local), its folder, and what the launcher learned."""
 
-    def __init__(self, torchrun_args: list[str], single: bool = False):
+    def __init__(self, command: list[str], local_ranks: int = 0, log_ranks: frozenset[int] = frozenset()):
         self.folder = Path(tempfile.mkdtemp(prefix="titan_lite_launch_"))
         self.signals: list[int] = []
         self.held: list[bytes] = []  # torchrun's own stderr lines, printed at the end unless the run ends in one line
-        self.ended_torchrun = False
+        self.ended = False
         self.stopped_before_start = False
-        self.single = single
+        self.local = local_ranks > 0
+        self.log_ranks = log_ranks
+        self.tails = {rank: collections.deque(maxlen=CRASH_TAIL_LINES) for rank in range(local_ranks)}
         env = {**os.environ, LAUNCH_DIR_ENV: str(self.folder), STDOUT_IS_TTY_ENV: "1" if sys.stdout.isatty() else "0",
                "PET_SIGNALS_TO_HANDLE": TORCHRUN_SIGNALS}
-        if single:
-            env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0")
-            env.pop("MASTER_ADDR", None)  # the rank picks a free local port for its group of one
-        command = [sys.executable, *torchrun_args] if single else [sys.executable, "-m", "torch.distributed.run",
-                                                                    *torchrun_args]
-        # torchrun and its ranks start with SIGTERM/SIGINT ignored (the ranks install their own handlers).
+        # The children start with SIGTERM/SIGINT ignored (the ranks install their own handlers).
         for sig in FORWARDED_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
-        self.proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE,
-                                     stdout=subprocess.PIPE if single else None)
+        if self.local:
+            self.procs = [subprocess.Popen([sys.executable, *command], env=rank_env(env, rank, local_ranks),
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                          for rank in range(local_ranks)]
+        else:
+            self.procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *command], env=env,
+                                           stderr=subprocess.PIPE)]
         for sig in FORWARDED_SIGNALS:
             signal.signal(sig, self.forward)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # torchrun gets its own and shuts down; keep relaying its output
@@ -92,12 +105,12 @@ class Launch:
         return pids
 
     def forward(self, signum: int, frame) -> None:
-        """A stop signal: to every rank that has started; before any has, torchrun shuts the launch down."""
+        """A stop signal: to every rank that has started; before any has, the launch ends."""
         self.signals.append(signum)
         pids = self.rank_pids()
         if not pids:
             self.stopped_before_start = True
-            self.end_torchrun()
+            self.end()
             return
         for pid in pids:
             try:
@@ -105,10 +118,15 @@ class Launch:
             except ProcessLookupError:
                 pass  # that rank already exited
 
-    def end_torchrun(self) -> None:
-        if not self.ended_torchrun and self.proc.poll() is None:
-            self.ended_torchrun = True
-            self.proc.send_signal(signal.SIGHUP)
+    def end(self) -> None:
+        """torchrun shuts its ranks down on SIGHUP; ranks of --local are killed (they are not saving anything a
+        user asked for: this ends a launch that failed or was stopped before it started)."""
+        if self.ended:
+            return
+        self.ended = True
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL if self.local else signal.SIGHUP)
 
     def errors(self) -> list[RankError]:
         return sorted((e for e in map(read_error, self.folder.glob("rank*.error")) if e is not None),
@@ -119,48 +137,64 @@ class Launch:
         before any rank started."""
         return bool(self.errors()) or len(self.signals) >= 2 or self.stopped_before_start
 
-    def watch_errors(self) -> None:
-        """Background: end torchrun as soon as a rank reports an error that restarting cannot fix."""
-        while self.proc.poll() is None:
+    def watch(self) -> None:
+        """Background: end the launch as soon as a rank reports an error that restarting cannot fix, or (--local)
+        once a rank has failed and the others have not followed within CRASH_GRACE_SECONDS."""
+        failed_at = None
+        while any(proc.poll() is None for proc in self.procs):
             if any(e.code in NOT_RESTARTABLE for e in self.errors()):
-                self.end_torchrun()
+                self.end()
+                return
+            if self.local and failed_at is None and any(proc.poll() not in (None, 0) for proc in self.procs):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > CRASH_GRACE_SECONDS:
+                self.end()
                 return
             time.sleep(POLL_SECONDS)
 
-    def relay_stderr(self) -> None:
-        """Ranks' lines pass through at once; torchrun's own are held back once the run ends in one line."""
-        out = sys.stderr.buffer
-        for line in iter(self.proc.stderr.readline, b""):
-            if self.single:
-                line = SINGLE_RANK_PREFIX + line
-            if line.startswith(b"[rank") or not self.one_line_outcome():
+    def relay(self, stream, out, prefix: bytes = b"", rank: int | None = None) -> None:
+        """One child's stream, line by line: a rank's lines pass through at once (or, for a rank not shown, are
+        kept for a crash report); torchrun's own are held back once the run ends in one line."""
+        for line in iter(stream.readline, b""):
+            line = prefix + line
+            if rank is not None and rank not in self.log_ranks:
+                self.tails[rank].append(line)
+            elif line.startswith(b"[rank") or not self.one_line_outcome():
                 out.write(line)
                 out.flush()
             else:
                 self.held.append(line)
 
-    def relay_stdout(self) -> None:
-        """The single rank's stdout, as torchrun would show it."""
-        out = sys.stdout.buffer
-        for line in iter(self.proc.stdout.readline, b""):
-            out.write(SINGLE_RANK_PREFIX + line)
-            out.flush()
-
     def wait(self) -> int:
-        watcher = threading.Thread(target=self.watch_errors, daemon=True)
-        watcher.start()
-        stdout = threading.Thread(target=self.relay_stdout, daemon=True) if self.single else None
-        if stdout is not None:
-            stdout.start()
-        self.relay_stderr()
-        code = self.proc.wait()
-        if stdout is not None:
-            stdout.join()
-        return self.outcome(code if code >= 0 else 128 - code)
+        threading.Thread(target=self.watch, daemon=True).start()
+        relays = []
+        for rank, proc in enumerate(self.procs):
+            prefix, who = (f"[rank{rank}]:".encode(), rank) if self.local else (b"", None)
+            streams = [(proc.stderr, sys.stderr.buffer)] + ([(proc.stdout, sys.stdout.buffer)] if self.local else [])
+            for stream, out in streams:
+                relays.append(threading.Thread(target=self.relay, args=(stream, out, prefix, who), daemon=True))
+        for relay in relays:
+            relay.start()
+        codes = [proc.wait() for proc in self.procs]
+        for relay in relays:
+            relay.join()
+        codes = [code if code >= 0 else 128 - code for code in codes]
+        if not self.local:
+            return self.outcome(codes[0])
+        failed = [(rank, code) for rank, code in enumerate(codes) if code != 0]
+        return self.outcome(0 if not failed else 1, crash=self.first_failure(failed))
 
-    def outcome(self, torchrun_code: int) -> int:
+    def first_failure(self, failed: list[tuple[int, int]]) -> tuple[int, int] | None:
+        """(rank, exit code) of the rank that failed first, the one whose death the others followed."""
+        if not failed:
+            return None
+        killed_by_us = 128 + signal.SIGKILL
+        own = [f for f in failed if f[1] != killed_by_us] or failed
+        return own[0]
+
+    def outcome(self, code: int, crash: tuple[int, int] | None = None) -> int:
         errors = self.errors()
-        if torchrun_code == 0:
+        if code == 0:
             self.print_held()
             return 0
         if self.stopped_before_start:
@@ -177,7 +211,17 @@ class Launch:
                   "continues", file=sys.stderr, flush=True)
             return 128 + self.signals[-1]
         self.print_held()
-        return torchrun_code
+        if crash is not None:
+            self.report_crash(*crash)
+        return code
+
+    def report_crash(self, rank: int, code: int) -> None:
+        tail = b"".join(self.tails[rank])
+        if tail:
+            sys.stderr.buffer.write(tail)
+        how = f"was killed by {signal.Signals(code - 128).name}" if code > 128 else f"exited with code {code}"
+        shown = "its last lines are above" if tail else "its output is above"
+        print(f"error: rank {rank} {how} ({shown}); the other ranks were stopped", file=sys.stderr, flush=True)
 
     def print_held(self) -> None:
         sys.stderr.buffer.write(b"".join(self.held))
@@ -185,6 +229,19 @@ class Launch:
 
     def cleanup(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def rank_env(env: dict, rank: int, world: int) -> dict:
+    """A --local rank's environment: what torchrun would give it on one node without restarts (a group of one
+    finds its own store; a larger group meets at rank 0's, through the launch folder's store.port)."""
+    out = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+           "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world)}
+    out.pop("MASTER_PORT", None)  # one exported for another job is not this launch's
+    if world == 1:
+        out.pop("MASTER_ADDR", None)
+    else:
+        out.update({LOCAL_STORE_ENV: "1", "MASTER_ADDR": "127.0.0.1"})
+    return out
 
 
 def read_error(path: Path) -> RankError | None:
@@ -195,10 +252,21 @@ def read_error(path: Path) -> RankError | None:
         return None  # being written
 
 
+def parse_local(argv: list[str]) -> tuple[int, frozenset[int], list[str]] | None:
+    """(ranks, ranks shown, python arguments) of `--local N [--log-ranks 0,1] ...`; None for torchrun arguments."""
+    if not argv or argv[0] != "--local":
+        return None
+    ranks, rest = int(argv[1]), argv[2:]
+    shown = frozenset(range(ranks))
+    if rest[:1] == ["--log-ranks"]:
+        shown, rest = frozenset(int(r) for r in rest[1].split(",") if r.strip()), rest[2:]
+    return ranks, shown, rest
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    single = bool(argv) and argv[0] == "--single"
-    launch = Launch(argv[1:] if single else argv, single=single)
+    local = parse_local(argv)
+    launch = Launch(argv) if local is None else Launch(local[2], local_ranks=local[0], log_ranks=local[1])
     try:
         return launch.wait()
     finally:
@@ -233,6 +301,28 @@ def report_error(code: int, message: str) -> None:
         print(f"error: {message}", file=sys.stderr, flush=True)
         return
     _write_atomically(folder / f"rank{_rank()}.error", f"{code}\n{message}\n")
+
+
+def local_launch() -> bool:
+    """Whether this rank is one of several that titan_lite.launcher --local started (they meet through its folder)."""
+    return launch_folder() is not None and os.environ.get(LOCAL_STORE_ENV) == "1"
+
+
+def publish_store_port(port: int) -> None:
+    """--local's rank 0: the port of the rendezvous store it opened."""
+    _write_atomically(launch_folder() / STORE_PORT_FILE, str(port))
+
+
+def wait_for_store_port(rank: int, timeout_s: float) -> int:
+    """--local's other ranks: the port rank 0 published."""
+    path = launch_folder() / STORE_PORT_FILE
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return int(path.read_text())
+        except (OSError, ValueError):
+            time.sleep(0.05)
+    raise TimeoutError(f"rank {rank}: rank 0 did not open the rendezvous store within {timeout_s:.0f} s")
 
 
 def another_rank_failed() -> bool:
