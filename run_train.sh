@@ -75,8 +75,13 @@ fi
 
 # The launcher supervises the ranks: stop signals reach them once, and a rank's user error ends the run in one line.
 # One node without restarts needs no torchrun: the launcher starts the ranks itself (torchrun costs ~4 s a launch).
+# Without GPUs it imports the trainer once and forks the ranks from it (torch's import costs ~5 s a rank on a CPU).
 if [ "$NNODES" = "1" ] && [ "${MAX_RESTARTS:-0}" = "0" ]; then
-  exec "$PYTHON" -m titan_lite.launcher --local "$NGPU" --log-ranks "$LOG_RANK" \
+  preload=()
+  if [ "$(uname -s)" = "Linux" ] && ! compgen -G "/dev/nvidia[0-9]*" >/dev/null && ! [ -e /dev/kfd ]; then
+    preload=(--preload)
+  fi
+  exec "$PYTHON" -m titan_lite.launcher --local "$NGPU" --log-ranks "$LOG_RANK" "${preload[@]+"${preload[@]}"}" \
     -m titan_lite.train --job.config_file "$CONFIG_FILE" "$@"
 fi
 exec "$PYTHON" -m titan_lite.launcher --nproc_per_node "$NGPU" "${launch[@]}" --max_restarts "${MAX_RESTARTS:-0}" \

@@ -24,12 +24,19 @@ outcomes above. A rank of --local that dies without a line of its own (a crash) 
 `error: rank R ...` and, when its output was not shown, the last lines it printed. This module imports no torch, so
 it costs nothing at launch; the rank-side functions at the bottom are what the trainer calls.
 
+`--local N --preload` (run_train.sh's choice on a machine without GPUs) imports the ranks' module once in the
+launcher and forks the ranks from it: a rank's ~5 s of importing torch and titan_lite on a CPU is paid once per
+launch instead of once per rank. Not on GPU machines: a process forked after something touched CUDA cannot use it.
+
 Why --local: torchrun's own start and shutdown cost about 4 s per launch on a CPU and do nothing that one node
 without restarts needs.
 """
 
 import collections
+import contextlib
+import importlib
 import os
+import runpy
 import shutil
 import signal
 import subprocess
@@ -37,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,7 +78,8 @@ class RankError:
 class Launch:
     """The launch's children (one torchrun, or the ranks of --local), its folder, and what the launcher learned."""
 
-    def __init__(self, command: list[str], local_ranks: int = 0, log_ranks: frozenset[int] = frozenset()):
+    def __init__(self, command: list[str], local_ranks: int = 0, log_ranks: frozenset[int] = frozenset(),
+                 preload: bool = False):
         self.folder = Path(tempfile.mkdtemp(prefix="titan_lite_launch_"))
         self.signals: list[int] = []
         self.held: list[bytes] = []  # torchrun's own stderr lines, printed at the end unless the run ends in one line
@@ -81,13 +90,17 @@ class Launch:
         self.tails = {rank: collections.deque(maxlen=CRASH_TAIL_LINES) for rank in range(local_ranks)}
         env = {**os.environ, LAUNCH_DIR_ENV: str(self.folder), STDOUT_IS_TTY_ENV: "1" if sys.stdout.isatty() else "0",
                "PET_SIGNALS_TO_HANDLE": TORCHRUN_SIGNALS}
+        self.procs = []
+        for sig in FORWARDED_SIGNALS:  # a stop while the module is preloaded: no rank is started
+            signal.signal(sig, self.forward)
+        start = ForkedRank if self.local and preload and preload_module(command) else start_rank
         # The children start with SIGTERM/SIGINT ignored (the ranks install their own handlers).
         for sig in FORWARDED_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
-        if self.local:
-            self.procs = [subprocess.Popen([sys.executable, *command], env=rank_env(env, rank, local_ranks),
-                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                          for rank in range(local_ranks)]
+        if self.stopped_before_start:
+            pass
+        elif self.local:
+            self.procs = [start(command, rank_env(env, rank, local_ranks)) for rank in range(local_ranks)]
         else:
             self.procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *command], env=env,
                                            stderr=subprocess.PIPE)]
@@ -194,12 +207,12 @@ class Launch:
 
     def outcome(self, code: int, crash: tuple[int, int] | None = None) -> int:
         errors = self.errors()
-        if code == 0:
-            self.print_held()
-            return 0
         if self.stopped_before_start:
             name = signal.Signals(self.signals[0]).name
             print(f"stopped by {name} before any rank started: nothing to save", file=sys.stderr, flush=True)
+            return 0
+        if code == 0:
+            self.print_held()
             return 0
         if errors:
             first = errors[0]
@@ -231,6 +244,99 @@ class Launch:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def start_rank(command: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *command], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def preload_module(command: list[str]) -> bool:
+    """--preload: import the ranks' module (`-m MODULE`) here once, so that each rank forked from this process starts
+    with it (and torch) imported; False (the ranks start as new processes) when it cannot be imported here."""
+    if command[:1] != ["-m"] or len(command) < 2 or not hasattr(os, "fork"):
+        return False
+    try:
+        importlib.import_module(command[1])
+    except Exception:  # noqa: BLE001 - any import failure: the ranks, started afresh, print it
+        return False
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return True
+
+
+class ForkedRank:
+    """A rank forked from the launcher after --preload (a Popen's poll/wait/send_signal/pid/stdout/stderr): it runs
+    `-m MODULE ARGS` as `python -m` would, then ends with os._exit, as a multiprocessing child does (the module's
+    own exit path has closed its files; the interpreter's teardown costs about a second and frees nothing)."""
+
+    def __init__(self, command: list[str], env: dict):
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(out_r)
+            os.close(err_r)
+            run_forked(command, env, out_w, err_w)  # never returns
+        os.close(out_w)
+        os.close(err_w)
+        self.pid, self.returncode = pid, None
+        self.stdout, self.stderr = os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb")
+        self._lock = threading.Lock()
+
+    def poll(self) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
+
+    def wait(self) -> int:
+        while self.poll() is None:
+            time.sleep(0.05)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+
+def run_forked(command: list[str], env: dict, out_w: int, err_w: int) -> None:
+    """The forked rank: its output to the launcher's pipes, its environment, then the module as __main__."""
+    code = 1
+    try:
+        for sig in FORWARDED_SIGNALS:  # as a started rank finds them (the launcher's handler is not its own)
+            signal.signal(sig, signal.SIG_IGN)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        os.close(out_w)
+        os.close(err_w)
+        os.environ.clear()
+        os.environ.update(env)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        sys.argv = [command[1], *command[2:]]
+        sys.modules.pop(command[1], None)  # runs as __main__ only, as under python -m (its imports stay loaded)
+        runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exit_code_of(exc)
+    except BaseException:  # noqa: BLE001 - what python -m prints for an uncaught exception, exit 1
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):  # the launcher gone, or the stream closed
+                stream.flush()
+        os._exit(code)
+
+
+def exit_code_of(exc: SystemExit) -> int:
+    """The status sys.exit(x) would end the interpreter with."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
 def rank_env(env: dict, rank: int, world: int) -> dict:
     """A --local rank's environment: what torchrun would give it on one node without restarts (a group of one
     finds its own store; a larger group meets at rank 0's, through the launch folder's store.port)."""
@@ -252,21 +358,26 @@ def read_error(path: Path) -> RankError | None:
         return None  # being written
 
 
-def parse_local(argv: list[str]) -> tuple[int, frozenset[int], list[str]] | None:
-    """(ranks, ranks shown, python arguments) of `--local N [--log-ranks 0,1] ...`; None for torchrun arguments."""
+def parse_local(argv: list[str]) -> tuple[int, frozenset[int], bool, list[str]] | None:
+    """(ranks, ranks shown, preload, python arguments) of `--local N [--log-ranks 0,1] [--preload] ...`; None for
+    torchrun arguments."""
     if not argv or argv[0] != "--local":
         return None
     ranks, rest = int(argv[1]), argv[2:]
-    shown = frozenset(range(ranks))
-    if rest[:1] == ["--log-ranks"]:
-        shown, rest = frozenset(int(r) for r in rest[1].split(",") if r.strip()), rest[2:]
-    return ranks, shown, rest
+    shown, preload = frozenset(range(ranks)), False
+    while rest[:1] in (["--log-ranks"], ["--preload"]):
+        if rest[0] == "--preload":
+            preload, rest = True, rest[1:]
+        else:
+            shown, rest = frozenset(int(r) for r in rest[1].split(",") if r.strip()), rest[2:]
+    return ranks, shown, preload, rest
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     local = parse_local(argv)
-    launch = Launch(argv) if local is None else Launch(local[2], local_ranks=local[0], log_ranks=local[1])
+    launch = Launch(argv) if local is None else Launch(local[3], local_ranks=local[0], log_ranks=local[1],
+                                                       preload=local[2])
     try:
         return launch.wait()
     finally:
