@@ -293,3 +293,20 @@ def test_a_bundled_task_without_its_data_names_the_file_and_the_command(hf_folde
         "scripts/make_synthetic_gsm8k.py --output data/synthetic_gsm8k/train.jsonl --num_problems 2000 --seed 0; "
         ".venv/bin/python scripts/make_synthetic_gsm8k.py --output data/synthetic_gsm8k/test.jsonl --num_problems 200 "
         "--seed 1")
+
+
+def test_bundled_tasks_alone_index_only_their_folders():
+    """Every task asked for is bundled (or in --include_path): lm_eval's own ~15k tasks are not indexed (10-25 s);
+    one that is not bundled indexes them all, as lm_eval does."""
+    from argparse import Namespace
+
+    from titan_lite.eval.harness import evaluator_config, local_task_names
+
+    bundled = [str(load_script().BUNDLED_TASKS)]
+    assert local_task_names(bundled) == {"gsm8k_synthetic", "shakespeare", "shakespeare_choice",
+                                         "shakespeare_continue", "shakespeare_rolling"}
+    opts = Namespace(tasks="shakespeare_choice,shakespeare", include_path=bundled, num_fewshot=None, batch_size=1,
+                     limit=None, output_path=None, log_samples=False, gen_kwargs=None, apply_chat_template=False,
+                     seed=[0, 1234, 1234, 1234])
+    _, manager = evaluator_config(opts, {"pretrained": "."})
+    assert sorted(manager.all_tasks) == sorted(local_task_names(bundled))
