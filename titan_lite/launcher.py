@@ -254,7 +254,8 @@ def preload_module(command: list[str]) -> bool:
     if command[:1] != ["-m"] or len(command) < 2 or not hasattr(os, "fork"):
         return False
     try:
-        importlib.import_module(command[1])
+        module = importlib.import_module(command[1])
+        getattr(module, "preload", lambda: None)()  # what each rank imports later anyway, imported once here
     except Exception:  # noqa: BLE001 - any import failure: the ranks, started afresh, print it
         return False
     sys.stdout.flush()
