@@ -308,11 +308,16 @@ def evaluator_config(opts: Namespace, model_args: dict) -> tuple[EvaluatorConfig
         raise ConfigError(f"lm_eval: {line}") from None
 
 
+def task_yamls(folders: list[str]) -> Iterator[tuple[Path, dict]]:
+    """(file, config) of each task YAML in `folders`, in file order, unresolved."""
+    for yaml_file in sorted(p for folder in folders for p in Path(folder).glob("*.yaml")):
+        yield yaml_file, load_yaml(yaml_file, resolve_func=False)
+
+
 def local_task_names(folders: list[str]) -> set[str]:
     """The task, group and tag names the YAMLs of `folders` define."""
     names: set[str] = set()
-    for yaml_file in sorted(p for folder in folders for p in Path(folder).glob("*.yaml")):
-        config = load_yaml(yaml_file, resolve_func=False)
+    for _, config in task_yamls(folders):
         for key in ("task", "group", "tag"):
             value = config.get(key)
             names.update([value] if isinstance(value, str) else value if isinstance(value, list) else [])
@@ -349,8 +354,7 @@ def check_local_data(tasks: list[str], folders: list[str], makers: dict[str, str
     """Each of `tasks` defined by a YAML in `folders` that reads local data files (dataset_kwargs.data_files) finds
     them: missing ones are one line naming the files and the commands that make them (`makers`: file -> command);
     lm_eval's own error comes later and names neither."""
-    for yaml_file in sorted(p for folder in folders for p in Path(folder).glob("*.yaml")):
-        config = load_yaml(yaml_file, resolve_func=False)
+    for yaml_file, config in task_yamls(folders):
         if config.get("task") not in tasks:
             continue
         files = (config.get("dataset_kwargs") or {}).get("data_files") or {}
