@@ -23,6 +23,40 @@ def restore_titan_lite_logger():
     log.propagate = propagate
 
 
+def pytest_configure(config):
+    """The gloo workers of tests/helpers.py start from a forkserver that has imported torch."""
+    import multiprocessing
+
+    from tests.helpers import FORKSERVER_PRELOAD
+
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def warm_run_train(tmp_path_factory):
+    """run_train.sh's python, forked from a server that imported torch and titan_lite once (tests/warm_python.py):
+    the launches of the session skip ~5 s of CPU each. TITAN_LITE_TEST_WARM=0 runs every launch cold."""
+    import os
+
+    if os.environ.get("TITAN_LITE_TEST_WARM") == "0":
+        yield
+        return
+    from tests import warm_python
+
+    server, venv = warm_python.start(tmp_path_factory.mktemp("warm_python"))
+    before = os.environ.get("TITAN_LITE_VENV")
+    os.environ["TITAN_LITE_VENV"] = str(venv)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TITAN_LITE_VENV")
+        else:
+            os.environ["TITAN_LITE_VENV"] = before
+        server.kill()
+        server.wait()
+
+
 RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 

@@ -13,13 +13,20 @@ from titan_lite.distributed import free_port
 
 __all__ = ["free_port", "gloo_results", "spawn_gloo", "spawn_on_free_port"]
 
+# What the forkserver imports before it forks the workers (tests/conftest.py sets it): torch's modules only, never
+# titan_lite (Python 3.11's forkserver imports these before it takes the caller's sys.path, so it could find another
+# checkout's titan_lite).
+FORKSERVER_PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+                      "torch._dynamo", "torch.nn.attention.flex_attention"]
 _PORT_TAKEN = ("EADDRINUSE", "address already in use")
 
 
 def spawn_on_free_port(worker: Callable[..., None], nprocs: int, *args,
                        results_complete: Callable[[], bool] | None = None) -> None:
-    """mp.spawn(worker, args=(port, *args)) on a port free a moment ago; once more on a new port if another process
-    took it in between (the rendezvous then fails with EADDRINUSE), so a port race is not a test failure.
+    """mp.spawn(worker, args=(port, *args)) on a port free a moment ago, the processes forked from multiprocessing's
+    forkserver (FORKSERVER_PRELOAD: torch is imported there once, not in each process); once more on a new port if
+    another process took it in between (the rendezvous then fails with EADDRINUSE), so a port race is not a test
+    failure.
 
     results_complete: for workers that write their results to files before a final barrier; a rank killed by a
     signal once they are all written died in the process group's teardown (gloo's threads now and then abort at
@@ -29,7 +36,8 @@ def spawn_on_free_port(worker: Callable[..., None], nprocs: int, *args,
     run that passes alone, time after time) is run once more: a native abort that comes back is raised."""
     for attempt in range(2):
         try:
-            mp.spawn(worker, args=(free_port(), *args), nprocs=nprocs, join=True)
+            mp.start_processes(worker, args=(free_port(), *args), nprocs=nprocs, join=True,
+                               start_method="forkserver")
             return
         except mp.ProcessExitedException as error:
             if results_complete is not None and results_complete():

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_readme_figures import load_script
+from tests.warm_python import COLD
 
 REPO = Path(__file__).resolve().parents[1]
 FIGURES = load_script()  # scripts/update_readme_figures.py: its run_plan runs a plan in this process
@@ -75,7 +76,7 @@ def dry_run(config: str, shard: Path, ngpu: int, nnodes: int = 1, extra: tuple[s
     if not measured:
         return dry_run_in_process(config, ngpu, nnodes, args)
     env = {**os.environ, "DRY_RUN": "1", "NGPU": str(ngpu), "NNODES": str(nnodes), "OMP_NUM_THREADS": "1",
-           "CONFIG_FILE": str(REPO / "train_configs" / config)}
+           "CONFIG_FILE": str(REPO / "train_configs" / config), **COLD}  # the child's own CPU and memory
     cmd = [sys.executable, "-c", _MEASURE, str(REPO / "run_train.sh"), *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     m = re.search(r"MEASURED cpu=([\d.]+) wall=([\d.]+) maxrss_kib=(\d+)", proc.stdout)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.warm_python import COLD
+
 REPO = Path(__file__).resolve().parents[2]
 BASE_TOML = REPO / "tests" / "integration" / "base.toml"
 STEP_LINE = re.compile(r"(?<!validate )step:\s*(\d+)/\d+\s+loss:\s*([0-9.]+)")  # training lines, not validation
@@ -49,9 +51,11 @@ def steps(n: int) -> list[str]:
     return ["--training.steps", str(n), *SCHEDULE]
 
 
-def train_env(ngpu: int, config: Path, env: dict | None) -> dict:
+def train_env(ngpu: int, config: Path, env: dict | None, cold: bool = False) -> dict:
+    """run_train.sh's environment; `cold`: its python starts afresh even in the test session's warm environment
+    (tests/warm_python.py), for a run whose process tree, signals or limits the test inspects."""
     full_env = {**os.environ, "CONFIG_FILE": str(config), "NGPU": str(ngpu), "OMP_NUM_THREADS": "1",
-                "LOG_RANK": ",".join(str(r) for r in range(ngpu)), **(env or {})}
+                "LOG_RANK": ",".join(str(r) for r in range(ngpu)), **(COLD if cold else {}), **(env or {})}
     full_env.pop("DRY_RUN", None) if not (env and "DRY_RUN" in env) else None
     return full_env
 
@@ -65,7 +69,7 @@ def run_train(overrides: list[str], dump_folder: Path, ngpu: int = 1, config: Pa
               env: dict | None = None, timeout: int = 600, prefix: tuple[str, ...] = (),
               max_file_bytes: int | None = None) -> Run:
     """CONFIG_FILE=config NGPU=ngpu [prefix] ./run_train.sh --job.dump_folder dump_folder <overrides>."""
-    full_env = train_env(ngpu, config, env)
+    full_env = train_env(ngpu, config, env, cold=bool(prefix) or max_file_bytes is not None)
     cmd = [*prefix, str(REPO / "run_train.sh"), "--job.dump_folder", str(dump_folder), *overrides]
     # A new session, so a timeout kills torchrun's workers too, not just the launcher.
     proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -88,7 +92,7 @@ def start_train(overrides: list[str], dump_folder: Path, log: Path, ngpu: int = 
     """run_train.sh in the background (its own session), output to `log`; proc.pid is the launcher's."""
     cmd = [str(REPO / "run_train.sh"), "--job.dump_folder", str(dump_folder), *overrides]
     with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=REPO, env=train_env(ngpu, BASE_TOML, env), stdout=out,
+        return subprocess.Popen(cmd, cwd=REPO, env=train_env(ngpu, BASE_TOML, env, cold=True), stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -27,6 +27,7 @@ from tests.integration.harness import (
     trainer_pids,
     wait_for_line,
 )
+from tests.warm_python import COLD
 from titan_lite.train import NAN_STEP_ENV
 
 
@@ -175,7 +176,7 @@ def test_config_file_option_unreadable_tokenizer_and_output_folder_without_permi
     other = tmp_path / "other.toml"
     other.write_text(BASE_TOML.read_text().replace('hf_assets_path = "./assets/tokenizer"',
                                                    f'hf_assets_path = "{assets}"'))
-    env = {**os.environ, "NGPU": "1"}
+    env = {**os.environ, "NGPU": "1", **COLD}  # cold: setpriv's limits reach the trainer only in its own process
     env.pop("CONFIG_FILE", None)
     prefix = without_permission_override()
 

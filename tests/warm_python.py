@@ -1,0 +1,199 @@
+"""A warm start for the test session's launches: run_train.sh runs unchanged, but its python starts in milliseconds.
+
+Each launch of run_train.sh imports torch and titan_lite (~5 s of CPU on the CI machine) before the trainer does
+anything, and the suite launches it hundreds of times. `start(folder)` starts a server that has imported them once
+and makes a virtual-environment folder whose `bin/python` is tests/warm_client.py; pointing TITAN_LITE_VENV at it
+(scripts/setup_env.sh's own setting) makes every run_train.sh of the session use it. For `-m titan_lite.launcher`
+and `-m titan_lite.train` the server forks a child that runs the module as `python -m` would: in its own session,
+with the caller's arguments, environment, working directory and standard streams. An environment that differs from
+the server's in what the interpreter reads when it starts (OMP_*, PYTHON*, TORCH*, ...) runs a cold python instead,
+as does anything else run_train.sh asks of python. TITAN_LITE_TEST_WARM=0 switches it off.
+"""
+
+import atexit
+import contextlib
+import io
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Read when the interpreter, torch or a native library starts: a launch whose values differ runs cold.
+STARTUP_ENV_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "LD_", "MALLOC_", "GLIBC_", "TORCH", "PYTORCH_",
+                        "CUDA_", "TITAN_LITE_TEST_WARM")
+
+COLD = {"TITAN_LITE_TEST_WARM": "0"}  # in a launch's environment: a cold python, whatever the session's setting
+
+
+def startup_env(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(STARTUP_ENV_PREFIXES)}
+
+
+def run_train_env(env: dict) -> dict:
+    """The environment run_train.sh gives its python (it puts the checkout first on PYTHONPATH)."""
+    pythonpath = env.get("PYTHONPATH")
+    return {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+            "PYTHONPATH": f"{REPO}:{pythonpath}" if pythonpath else str(REPO)}
+
+
+def start(folder: Path) -> tuple[subprocess.Popen, Path]:
+    """The server (a child of this process, which it outlives by at most a second) and the folder to give as
+    TITAN_LITE_VENV."""
+    folder.mkdir(parents=True, exist_ok=True)
+    sock = folder / "server.sock"
+    venv = folder / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    python = venv / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} -IS {REPO / "tests" / "warm_client.py"} '
+                      f'{sys.executable} {sock} "$@"\n')
+    python.chmod(0o755)
+    for marker in (".titan_lite_ready", ".titan_lite_ready_test"):  # setup_env.sh: ready, nothing to install
+        (venv / marker).touch()
+    server = subprocess.Popen([sys.executable, "-m", "tests.warm_python", str(sock), str(os.getpid())], cwd=REPO,
+                              env=run_train_env(dict(os.environ)), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=open(folder / "server.log", "w"))
+    return server, venv
+
+
+# ------------------------------------------------------------------------------------------ the server
+
+
+def serve(sock_path: str, parent: int) -> None:
+    import titan_lite.launcher
+    import titan_lite.train
+
+    titan_lite.train.preload()
+    own_startup_env = startup_env(dict(os.environ))
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(sock_path + ".tmp")
+    os.replace(sock_path + ".tmp", sock_path)  # clients find it only once it listens
+    listener.listen(64)
+    runs: dict[int, socket.socket] = {}  # child pid -> its client's connection
+    while os.getppid() == parent:
+        readable, _, _ = select.select([listener, wake_r, *runs.values()], [], [], 1.0)
+        if wake_r in readable:
+            os.read(wake_r, 4096)
+        reap(runs)
+        for conn in readable:
+            if conn is listener:
+                accept(listener, runs, own_startup_env, [listener, wake_r, wake_w])
+            elif conn in runs.values() and not conn.recv(64, socket.MSG_PEEK):  # the client is gone: end its run
+                pid = next(p for p, c in runs.items() if c is conn)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+    for pid in runs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def reap(runs: dict[int, socket.socket]) -> None:
+    for pid in list(runs):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            conn = runs.pop(pid)
+            with contextlib.suppress(OSError):
+                conn.send(f"exit {os.waitstatus_to_exitcode(status)}".encode())
+            conn.close()
+
+
+def accept(listener: socket.socket, runs: dict, own_startup_env: dict, server_fds: list) -> None:
+    conn, _ = listener.accept()
+    try:
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 22, 3)
+        request = json.loads(message)
+    except (OSError, ValueError):
+        conn.close()
+        return
+    if len(fds) != 3 or startup_env(request["env"]) != own_startup_env:
+        for fd in fds:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            conn.send(b"cold")
+        conn.close()
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        conn.close()
+        for sock in [listener, *runs.values()]:
+            sock.close()
+        signal.set_wakeup_fd(-1)
+        for fd in server_fds[1:]:
+            os.close(fd)
+        run_child(request, fds)  # never returns
+    for fd in fds:
+        os.close(fd)
+    conn.send(f"pid {pid}".encode())
+    runs[pid] = conn
+
+
+def run_child(request: dict, fds: list[int]) -> None:
+    """`python ARGV` as the client would have run it, then os._exit with its status."""
+    code = 1
+    try:
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_DFL)
+        fresh_stdio()
+        atexit._clear()  # the server's exit functions are not this run's
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        module, args = request["argv"][1], request["argv"][2:]
+        sys.argv = [module, *args]
+        sys.path[0] = request["cwd"]  # python -m puts the working directory first
+        sys.modules.pop(module, None)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exit_status(exc)
+    except BaseException:  # noqa: BLE001 - what python prints for an uncaught exception, exit 1
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(code)
+
+
+def fresh_stdio() -> None:
+    """Standard streams over the caller's descriptors, buffered as a new interpreter would buffer them."""
+    def text(fd: int, mode: str, line: bool, errors: str):
+        raw = io.FileIO(fd, mode, closefd=False)
+        buffered = io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)
+        return io.TextIOWrapper(buffered, encoding="utf-8", errors=errors, line_buffering=line)
+    sys.stdin = sys.__stdin__ = text(0, "r", False, "strict")
+    sys.stdout = sys.__stdout__ = text(1, "w", os.isatty(1), "strict")
+    sys.stderr = sys.__stderr__ = text(2, "w", True, "backslashreplace")
+
+
+def exit_status(exc: SystemExit) -> int:
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], int(sys.argv[2]))
