@@ -1,11 +1,11 @@
 """Config loading: precedence, CLI forms, torchtitan TOMLs, and one-line errors for bad input."""
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.warm_python import python_command
 from titan_lite.config import parse_args, to_toml, validate
 from titan_lite.config.manager import help_text, iter_options
 from titan_lite.errors import ConfigError
@@ -222,7 +222,8 @@ def test_to_toml_round_trips(tmp_path):
 
 
 def test_help_command_lists_options():
-    out = subprocess.run([sys.executable, "-m", "titan_lite.train", "--help"], capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run([*python_command(), "-m", "titan_lite.train", "--help"], capture_output=True, text=True,
+                         cwd=REPO)
     assert out.returncode == 0
     assert "--training.steps (an integer, default 10000): Optimizer steps to train." in out.stdout
     assert "--parallelism.data_parallel_shard_degree" in out.stdout

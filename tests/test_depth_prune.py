@@ -7,12 +7,12 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.warm_python import python_command
 from titan_lite.checkpoint.hf import read_hf_folder, write_hf_folder
 from titan_lite.errors import ConfigError
 from titan_lite.models.llama import Llama, flavor_args
@@ -53,7 +53,7 @@ def prune(source_folder: Path, out: Path, *args: str, nproc: int = 1) -> subproc
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else []
-    return subprocess.run([sys.executable, *launch, str(REPO / "scripts" / "prune.py"), "--hf_assets_path",
+    return subprocess.run([*python_command(), *launch, str(REPO / "scripts" / "prune.py"), "--hf_assets_path",
                            str(source_folder), "--output_dir", str(out), "--method", "depth", *args],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
 

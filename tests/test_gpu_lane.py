@@ -4,12 +4,12 @@ torch it runs on."""
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import titan_lite
+from tests.warm_python import python_command
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,7 +20,7 @@ def test_gpu_lane_smoke_runs_every_case_on_cpu(tmp_path):
 
     report = tmp_path / "GPU.md"
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--smoke", "--out", str(report)], cwd=REPO,
+    proc = subprocess.run([*python_command(), "-m", "benchmarks.gpu", "--smoke", "--out", str(report)], cwd=REPO,
                           env=env | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=300)
     lines = proc.stdout.strip().splitlines()
@@ -46,6 +46,6 @@ def test_oldest_torch_is_parsed_from_any_build_string():
 
 
 def test_gpu_lane_without_cuda_or_smoke_is_one_line():
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--cases", "nope"], cwd=REPO, capture_output=True,
+    proc = subprocess.run([*python_command(), "-m", "benchmarks.gpu", "--cases", "nope"], cwd=REPO, capture_output=True,
                           text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().startswith("error: unknown case(s) nope; known: correctness")

@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 transformers = pytest.importorskip("transformers")
 
 from tests.helpers import spawn_gloo  # noqa: E402
+from tests.warm_python import python_command  # noqa: E402
 from titan_lite.checkpoint.hf import export_hf, load_hf_weights, read_hf_folder  # noqa: E402
 from titan_lite.config import JobConfig  # noqa: E402
 from titan_lite.errors import ConfigError, pip_install  # noqa: E402
@@ -403,7 +404,7 @@ def test_download_without_huggingface_hub(monkeypatch, capsys, tmp_path):
 def test_download_offline_is_one_clear_line(tmp_path):
     pytest.importorskip("huggingface_hub")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home"), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "download_hf_assets.py"), "org/model",
+    result = subprocess.run([*python_command(), str(ROOT / "scripts" / "download_hf_assets.py"), "org/model",
                              "--local-dir", str(tmp_path / "model")], env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 1

@@ -8,7 +8,6 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ pytest.importorskip("transformers")
 
 from benchmarks.lm_eval_speed import write_test_hf_folder  # noqa: E402
 from tests.integration.harness import BASE_TOML, run_train  # noqa: E402
+from tests.warm_python import python_command  # noqa: E402
 from titan_lite.errors import pip_install  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +118,7 @@ def test_two_processes_equal_one(hf_folder, one_process, tmp_path):
     """torchrun with 2 CPU processes (gloo): each scores its share of the requests; rank 0 writes the results."""
     output = tmp_path / "two"
     env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    proc = subprocess.run([*python_command(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            str(ROOT / "scripts" / "lm_eval.py"),
                            *script_args(f"pretrained={hf_folder},dtype=float32", output)],
                           env=env, capture_output=True, text=True, timeout=300)

@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 
 from tests.helpers import free_port
 from tests.test_structured_materialize import masked_forward, masks_of
+from tests.warm_python import python_command
 from titan_lite.checkpoint.hf import read_hf_folder, write_hf_folder
 from titan_lite.config import parse_args
 from titan_lite.dtensor import full_tensor
@@ -223,7 +223,7 @@ def test_prune_script_on_two_processes_writes_the_model_one_process_selects(proc
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+        [*python_command(), "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
          str(ROOT / "scripts" / "prune.py"), "--hf_assets_path", str(tmp_path / "dense"),
          "--output_dir", str(tmp_path / "pruned"), "--method", "taylor_structured", "--head_ratio", "0.5",
          "--ffn_ratio", "0.25", "--head_mode", "kv_group", "--nsamples", str(NSAMPLES), "--seq_len", str(SEQ),
@@ -265,7 +265,7 @@ def test_prune_script_removes_qwen2_heads_with_their_biases(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))  # not the process_group fixture's group
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "prune.py"), "--hf_assets_path", str(source), "--output_dir",
+        [*python_command(), str(ROOT / "scripts" / "prune.py"), "--hf_assets_path", str(source), "--output_dir",
          str(tmp_path / "pruned"), "--method", "taylor_structured", "--head_ratio", "0.5", "--ffn_ratio", "0.25",
          "--nsamples", str(NSAMPLES), "--seq_len", str(SEQ), "--batch_size", "2"],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)

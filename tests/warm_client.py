@@ -1,10 +1,11 @@
 """The `python` that run_train.sh finds in the test session's warm environment (tests/warm_python.py).
 
-`warm_client.py REAL_PYTHON SOCKET ARGS...`: `-m titan_lite.launcher ...` and `-m titan_lite.train ...` are run by
-the session's warm server (a process that has imported torch and titan_lite once) as a child forked for this call,
-with this process's arguments, environment, working directory and standard streams; anything else, or a server that
-is not there or cannot serve this environment, runs REAL_PYTHON itself. This process stands in for the run: its exit
-status is the run's, a stop signal sent to it goes to the run, and when it is killed the server kills the run.
+`warm_client.py REAL_PYTHON SOCKET ARGS...`: `-m MODULE ...` and `SCRIPT.py ...` are run by the session's warm
+server (a process that has imported torch and titan_lite once) as a child forked for this call, with this process's
+arguments, environment, working directory and standard streams; anything else (`-c CODE`, interpreter options), or a
+server that is not there or cannot serve this environment, runs REAL_PYTHON itself. This process stands in for the
+run: its exit status is the run's, a stop signal sent to it goes to the run, and when it is killed the server kills
+the run.
 Runs with `python -IS`: the standard library only.
 """
 
@@ -14,7 +15,6 @@ import signal
 import socket
 import sys
 
-WARM_MODULES = ("titan_lite.launcher", "titan_lite.train")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -24,7 +24,7 @@ def run_cold(real: str, args: list[str]) -> None:
 
 def main() -> None:
     real, path, args = sys.argv[1], sys.argv[2], sys.argv[3:]
-    if len(args) < 2 or args[0] != "-m" or args[1] not in WARM_MODULES:
+    if not (args[:1] == ["-m"] and len(args) > 1 or args[:1] and args[0].endswith(".py")):
         run_cold(real, args)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:

@@ -25,15 +25,33 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# Read when the interpreter, torch or a native library starts: a launch whose values differ runs cold.
-STARTUP_ENV_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "LD_", "MALLOC_", "GLIBC_", "TORCH", "PYTORCH_",
-                        "CUDA_", "TITAN_LITE_TEST_WARM")
+# Read when the interpreter, torch or a native library starts: a launch whose values differ runs cold. (Not the
+# TORCH_* settings read when a process group starts, e.g. TORCH_FR_BUFFER_SIZE, which a trainer built in a test's own
+# process exports: the child's environment is the caller's.)
+STARTUP_ENV_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "LD_", "MALLOC_", "GLIBC_", "TORCHINDUCTOR_",
+                        "TORCHDYNAMO_", "TORCH_COMPILE", "TORCH_LOGS", "TORCH_SHOW_CPP", "PYTORCH_", "CUDA_",
+                        "TITAN_LITE_TEST_WARM")
 
+WARM_MARKER = ".titan_lite_test_warm"  # in the session's warm venv folder
 COLD = {"TITAN_LITE_TEST_WARM": "0"}  # in a launch's environment: a cold python, whatever the session's setting
 
 
+def python_command() -> list[str]:
+    """What a test runs in place of [sys.executable] for `-m MODULE ...` or `SCRIPT.py ...`: the session's warm
+    python while it is serving, otherwise this interpreter."""
+    venv = os.environ.get("TITAN_LITE_VENV")
+    if os.environ.get("TITAN_LITE_TEST_WARM") == "0" or not venv or not (Path(venv) / WARM_MARKER).exists():
+        return [sys.executable]
+    return [str(Path(venv) / "bin" / "python")]
+
+
 def startup_env(env: dict) -> dict:
-    return {k: v for k, v in env.items() if k.startswith(STARTUP_ENV_PREFIXES)}
+    """The settings a launch must share with the server; PYTHONPATH as its folders (run_train.sh repeats the
+    checkout's)."""
+    found = {k: v for k, v in env.items() if k.startswith(STARTUP_ENV_PREFIXES)}
+    if "PYTHONPATH" in found:
+        found["PYTHONPATH"] = ":".join(dict.fromkeys(p for p in found["PYTHONPATH"].split(":") if p))
+    return found
 
 
 def run_train_env(env: dict) -> dict:
@@ -54,7 +72,8 @@ def start(folder: Path) -> tuple[subprocess.Popen, Path]:
     python.write_text(f'#!/bin/sh\nexec {sys.executable} -IS {REPO / "tests" / "warm_client.py"} '
                       f'{sys.executable} {sock} "$@"\n')
     python.chmod(0o755)
-    for marker in (".titan_lite_ready", ".titan_lite_ready_test"):  # setup_env.sh: ready, nothing to install
+    # setup_env.sh: ready, nothing to install
+    for marker in (".titan_lite_ready", ".titan_lite_ready_test", WARM_MARKER):
         (venv / marker).touch()
     server = subprocess.Popen([sys.executable, "-m", "tests.warm_python", str(sock), str(os.getpid())], cwd=REPO,
                               env=run_train_env(dict(os.environ)), stdin=subprocess.DEVNULL,
@@ -115,7 +134,11 @@ def accept(listener: socket.socket, runs: dict, own_startup_env: dict, server_fd
     except (OSError, ValueError):
         conn.close()
         return
-    if len(fds) != 3 or startup_env(request["env"]) != own_startup_env:
+    theirs = startup_env(request["env"])
+    if len(fds) != 3 or theirs != own_startup_env:
+        differing = sorted(k for k in theirs.keys() | own_startup_env.keys() if theirs.get(k) != own_startup_env.get(k))
+        print(f"cold: {' '.join(request['argv'][:2])}: the environment differs in {', '.join(differing)}",
+              file=sys.stderr, flush=True)
         for fd in fds:
             os.close(fd)
         with contextlib.suppress(OSError):
@@ -156,11 +179,16 @@ def run_child(request: dict, fds: list[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        module, args = request["argv"][1], request["argv"][2:]
-        sys.argv = [module, *args]
-        sys.path[0] = request["cwd"]  # python -m puts the working directory first
-        sys.modules.pop(module, None)
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        argv = request["argv"]
+        if argv[0] == "-m":
+            sys.argv = argv[1:]
+            sys.path[0] = request["cwd"]  # python -m puts the working directory first
+            sys.modules.pop(argv[1], None)
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = argv
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # python SCRIPT puts the script's folder first
+            runpy.run_path(argv[0], run_name="__main__")
         code = 0
     except SystemExit as exc:
         code = exit_status(exc)

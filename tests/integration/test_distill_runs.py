@@ -7,7 +7,6 @@ the teacher is the tiny flavor perturbed away from the student's initialisation.
 """
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from tests.integration.harness import (
     perturbed_hf_folder,
     run_train,
 )
+from tests.warm_python import python_command
 
 SEQ_LEN, GLOBAL_BATCH, STEPS = 64, 8, 3
 DISTILL = ["--distill.enable", "--distill.alpha", "0.5", "--distill.temperature", "2", "--training.steps", str(STEPS)]
@@ -99,7 +99,7 @@ def test_a_dcp_teacher_with_its_runs_config_equals_the_hf_teacher(common, refere
     config.toml two folders up: the same losses as the HF folder it came from."""
     hf = common[common.index("--distill.teacher_path") + 1]
     step = tmp_path / "teacher_run" / "checkpoint" / "step-7"
-    convert = subprocess.run([sys.executable, str(REPO / "scripts" / "convert_checkpoint.py"), "hf-to-dcp", hf,
+    convert = subprocess.run([*python_command(), str(REPO / "scripts" / "convert_checkpoint.py"), "hf-to-dcp", hf,
                               str(step)], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert convert.returncode == 0, convert.stderr[-2000:]
     (tmp_path / "teacher_run" / "config.toml").write_text('[model]\nflavor = "tiny"\n'

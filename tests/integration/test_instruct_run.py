@@ -4,17 +4,17 @@
 import math
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.integration.harness import REPO, run_train
+from tests.warm_python import python_command
 
 
 def test_lora_on_synthetic_gsm8k_logs_answer_accuracy(tmp_path: Path):
     data = tmp_path / "gsm8k.jsonl"
-    made = subprocess.run([sys.executable, str(REPO / "scripts" / "make_synthetic_gsm8k.py"), "--output", str(data),
+    made = subprocess.run([*python_command(), str(REPO / "scripts" / "make_synthetic_gsm8k.py"), "--output", str(data),
                            "--num_problems", "200"], capture_output=True, text=True, check=True)
     assert made.stdout.strip().splitlines()[-1].startswith("wrote 200 problems")
     run = run_train(["--training.dataset", "instruct", "--training.dataset_path", str(data),

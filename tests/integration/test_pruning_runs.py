@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.integration.harness import REPO, run_train
+from tests.warm_python import python_command
 from titan_lite.checkpoint.hf import weight_files, write_hf_folder
 from titan_lite.models.llama import Llama, flavor_args
 
@@ -79,7 +79,7 @@ def test_lora_recovery_keeps_the_pruned_base_and_an_adapter_only_resume_is_exact
 
 def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], cwd=REPO, capture_output=True,
+    return subprocess.run([*python_command(), str(REPO / "scripts" / script), *args], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env=env)
 
 

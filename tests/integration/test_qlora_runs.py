@@ -5,7 +5,6 @@ base quantized again, QPiSSA's smaller quantization error, and the exports: the 
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from tests.integration.harness import (
     perturbed_hf_folder,
     run_train,
 )
+from tests.warm_python import python_command
 
 SEQ_LEN, STEPS = 32, 4
 FLAVOR = "debugmodel"  # every block linear's shard over 2 ranks holds whole groups of 256 NF4 scales
@@ -133,7 +133,7 @@ def test_qpissa_quantizes_a_residual_closer_to_the_full_precision_weights(data, 
 
 
 def merge(base: Path, adapter: Path, out: Path, *extra: str) -> str:
-    proc = subprocess.run([sys.executable, str(REPO / "scripts/merge_lora.py"), "--base", str(base), "--adapter",
+    proc = subprocess.run([*python_command(), str(REPO / "scripts/merge_lora.py"), "--base", str(base), "--adapter",
                            str(adapter), "--output_dir", str(out), *extra], capture_output=True, text=True, cwd=REPO,
                           env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stdout + proc.stderr

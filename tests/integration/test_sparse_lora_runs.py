@@ -5,7 +5,6 @@ PEFT adapter, and evaluate to the unmerged model's perplexity; scripts/check_spa
 import importlib.util
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 
 from tests.integration.harness import REPO, one_window_dataset, perturbed_hf_folder, run_train
 from tests.integration.test_pruning_runs import VALIDATION_TEXT, linear_weights
+from tests.warm_python import python_command
 
 SEQ_LEN, STEPS = 32, 3
 LORA = ["--model.converters", "lora", "--lora.rank", "4", "--lora.alpha", "8", "--lora.use_rslora",
@@ -22,7 +22,7 @@ LORA = ["--model.converters", "lora", "--lora.rank", "4", "--lora.alpha", "8", "
 
 def script(name: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(REPO / "scripts" / name), *args], cwd=REPO, capture_output=True,
+    return subprocess.run([*python_command(), str(REPO / "scripts" / name), *args], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env=env)
 
 
