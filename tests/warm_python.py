@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -32,6 +33,9 @@ STARTUP_ENV_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "LD_", "MALLO
                         "TORCHDYNAMO_", "TORCH_COMPILE", "TORCH_LOGS", "TORCH_SHOW_CPP", "PYTORCH_", "CUDA_",
                         "TITAN_LITE_TEST_WARM")
 
+# start() waits this long for the server to listen (~5 s of imports on a busy CI core): a launch before it would pay
+# those seconds itself.
+READY_TIMEOUT_S = 30
 WARM_MARKER = ".titan_lite_test_warm"  # in the session's warm venv folder
 COLD = {"TITAN_LITE_TEST_WARM": "0"}  # in a launch's environment: a cold python, whatever the session's setting
 
@@ -62,8 +66,8 @@ def run_train_env(env: dict) -> dict:
 
 
 def start(folder: Path) -> tuple[subprocess.Popen, Path]:
-    """The server (a child of this process, which it outlives by at most a second) and the folder to give as
-    TITAN_LITE_VENV."""
+    """The server (a child of this process, which it outlives by at most a second), listening, and the folder to
+    give as TITAN_LITE_VENV."""
     folder.mkdir(parents=True, exist_ok=True)
     sock = folder / "server.sock"
     venv = folder / "venv"
@@ -78,6 +82,9 @@ def start(folder: Path) -> tuple[subprocess.Popen, Path]:
     server = subprocess.Popen([sys.executable, "-m", "tests.warm_python", str(sock), str(os.getpid())], cwd=REPO,
                               env=run_train_env(dict(os.environ)), stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=open(folder / "server.log", "w"))
+    ready = time.monotonic() + READY_TIMEOUT_S
+    while not sock.exists() and server.poll() is None and time.monotonic() < ready:
+        time.sleep(0.05)
     return server, venv
 
 
@@ -99,14 +106,15 @@ def serve(sock_path: str, parent: int) -> None:
     os.replace(sock_path + ".tmp", sock_path)  # clients find it only once it listens
     listener.listen(64)
     runs: dict[int, socket.socket] = {}  # child pid -> its client's connection
+    argvs: dict[int, list[str]] = {}
     while os.getppid() == parent:
         readable, _, _ = select.select([listener, wake_r, *runs.values()], [], [], 1.0)
         if wake_r in readable:
             os.read(wake_r, 4096)
-        reap(runs)
+        reap(runs, argvs)
         for conn in readable:
             if conn is listener:
-                accept(listener, runs, own_startup_env, [listener, wake_r, wake_w])
+                accept(listener, runs, argvs, own_startup_env, [listener, wake_r, wake_w])
             elif conn in runs.values() and not conn.recv(64, socket.MSG_PEEK):  # the client is gone: end its run
                 pid = next(p for p, c in runs.items() if c is conn)
                 with contextlib.suppress(ProcessLookupError):
@@ -116,17 +124,20 @@ def serve(sock_path: str, parent: int) -> None:
             os.killpg(pid, signal.SIGKILL)
 
 
-def reap(runs: dict[int, socket.socket]) -> None:
+def reap(runs: dict[int, socket.socket], argvs: dict[int, list[str]]) -> None:
+    """Tell the clients of the runs that ended how they ended; log each run's CPU seconds (its ranks' included)."""
     for pid in list(runs):
-        done, status = os.waitpid(pid, os.WNOHANG)
+        done, status, usage = os.wait4(pid, os.WNOHANG)
         if done:
+            print(f"run: {usage.ru_utime + usage.ru_stime:.1f} CPU s: {' '.join(argvs.pop(pid))}", file=sys.stderr,
+                  flush=True)
             conn = runs.pop(pid)
             with contextlib.suppress(OSError):
                 conn.send(f"exit {os.waitstatus_to_exitcode(status)}".encode())
             conn.close()
 
 
-def accept(listener: socket.socket, runs: dict, own_startup_env: dict, server_fds: list) -> None:
+def accept(listener: socket.socket, runs: dict, argvs: dict, own_startup_env: dict, server_fds: list) -> None:
     conn, _ = listener.accept()
     try:
         message, fds, _, _ = socket.recv_fds(conn, 1 << 22, 3)
@@ -160,7 +171,7 @@ def accept(listener: socket.socket, runs: dict, own_startup_env: dict, server_fd
     for fd in fds:
         os.close(fd)
     conn.send(f"pid {pid}".encode())
-    runs[pid] = conn
+    runs[pid], argvs[pid] = conn, request["argv"]
 
 
 def run_child(request: dict, fds: list[int]) -> None:
