@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.cli import parser
-from benchmarks.training_run import REPO, Job, estimate_bytes, measure
+from benchmarks.training_run import REPO, Job, estimate_bytes, measure, worker_python
 
 GIB = 1024**3
 CASE_LIMIT_S = 480  # no case over 8 minutes on one H100
@@ -341,7 +341,7 @@ def grpo(lane: Lane) -> list[Line]:
     if not lane.cuda and not lane.smoke:
         return [Line("grpo: skipped: no CUDA device", "skipped")]
     flavor, new, seq, words, steps, warmup = ("tiny", 8, 128, 8, 1, 0) if lane.smoke else ("1B", 256, 1024, 120, 2, 1)
-    cmd = [sys.executable, "-m", "benchmarks.grpo", "--flavor", flavor, "--max_new", str(new), "--seq_len", str(seq),
+    cmd = [worker_python(), "-m", "benchmarks.grpo", "--flavor", flavor, "--max_new", str(new), "--seq_len", str(seq),
            "--most_words", str(words), "--steps", str(steps), "--warmup", str(warmup)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=CASE_LIMIT_S)
     lane.keep_log("grpo", proc.stdout + proc.stderr)

@@ -5,7 +5,7 @@ steps of the same config, for every layout and transform it plans; the goal is e
     .venv/bin/python -m benchmarks.memory_plan --all         # tiny and smollm2_135M, every case (10+ minutes)
     .venv/bin/python -m benchmarks.memory_plan --shapes tiny --cases full,fsdp2
 
-A training case runs warm-up steps through titan_lite's Trainer in fresh processes (torchrun's for 2 ranks), then
+A training case runs warm-up steps through titan_lite's Trainer in fresh processes (one per rank), then
 one step under the live-tensor count (parameters and optimizer state counted throughout: what a GPU allocator's
 peak reports); the estimate is what DRY_RUN prints for that config's largest rank. The Wanda case compares the
 pruning pass's own plan with its measured peak.

@@ -1,4 +1,4 @@
-"""One training job measured in a fresh process (or torchrun's), beside DRY_RUN's estimate of the same config.
+"""One training job measured in a fresh process (or one per rank), beside DRY_RUN's estimate of the same config.
 
 The GPU lane (benchmarks/gpu.py) and the CPU memory plan (benchmarks/memory_plan.py) describe a job as a `Job`;
 `measure(job)` runs its steps through titan_lite's own Trainer on random tokens and returns tokens/s, MFU and each
@@ -42,7 +42,7 @@ class Job:
     compile_backend: str = "inductor"
     precision: str = "auto"  # training.mixed_precision_param: bf16 autocast on GPUs, float32 on CPU
     overrides: list[str] = field(default_factory=list)  # transforms and anything else, as CLI overrides
-    nproc: int = 1  # processes under torchrun (FSDP / TP / PP layouts come from the overrides)
+    nproc: int = 1  # ranks (FSDP / TP / PP layouts come from the overrides)
     steps: int = 3
     warmup: int = 1
     # MoE: zero router logits, so every token picks the same top-k experts (topk's order of ties), all on one EP rank:
@@ -118,7 +118,7 @@ def _flops_per_token(trainer, job: Job) -> float:
 
 
 def run_here(job: Job) -> dict:
-    """Train job.warmup + job.steps timed steps in this process (a rank of torchrun's, or alone), then one more
+    """Train job.warmup + job.steps timed steps in this process (one of the launch's ranks, or alone), then one more
     step measuring the peak of tensor bytes; returns this rank's figures."""
     import logging
 
@@ -176,12 +176,22 @@ def route_every_token_alike(model_parts: list) -> None:
 RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
+def worker_python() -> str:
+    """The interpreter a measured job starts with: the environment TITAN_LITE_VENV names (scripts/setup_env.sh's
+    setting, whose python run_train.sh's ranks run in) where it holds one, else this one."""
+    venv = os.environ.get("TITAN_LITE_VENV")
+    python = Path(venv) / "bin" / "python" if venv else None
+    return str(python) if python is not None and os.access(python, os.X_OK) else sys.executable
+
+
 def measure(job: Job, timeout: float = 480, env: dict | None = None) -> dict:
-    """run_here(job) in a fresh process (torchrun's for nproc > 1): every rank's figures, or {"error": line}."""
-    launcher = [sys.executable, "-m", "benchmarks.training_run", "--job", json.dumps(asdict(job))]
+    """run_here(job) in a fresh process (nproc > 1: ranks started as run_train.sh starts one node's, by
+    titan_lite.launcher, forked after one import where there is no GPU): every rank's figures, or {"error": line}."""
+    job_args = ["-m", "benchmarks.training_run", "--job", json.dumps(asdict(job))]
+    launcher = [worker_python(), *job_args]
     if job.nproc > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={job.nproc}",
-                    "-m", "benchmarks.training_run", "--job", json.dumps(asdict(job))]
+        preload = [] if torch.cuda.is_available() else ["--preload"]  # a fork after CUDA starts cannot use it
+        launcher = [worker_python(), "-m", "titan_lite.launcher", "--local", str(job.nproc), *preload, *job_args]
     # a measured job is a job of its own: never the rendezvous of a process group the caller set up
     inherited = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV}
     full_env = dict(inherited, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
