@@ -40,6 +40,11 @@ WARM_MARKER = ".titan_lite_test_warm"  # in the session's warm venv folder
 COLD = {"TITAN_LITE_TEST_WARM": "0"}  # in a launch's environment: a cold python, whatever the session's setting
 
 
+# Exported by torch's own import (torch._inductor.config sets the default cache folder): a caller that has not
+# imported it yet would get the same value.
+SET_BY_TORCH = ("TORCHINDUCTOR_CACHE_DIR",)
+
+
 def python_command() -> list[str]:
     """What a test runs in place of [sys.executable] for `-m MODULE ...` or `SCRIPT.py ...`: the session's warm
     python while it is serving, otherwise this interpreter."""
@@ -49,10 +54,13 @@ def python_command() -> list[str]:
     return [str(Path(venv) / "bin" / "python")]
 
 
-def startup_env(env: dict) -> dict:
+def startup_env(env: dict, server_env: dict | None = None) -> dict:
     """The settings a launch must share with the server; PYTHONPATH as its folders (run_train.sh repeats the
-    checkout's)."""
+    checkout's); what torch exports itself when imported is the server's where the launch lacks it."""
     found = {k: v for k, v in env.items() if k.startswith(STARTUP_ENV_PREFIXES)}
+    for key in SET_BY_TORCH:
+        if key not in found and server_env and key in server_env:
+            found[key] = server_env[key]
     if "PYTHONPATH" in found:
         found["PYTHONPATH"] = ":".join(dict.fromkeys(p for p in found["PYTHONPATH"].split(":") if p))
     return found
@@ -92,6 +100,8 @@ def start(folder: Path) -> tuple[subprocess.Popen, Path]:
 
 
 def serve(sock_path: str, parent: int) -> None:
+    import torch._inductor.config  # noqa: F401 - exports its default TORCHINDUCTOR_CACHE_DIR, as a caller's import would
+
     import titan_lite.launcher
     import titan_lite.train
 
@@ -108,20 +118,32 @@ def serve(sock_path: str, parent: int) -> None:
     runs: dict[int, socket.socket] = {}  # child pid -> its client's connection
     argvs: dict[int, list[str]] = {}
     while os.getppid() == parent:
-        readable, _, _ = select.select([listener, wake_r, *runs.values()], [], [], 1.0)
+        watched = [c for c in runs.values() if c.fileno() >= 0]
+        readable, _, _ = select.select([listener, wake_r, *watched], [], [], 1.0)
         if wake_r in readable:
             os.read(wake_r, 4096)
         reap(runs, argvs)
         for conn in readable:
             if conn is listener:
                 accept(listener, runs, argvs, own_startup_env, [listener, wake_r, wake_w])
-            elif conn in runs.values() and not conn.recv(64, socket.MSG_PEEK):  # the client is gone: end its run
+            elif conn in runs.values() and client_gone(conn):  # killed (a test's timeout): end its run
                 pid = next(p for p, c in runs.items() if c is conn)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
+                conn.close()  # not watched again; reaped as any other run
+                end_run(pid)
     for pid in runs:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
+        end_run(pid)
+
+
+def client_gone(conn: socket.socket) -> bool:
+    try:
+        return not conn.recv(64, socket.MSG_PEEK)
+    except OSError:
+        return True
+
+
+def end_run(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def reap(runs: dict[int, socket.socket], argvs: dict[int, list[str]]) -> None:
@@ -145,7 +167,7 @@ def accept(listener: socket.socket, runs: dict, argvs: dict, own_startup_env: di
     except (OSError, ValueError):
         conn.close()
         return
-    theirs = startup_env(request["env"])
+    theirs = startup_env(request["env"], own_startup_env)
     if len(fds) != 3 or theirs != own_startup_env:
         differing = sorted(k for k in theirs.keys() | own_startup_env.keys() if theirs.get(k) != own_startup_env.get(k))
         print(f"cold: {' '.join(request['argv'][:2])}: the environment differs in {', '.join(differing)}",
@@ -170,8 +192,12 @@ def accept(listener: socket.socket, runs: dict, argvs: dict, own_startup_env: di
         run_child(request, fds)  # never returns
     for fd in fds:
         os.close(fd)
-    conn.send(f"pid {pid}".encode())
     runs[pid], argvs[pid] = conn, request["argv"]
+    try:
+        conn.send(f"pid {pid}".encode())
+    except OSError:  # the client is gone already
+        conn.close()
+        end_run(pid)
 
 
 def run_child(request: dict, fds: list[int]) -> None:
