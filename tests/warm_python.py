@@ -12,6 +12,7 @@ as does anything else run_train.sh asks of python. TITAN_LITE_TEST_WARM=0 switch
 
 import atexit
 import contextlib
+import gc
 import io
 import json
 import os
@@ -106,6 +107,7 @@ def serve(sock_path: str, parent: int) -> None:
     import titan_lite.train
 
     titan_lite.train.preload()
+    gc.freeze()  # as titan_lite.launcher --preload does: the children's collections skip the imported objects
     own_startup_env = startup_env(dict(os.environ))
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)

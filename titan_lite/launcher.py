@@ -34,6 +34,7 @@ without restarts needs.
 
 import collections
 import contextlib
+import gc
 import importlib
 import os
 import runpy
@@ -260,6 +261,7 @@ def preload_module(command: list[str]) -> bool:
         return False
     sys.stdout.flush()
     sys.stderr.flush()
+    gc.freeze()  # the imported objects: a rank's garbage collections then leave their shared pages unwritten
     return True
 
 
