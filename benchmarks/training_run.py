@@ -187,11 +187,11 @@ def worker_python() -> str:
 def measure(job: Job, timeout: float = 480, env: dict | None = None) -> dict:
     """run_here(job) in a fresh process (nproc > 1: ranks started as run_train.sh starts one node's, by
     titan_lite.launcher, forked after one import where there is no GPU): every rank's figures, or {"error": line}."""
-    job_args = ["-m", "benchmarks.training_run", "--job", json.dumps(asdict(job))]
-    launcher = [worker_python(), *job_args]
+    launcher = [worker_python()]
     if job.nproc > 1:
         preload = [] if torch.cuda.is_available() else ["--preload"]  # a fork after CUDA starts cannot use it
-        launcher = [worker_python(), "-m", "titan_lite.launcher", "--local", str(job.nproc), *preload, *job_args]
+        launcher += ["-m", "titan_lite.launcher", "--local", str(job.nproc), *preload]
+    launcher += ["-m", "benchmarks.training_run", "--job", json.dumps(asdict(job))]
     # a measured job is a job of its own: never the rendezvous of a process group the caller set up
     inherited = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV}
     full_env = dict(inherited, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),

@@ -35,7 +35,7 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True, scope="session")
 def warm_run_train(tmp_path_factory):
     """run_train.sh's python, forked from a server that imported torch and titan_lite once (tests/warm_python.py):
-    the launches of the session skip ~5 s of CPU each. TITAN_LITE_TEST_WARM=0 runs every launch cold."""
+    the launches of the session skip ~4 s of CPU each. TITAN_LITE_TEST_WARM=0 runs every launch cold."""
     import os
 
     if os.environ.get("TITAN_LITE_TEST_WARM") == "0":

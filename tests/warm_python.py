@@ -1,13 +1,14 @@
 """A warm start for the test session's launches: run_train.sh runs unchanged, but its python starts in milliseconds.
 
-Each launch of run_train.sh imports torch and titan_lite (~5 s of CPU on the CI machine) before the trainer does
-anything, and the suite launches it hundreds of times. `start(folder)` starts a server that has imported them once
-and makes a virtual-environment folder whose `bin/python` is tests/warm_client.py; pointing TITAN_LITE_VENV at it
-(scripts/setup_env.sh's own setting) makes every run_train.sh of the session use it. For `-m titan_lite.launcher`
-and `-m titan_lite.train` the server forks a child that runs the module as `python -m` would: in its own session,
-with the caller's arguments, environment, working directory and standard streams. An environment that differs from
-the server's in what the interpreter reads when it starts (OMP_*, PYTHON*, TORCH*, ...) runs a cold python instead,
-as does anything else run_train.sh asks of python. TITAN_LITE_TEST_WARM=0 switches it off.
+Each launch of run_train.sh imports torch and titan_lite (`import titan_lite.train` alone: 3.98 s of CPU on this
+2-core machine) before the trainer does anything, and the suite launches it hundreds of times. `start(folder)` starts
+a server that has imported them once and makes a virtual-environment folder whose `bin/python` is
+tests/warm_client.py; pointing TITAN_LITE_VENV at it (scripts/setup_env.sh's own setting) makes every run_train.sh of
+the session use it, and python_command() gives it to the tests that start scripts. For `-m MODULE ...` and
+`SCRIPT.py ...` the server forks a child that runs them as python would: in its own session, with the caller's
+arguments, environment, working directory and standard streams. An environment that differs from the server's in
+what the interpreter reads when it starts (OMP_*, PYTHON*, TORCH*, ...) runs a cold python instead, as does anything
+else run_train.sh asks of python. TITAN_LITE_TEST_WARM=0 switches it off.
 """
 
 import atexit
@@ -25,6 +26,8 @@ import sys
 import time
 import traceback
 from pathlib import Path
+
+from titan_lite.launcher import exit_code_of
 
 REPO = Path(__file__).resolve().parents[1]
 # Read when the interpreter, torch or a native library starts: a launch whose values differ runs cold. (Not the
@@ -230,7 +233,7 @@ def run_child(request: dict, fds: list[int]) -> None:
             runpy.run_path(argv[0], run_name="__main__")
         code = 0
     except SystemExit as exc:
-        code = exit_status(exc)
+        code = exit_code_of(exc)
     except BaseException:  # noqa: BLE001 - what python prints for an uncaught exception, exit 1
         traceback.print_exc()
     finally:
@@ -251,15 +254,6 @@ def fresh_stdio() -> None:
     sys.stdin = sys.__stdin__ = text(0, "r", False, "strict")
     sys.stdout = sys.__stdout__ = text(1, "w", os.isatty(1), "strict")
     sys.stderr = sys.__stderr__ = text(2, "w", True, "backslashreplace")
-
-
-def exit_status(exc: SystemExit) -> int:
-    if exc.code is None:
-        return 0
-    if isinstance(exc.code, int):
-        return exc.code & 0xFF
-    print(exc.code, file=sys.stderr)
-    return 1
 
 
 if __name__ == "__main__":
