@@ -1,8 +1,8 @@
 """A warm start for the test session's launches: run_train.sh runs unchanged, but its python starts in milliseconds.
 
-Each launch of run_train.sh imports torch and titan_lite (`import titan_lite.train` alone: 3.98 s of CPU on this
-2-core machine) before the trainer does anything, and the suite launches it hundreds of times. `start(folder)` starts
-a server that has imported them once and makes a virtual-environment folder whose `bin/python` is
+Each launch of run_train.sh imports torch and titan_lite (`import titan_lite.train` alone: 4.42 to 5.11 s of CPU on
+this 2-core machine) before the trainer does anything, and the suite launches it hundreds of times.
+`start(folder)` starts a server that has imported them once and makes a virtual-environment folder whose `bin/python` is
 tests/warm_client.py; pointing TITAN_LITE_VENV at it (scripts/setup_env.sh's own setting) makes every run_train.sh of
 the session use it, and python_command() gives it to the tests that start scripts. For `-m MODULE ...` and
 `SCRIPT.py ...` the server forks a child that runs them as python would: in its own session, with the caller's
