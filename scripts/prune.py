@@ -56,7 +56,7 @@ from titan_lite.job.script import (
     start_job,
 )
 from titan_lite.metrics.memory import measure_peak
-from titan_lite.models.llama.args import LlamaArgs
+from titan_lite.models.args import LlamaArgs
 from titan_lite.parallel.memory_estimate import GIB
 from titan_lite.transforms import PassPlan
 from titan_lite.transforms.pruning.memory_plan import format_bytes, precision

@@ -21,7 +21,8 @@ from titan_lite.config import parse_args  # noqa: E402
 from titan_lite.errors import ConfigError  # noqa: E402
 from titan_lite.job.assembly import assemble_model, initial_weight_loader  # noqa: E402
 from titan_lite.job.plan import plan_job  # noqa: E402
-from titan_lite.models.llama import Llama, flavor_args  # noqa: E402
+from titan_lite.models.decoder import Llama  # noqa: E402
+from titan_lite.models.flavors import flavor_args  # noqa: E402
 from titan_lite.transforms.lora.adapters import lora_settings_from_peft  # noqa: E402
 from titan_lite.transforms.lora.transform import lora_modules  # noqa: E402
 

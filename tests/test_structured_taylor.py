@@ -23,8 +23,9 @@ from titan_lite.dtensor import full_tensor
 from titan_lite.errors import ConfigError
 from titan_lite.job.assembly import assemble_model, calibration_source, hf_weight_loader, initial_weight_loader
 from titan_lite.job.plan import plan_job
-from titan_lite.models.llama import Llama, flavor_args
-from titan_lite.models.llama.hf import args_from_hf_config, read_hf_config
+from titan_lite.models.decoder import Llama
+from titan_lite.models.flavors import flavor_args
+from titan_lite.models.hf.config import args_from_hf_config, read_hf_config
 from titan_lite.transforms.structured.materialize import StructureKeep, materialize_state_dict, write_materialized_hf
 from titan_lite.transforms.structured.taylor import (
     LayerScores,

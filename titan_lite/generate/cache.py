@@ -5,8 +5,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from titan_lite.models.llama import LlamaArgs
-from titan_lite.models.llama.model import apply_rope, grouped_attention, rope_cache, within_window
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.parts.masks import within_window
+from titan_lite.models.parts.rope import apply_rope, rope_cache
+from titan_lite.models.parts.sdpa import grouped_attention
 
 
 class KVCache:

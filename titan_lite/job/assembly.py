@@ -15,7 +15,7 @@ from titan_lite.checkpoint.manager import holds_model, initial_source, weights_o
 from titan_lite.data.datasets import build_packed_source
 from titan_lite.job.plan import JobPlan
 from titan_lite.loss import build_loss_fn
-from titan_lite.models.llama import Llama
+from titan_lite.models.decoder import Llama
 from titan_lite.parallel.parallelize import loss_parallel_enabled, parallelize_llama
 from titan_lite.parallel.pipeline import PipelineRunner, pipeline_llama, split_llama
 from titan_lite.parallel.runner import ModelRunner

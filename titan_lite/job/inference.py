@@ -10,8 +10,8 @@ from titan_lite.config import JobConfig, parse_args
 from titan_lite.errors import ConfigError
 from titan_lite.job.assembly import BuiltModel, assemble_model, initial_weight_loader
 from titan_lite.job.plan import HF_FLAVOR, JobPlan, plan_job
-from titan_lite.models.llama.args import FLAVORS
-from titan_lite.models.llama.hf import check_args_against_hf_config
+from titan_lite.models.flavors import FLAVORS
+from titan_lite.models.hf.config import check_args_against_hf_config
 from titan_lite.transforms import apply_peft_adapter
 
 

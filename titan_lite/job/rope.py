@@ -4,7 +4,7 @@ from dataclasses import fields, replace
 
 from titan_lite.config.schema import RoPE
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama import LlamaArgs
+from titan_lite.models.args import LlamaArgs
 
 # [model.rope] key -> the LlamaArgs field it sets, and the scaling types that read it (None: every type).
 _KEYS = {

@@ -23,7 +23,7 @@ from titan_lite.job.estimate import data_parallel_units, local_numel
 from titan_lite.job.plan import HF_FLAVOR, JobPlan, check_initial_weights, plan_with_tokenizer, tokenizer_path
 from titan_lite.job.script import model_flavor
 from titan_lite.loss import cross_entropy_sum
-from titan_lite.models.llama.args import flavor_args
+from titan_lite.models.flavors import flavor_args
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.pipeline import PipelineRunner
 from titan_lite.transforms import PlanItem
