@@ -5,7 +5,7 @@ PEFT names an adapter tensor `base_model.model.<HF module>.lora_A.weight` (lora_
 DoRA), and a fully trained module (modules_to_save) `base_model.model.<HF parameter>`. titan_lite's are
 `<module>.lora_a` / `.lora_b` / `.magnitude` and the plain parameter names. q/k projections rotate interleaved pairs
 in titan_lite and half-split ones in HF: their output rows (lora_B's rows, the magnitude) are permuted like the
-weights (models/llama/hf.py).
+weights (models/hf/state_dict.py).
 """
 
 import hashlib

@@ -136,7 +136,7 @@ def read_hf_config(config_path: str | Path) -> dict:
 # Fields compared by check_args_against_hf_config; max_seq_len is left out (training picks its own length).
 _CHECKED_FIELDS = ("family", "dim", "n_layers", "n_heads", "kv_heads", "head_dim", "vocab_size", "ffn_dim",
                    "norm_eps", *ROPE_FIELDS, "tie_word_embeddings", "layer_n_heads", "layer_n_kv_heads",
-                   "layer_ffn_dims", "qkv_bias", "qk_norm", "sliding_window", "n_experts", "moe_top_k",
+                   "layer_ffn_dims", "qkv_bias", "qk_norm", "sliding_window", "schedule", "n_experts", "moe_top_k",
                    "moe_ffn_dim", "moe_norm_topk_prob", "moe_layers")
 _SCALING_FIELDS = ROPE_FIELDS[2:]
 
@@ -161,7 +161,7 @@ def check_args_against_hf_config(args: LlamaArgs, config_path: str, rope: bool =
             continue  # the scaling details mean nothing without scaling
         ours, theirs = getattr(args, name), getattr(expected, name)
         if not _same(ours, theirs):
-            label = "n_kv_heads" if name == "kv_heads" else name
+            label = {"kv_heads": "n_kv_heads", "schedule": "layer_types"}.get(name, name)
             raise ConfigError(f"model args disagree with {config_path}: {label} is {ours!r} in the model "
                               f"but {theirs!r} in config.json")
 

@@ -117,22 +117,27 @@ def rope_fields(cfg: dict, source: str) -> dict:
         raise ConfigError(f"{where}: partial_rotary_factor {scaling['partial_rotary_factor']}; titan_lite rotates "
                           "every channel of a head (1.0)")
     fields |= {"rope_scaling_type": rope_type, "rope_scaling_factor": float(require_key(scaling, "factor", where))}
-    if rope_type == "llama3":
-        fields |= {"rope_low_freq_factor": float(scaling.get("low_freq_factor", 1.0)),
-                   "rope_high_freq_factor": float(scaling.get("high_freq_factor", 4.0)),
-                   "rope_original_max_seq_len": int(scaling.get("original_max_position_embeddings", 8192))}
-    elif rope_type == "yarn":
-        if scaling.get("original_max_position_embeddings") is None:
-            raise ConfigError(f"{where}: rope type 'yarn' needs 'original_max_position_embeddings' (the context "
-                              "length the model was pre-trained with, e.g. 32768 for Qwen2.5/Qwen3)")
-        if not isinstance(scaling.get("truncate", True), bool):
-            raise ConfigError(f"{where}: 'truncate' is {json.dumps(scaling['truncate'])}; expected true or false")
-        optional = {k: scaling[k] if scaling.get(k) is not None else v for k, v in _YARN_DEFAULTS.items()}
-        fields |= {"rope_original_max_seq_len": int(scaling["original_max_position_embeddings"]),
-                   "rope_beta_fast": float(optional["beta_fast"]), "rope_beta_slow": float(optional["beta_slow"]),
-                   "rope_truncate": bool(optional["truncate"]),
-                   **{f"rope_{k}": _float(optional, k) for k in ("attention_factor", "mscale", "mscale_all_dim")}}
-    return fields
+    own_fields = {"llama3": _llama3_fields, "yarn": _yarn_fields}.get(rope_type)  # linear has none of its own
+    return fields | own_fields(scaling, where) if own_fields else fields
+
+
+def _llama3_fields(scaling: dict, where: str) -> dict:
+    return {"rope_low_freq_factor": float(scaling.get("low_freq_factor", 1.0)),
+            "rope_high_freq_factor": float(scaling.get("high_freq_factor", 4.0)),
+            "rope_original_max_seq_len": int(scaling.get("original_max_position_embeddings", 8192))}
+
+
+def _yarn_fields(scaling: dict, where: str) -> dict:
+    if scaling.get("original_max_position_embeddings") is None:
+        raise ConfigError(f"{where}: rope type 'yarn' needs 'original_max_position_embeddings' (the context "
+                          "length the model was pre-trained with, e.g. 32768 for Qwen2.5/Qwen3)")
+    if not isinstance(scaling.get("truncate", True), bool):
+        raise ConfigError(f"{where}: 'truncate' is {json.dumps(scaling['truncate'])}; expected true or false")
+    optional = {k: scaling[k] if scaling.get(k) is not None else v for k, v in _YARN_DEFAULTS.items()}
+    return {"rope_original_max_seq_len": int(scaling["original_max_position_embeddings"]),
+            "rope_beta_fast": float(optional["beta_fast"]), "rope_beta_slow": float(optional["beta_slow"]),
+            "rope_truncate": bool(optional["truncate"]),
+            **{f"rope_{k}": _float(optional, k) for k in ("attention_factor", "mscale", "mscale_all_dim")}}
 
 
 def _float(values: dict, key: str) -> float | None:

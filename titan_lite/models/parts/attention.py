@@ -1,6 +1,6 @@
 """The attention mixer (attention.wq/wk/wv/wo): GQA, q/k/v biases (Qwen2/2.5), q/k RMSNorms over head_dim (Qwen3,
 attention.q_norm/k_norm), a sliding window (Mistral, the "sliding_attention" layers), RoPE on q and k. It declares
-what it holds for others: a KV cache (`cache_kind`) and the mask packed documents need (`document_mask`)."""
+what packed documents need (`document_mask`, shared by the mixers of one `mask_key`) and its window."""
 
 import torch
 from torch import nn
@@ -13,9 +13,8 @@ from titan_lite.models.parts.rope import apply_rope
 
 
 class Attention(nn.Module):
-    """Multi-head attention with grouped K/V heads; `window` limits it to the last `window` positions."""
-
-    cache_kind = "kv"  # generation caches every position's keys and values (within the window when one is set)
+    """Multi-head attention with grouped K/V heads; `window` limits it to the last `window` positions. Generation
+    caches every position's keys and values (titan_lite.generate's KVCache, a mask per window)."""
 
     def __init__(self, args: LlamaArgs, layer_id: int, window: int | None = None):
         super().__init__()
