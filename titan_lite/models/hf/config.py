@@ -94,8 +94,7 @@ def _family_options(cfg: dict, model_type: str, source: str) -> dict:
     for layer, kind in enumerate(cfg.get("layer_types") or []):
         if kind not in MIXERS:
             raise ConfigError(f"{source}: layer_types[{layer}] is {kind!r}; known layer types: {', '.join(MIXERS)}")
-    fixed = {"qkv_bias": family.qkv_bias} if family.qkv_bias else {"qk_norm": True} if family.qk_norm else {}
-    return {**options, **fixed}
+    return {**options, **{name: True for name in ("qkv_bias", "qk_norm") if getattr(family, name)}}
 
 
 def args_from_hf_config(cfg: dict, source: str = "config.json") -> LlamaArgs:
