@@ -195,12 +195,6 @@ def initial_source(cfg: JobConfig) -> tuple[str, Path] | None:
     return None
 
 
-def source_to_load(cfg: JobConfig) -> tuple[str, Path] | None:
-    """What a run starts from: ("resume", its own checkpoint), else its initial_source, else None."""
-    folder = resume_folder(cfg.checkpoint, Path(cfg.job.dump_folder) / cfg.checkpoint.folder)
-    return ("resume", folder) if folder is not None else initial_source(cfg)
-
-
 def holds_model(folder: Path, model_parts: list[nn.Module],
                 saves_parameter: Callable[[str], bool] | None = None) -> bool:
     """Whether loading the checkpoint restores every model parameter of the parts: each is one the run saves
@@ -213,15 +207,14 @@ def holds_model(folder: Path, model_parts: list[nn.Module],
 def check_source_before_launch(cfg: JobConfig, model_args) -> None:
     """Read only headers and metadata of what the run will load, so a missing, corrupt or mismatched checkpoint is
     one line before any process starts. Transforms may rename or reshape parameters: then the run itself checks."""
-    root = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
-    check_seed_target(cfg.checkpoint, root)
-    source = source_to_load(cfg)
-    if source is None or cfg.model.converters:
+    check_seed_target(cfg.checkpoint, checkpoint_root(cfg))
+    loading = plan_resume(cfg)
+    if cfg.model.converters or (loading.checkpoint is None and loading.initial is None):
         return
-    kind, path = source
-    if kind == "hf":
-        check_hf_folder(str(path), model_args)
+    if loading.checkpoint is None and loading.initial.kind == "hf":
+        check_hf_folder(str(loading.initial.path), model_args)
         return
+    path = loading.checkpoint or loading.initial.path
     metadata = ckpt.read_metadata(path)
     ckpt.check_storage_files(path, metadata)
     if not ckpt.has_component(metadata, "model"):
