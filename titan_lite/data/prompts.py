@@ -185,7 +185,7 @@ def prompt_encoder(cfg: JobConfig, tokenizer) -> PromptEncoder:
 def build_prompt_source(cfg: JobConfig, section: str, tokenizer, infinite: bool) -> PromptSource:
     file, split = prompt_file_and_split(cfg, section)
     seed, shuffle = data_order(cfg, section, countable=True, where=f"'{file.key}' = '{file.path}'")
-    return PromptSource("prompts", file, prompt_encoder(cfg, tokenizer), split, infinite, seed, shuffle)
+    return PromptSource(file.DATASET, file, prompt_encoder(cfg, tokenizer), split, infinite, seed, shuffle)
 
 
 def check_prompt_data(cfg: JobConfig, section: str, tokenizer=None) -> PromptRow:
@@ -193,7 +193,7 @@ def check_prompt_data(cfg: JobConfig, section: str, tokenizer=None) -> PromptRow
     it is rendered and must leave room for a completion of grpo.max_completion_length tokens within seq_len. Returns
     that row (the reward functions' fields are checked against it)."""
     file, split = prompt_file_and_split(cfg, section)
-    source = PromptSource("prompts", file, prompt_encoder(cfg, tokenizer), split, infinite=False)
+    source = PromptSource(file.DATASET, file, prompt_encoder(cfg, tokenizer), split, infinite=False)
     index, row = next(source.rows(), (None, None))
     if row is None:
         raise ConfigError(f"'{file.key}' = '{file.path}' holds no prompts for the {split} split"
