@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_lite.checkpoint import dcp as ckpt
+from titan_lite.checkpoint.hf import load_hf_weights
 from titan_lite.checkpoint.resume import LoadPlan, check_seed_target, resume_folder, warn_incomplete_saves
 from titan_lite.config.schema import Checkpoint
 from titan_lite.errors import ConfigError, TrainingFault
@@ -377,6 +378,22 @@ def free_space(folder: Path) -> str:
         return f"{shutil.disk_usage(folder).free / 2**30:.1f} GiB free there"
     except OSError:
         return "free space unknown"
+
+
+def load_initial_weights(load: LoadPlan, parts: list[nn.Module], cfg: Checkpoint, model_args,
+                         hf_names: Callable[[], Any], saves_parameter: Callable[[str], bool] | None = None) -> bool:
+    """Assembly's share of the load plan, into the materialised parts: the initial weights (an HF folder, read with
+    the transforms' `hf_names`, or a DCP checkpoint's model), unless the plan's checkpoint restores every parameter.
+    True when it does (the checkpoint, loaded later, brings the whole model)."""
+    restores_model = load.restores_model(parts, saves_parameter)
+    if load.initial is None or restores_model:
+        return restores_model
+    if load.initial.kind == "hf":
+        load_hf_weights(parts, str(load.initial.path), model_args, hf_names())
+        logger.info(f"loaded Hugging Face weights from {load.initial.path}")
+    else:
+        weights_only_loader(cfg, load.initial.path)(parts)
+    return restores_model
 
 
 def weights_only_loader(cfg: Checkpoint, folder: Path) -> Callable[[list[nn.Module]], None]:

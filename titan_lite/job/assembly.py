@@ -5,14 +5,12 @@ import itertools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from titan_lite.checkpoint.hf import load_hf_weights
-from titan_lite.checkpoint.manager import weights_only_loader
-from titan_lite.checkpoint.resume import InitialWeights, LoadPlan
+from titan_lite.checkpoint.manager import load_initial_weights
+from titan_lite.checkpoint.resume import LoadPlan
 from titan_lite.data.datasets import build_packed_source
 from titan_lite.job.plan import JobPlan
 from titan_lite.loss import build_loss_fn
@@ -23,10 +21,6 @@ from titan_lite.parallel.runner import ModelRunner
 from titan_lite.transforms import TransformContext
 
 logger = logging.getLogger("titan_lite")
-
-# Loads initial weights into the materialised parts (an HF folder, a DCP checkpoint, ...).
-WeightLoader = Callable[[list[nn.Module]], None]
-
 
 @dataclass
 class BuiltModel:
@@ -91,32 +85,14 @@ def assemble_model(plan: JobPlan, device: torch.device, *, seed: int = 0,
     parts, pipeline = build_parts(plan, device, loss_fn)
     materialise(parts, plan, device, seed)
     built = BuiltModel(parts, ModelRunner(parts, plan.parallel_dims, plan.cfg, device, loss_fn, pipeline), pipeline)
-    restores_model = load.restores_model(parts, plan.transforms.saves_parameter)
-    if load.initial is not None and not restores_model:
-        weight_loader(plan, load.initial)(parts)
+    restores_model = load_initial_weights(load, parts, plan.cfg.checkpoint, plan.model_args, plan.transforms.hf_names,
+                                          plan.transforms.saves_parameter)
     plan.transforms.after_load(TransformContext(
         cfg=plan.cfg, model_args=plan.model_args, parallel_dims=plan.parallel_dims, device=device,
         tokenizer=plan.tokenizer, model_parts=parts, runner=built.runner,
         calibration_batches=calibration_source(plan, device), resuming=load.resuming,
         checkpoint_holds_model=restores_model))
     return built
-
-
-def weight_loader(plan: JobPlan, initial: InitialWeights) -> WeightLoader:
-    """An HF or DCP loader of the initial weights."""
-    if initial.kind == "hf":
-        return hf_weight_loader(plan, initial.path)
-    return weights_only_loader(plan.cfg.checkpoint, initial.path)
-
-
-def hf_weight_loader(plan: JobPlan, folder: str | Path) -> WeightLoader:
-    """Loads an HF safetensors folder into the parts (each rank reads only its shard of each tensor)."""
-    names = plan.transforms.hf_names()
-
-    def load(parts: list[nn.Module]) -> None:
-        load_hf_weights(parts, str(folder), plan.model_args, names)
-        logger.info(f"loaded Hugging Face weights from {folder}")
-    return load
 
 
 def calibration_source(plan: JobPlan, device: torch.device):
