@@ -13,7 +13,7 @@ from typing import TypeVar
 import torch
 
 from titan_lite.checkpoint.hf import weight_files
-from titan_lite.checkpoint.manager import check_source_before_launch, initial_source
+from titan_lite.checkpoint.resume import check_source_before_launch, initial_source
 from titan_lite.config.schema import JobConfig
 from titan_lite.config.validate import validate
 from titan_lite.data.dataloader import build_section_source, samples_per_epoch
