@@ -12,7 +12,13 @@ from typing import Any
 import tiktoken
 
 from titan_lite.data.tokenizer.base import Tokenizer
-from titan_lite.data.tokenizer.bpe_core import GPT2_PATTERN, exact_ranks, split_pattern, tiktoken_encoding
+from titan_lite.data.tokenizer.bpe_core import (
+    GPT2_PATTERN,
+    exact_ranks,
+    missing_bytes,
+    split_pattern,
+    tiktoken_encoding,
+)
 from titan_lite.data.tokenizer.hf_json import (
     AddedTokenMatcher,
     bpe_vocab,
@@ -76,6 +82,7 @@ class HFByteLevelBPETokenizer(Tokenizer):
         self._load_special_ids(path, spec.get("post_processor"))
         self._cache: dict[bytes, list[int]] = {}
         self._core: tiktoken.Encoding | None = None
+        self._core_skips: re.Pattern[bytes] | None = None  # the bytes that send a text to the Python BPE
         if core is not False:
             self._start_core(path, spec, checked=bool(core))
 
@@ -123,6 +130,11 @@ class HFByteLevelBPETokenizer(Tokenizer):
             self.backend_note = f"tiktoken's core would not be exact: {why}"
             return
         self.backend, self.backend_note = "tiktoken", "tiktoken's core: ids in merge order, one split pattern"
+        missing = missing_bytes(ranks)
+        if missing:
+            self._core_skips = re.compile(b"[" + b"".join(re.escape(bytes([b])) for b in missing) + b"]")
+            self.backend_note += (f"; a text holding one of the {len(missing)} bytes the vocabulary lacks as tokens "
+                                  f"({_byte_list(missing)}) is encoded in Python")
 
     def _load_model(self, path: Path, model: dict[str, Any]) -> None:
         vocab = bpe_vocab(path, model)
@@ -183,12 +195,12 @@ class HFByteLevelBPETokenizer(Tokenizer):
         return ids
 
     def _encode_segment(self, text: str) -> list[int]:
-        if self._core is not None:
-            text = self._normalize(text)
+        text = self._normalize(text)
+        if self._core is not None and (self._core_skips is None or not self._core_skips.search(_utf8(text))):
             if self._prefix_space and not text.startswith(" "):
                 text = " " + text
             return self._core.encode_ordinary(text)
-        pieces = [self._normalize(text)]
+        pieces = [text]
         for step in self._pre_steps:
             pieces = [out for piece in pieces for out in step(piece) if out]
         ids: list[int] = []
@@ -225,6 +237,21 @@ class HFByteLevelBPETokenizer(Tokenizer):
     def decode(self, ids: list[int]) -> str:
         return b"".join(self._id_to_bytes[i] for i in ids).decode("utf-8", errors="replace")
 
+
+
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", errors="surrogatepass")
+
+
+def _byte_list(values: list[int]) -> str:
+    """4, 6, 245-255: runs of consecutive values shown as ranges."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _merge_ranks(path: Path, merges: list[Any], vocab: dict[bytes, int]) -> dict[tuple[bytes, bytes], int]:
