@@ -472,6 +472,51 @@ def test_qwen_tokenizer_json_ids_match_tokenizers(tmp_path: Path):
     assert tok.decode(ids[:-1]) == oracle.decode(ids[:-1]) == unicodedata.normalize("NFC", text)
 
 
+def test_added_tokens_match_leftmost_longest_as_tokenizers_does(tmp_path: Path):
+    """Overlapping added tokens (one a prefix of another), a run of plain ones around one that strips spaces and one
+    that matches only as a word, and hundreds of reserved tokens: the ids of `tokenizers` on text holding them all."""
+    tokenizers = pytest.importorskip("tokenizers")
+    path = qwen_tokenizer_json(tmp_path)
+    oracle = tokenizers.Tokenizer.from_file(str(path))
+    oracle.add_special_tokens([tokenizers.AddedToken("<a>", special=True), tokenizers.AddedToken("<a><b>", special=True),
+                               tokenizers.AddedToken("<|strip|>", special=True, lstrip=True, rstrip=True),
+                               tokenizers.AddedToken("word", special=True, single_word=True),
+                               *[f"<|reserved_{i}|>" for i in range(300)]])
+    oracle.add_tokens(["<plain>", "<plain><more>"])
+    oracle.save(str(path))
+    tok = build_tokenizer(str(tmp_path))
+    text = ("x<a><b>y <a>z<a><b><a> q  <|strip|>  r word swordy word. <|reserved_12|><|reserved_1|><|reserved_299|>"
+            "<|reserved_3<plain><more><plain> <|im_start|>" + MIXED)
+    assert tok.encode(text, bos=False, allow_special=True) == oracle.encode(text, add_special_tokens=False).ids
+    oracle.encode_special_tokens = True
+    assert tok.encode(text, bos=False) == oracle.encode(text, add_special_tokens=False).ids
+
+
+def test_hundreds_of_reserved_tokens_cost_little_to_find(tmp_path: Path):
+    """Chat rows are encoded with their special tokens (allow_special): with 300 reserved ones beside ChatML's, finding
+    them must not cost more than encoding the text (an alternation tried token by token cost ~40x)."""
+    import time
+
+    tokenizers = pytest.importorskip("tokenizers")
+    path = qwen_tokenizer_json(tmp_path)
+    oracle = tokenizers.Tokenizer.from_file(str(path))
+    oracle.add_special_tokens([f"<|reserved_special_token_{i}|>" for i in range(300)])
+    oracle.save(str(path))
+    tok = build_tokenizer(str(tmp_path))
+    turns = [f"<|im_start|>user\n{line}<|im_end|>\n" for line in corpus_lines()]
+
+    def seconds(allow_special: bool) -> float:
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for turn in turns:
+                tok.encode(turn, bos=False, allow_special=allow_special)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    assert seconds(True) < 3 * seconds(False)
+
+
 def mistral_tokenizer_json(sp_model: Path, folder: Path, style: str) -> Path:
     """transformers' conversion of a Llama-2-style sentencepiece model (BPE, byte fallback), in the structure of
     Mistral 7B's tokenizer.json: v0.1 (a Prepend "▁" + Replace " " normalizer and no pre-tokenizer), v0.3 (a

@@ -4,6 +4,7 @@ tokens and their matcher, the special ids of tokenizer_config.json and the post-
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import re
 import unicodedata
@@ -53,17 +54,33 @@ def merge_options(model: dict[str, Any], vocab: dict[str, int]) -> tuple[bool, i
 
 
 class AddedTokenMatcher:
-    """Finds added tokens in text; each token is one capturing group so a match names its id."""
+    """Finds added tokens in text, leftmost and then longest first, as HF does. Each run of consecutive tokens
+    (longest first) that match as plain text is one capturing group holding their trie (Python's `re` tries a
+    trie's branches by one character, a plain alternation of hundreds of reserved tokens each in turn); each token
+    that strips spaces or matches only as a word is a group of its own."""
 
-    def __init__(self, regex: re.Pattern[str], ids: list[int]):
-        self._regex, self._ids = regex, ids
+    def __init__(self, regex: re.Pattern[str], groups: list[int | dict[str, int]]):
+        self._regex, self._groups = regex, groups
 
     @classmethod
     def build(cls, tokens: list[dict[str, Any]]) -> AddedTokenMatcher | None:
+        """`tokens` in the order they are tried: longest first."""
         if not tokens:
             return None
-        regex = re.compile("|".join(f"({_added_token_pattern(tok)})" for tok in tokens))
-        return cls(regex, [tok["id"] for tok in tokens])
+        patterns: list[str] = []
+        groups: list[int | dict[str, int]] = []
+        for plain, run in itertools.groupby(tokens, key=_matches_as_text):
+            run = list(run)
+            if plain:
+                ids: dict[str, int] = {}
+                for tok in run:
+                    ids.setdefault(tok["content"], tok["id"])  # the first of equal contents wins, as in order
+                patterns.append(_trie_pattern(list(ids)))
+                groups.append(ids)
+            else:
+                patterns += [_added_token_pattern(tok) for tok in run]
+                groups += [tok["id"] for tok in run]
+        return cls(re.compile("|".join(f"({p})" for p in patterns)), groups)
 
     def split(self, text: str) -> Iterator[tuple[str, int | None]]:
         """(text, None) for plain stretches and (token text, id) for added tokens, in order."""
@@ -71,10 +88,35 @@ class AddedTokenMatcher:
         for match in self._regex.finditer(text):
             if match.start() > pos:
                 yield text[pos:match.start()], None
-            yield match.group(), self._ids[match.lastindex - 1]
+            found = self._groups[match.lastindex - 1]
+            yield match.group(), found if isinstance(found, int) else found[match.group()]
             pos = match.end()
         if pos < len(text):
             yield text[pos:], None
+
+
+def _matches_as_text(token: dict[str, Any]) -> bool:
+    return not (token.get("single_word") or token.get("lstrip") or token.get("rstrip"))
+
+
+def _trie_pattern(words: list[str]) -> str:
+    """A regex matching the longest of `words` that starts where it is tried (no capturing groups)."""
+    trie: dict[str, dict] = {}
+    for word in words:
+        node = trie
+        for ch in word:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+    return _trie_node(trie)
+
+
+def _trie_node(node: dict[str, dict]) -> str:
+    branches = [re.escape(ch) + _trie_node(child) for ch, child in sorted(node.items()) if ch]
+    if not branches:
+        return ""
+    ends_here = "" in node
+    body = branches[0] if len(branches) == 1 and not ends_here else "(?:" + "|".join(branches) + ")"
+    return body + "?" if ends_here else body  # greedy: the longer word first, this one if none goes on
 
 
 def _added_token_pattern(token: dict[str, Any]) -> str:
