@@ -65,6 +65,7 @@ class HFByteLevelBPETokenizer(Tokenizer):
 
     _CACHE_LIMIT = 200_000
     _CACHE_WORD_LIMIT: int | None = None  # longer words are not cached (None: every word is)
+    _SEGMENT_CACHE_CHARS = 512  # longer stretches between added tokens are not cached
 
     backend = "python BPE"
 
@@ -81,6 +82,7 @@ class HFByteLevelBPETokenizer(Tokenizer):
         self._load_added_tokens(path, spec.get("added_tokens") or [])
         self._load_special_ids(path, spec.get("post_processor"))
         self._cache: dict[bytes, list[int]] = {}
+        self._segments: dict[str, list[int]] = {}
         self._core: tiktoken.Encoding | None = None
         self._core_skips: re.Pattern[bytes] | None = None  # the bytes that send a text to the Python BPE
         if core is not False:
@@ -92,11 +94,11 @@ class HFByteLevelBPETokenizer(Tokenizer):
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without its text functions (workers started by spawn or forkserver build them again from the
-        file's specs) and without its word cache."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("_steps", "_normalize", "_cache")}
+        file's specs) and without its caches."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_steps", "_normalize", "_cache", "_segments")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _cache={})
+        self.__dict__.update(state, _cache={}, _segments={})
         self._normalize = build_normalizer(self.source, self._specs["normalizer"])
 
     # -- loading
@@ -191,7 +193,19 @@ class HFByteLevelBPETokenizer(Tokenizer):
             return self._encode_segment(text)
         ids: list[int] = []
         for piece, added_id in matcher.split(text):
-            ids.extend([added_id] if added_id is not None else self._encode_segment(piece))
+            ids.extend([added_id] if added_id is not None else self._cached_segment(piece))
+        return ids
+
+    def _cached_segment(self, text: str) -> list[int]:
+        """A short stretch between added tokens (a chat turn's role line, a turn encoded again to find its tokens)
+        from the cache when it was encoded before."""
+        if len(text) > self._SEGMENT_CACHE_CHARS:
+            return self._encode_segment(text)
+        ids = self._segments.get(text)
+        if ids is None:
+            if len(self._segments) >= self._CACHE_LIMIT:
+                self._segments.clear()
+            ids = self._segments[text] = self._encode_segment(text)
         return ids
 
     def _encode_segment(self, text: str) -> list[int]:
