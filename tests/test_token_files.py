@@ -177,8 +177,10 @@ def test_tokenize_script_workers_progress_a_resumed_interruption_and_refusals(tm
     assert one_line(train_config, out) == (
         f"'training.dataset_path' = '{out}' does not exist (an interrupted scripts/tokenize_data.py run left "
         f"'{partial_folder(out)}': run the same command again to finish it)")
-    assert "holds token arrays but no manifest.json: not a complete token folder" in one_line(
-        check_section_data, train_config(partial_folder(out)), "training")
+    assert one_line(check_section_data, train_config(partial_folder(out)), "training") == (
+        f"'training.dataset_path' = '{partial_folder(out)}' is the partial folder of an interrupted "
+        "scripts/tokenize_data.py run (2 chunk(s) finished): run the same command again to finish it (it resumes "
+        "from them), then point this key at its --output_dir")
     monkeypatch.setattr(token_chunks, "tokenize_chunk", real)
     assert TOKENIZE.main([*args, "--output_dir", str(out)]) == 0
     assert capsys.readouterr().out.splitlines()[1] == \
