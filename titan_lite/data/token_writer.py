@@ -50,9 +50,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class InputCursor:
-    """How many bytes of the input files (a .json.gz's uncompressed) the records read so far came from."""
+    """How many bytes of the input files (a .json.gz's uncompressed) the records read so far came from, and how many
+    of the documents among them are empty (blank)."""
 
     bytes: int = 0
+    documents: int = 0
+    empty: int = 0
 
 
 def read_records(kind: str, paths: list[str], settings: Any = None,
@@ -65,6 +68,8 @@ def read_records(kind: str, paths: list[str], settings: Any = None,
         for text, at in DocumentStream(shards).read(StreamPosition()):
             if cursor is not None:
                 cursor.bytes = before[at.shard] + _bytes_into(shards[at.shard], at)
+                cursor.documents += 1
+                cursor.empty += not text.strip()
             yield text
         return
     reader = PreferenceFile if kind == "preference" else InstructionFile
@@ -276,9 +281,14 @@ def _tokenize_all(partial: Path, paths: list[str], encoder: RecordEncoder, worke
         if pool is not None:
             pool.terminate()
             pool.join()
+    sources = ", ".join(quote_path(s["path"]) for s in plan["sources"])
     if not done:
-        raise ConfigError(f"--data {', '.join(s['path'] for s in plan['sources'])} holds no "
-                          f"{'documents' if plan['kind'] == 'text' else 'rows'}")
+        raise ConfigError(f"--data {sources} holds no {'documents' if plan['kind'] == 'text' else 'rows'}")
+    if cursor.empty and cursor.empty == cursor.documents:
+        raise ConfigError(f"--data {sources} holds no text: its {cursor.documents:,} document(s) are all empty")
+    if cursor.empty:
+        report(f"note: {cursor.empty:,} of the {cursor.documents:,} documents are empty (blank); each is kept as bos + "
+               "eos, as training on the raw files reads it")
     return [done[i] for i in range(len(done))], progress.rate()
 
 
