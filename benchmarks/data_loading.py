@@ -244,7 +244,8 @@ def run_rows(tmp: Path, smoke: bool) -> None:
             manifest = write_token_folder(tmp / f"rows_{kind}_{round_}", [str(path)], encoder,
                                           report=lambda line: None)
             rates[kind] = max(rates[kind], manifest["tokens"] / (time.perf_counter() - start))
-            counts[kind] = f"{manifest['tokens']:,} tokens, {manifest['records']:,} rows"
+            what = "documents" if kind == "text" else "rows"
+            counts[kind] = f"{manifest['tokens']:,} tokens, {manifest['records']:,} {what}"
     print("tokenize_data.py, 1 process, the same ChatML tokenizer: " + "; ".join(
         f"{kind} {rates[kind]:,.0f} tokens/s ({counts[kind]})" for kind in encoders)
         + f"; text / chat {rates['text'] / rates['chat']:.2f}x, text / preference "
