@@ -478,9 +478,10 @@ def test_added_tokens_match_leftmost_longest_as_tokenizers_does(tmp_path: Path):
     tokenizers = pytest.importorskip("tokenizers")
     path = qwen_tokenizer_json(tmp_path)
     oracle = tokenizers.Tokenizer.from_file(str(path))
-    oracle.add_special_tokens([tokenizers.AddedToken("<a>", special=True), tokenizers.AddedToken("<a><b>", special=True),
-                               tokenizers.AddedToken("<|strip|>", special=True, lstrip=True, rstrip=True),
-                               tokenizers.AddedToken("word", special=True, single_word=True),
+    added = tokenizers.AddedToken
+    oracle.add_special_tokens([added("<a>", special=True), added("<a><b>", special=True),
+                               added("<|strip|>", special=True, lstrip=True, rstrip=True),
+                               added("word", special=True, single_word=True),
                                *[f"<|reserved_{i}|>" for i in range(300)]])
     oracle.add_tokens(["<plain>", "<plain><more>"])
     oracle.save(str(path))
