@@ -20,6 +20,7 @@ chunks it finished there, and the same command resumes from them.
 """
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -30,13 +31,14 @@ from titan_lite.config import parse_args as parse_config
 from titan_lite.data.token_files import KINDS, partial_folder
 from titan_lite.data.token_writer import RecordEncoder, write_token_folder
 from titan_lite.data.tokenizer import build_tokenizer
-from titan_lite.errors import USER_ERROR, ConfigError
+from titan_lite.errors import USER_ERROR, ConfigError, quote_path
 from titan_lite.job.cli import ScriptParser
 from titan_lite.job.outputs import check_replaceable, swap_in
 from titan_lite.metrics.logger import init_logger
 
 SECTIONS = ("--instruct.", "--preference.", "--job.config_file")
 INTERRUPTED = 130
+TERMINATED = 143  # 128 + SIGTERM, what a shell reports for a process SIGTERM ended
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -77,12 +79,39 @@ def encoder_of(opts, rest: list[str]) -> RecordEncoder:
     return RecordEncoder(opts.kind, tokenizer, settings, folder)
 
 
+class Terminated(Exception):
+    """SIGTERM arrived (a scheduler's stop, `kill`): stop as Ctrl-C does, the finished chunks kept."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated
+
+
+def check_distinct_inputs(paths: list[str]) -> None:
+    """Each input once: a file named twice, or a file inside a folder also named, would be tokenized twice."""
+    seen: dict[Path, str] = {}
+    for path in paths:
+        given = Path(path)
+        files = sorted(f for f in given.rglob("*") if f.is_file()) if given.is_dir() else [given]
+        for file in files:
+            key = file.resolve()
+            if key in seen:
+                through = "" if seen[key] == path else f" (through '{seen[key]}' and '{path}')"
+                raise ConfigError(f"--data names {quote_path(file)} twice{through}: it would be tokenized twice; "
+                                  "name each input once")
+            seen[key] = path
+
+
 def main(argv: list[str] | None = None) -> int:
     opts, rest = parse_args(argv)
     init_logger()
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         if opts.workers < 1:
             raise ConfigError(f"--workers must be at least 1, got {opts.workers}")
+        if not opts.chunk_mb >= 0:  # (NaN too)
+            raise ConfigError(f"--chunk_mb must be 0 (chosen from the data's size) or more, got {opts.chunk_mb}")
+        check_distinct_inputs(opts.data)
         check_replaceable("--output_dir", opts.output_dir)
         encoder = encoder_of(opts, rest)
         print(f"tokenizing {', '.join(opts.data)} ({opts.kind}) with '{opts.hf_assets_path}' "
@@ -94,10 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return USER_ERROR
-    except KeyboardInterrupt:
-        print(f"error: interrupted (Ctrl-C); the finished chunks stay in '{partial_folder(Path(opts.output_dir))}': "
+    except (KeyboardInterrupt, Terminated) as stop:
+        how, code = ("stopped (SIGTERM)", TERMINATED) if isinstance(stop, Terminated) else \
+            ("interrupted (Ctrl-C)", INTERRUPTED)
+        print(f"error: {how}; the finished chunks stay in '{partial_folder(Path(opts.output_dir))}': "
               "run the same command again to resume", file=sys.stderr, flush=True)
-        return INTERRUPTED
+        return code
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     what = "documents" if opts.kind == "text" else f"{opts.kind} rows ({manifest['documents']:,} sequences)"
     count = manifest["documents"] if opts.kind == "text" else manifest["records"]
     print(f"wrote {opts.output_dir}: {manifest['tokens']:,} tokens in {count:,} {what}, {manifest['dtype']}, "

@@ -221,6 +221,9 @@ def test_data_loading_smoke_prints_every_figure(monkeypatch, capsys):
                   "DataLoader workers on token files (D = 8): num_workers 1 ",
                   "DataLoader workers on raw text (D = 8): num_workers 1 ", "documents encoded by 1 and 2 threads: ",
                   "one encode call of the whole text, and the longest another Python thread waited during it ",
-                  "tokenizers on the same text, one thread: titan_lite tokenizer.json on tiktoken's core "):
+                  "tokenizers on the same text, one thread: titan_lite tokenizer.json on tiktoken's core ",
+                  "tokenize_data.py, 1 process, the same ChatML tokenizer: text ",
+                  "tokenizers with a SmolLM2-sized tokenizer.json (600 tokens, without SmolLM2's 21 missing single "
+                  "bytes; 2 of 40 documents hold one), one thread: titan_lite tokenizer.json on tiktoken's core "):
         assert any(line.startswith(start) for line in out.splitlines()), start
-    assert "ids equal HF tokenizers' on 40 of 40 documents" in out
+    assert out.count("ids equal HF tokenizers' on 40 of 40 documents") == 2

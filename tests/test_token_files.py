@@ -177,8 +177,10 @@ def test_tokenize_script_workers_progress_a_resumed_interruption_and_refusals(tm
     assert one_line(train_config, out) == (
         f"'training.dataset_path' = '{out}' does not exist (an interrupted scripts/tokenize_data.py run left "
         f"'{partial_folder(out)}': run the same command again to finish it)")
-    assert "holds token arrays but no manifest.json: not a complete token folder" in one_line(
-        check_section_data, train_config(partial_folder(out)), "training")
+    assert one_line(check_section_data, train_config(partial_folder(out)), "training") == (
+        f"'training.dataset_path' = '{partial_folder(out)}' is the partial folder of an interrupted "
+        "scripts/tokenize_data.py run (2 chunk(s) finished): run the same command again to finish it (it resumes "
+        "from them), then point this key at its --output_dir")
     monkeypatch.setattr(token_chunks, "tokenize_chunk", real)
     assert TOKENIZE.main([*args, "--output_dir", str(out)]) == 0
     assert capsys.readouterr().out.splitlines()[1] == \
@@ -194,6 +196,93 @@ def test_tokenize_script_workers_progress_a_resumed_interruption_and_refusals(tm
         f"error: --output_dir '{foreign}' is not empty (notes.txt) and was not written by titan_lite (no "
         "titan_lite_output.json): name a new or empty folder; nothing there was changed")
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+
+
+def tokenize_error(argv: list[str], capsys, code: int = 2) -> str:
+    """The one line tokenize_data.py prints to stderr (without 'error: ') when it refuses `argv`."""
+    assert TOKENIZE.main(argv) == code
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error: "), err
+    return err.removeprefix("error: ")
+
+
+def test_damaged_text_inputs_are_one_line_naming_the_file(tmp_path, capsys):
+    """A truncated .json.gz (EOFError), a .json.gz that is not gzip, a file that is not parquet: one line each, from
+    tokenize_data.py and from training on the raw files."""
+    pytest.importorskip("pyarrow")
+    lines = "".join(json.dumps({"text": f"line {i} " * 40}) + "\n" for i in range(2000)).encode()
+    packed = gzip.compress(lines)
+    truncated, plain, fake = tmp_path / "cut.json.gz", tmp_path / "plain.json.gz", tmp_path / "fake.parquet"
+    truncated.write_bytes(packed[:len(packed) // 2])
+    plain.write_bytes(lines[:500])
+    fake.write_bytes(b"not parquet" * 20)
+    args = ["--hf_assets_path", str(TOKENIZER), "--output_dir", str(tmp_path / "out"), "--data"]
+    cut = tokenize_error([*args, str(truncated)], capsys)
+    assert cut.startswith(f"{truncated}: after line ") and cut.endswith(
+        " the file ends in the middle of its compressed data (a truncated download?); download or compress it again")
+    assert tokenize_error([*args, str(plain)], capsys) == (
+        f"{plain}: the file cannot be decompressed (Not a gzipped file (b'{{\"')); download or compress it again")
+    assert tokenize_error([*args, str(fake)], capsys).startswith(f"{fake}: not a readable parquet file (")
+    assert one_line(lambda: list(DocumentStream([truncated]).read(StreamPosition()))) == cut
+    assert one_line(check_section_data, train_config(fake), "training").startswith(
+        f"{fake}: not a readable parquet file (")
+
+
+def test_tokenize_refuses_or_says_what_it_would_do_silently(tmp_path, capsys, monkeypatch):
+    """An empty .txt, empty documents, a negative --chunk_mb, a file named twice, SIGTERM."""
+    import os
+    import signal
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    out = tmp_path / "out"
+    args = ["--hf_assets_path", str(TOKENIZER), "--output_dir", str(out)]
+    assert tokenize_error([*args, "--data", str(empty)], capsys) == (
+        f"--data '{empty}' holds no text: its 1 document(s) are all empty")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["Friends, Romans", "", "  ", "countrymen"]))
+    assert TOKENIZE.main([*args, "--data", str(rows)]) == 0
+    assert "note: 2 of the 4 documents are empty (blank); each is kept as bos + eos, as training on the raw files " \
+           "reads it" in capsys.readouterr().out.splitlines()
+    assert tokenize_error([*args, "--data", str(rows), "--chunk_mb", "-1"], capsys) == (
+        "--chunk_mb must be 0 (chosen from the data's size) or more, got -1.0")
+    assert tokenize_error([*args, "--data", str(rows), str(rows)], capsys) == (
+        f"--data names '{rows}' twice: it would be tokenized twice; name each input once")
+    assert tokenize_error([*args, "--data", str(tmp_path), str(rows)], capsys) == (
+        f"--data names '{rows}' twice (through '{tmp_path}' and '{rows}'): it would be tokenized twice; name each "
+        "input once")
+    real = token_chunks.tokenize_chunk
+
+    def killed(folder, chunk, dtype):
+        if chunk.index == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(folder, chunk, dtype)
+
+    monkeypatch.setattr(token_chunks, "tokenize_chunk", killed)
+    shards = text_shards(tmp_path / "raw")
+    stopped = tmp_path / "stopped"
+    assert tokenize_error(["--hf_assets_path", str(TOKENIZER), "--output_dir", str(stopped), "--data", str(shards),
+                           "--chunk_mb", "0.004"], capsys, code=143) == (
+        f"stopped (SIGTERM); the finished chunks stay in '{partial_folder(stopped)}': run the same command again "
+        "to resume")
+    assert signal.getsignal(signal.SIGTERM) is not TOKENIZE._terminated
+
+
+def test_progress_counts_a_json_gz_uncompressed_and_starts_before_the_first_chunk_ends(tmp_path, capsys,
+                                                                                        monkeypatch):
+    text = PLAY.read_text(encoding="utf-8")
+    lines = "".join(json.dumps({"text": text[i:i + 400]}) + "\n" for i in range(0, 40_000, 400)).encode()
+    data = tmp_path / "play.json.gz"
+    data.write_bytes(gzip.compress(lines))
+    monkeypatch.setattr(token_chunks.Tally, "EVERY", 0.0)
+    assert TOKENIZE.main(["--hf_assets_path", str(TOKENIZER), "--output_dir", str(tmp_path / "out"), "--data",
+                          str(data)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    progress = [line for line in printed if line.startswith("tokenized ")]
+    assert progress and all(f" of {len(lines) / 1e6:,.1f} MB of input), " in line for line in progress)
+    first = int(progress[0].split(" MB of input), ")[1].split(" tokens")[0].replace(",", ""))
+    total = json.loads((tmp_path / "out" / MANIFEST).read_text())["tokens"]
+    assert 0 < first < total  # one chunk: the first line came from inside it
 
 
 # ---------------------------------------------------------------- bad token folders
@@ -240,6 +329,18 @@ def test_every_damaged_or_foreign_token_folder_is_one_line(tmp_path, tok, chat_t
     assert error(wide) == (f"{key} = '{wide}': manifest.json stores uint16 ids, but its tokenizer has 128,256 tokens "
                            "(ids up to 65,535 fit); re-run scripts/tokenize_data.py, which picks uint32 for such "
                            "vocabularies")
+    big = fresh("big")
+    ids = np.fromfile(big / shard_file(0), dtype=np.uint16)
+    ids[7] = 3000
+    ids.tofile(big / shard_file(0))
+    manifest = json.loads((big / MANIFEST).read_text())
+    del manifest["max_id"]  # a folder written before the manifest recorded it: the arrays are read
+    (big / MANIFEST).write_text(json.dumps(manifest))
+    expected = (f"{key} = '{big}' holds token id 3,000, outside its tokenizer's vocabulary of 2,048 tokens (ids 0 to "
+                "2,047): the token files are damaged; re-run scripts/tokenize_data.py")
+    assert error(big) == expected
+    (big / MANIFEST).write_text(json.dumps(manifest | {"max_id": 3000}))
+    assert error(big) == expected
     other = fresh("other")
     message = error(other, tokenizer=chat_tokenizer)
     assert message.startswith(f"{key} = '{other}' was tokenized with another tokenizer (tokenizer.model sha256 ")

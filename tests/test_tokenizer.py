@@ -17,6 +17,7 @@ from titan_lite.data.tokenizer import (
     SentencePieceTokenizer,
     TiktokenTokenizer,
     build_tokenizer,
+    byte_level_alphabet,
     compile_pattern,
     describe_tokenizer,
 )
@@ -471,6 +472,52 @@ def test_qwen_tokenizer_json_ids_match_tokenizers(tmp_path: Path):
     assert tok.decode(ids[:-1]) == oracle.decode(ids[:-1]) == unicodedata.normalize("NFC", text)
 
 
+def test_added_tokens_match_leftmost_longest_as_tokenizers_does(tmp_path: Path):
+    """Overlapping added tokens (one a prefix of another), a run of plain ones around one that strips spaces and one
+    that matches only as a word, and hundreds of reserved tokens: the ids of `tokenizers` on text holding them all."""
+    tokenizers = pytest.importorskip("tokenizers")
+    path = qwen_tokenizer_json(tmp_path)
+    oracle = tokenizers.Tokenizer.from_file(str(path))
+    added = tokenizers.AddedToken
+    oracle.add_special_tokens([added("<a>", special=True), added("<a><b>", special=True),
+                               added("<|strip|>", special=True, lstrip=True, rstrip=True),
+                               added("word", special=True, single_word=True),
+                               *[f"<|reserved_{i}|>" for i in range(300)]])
+    oracle.add_tokens(["<plain>", "<plain><more>"])
+    oracle.save(str(path))
+    tok = build_tokenizer(str(tmp_path))
+    text = ("x<a><b>y <a>z<a><b><a> q  <|strip|>  r word swordy word. <|reserved_12|><|reserved_1|><|reserved_299|>"
+            "<|reserved_3<plain><more><plain> <|im_start|>" + MIXED)
+    assert tok.encode(text, bos=False, allow_special=True) == oracle.encode(text, add_special_tokens=False).ids
+    oracle.encode_special_tokens = True
+    assert tok.encode(text, bos=False) == oracle.encode(text, add_special_tokens=False).ids
+
+
+def test_hundreds_of_reserved_tokens_cost_little_to_find(tmp_path: Path):
+    """Chat rows are encoded with their special tokens (allow_special): with 300 reserved ones beside ChatML's, finding
+    them must not cost more than encoding the text (an alternation tried token by token cost ~40x)."""
+    import time
+
+    tokenizers = pytest.importorskip("tokenizers")
+    path = qwen_tokenizer_json(tmp_path)
+    oracle = tokenizers.Tokenizer.from_file(str(path))
+    oracle.add_special_tokens([f"<|reserved_special_token_{i}|>" for i in range(300)])
+    oracle.save(str(path))
+    tok = build_tokenizer(str(tmp_path))
+    turns = [f"<|im_start|>user\n{line}<|im_end|>\n" for line in corpus_lines()]
+
+    def seconds(allow_special: bool) -> float:
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for turn in turns:
+                tok.encode(turn, bos=False, allow_special=allow_special)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    assert seconds(True) < 3 * seconds(False)
+
+
 def mistral_tokenizer_json(sp_model: Path, folder: Path, style: str) -> Path:
     """transformers' conversion of a Llama-2-style sentencepiece model (BPE, byte fallback), in the structure of
     Mistral 7B's tokenizer.json: v0.1 (a Prepend "▁" + Replace " " normalizer and no pre-tokenizer), v0.3 (a
@@ -526,17 +573,23 @@ def test_mistral_tokenizer_json_ids_match_tokenizers(sp_model: Path, tmp_path: P
 BUNDLED_TEXTS = sorted((REPO / "titan_lite" / "data" / "corpus").rglob("*.txt"))
 
 
-def smollm2_tokenizer_json(folder: Path) -> Path:
+# The single bytes SmolLM2's real vocabulary lacks as tokens.
+SMOLLM2_MISSING_BYTES = [4, 6, 19, 20, 22, 29, 192, 193, 241, 242, *range(245, 256)]
+
+
+def smollm2_tokenizer_json(folder: Path, missing: list[int] = ()) -> Path:
     """A byte-level BPE in SmolLM2's structure: Digits (individual) then ByteLevel with GPT-2's regex; ChatML specials
-    trained into the vocabulary."""
+    trained into the vocabulary; without the single bytes `missing` (the training text holds none of them)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=QWEN_SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    alphabet = byte_level_alphabet()
+    initial = sorted(set(pre_tokenizers.ByteLevel.alphabet()) - {alphabet[b] for b in missing})
+    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=QWEN_SPECIALS, initial_alphabet=initial,
+                                  show_progress=False)
     tok.train_from_iterator(corpus_lines(), trainer)
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
@@ -566,6 +619,27 @@ def test_tiktoken_core_ids_equal_tokenizers_on_bundled_texts_and_a_chat(tmp_path
     ids = tok.encode(rendered, bos=False, allow_special=True)
     assert ids == oracle.encode(rendered, add_special_tokens=False).ids
     assert oracle.token_to_id("<|im_start|>") in ids
+
+
+def test_tiktoken_core_runs_without_some_single_bytes_and_falls_back_per_text(tmp_path: Path):
+    """SmolLM2's vocabulary lacks 21 single bytes: tiktoken's core still encodes (the log names the bytes), and a text
+    holding one of them goes to the Python BPE: ids equal `tokenizers`' on every text, those included."""
+    import pickle
+
+    tokenizers = pytest.importorskip("tokenizers")
+    path = smollm2_tokenizer_json(tmp_path, SMOLLM2_MISSING_BYTES)
+    oracle = tokenizers.Tokenizer.from_file(str(path))
+    assert all(oracle.token_to_id(byte_level_alphabet()[b]) is None for b in SMOLLM2_MISSING_BYTES)
+    tok = build_tokenizer(str(tmp_path))
+    assert describe_tokenizer(tok) == (
+        "tiktoken (tiktoken's core: ids in merge order, one split pattern; a text holding one of the 21 bytes the "
+        "vocabulary lacks as tokens (4, 6, 19-20, 22, 29, 192-193, 241-242, 245-255) is encoded in Python)")
+    odd = ["a\x04b", "\x06 start", "tab\x13\x14 and \x16\x1d 12", chr(0x40000) + " plane 4", "x " + chr(0x8ABCD),
+           "Café 日本語 \x04" + MIXED, "\x04"]
+    texts = odd + [MIXED + " 2024 ١٢٣ ０１２  \n\n 3.14"] + [p.read_text()[:20_000] for p in BUNDLED_TEXTS]
+    for copy in (tok, pickle.loads(pickle.dumps(tok))):
+        for text in texts:
+            assert copy.encode(text, bos=False) == oracle.encode(text, add_special_tokens=False).ids, text[:40]
 
 
 def test_tiktoken_core_falls_back_where_the_pre_tokenizer_is_not_one_pattern(tmp_path: Path):

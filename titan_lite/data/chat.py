@@ -137,6 +137,8 @@ class ChatTemplate:
                                              **self.variables)
         except Exception as exc:  # noqa: BLE001  (whatever a template raises is its refusal of the conversation)
             raise TemplateFailure(f"{type(exc).__name__}: {exc}") from None
+        if _OPEN not in marked:
+            return marked, []
         text, spans, at, opened = [], [], 0, 0
         for piece in re.split(f"([{_OPEN}{_CLOSE}])", marked):
             if piece == _OPEN:
@@ -151,6 +153,9 @@ class ChatTemplate:
     def _template(self):
         if self._compiled is None:
             self._compiled = _environment().from_string(self.source)
+            # its globals as one dict, not jinja's ChainMap over the environment's: each render copies them into
+            # its context, which from a ChainMap cost twice the rendering of a short conversation
+            self._compiled.globals = dict(self._compiled.globals)
         return self._compiled
 
 
@@ -260,6 +265,8 @@ class ChatEncoder:
     With generation blocks their text trains, as transformers' assistant masks mark it.
     """
 
+    _RENDERS_KEPT = 32
+
     def __init__(self, template: ChatTemplate, tokenizer, train_on: str = "assistant"):
         if train_on not in TRAIN_ON:
             raise ConfigError(f"'instruct.train_on' = {train_on!r}; expected one of {', '.join(TRAIN_ON)}")
@@ -268,6 +275,7 @@ class ChatEncoder:
         self.train_on = train_on
         self.specials = frozenset(tokenizer.special_ids) | {i for i in (tokenizer.bos_id, tokenizer.eos_id) if i >= 0}
         self._generation_blocks = template.marks_generation
+        self._renders: dict[tuple, tuple[str, list[tuple[int, int]]]] = {}
 
     def ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, bos=False, eos=False, allow_special=True)
@@ -311,11 +319,20 @@ class ChatEncoder:
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool,
                 where: str) -> tuple[str, list[tuple[int, int]]]:
+        """The template's render, the last few kept: a pair's two answers render the same prompt turns."""
+        key = (tuple((m["role"], m["content"]) for m in messages), add_generation_prompt)
+        cache = self._renders
+        if key in cache:
+            return cache[key]
         try:
-            return self.template.render_spans(messages, add_generation_prompt)
+            rendered = self.template.render_spans(messages, add_generation_prompt)
         except TemplateFailure as failure:
             raise ConfigError(f"{where}: the chat template ({self.template.origin}) fails on this conversation: "
                               f"{failure}") from None
+        if len(cache) >= self._RENDERS_KEPT:
+            cache.clear()
+        cache[key] = rendered
+        return rendered
 
     def _turn_spans(self, conversation: Conversation, text: str, where: str) -> list[tuple[int, int]]:
         """The character span of each trained assistant turn, from renders of the conversation's beginnings."""
@@ -326,7 +343,8 @@ class ChatEncoder:
         spans = []
         for turn in turns:
             before = self._render(messages[:turn], True, where)[0]
-            through = self._render(messages[:turn + 1], False, where)[0]
+            last = turn + 1 == len(messages)  # through the last message: the whole conversation, rendered already
+            through = text if last else self._render(messages[:turn + 1], False, where)[0]
             if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
                 raise ConfigError(
                     f"{where}: the chat template ({self.template.origin}) renders the conversation's first {turn + 1} "

@@ -6,6 +6,7 @@ import functools
 import gzip
 import json
 import logging
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -137,6 +138,20 @@ def _open_lines(path: Path) -> BinaryIO:
     return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
 
 
+def _lines_from(f: BinaryIO, path: Path, byte: int, line_no: int) -> Iterator[bytes]:
+    """The lines of an open shard from `byte` on; a damaged .gz (truncated, or not gzip) is one line naming the file."""
+    try:
+        f.seek(byte)  # gzip seeks by decompressing forward, so it still streams
+        for raw in f:
+            yield raw
+            line_no += 1
+    except (EOFError, OSError, zlib.error) as err:  # gzip.BadGzipFile is an OSError
+        what = "ends in the middle of its compressed data (a truncated download?)" if isinstance(err, EOFError) \
+            else f"cannot be decompressed ({err})"
+        where = f"after line {line_no:,} " if line_no else ""
+        raise ConfigError(f"{path}: {where}the file {what}; download or compress it again") from None
+
+
 def _read_utf8(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
@@ -190,8 +205,7 @@ class DocumentStream:
         path = self.shards[start.shard]
         line_no, byte, doc = start.line, start.byte, start.doc
         with _open_lines(path) as f:
-            f.seek(byte)  # gzip seeks by decompressing forward, so it still streams
-            for raw in f:
+            for raw in _lines_from(f, path, byte, line_no):
                 line_no += 1
                 byte += len(raw)
                 if not raw.strip():
@@ -225,14 +239,25 @@ def parquet_columns(path: Path, columns: list[str], keys: str | None = None) -> 
         import pyarrow.parquet as pq  # optional dependency: only .parquet files need it
     except ImportError:
         raise ConfigError(f"{path}: reading .parquet files needs pyarrow ({pip_install(extra='parquet')})") from None
-    reader = pq.ParquetFile(path)
+    import pyarrow  # (the same)
+
+    try:
+        reader = pq.ParquetFile(path)
+    except (pyarrow.ArrowException, OSError) as err:
+        raise ConfigError(f"{path}: not a readable parquet file ({err})") from None
     names = reader.schema_arrow.names
     for column in columns:
         if column not in names:
             chosen = f" ({keys})" if keys else ""
             raise ConfigError(f"{path}: no '{column}' column{chosen}; columns: {', '.join(names)}")
-    for batch in reader.iter_batches(columns=columns, batch_size=1024):
-        yield from zip(*(batch.column(i).to_pylist() for i in range(len(columns))), strict=True)
+    rows = 0
+    try:
+        for batch in reader.iter_batches(columns=columns, batch_size=1024):
+            values = [batch.column(i).to_pylist() for i in range(len(columns))]
+            yield from zip(*values, strict=True)
+            rows += batch.num_rows
+    except (pyarrow.ArrowException, OSError) as err:
+        raise ConfigError(f"{path}: the parquet file is damaged after row {rows:,} ({err})") from None
 
 
 # ---------------------------------------------------------------- encoding, shared by threads

@@ -28,6 +28,7 @@ OFFSETS = "documents.int64"  # document d is tokens [offsets[d], offsets[d + 1])
 RECORD_ARRAYS = {"rows": "int64", "prompt_lengths": "int32", "problems": "int8"}
 PAIR_PROBLEMS = (None, "identical", "empty")
 RETOKENIZE = "re-run scripts/tokenize_data.py"
+PLAN = "plan.json"  # in the partial folder: what it is being written from (a resumed run must match it)
 
 
 def shard_file(index: int, what: str = "tokens") -> str:
@@ -203,7 +204,28 @@ def open_token_folder(path: str | Path, key: str) -> TokenTable:
     manifest = _read_manifest(folder, key)
     table = _mapped(folder, manifest, key)
     _check_index(table, folder, key)
+    _check_ids(table, folder, key)
     return table
+
+
+def largest_id(shards: list[np.ndarray]) -> int:
+    """The largest token id of the arrays (-1 when they hold none)."""
+    return max((int(a.max()) for a in shards if len(a)), default=-1)
+
+
+def _check_ids(table: TokenTable, folder: Path, key: str) -> None:
+    """Every id is inside the tokenizer's vocabulary (an embedding lookup past it fails deep inside the model): the
+    largest as the manifest records it, or, for folders written before it did, as the arrays hold it."""
+    vocab = (table.manifest.get("tokenizer") or {}).get("vocab_size")
+    if not isinstance(vocab, int):
+        return
+    largest = table.manifest.get("max_id")
+    if not isinstance(largest, int):
+        largest = largest_id(table.shards)
+    if largest >= vocab:
+        raise ConfigError(f"'{key}' = {quote_path(folder)} holds token id {largest:,}, outside its tokenizer's "
+                          f"vocabulary of {vocab:,} tokens (ids 0 to {vocab - 1:,}): the token files are damaged; "
+                          f"{RETOKENIZE}")
 
 
 def _read_manifest(folder: Path, key: str) -> dict[str, Any]:
@@ -214,6 +236,11 @@ def _read_manifest(folder: Path, key: str) -> dict[str, Any]:
                 "to finish it)") if partial.is_dir() else ""
         raise ConfigError(f"{where} does not exist{hint}")
     path = folder / MANIFEST
+    if not path.is_file() and (folder / PLAN).is_file():
+        done = len(list(folder.glob("chunk-*.json")))
+        raise ConfigError(f"{where} is the partial folder of an interrupted scripts/tokenize_data.py run ({done} "
+                          "chunk(s) finished): run the same command again to finish it (it resumes from them), then "
+                          "point this key at its --output_dir")
     if not path.is_file():
         raise ConfigError(f"{where} holds token arrays but no {MANIFEST}: not a complete token folder (an interrupted "
                           f"or damaged write); {RETOKENIZE} into a new folder")
