@@ -12,6 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "titan_lite"
 # own layer or above. docs/architecture.md draws the same picture.
 LAYERS = [
     ["titan_lite.errors"],
+    ["titan_lite.folders"],
     ["titan_lite.config", "titan_lite.launcher"],
     ["titan_lite.distributed", "titan_lite.dtensor", "titan_lite.loss", "titan_lite.faults"],
     ["titan_lite.models", "titan_lite.data", "titan_lite.optim", "titan_lite.metrics"],
