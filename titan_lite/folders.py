@@ -131,13 +131,21 @@ def swap_in(flag: str, partial: Path, out: str | Path, instead: str = ANOTHER, *
     shutil.rmtree(old, ignore_errors=True)
 
 
+def first_missing(path: str | Path) -> Path | None:
+    """The outermost folder of `path` that does not exist yet (what creating `path` would create); None if it
+    exists."""
+    path = Path(path).absolute()
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    return missing[-1] if missing else None
+
+
 def remove_if_only(folder: str | Path, names: Iterable[str]) -> bool:
     """Remove `folder` (one that a refused run created) when it holds nothing but the files `names` (paths relative
     to it: what that run wrote) and empty folders; a folder holding anything else stays as it is. True if removed."""
     folder = Path(folder)
     if not folder.is_dir():
         return False
-    allowed = {Path(name) for name in names if name}
+    allowed = {Path(name) for name in names}
     if any(p.relative_to(folder) not in allowed for p in folder.rglob("*") if not p.is_dir()):
         return False
     shutil.rmtree(folder)

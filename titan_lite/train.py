@@ -37,7 +37,7 @@ from titan_lite.dtensor import full_tensor
 from titan_lite.errors import FAULT, HANG, USER_ERROR, ConfigError, TrainingFault
 from titan_lite.eval.validate import Validator
 from titan_lite.faults import ACTIVITY, StopSignals, any_rank, is_collective_timeout, nonfinite_message, timeout_line
-from titan_lite.folders import remove_if_only
+from titan_lite.folders import first_missing, remove_if_only
 from titan_lite.job.assembly import BuiltModel, assemble_model, initial_weight_loader
 from titan_lite.job.plan import JobPlan, check_before_launch, plan_job
 from titan_lite.launcher import another_rank_failed, register_rank, report_error
@@ -444,7 +444,7 @@ def run(cfg: JobConfig) -> int:
     if cfg.comm.mode != "default" or os.environ.get("DRY_RUN") == "1":
         validate(cfg, files=False)
         return dry_run(cfg)
-    new_folder = not Path(cfg.job.dump_folder).exists()
+    created = first_missing(cfg.job.dump_folder)
     try:
         # Each rank checks what run_train.sh used to check in a separate process before torchrun (one process start
         # less per launch); a user error still ends the run in one line through the launcher.
@@ -457,8 +457,9 @@ def run(cfg: JobConfig) -> int:
             register_rank()  # after the handlers: the launcher signals registered ranks
             Trainer(cfg, plan).train(stop)
     except ConfigError:
-        if new_folder and int(os.environ.get("RANK", 0)) == 0:  # a refused run leaves no folder of its config and log
-            remove_if_only(cfg.job.dump_folder, [cfg.job.save_config_file, cfg.job.log_file])
+        if created is not None and int(os.environ.get("RANK", 0)) == 0:  # a refusal leaves no folder of its own
+            dump = Path(cfg.job.dump_folder).absolute().relative_to(created)
+            remove_if_only(created, [dump / name for name in (cfg.job.save_config_file, cfg.job.log_file) if name])
         raise
     tl_dist.remove_empty_trace_folder(cfg.comm, cfg.job.dump_folder)
     tl_dist.shutdown()
