@@ -151,7 +151,8 @@ def test_reference_base_equals_an_explicit_frozen_copy(tmp_path):
 
 def test_the_grpo_benchmark_runs_a_tiny_step_and_its_case_reads_it(capsys):
     """benchmarks/grpo.py on the tiny flavor, one step, in this process; the grpo_step case reads its result line."""
-    from benchmarks.cases import CASES, RunOutput
+    from benchmarks.cases import CASES
+    from benchmarks.framework import RunOutput
     from benchmarks.grpo import main
 
     assert main(["--flavor", "tiny", "--steps", "1", "--warmup", "0", "--max_new", "8", "--seq_len", "128",
