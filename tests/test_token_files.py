@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import benchmarks.figures as readme_figures
 from titan_lite.config import parse_args, validate
 from titan_lite.config.schema import DataMixture
 from titan_lite.data import token_chunks
@@ -354,12 +355,11 @@ def test_shuffling_is_a_seeded_permutation_per_epoch_that_keeps_examples_whole(t
 
 
 def test_dry_run_states_each_ranks_data_path_and_warns_when_raw_text_starves_the_gpus(tmp_path, tok):
-    figures = load_script("update_readme_figures")
     shards = text_shards(tmp_path / "raw")
     write_token_folder(tmp_path / "tokens", [str(shards)], RecordEncoder("text", tok), report=lambda line: None)
     plans = {}
     for name, path in (("raw", shards), ("tokens", tmp_path / "tokens")):
-        code, out, err = figures.run_plan(8, str(ROOT / "train_configs" / "llama3_2_1b_pretrain.toml"), [
+        code, out, err = readme_figures.run_plan(8, str(ROOT / "train_configs" / "llama3_2_1b_pretrain.toml"), [
             "--model.hf_assets_path", "./assets/tokenizer", "--training.dataset", "text", "--training.dataset_path",
             str(path), "--training.local_batch_size", "2", "--training.seq_len", "2048"], nnodes=8)
         assert code == 0, out + err
