@@ -6,7 +6,7 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-from benchmarks.cases import Case, Ratio, RunOutput, Settings, Variant, _foreign_cores, _single_result, register_case
+from benchmarks.framework import Case, Ratio, RunOutput, Settings, Variant, foreign_cores, single_result
 from benchmarks.shapes import SHAPES
 
 LORA_MARGIN = 0.05  # the LoRA step's factor may exceed the full step's by this much
@@ -27,15 +27,16 @@ class FloorVariant(Variant):
         return args + (["--lora", self.lora] if self.lora else []), {"OMP_NUM_THREADS": str(settings.threads)}
 
     def metrics(self, out: RunOutput) -> dict[str, float]:
-        r = _single_result(self.label, out)
+        r = single_result(self.label, out)
         step_s, floor_s = statistics.median(r["step_s"]), r["kernel_floor"]["floor_s"]
         return {"step_s": step_s, "kernel_floor_s": floor_s, "floor_factor": step_s / floor_s,
                 "floor_factor_plus_margin": step_s / floor_s + LORA_MARGIN,
                 "step_spread": max(r["step_s"]) / min(r["step_s"]), "peak_rss_gib": r["peak_rss_bytes"] / 2**30,
-                "foreign_cores": _foreign_cores(r)}
+                "foreign_cores": foreign_cores(r)}
 
 
-def _lora_floor(shape: str, steps: int) -> Case:
+def lora_floor(shape: str, steps: int) -> Case:
+    """The case lora_floor_{shape}: full and LoRA steps against their kernel floors (cases.py registers it)."""
     full, lora = FloorVariant("full fine-tuning", shape=shape, steps=steps), \
         FloorVariant("LoRA r16, 7 projections", shape=shape, lora=LORA, steps=steps)
     return Case(f"lora_floor_{shape}", f"titan_lite's full and LoRA steps against their kernel floors, "
@@ -47,7 +48,3 @@ def _lora_floor(shape: str, steps: int) -> Case:
                  Ratio(f"LoRA's factor / (full's factor + {LORA_MARGIN})", "floor_factor", lora.label, full.label,
                        target=1.0, higher_is_better=False, denominator_metric="floor_factor_plus_margin")],
                 columns=("step_s", "kernel_floor_s", "peak_rss_gib"))
-
-
-register_case("lora_floor_smollm2_135M")(lambda: _lora_floor("smollm2_135M", 5))
-register_case("lora_floor_tiny")(lambda: _lora_floor("tiny", 3))  # smoke tests

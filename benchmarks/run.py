@@ -21,18 +21,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.cases import (
-    CASES,
-    DEFAULT_CASES,
-    REPO,
-    Case,
-    MatmulPeakVariant,
-    RunOutput,
-    Settings,
-    Variant,
-    environment_of,
-)
+from benchmarks.cases import CASES, DEFAULT_CASES
 from benchmarks.cli import parser
+from benchmarks.framework import REPO, Case, RunOutput, Settings, Variant, environment_of
+from benchmarks.variants import MatmulPeakVariant
 
 _LABELS = {"tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "step_s": "step s", "peak_rss_gib": "peak RSS GiB",
            "peak_tensor_gib": "tensors GiB",

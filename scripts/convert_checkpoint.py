@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from titan_lite.checkpoint.dcp import read_dcp_model
 from titan_lite.checkpoint.hf import check_state_dict, read_hf_folder, write_hf_folder
 from titan_lite.errors import ConfigError
+from titan_lite.folders import FOLDER_HELP, output_folder
 from titan_lite.job.cli import ScriptParser
-from titan_lite.job.outputs import FOLDER_HELP, output_folder
 from titan_lite.job.script import check_output_folder, run_script
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.flavors import flavor_args

@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_lite.errors import ConfigError, pip_install
+from titan_lite.folders import OUTPUT_MARKER, check_replaceable, mark_written, written_files
 from titan_lite.job.cli import ScriptParser
-from titan_lite.job.outputs import OUTPUT_MARKER, check_replaceable, mark_written, written_files
 
 # Named groups accepted by --include besides glob patterns.
 FILE_GROUPS = {

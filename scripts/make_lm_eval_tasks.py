@@ -1,7 +1,8 @@
 """Write the small local lm_eval tasks in assets/lm_eval_tasks/ from the bundled Shakespeare (A Midsummer Night's
 Dream, the corpus's validation play), one JSONL per task, seeded, so the same command writes the same files:
 shakespeare_choice (multiple choice: the next line among four), shakespeare_rolling (perplexity of speeches) and
-shakespeare_continue (greedy completion of a line).
+shakespeare_continue (greedy completion of a line). A task file that holds something else (another seed's, or a
+user's own) is replaced only with --overwrite; otherwise nothing is written and the line names it.
 
     .venv/bin/python scripts/make_lm_eval_tasks.py --output_dir assets/lm_eval_tasks
 """
@@ -12,7 +13,9 @@ import random
 import sys
 from pathlib import Path
 
+from titan_lite.errors import USER_ERROR, ConfigError
 from titan_lite.job.cli import ScriptParser
+from titan_lite.job.outputs import needs_writing, write_output_file
 
 PLAY = Path(__file__).resolve().parents[1] / "titan_lite/data/corpus/shakespeare/validation/midsummer_nights_dream.txt"
 
@@ -58,14 +61,17 @@ def continue_docs(lines: list[tuple[str, str]], rng: random.Random, count: int) 
     return docs
 
 
-def write_jsonl(path: Path, docs: list[dict]) -> None:
-    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+def jsonl(docs: list[dict]) -> str:
+    return "".join(json.dumps(d) + "\n" for d in docs)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ScriptParser(__doc__)
     parser.add_argument("--output_dir", default="assets/lm_eval_tasks", help="where the JSONL files go")
     parser.add_argument("--seed", type=int, default=0, help="seed of the choice of lines and distractors")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace task files that hold something else (by default they are refused and nothing "
+                             "is written; one that already holds exactly what this command writes is left as it is)")
     return parser.parse_args(argv)
 
 
@@ -81,8 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     tasks = {"shakespeare_choice": choice_docs(pairs, rng, 40),
              "shakespeare_rolling": rolling_docs(all_speeches, rng, 16),
              "shakespeare_continue": continue_docs(pairs, rng, 16)}
-    for name, docs in tasks.items():
-        write_jsonl(out / f"{name}.jsonl", docs)
+    files = {out / f"{name}.jsonl": jsonl(docs) for name, docs in tasks.items()}
+    try:
+        for path, text in files.items():  # every file checked before any is written
+            needs_writing("--output_dir", path, text, opts.overwrite)
+        for path, text in files.items():
+            write_output_file("--output_dir", path, text, opts.overwrite)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return USER_ERROR
     print(f"wrote {', '.join(f'{name}.jsonl ({len(docs)} docs)' for name, docs in tasks.items())} to {out}")
     return 0
 

@@ -23,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_lite.data.tokenizer import LLAMA3_PATTERN, byte_level_alphabet, parse_tiktoken_file
 from titan_lite.errors import ConfigError
+from titan_lite.folders import FOLDER_HELP, check_replaceable, output_folder
 from titan_lite.job.cli import ScriptParser
-from titan_lite.job.outputs import FOLDER_HELP, check_output_file, check_replaceable, output_folder, write_output_file
+from titan_lite.job.outputs import check_output_file, write_output_file
 
 BUNDLED_TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tokenizer" / "tokenizer.model"
 CHATML_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

@@ -19,8 +19,8 @@ from titan_lite.checkpoint.dcp import read_dcp_model
 from titan_lite.config import parse_args as parse_job_args
 from titan_lite.config import validate
 from titan_lite.errors import ConfigError
+from titan_lite.folders import FOLDER_HELP, output_folder
 from titan_lite.job.cli import ScriptParser
-from titan_lite.job.outputs import FOLDER_HELP, output_folder
 from titan_lite.job.plan import build_model_args
 from titan_lite.job.script import check_output_folder, run_script
 from titan_lite.transforms.sheared import ShearedTransform

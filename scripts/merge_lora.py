@@ -26,8 +26,8 @@ from titan_lite.checkpoint.peft import (
     record_merge,
 )
 from titan_lite.errors import ConfigError
+from titan_lite.folders import FOLDER_HELP, output_folder
 from titan_lite.job.cli import ScriptParser
-from titan_lite.job.outputs import FOLDER_HELP, output_folder
 from titan_lite.job.script import check_output_folder, require_folder, run_script
 from titan_lite.models.hf.config import args_from_hf_config, read_hf_config
 from titan_lite.transforms.lora.adapters import adapted_modules_of, merge_adapters, peft_specs

@@ -42,9 +42,9 @@ from titan_lite.config import JobConfig
 from titan_lite.distributed import device_type as accelerator_type
 from titan_lite.dry_run import device_memory_gib, pass_verdict, plan_passes, with_rank_parts
 from titan_lite.errors import ConfigError
+from titan_lite.folders import FOLDER_HELP, output_folder
 from titan_lite.job.assembly import assemble_model, calibration_source
 from titan_lite.job.cli import ScriptParser
-from titan_lite.job.outputs import FOLDER_HELP, output_folder
 from titan_lite.job.plan import JobPlan, plan_job
 from titan_lite.job.script import (
     DTYPES,

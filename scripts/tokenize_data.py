@@ -28,12 +28,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_lite.config import parse_args as parse_config
-from titan_lite.data.token_files import KINDS, partial_folder
+from titan_lite.data.token_files import KINDS
 from titan_lite.data.token_writer import RecordEncoder, write_token_folder
 from titan_lite.data.tokenizer import build_tokenizer
 from titan_lite.errors import USER_ERROR, ConfigError, quote_path
+from titan_lite.folders import check_replaceable, partial_folder, swap_in
 from titan_lite.job.cli import ScriptParser
-from titan_lite.job.outputs import check_replaceable, swap_in
 from titan_lite.metrics.logger import init_logger
 
 SECTIONS = ("--instruct.", "--preference.", "--job.config_file")

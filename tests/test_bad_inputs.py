@@ -17,7 +17,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from titan_lite import train
 from titan_lite.checkpoint import dcp as ckpt
+from titan_lite.errors import ConfigError
 from titan_lite.launcher import LAUNCH_DIR_ENV
 from titan_lite.models.flavors import flavor_args
 from titan_lite.models.hf.config import args_to_hf_config
@@ -174,6 +176,16 @@ def not_a_checkpoint(tmp: Path) -> list[str]:
 def dump_folder_under_a_file(tmp: Path) -> list[str]:
     (tmp / "a_file").write_text("x")
     return ["--job.dump_folder", str(tmp / "a_file" / "out")]
+
+
+def users_file_in(export: str, *flags: str) -> Callable[[Path], list[str]]:
+    """A user's own file in the folder a run's end-of-run export (of step 5, base.toml's last) would replace."""
+    def build(tmp: Path) -> list[str]:
+        folder = tmp / "out" / "checkpoint" / export
+        folder.mkdir(parents=True)
+        (folder / "my_eval_results.txt").write_text("accuracy 0.5\n")
+        return ["--checkpoint.enable", "--checkpoint.last_save_in_hf", *flags]
+    return build
 
 
 def truncated_safetensors(tmp: Path) -> list[str]:
@@ -361,6 +373,13 @@ CASES = [
     # outputs
     Case("output folder that cannot be created", "'job.dump_folder': cannot write to '{tmp}/a_file/out' (Not a "
          "directory)", build=dump_folder_under_a_file),
+    Case("HF export folder holding a user's file", "the run's export '{tmp}/out/checkpoint/step-5-hf' is not empty "
+         "(my_eval_results.txt) and was not written by titan_lite (no titan_lite_output.json): set another "
+         "'job.dump_folder'; nothing there was changed", build=users_file_in("step-5-hf")),
+    Case("LoRA adapter folder holding a user's file", "the run's export '{tmp}/out/checkpoint/step-5-adapter' is not "
+         "empty (my_eval_results.txt)", build=users_file_in("step-5-adapter", "--model.converters", "lora")),
+    Case("LoRA base folder holding a user's file", "the run's export '{tmp}/out/checkpoint/step-5-base-hf' is not "
+         "empty (my_eval_results.txt)", build=users_file_in("step-5-base-hf", "--model.converters", "lora")),
     Case("custom import that does not import", "'experimental.custom_import' = 'no_such_module_xyz' cannot be imported",
          ["--experimental.custom_import", "no_such_module_xyz"]),
 ]
@@ -387,7 +406,7 @@ def test_bad_input_is_one_line_exit_2(case: Case, tmp_path, monkeypatch, capsys)
     extra = case.build(tmp_path) if case.build else []
     argv = (["--job.config_file", str(BASE)] if case.base and "--job.config_file" not in extra else [])
     argv += ["--job.dump_folder", str(tmp_path / "out"), *case.argv, *extra]
-    before = tree_digest(tmp_path / "out")
+    before, existed = tree_digest(tmp_path / "out"), (tmp_path / "out").exists()
 
     code = main(argv)
 
@@ -398,3 +417,26 @@ def test_bad_input_is_one_line_exit_2(case: Case, tmp_path, monkeypatch, capsys)
     assert case.expected.format(tmp=tmp_path) in lines[0], lines[0]
     assert "Traceback" not in out + err
     assert tree_digest(tmp_path / "out") == before  # checkpoints (and everything else there) untouched
+    assert (tmp_path / "out").exists() == existed  # a refusal leaves no empty dump folder (issue 59 item 7)
+
+
+def test_a_run_refused_after_its_config_is_saved_leaves_no_dump_folder(tmp_path, monkeypatch, capsys):
+    """Issue 59 item 7: a refusal found while the trainer is built (after config.toml and the log were written)
+    removes the dump folder the run created; a folder that existed before stays as it was."""
+    for name in ("NGPU", "NNODES", "COMM_BACKEND", LAUNCH_DIR_ENV, "TITAN_LITE_CHECK_ONLY"):
+        monkeypatch.delenv(name, raising=False)
+
+    def refused(cfg, plan):
+        assert (Path(cfg.job.dump_folder) / cfg.job.save_config_file).is_file()
+        raise ConfigError("'training.dataset' refused while building the trainer")
+
+    monkeypatch.setattr(train, "Trainer", refused)
+    for out, existed in [(tmp_path / "new" / "out", False), (tmp_path / "old", True)]:
+        if existed:
+            out.mkdir()
+            (out / "notes.txt").write_text("keep")
+        code = main(["--job.config_file", str(BASE), "--job.dump_folder", str(out)])
+        assert (code, capsys.readouterr().err.strip()) == (
+            2, "error: 'training.dataset' refused while building the trainer")
+        assert out.exists() == existed and not (tmp_path / "new").exists()
+    assert (tmp_path / "old" / "notes.txt").read_text() == "keep"

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.cases import CASES, RunOutput
+from benchmarks.cases import CASES
+from benchmarks.framework import RunOutput
 from benchmarks.kernel_floor import floor_summary, record_step
 from benchmarks.shapes import SHAPES
 from benchmarks.worker import RESULT_PREFIX

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_readme_figures import load_script
+import benchmarks.figures as FIGURES  # its run_plan runs a plan in this process
 from tests.warm_python import COLD
 
 REPO = Path(__file__).resolve().parents[1]
-FIGURES = load_script()  # scripts/update_readme_figures.py: its run_plan runs a plan in this process
 GIB = 1024**3
 LLAMA_8B_PARAMS = 8_030_261_248
 LLAMA_70B_PARAMS = 70_553_706_496

@@ -174,7 +174,8 @@ def test_reference_base_equals_an_explicit_frozen_copy(tmp_path):
 
 def test_the_grpo_benchmark_runs_a_tiny_step_and_its_case_reads_it(capsys):
     """benchmarks/grpo.py on the tiny flavor, one step, in this process; the grpo_step case reads its result line."""
-    from benchmarks.cases import CASES, RunOutput
+    from benchmarks.cases import CASES
+    from benchmarks.framework import RunOutput
     from benchmarks.grpo import main
 
     assert main(["--flavor", "tiny", "--steps", "1", "--warmup", "0", "--max_new", "8", "--seq_len", "128",
@@ -191,9 +192,9 @@ def test_the_grpo_benchmark_runs_a_tiny_step_and_its_case_reads_it(capsys):
 def test_dry_run_plans_the_cpu_example_on_two_ranks_with_a_held_reference(tmp_path):
     """The CPU example's config on 2 ranks (FSDP), with beta and a reference folder (not there yet: planned from its
     flavor): the rollout and training lines, the reference's weights in the step's estimate, the rollout's pass."""
-    from tests.test_readme_figures import load_script
+    from benchmarks.figures import run_plan
 
-    code, out, err = load_script().run_plan(2, "train_configs/grpo_synthetic_gsm8k_cpu.toml", [
+    code, out, err = run_plan(2, "train_configs/grpo_synthetic_gsm8k_cpu.toml", [
         "--grpo.beta", "0.04", "--grpo.reference", str(tmp_path / "ref"), "--grpo.reference_flavor", "debugmodel",
         "--dry_run.device_memory_gib", "8"])
     assert code == 5, out + err  # the SFT model, the reference and the data are not there yet: the checklist

@@ -19,6 +19,7 @@ from tests.warm_python import python_command  # noqa: E402
 from titan_lite.checkpoint.hf import export_hf, load_hf_weights, read_hf_folder  # noqa: E402
 from titan_lite.config import JobConfig  # noqa: E402
 from titan_lite.errors import ConfigError, pip_install  # noqa: E402
+from titan_lite.folders import OUTPUT_MARKER  # noqa: E402
 from titan_lite.job.plan import build_model_args  # noqa: E402
 from titan_lite.models.args import LlamaArgs  # noqa: E402
 from titan_lite.models.decoder import Llama  # noqa: E402
@@ -166,16 +167,36 @@ def test_export_in_bfloat16_single_file_replaces_old_export(tmp_path):
     args = small_args()
     model = titan_model(args, seed=2)
     out = tmp_path / "hf"
-    out.mkdir()
-    (out / "stale.txt").write_text("from an older export")
+    export_hf([model], args, str(out), torch.float32, None, max_shard_bytes=1 << 14)  # an older export in shards
+    assert "model.safetensors.index.json" in {p.name for p in out.iterdir()}
     export_hf([model], args, str(out), torch.bfloat16, None)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", OUTPUT_MARKER]
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     loaded = read_hf_folder(str(out), args)
     for name, param in model.named_parameters():
         assert loaded[name].dtype == torch.bfloat16
         assert torch.equal(loaded[name], param.detach().to(torch.bfloat16)), name
     assert not list(tmp_path.glob(".hf.*"))  # no temporary folder left behind
+
+
+def test_export_keeps_a_users_file_and_refuses_naming_it(tmp_path):
+    """Issue 59 item 1: a file titan_lite did not write in an export folder is never deleted."""
+    args = small_args()
+    model = titan_model(args, seed=2)
+    out = tmp_path / "hf"
+    export_hf([model], args, str(out), torch.float32, None)
+    (out / "my_eval_results.txt").write_text("mine")
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(ConfigError) as err:
+        export_hf([model], args, str(out), torch.bfloat16, None)
+    assert str(err.value) == (
+        f"the run's export '{out}' holds my_eval_results.txt, which titan_lite did not write (it replaces only the "
+        f"files its {OUTPUT_MARKER} lists): move it out of the folder or set another 'job.dump_folder'; nothing "
+        "there was changed")
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert (out / "my_eval_results.txt").read_text() == "mine"
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+    assert not list(tmp_path.glob(".hf.*"))
 
 
 def test_export_keeps_the_assets_context_length(tmp_path):

@@ -392,7 +392,8 @@ def test_preference_benchmark_cases_read_their_results():
     per pair of both prompt layouts, and the reference's cost in a step against its forward alone."""
     import json
 
-    from benchmarks.cases import CASES, RunOutput
+    from benchmarks.cases import CASES
+    from benchmarks.framework import RunOutput
     from benchmarks.worker import RESULT_PREFIX
 
     def read(variant, result: dict) -> dict:

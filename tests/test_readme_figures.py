@@ -1,26 +1,18 @@
-"""The documentation's figures stay true: scripts/update_readme_figures.py runs the quick commands (plans and
+"""The documentation's figures stay true: benchmarks/figures.py runs the quick commands (plans and
 estimates) and compares what they print with what README.md and docs/*.md quote; the training examples (slow) are
-checked by the same script with --slow. Here: the quick check itself, the registry's patterns against the documents,
+checked by the same module with --slow. Here: the quick check itself, the registry's patterns against the documents,
 and that a difference is caught and rewritten in the file that quotes it."""
 
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 
+import benchmarks.figures as FIGURES
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def load_script():
-    path = REPO / "scripts" / "update_readme_figures.py"
-    spec = importlib.util.spec_from_file_location("update_readme_figures", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-FIGURES = load_script()
 
 
 def test_every_figure_is_quoted_once_and_printed_by_a_known_command():

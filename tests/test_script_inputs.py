@@ -362,6 +362,23 @@ def test_the_data_generators_never_overwrite_a_users_file(tmp_path, capsys):
     assert code == 0 and len(mine.read_text().splitlines()) == 3
 
 
+def test_the_lm_eval_tasks_never_replace_a_users_task_file(tmp_path, capsys):
+    """Issue 59 item 1: a task file holding something else (a user's own, another seed's) is replaced only with
+    --overwrite; without it nothing is written and the line names the file; the same seed again changes nothing."""
+    (tmp_path / "shakespeare_choice.jsonl").write_text("my own task\n")
+    assert_one_line(*run("make_lm_eval_tasks", ["--output_dir", str(tmp_path)], capsys),
+                    f"--output_dir '{tmp_path / 'shakespeare_choice.jsonl'}' exists and holds something else than "
+                    "this command writes: pass --overwrite to replace it, or name another file; it was left as it is")
+    assert [p.name for p in tmp_path.iterdir()] == ["shakespeare_choice.jsonl"]
+    assert (tmp_path / "shakespeare_choice.jsonl").read_text() == "my own task\n"
+    assert run("make_lm_eval_tasks", ["--output_dir", str(tmp_path), "--overwrite"], capsys)[0] == 0
+    written = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert sorted(written) == [f"shakespeare_{t}.jsonl" for t in ("choice", "continue", "rolling")]
+    assert written["shakespeare_choice.jsonl"] == (REPO / "assets/lm_eval_tasks/shakespeare_choice.jsonl").read_bytes()
+    assert run("make_lm_eval_tasks", ["--output_dir", str(tmp_path)], capsys)[0] == 0
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == written
+
+
 def test_a_pruning_estimate_warns_about_no_setting_the_user_never_made(capsys):
     """prune.py --estimate_only (Wanda's config, and depth's and REAP's) prints its plan without a word on
     checkpoint keys."""

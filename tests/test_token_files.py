@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import benchmarks.figures as readme_figures
 from titan_lite.config import parse_args, validate
 from titan_lite.config.schema import DataMixture
 from titan_lite.data import token_chunks
@@ -30,10 +31,11 @@ from titan_lite.data.instruct import PAD_DOCUMENT, InstructFormat, InstructionFi
 from titan_lite.data.mixture import build_domain_weights
 from titan_lite.data.order import GlobalOrder, Permutation
 from titan_lite.data.preference import PairEncoder, PreferenceFile
-from titan_lite.data.token_files import MANIFEST, OFFSETS, open_token_folder, partial_folder, shard_file
+from titan_lite.data.token_files import MANIFEST, OFFSETS, open_token_folder, shard_file
 from titan_lite.data.token_writer import RecordEncoder, write_token_folder
 from titan_lite.data.tokenizer import build_tokenizer
 from titan_lite.errors import ConfigError
+from titan_lite.folders import partial_folder
 from titan_lite.job.plan import check_before_launch, check_section_data
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -284,6 +286,39 @@ def test_progress_counts_a_json_gz_uncompressed_and_starts_before_the_first_chun
     total = json.loads((tmp_path / "out" / MANIFEST).read_text())["tokens"]
     assert 0 < first < total  # one chunk: the first line came from inside it
 
+def test_a_refused_tokenize_run_leaves_no_partial_folder(tmp_path, capsys, monkeypatch):
+    """Issue 59 item 7: refused inputs leave nothing half-written; a folder that may not be replaced at the end
+    keeps the finished one, named."""
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"text": "hello"}\n{"txt": "x"}\n')
+    for name, line in [("empty.jsonl", f"--data {tmp_path / 'empty.jsonl'} holds no documents"),
+                       ("bad.jsonl", f"{tmp_path / 'bad.jsonl'}:2: no \"text\" string; each line must be an object "
+                                     "with a \"text\" string")]:
+        out = tmp_path / f"from_{name}"
+        assert TOKENIZE.main(["--hf_assets_path", str(TOKENIZER), "--data", str(tmp_path / name),
+                              "--output_dir", str(out)]) == 2
+        assert capsys.readouterr().err.strip() == f"error: {line}"
+        assert not out.exists() and not partial_folder(out).exists()
+
+    shards = text_shards(tmp_path / "raw")
+    out = tmp_path / "tokens"
+
+    real = TOKENIZE.swap_in
+
+    def user_file_meanwhile(flag, partial, target, **about):
+        out.mkdir()
+        (out / "notes.txt").write_text("keep")  # added while the run tokenized
+        real(flag, partial, target, **about)
+
+    monkeypatch.setattr(TOKENIZE, "swap_in", user_file_meanwhile)
+    args = ["--hf_assets_path", str(TOKENIZER), "--data", str(shards), "--output_dir", str(out)]
+    assert TOKENIZE.main(args) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --output_dir '{out}' is not empty (notes.txt) and was not written by titan_lite (no "
+        f"titan_lite_output.json): name a new or empty folder; nothing there was changed; the finished token folder "
+        f"stays in '{partial_folder(out)}': run the same command again once the folder may be replaced")
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (partial_folder(out) / MANIFEST).is_file()
+
 
 # ---------------------------------------------------------------- bad token folders
 
@@ -420,12 +455,11 @@ def test_shuffling_is_a_seeded_permutation_per_epoch_that_keeps_examples_whole(t
 
 
 def test_dry_run_states_each_ranks_data_path_and_warns_when_raw_text_starves_the_gpus(tmp_path, tok):
-    figures = load_script("update_readme_figures")
     shards = text_shards(tmp_path / "raw")
     write_token_folder(tmp_path / "tokens", [str(shards)], RecordEncoder("text", tok), report=lambda line: None)
     plans = {}
     for name, path in (("raw", shards), ("tokens", tmp_path / "tokens")):
-        code, out, err = figures.run_plan(8, str(ROOT / "train_configs" / "llama3_2_1b_pretrain.toml"), [
+        code, out, err = readme_figures.run_plan(8, str(ROOT / "train_configs" / "llama3_2_1b_pretrain.toml"), [
             "--model.hf_assets_path", "./assets/tokenizer", "--training.dataset", "text", "--training.dataset_path",
             str(path), "--training.local_batch_size", "2", "--training.seq_len", "2048"], nnodes=8)
         assert code == 0, out + err

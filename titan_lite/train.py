@@ -23,6 +23,7 @@ from titan_lite.dtensor import full_tensor
 from titan_lite.errors import FAULT, HANG, USER_ERROR, ConfigError, TrainingFault
 from titan_lite.eval.validate import Validator
 from titan_lite.faults import ACTIVITY, StopSignals, any_rank, is_collective_timeout, nonfinite_message, timeout_line
+from titan_lite.folders import first_missing, remove_if_only
 from titan_lite.job.assembly import BuiltModel, assemble_model
 from titan_lite.job.plan import JobPlan, check_before_launch, plan_job
 from titan_lite.job.sources import TrainingLoader, training_data
@@ -406,16 +407,23 @@ def run(cfg: JobConfig) -> int:
     if cfg.comm.mode != "default" or os.environ.get("DRY_RUN") == "1":
         validate(cfg, files=False)
         return dry_run(cfg)
-    # Each rank checks what run_train.sh used to check in a separate process before torchrun (one process start
-    # less per launch); a user error still ends the run in one line through the launcher.
-    plan = check_before_launch(cfg, int(os.environ.get("WORLD_SIZE", planned_world_size())))
-    check_objective(plan)
-    save_config(cfg)
-    warn_surprises(cfg)
-    logger.info(f"job: {cfg.job.description}")
-    with StopSignals().installed() as stop:
-        register_rank()  # after the handlers: the launcher signals registered ranks
-        Trainer(cfg, plan).train(stop)
+    created = first_missing(cfg.job.dump_folder)
+    try:
+        # Each rank checks what run_train.sh used to check in a separate process before torchrun (one process start
+        # less per launch); a user error still ends the run in one line through the launcher.
+        plan = check_before_launch(cfg, int(os.environ.get("WORLD_SIZE", planned_world_size())))
+        check_objective(plan)
+        save_config(cfg)
+        warn_surprises(cfg)
+        logger.info(f"job: {cfg.job.description}")
+        with StopSignals().installed() as stop:
+            register_rank()  # after the handlers: the launcher signals registered ranks
+            Trainer(cfg, plan).train(stop)
+    except ConfigError:
+        if created is not None and int(os.environ.get("RANK", 0)) == 0:  # a refusal leaves no folder of its own
+            dump = Path(cfg.job.dump_folder).absolute().relative_to(created)
+            remove_if_only(created, [dump / name for name in (cfg.job.save_config_file, cfg.job.log_file) if name])
+        raise
     tl_dist.remove_empty_trace_folder(cfg.comm, cfg.job.dump_folder)
     tl_dist.shutdown()
     return 0

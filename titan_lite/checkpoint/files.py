@@ -31,9 +31,9 @@ def copy_file(source: str | Path, target: str | Path) -> None:
 
 
 def copy_tree(source: str | Path, target: str | Path) -> None:
-    """A folder copied (files and sub-folders) with umask permissions, like copy_file; `target` must not exist."""
+    """A folder copied (files and sub-folders) with umask permissions, like copy_file; `target` is new or empty."""
     source, target = Path(source), Path(target)
-    target.mkdir(parents=True)
+    target.mkdir(parents=True, exist_ok=True)
     for path in sorted(source.rglob("*")):
         if path.is_dir():
             (target / path.relative_to(source)).mkdir(exist_ok=True)

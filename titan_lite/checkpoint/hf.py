@@ -1,9 +1,7 @@
 """Hugging Face safetensors folders: reading them into (possibly sharded) model parts, writing them from the model."""
 
 import json
-import os
 import re
-import shutil
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -16,6 +14,7 @@ from torch import Tensor, nn
 from titan_lite.checkpoint.files import copy_file, save_safetensors
 from titan_lite.dtensor import copy_into_shard, full_tensor
 from titan_lite.errors import ConfigError
+from titan_lite.folders import ANOTHER, output_folder
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.decoder import Llama
 from titan_lite.models.hf.config import args_to_hf_config, check_args_against_hf_config, read_hf_config
@@ -279,33 +278,18 @@ def _copy_tokenizer_files(assets_dir: str | None, folder: Path) -> None:
             copy_file(Path(assets_dir) / filename, folder / filename)
 
 
-def _replace_folder(tmp: Path, out: Path) -> None:
-    """Move a finished folder into place; an older export at `out` is removed only after the rename succeeds."""
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    if out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    if old.exists():
-        shutil.rmtree(old)
-
-
 def write_hf_folder(sd: dict[str, Tensor], args: LlamaArgs, out_dir: str, dtype: torch.dtype,
-                    assets_dir: str | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write a full titan_lite state dict as an HF folder (config, weights, tokenizer files), atomically."""
+                    assets_dir: str | None = None, max_shard_bytes: int = 5 * 2**30,
+                    what: str = "the Hugging Face folder", instead: str = ANOTHER) -> None:
+    """Write a full titan_lite state dict as an HF folder (config, weights, tokenizer files), whole or not at all,
+    through titan_lite.folders: a folder holding files titan_lite did not write is refused (one ConfigError line
+    naming `what`, the folder and the files, and `instead`) and stays as it is."""
     check_state_dict(sd, args, "export")
     hf_sd = to_hf_state_dict({n: t.detach().to(device="cpu", dtype=dtype) for n, t in sd.items()}, args)
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with output_folder(what, out_dir, instead=instead) as tmp:
         write_safetensors(hf_sd, tmp, max_shard_bytes)
         (tmp / "config.json").write_text(json.dumps(_hf_config(args, dtype, assets_dir), indent=2) + "\n")
         _copy_tokenizer_files(assets_dir, tmp)
-        _replace_folder(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _full_tensors(model_parts: list[nn.Module], dtype: torch.dtype,
@@ -349,12 +333,15 @@ def gather_full_state_dict(model_parts: list[nn.Module], dtype: torch.dtype, par
 
 
 ExportConversion = Callable[[dict[str, Tensor], LlamaArgs], tuple[dict[str, Tensor], LlamaArgs]]
+# How a refused export of the run names itself and the way out (job.plan checks the folders at launch too).
+EXPORT_WHAT, EXPORT_INSTEAD = "the run's export", "set another 'job.dump_folder'"
 
 
 def export_hf(model_parts: list[nn.Module], model_args: LlamaArgs, out_dir: str, dtype: torch.dtype,
               assets_dir: str | None, parallel_dims=None, max_shard_bytes: int = 5 * 2**30,
               convert: ExportConversion | None = None) -> None:
-    """Write the model as an HF folder. Collective when distributed: every rank must call it; rank 0 writes.
+    """Write the model as an HF folder (the run's export: a folder holding a file titan_lite did not write is one
+    ConfigError line and stays as it is). Collective when distributed: every rank must call it; rank 0 writes.
 
     `convert` turns the full state dict and args into a plain Llama's before writing (transforms merge adapters,
     drop masks or materialise a smaller model there); it runs on rank 0 on fp32 tensors.
@@ -366,6 +353,6 @@ def export_hf(model_parts: list[nn.Module], model_args: LlamaArgs, out_dir: str,
             sd.pop("output.weight", None)  # a pipeline's last stage holds its own copy of the tied head
         if convert is not None:
             sd, model_args = convert(sd, model_args)
-        write_hf_folder(sd, model_args, out_dir, dtype, assets_dir, max_shard_bytes)
+        write_hf_folder(sd, model_args, out_dir, dtype, assets_dir, max_shard_bytes, EXPORT_WHAT, EXPORT_INSTEAD)
     if distributed:
         dist.barrier()

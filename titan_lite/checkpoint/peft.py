@@ -11,9 +11,7 @@ weights (models/hf/state_dict.py).
 import hashlib
 import json
 import math
-import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from safetensors.torch import load_file
 from titan_lite.checkpoint.files import save_safetensors
 from titan_lite.checkpoint.hf import SafetensorsReader, open_safetensors
 from titan_lite.errors import ConfigError
+from titan_lite.folders import ANOTHER, output_folder
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.hf.names import LLAMA_NAMES
 from titan_lite.models.hf.state_dict import tensor_from_hf, tensor_to_hf
@@ -139,23 +138,18 @@ def from_peft_tensors(tensors: dict[str, torch.Tensor], args: LlamaArgs, source:
 # ------------------------------------------------------------------------------------------ files
 
 
-def write_peft_adapter(folder: str | Path, adapter: PeftAdapter, readme: str) -> None:
-    """Write adapter_config.json, adapter_model.safetensors and a README.md into `folder`, atomically."""
-    out = Path(folder)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+def write_peft_adapter(folder: str | Path, adapter: PeftAdapter, readme: str, extra: dict[str, str] | None = None,
+                       what: str = "the adapter folder", instead: str = ANOTHER) -> None:
+    """Write adapter_config.json, adapter_model.safetensors, a README.md and the `extra` files (name -> text) into
+    `folder`, whole or not at all, through titan_lite.folders (a folder holding files titan_lite did not write is
+    one ConfigError line naming `what` and stays as it is)."""
+    with output_folder(what, folder, instead=instead) as tmp:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter.tensors.items()}
         save_safetensors(tensors, tmp / ADAPTER_WEIGHTS)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter.config, indent=2, sort_keys=True) + "\n")
         (tmp / "README.md").write_text(readme)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
 
 
 def read_peft_adapter(folder: str | Path) -> PeftAdapter:

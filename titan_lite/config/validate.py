@@ -9,6 +9,7 @@ from titan_lite.config.gates import check_switched_off
 from titan_lite.config.manager import choices_of, iter_options, not_one_of
 from titan_lite.config.schema import REFERENCE_FREE, JobConfig
 from titan_lite.errors import ConfigError, quote_path
+from titan_lite.folders import partial_folder
 
 
 def _get(cfg: JobConfig, key: str):
@@ -513,7 +514,7 @@ def check_checkpoint(cfg: JobConfig) -> None:
 def _require_data(key: str, path: str) -> None:
     """A data path exists; when it does not but an interrupted scripts/tokenize_data.py run left its partial folder
     beside it, say how to finish it."""
-    partial = Path(path).with_name(f".{Path(path).name}.partial")
+    partial = partial_folder(path)
     hint = (f" (an interrupted scripts/tokenize_data.py run left {quote_path(partial)}: run the same command again "
             "to finish it)") if partial.is_dir() else ""
     _require(Path(path).exists(), f"'{key}' = {quote_path(path)} does not exist{hint}")

@@ -15,6 +15,7 @@ import numpy as np
 from titan_lite.data.chat import load_chat_template
 from titan_lite.data.tokenizer import tokenizer_fingerprint
 from titan_lite.errors import ConfigError, quote_path
+from titan_lite.folders import partial_folder
 
 FORMAT = "titan_lite token files"
 VERSION = 1
@@ -33,11 +34,6 @@ PLAN = "plan.json"  # in the partial folder: what it is being written from (a re
 
 def shard_file(index: int, what: str = "tokens") -> str:
     return f"{what}-{index:05d}.bin"
-
-
-def partial_folder(out: Path) -> Path:
-    """Where a token folder is written before it is renamed to `out`."""
-    return out.with_name(f".{out.name}.partial")
 
 
 def dtype_for(vocab_size: int) -> str:

@@ -36,11 +36,11 @@ from titan_lite.data.token_files import (
     dtype_for,
     encoding_settings,
     largest_id,
-    partial_folder,
     shard_file,
 )
 from titan_lite.data.tokenizer import tokenizer_fingerprint
 from titan_lite.errors import ConfigError, quote_path
+from titan_lite.folders import partial_folder, swap_in
 
 logger = logging.getLogger(__name__)
 
@@ -202,8 +202,9 @@ def write_token_folder(out: str | Path, paths: list[str], encoder: RecordEncoder
                        chunk_chars: int | None = None, report: Callable[[str], None] = print,
                        finish: Callable[[Path], None] | None = None) -> dict[str, Any]:
     """Tokenize `paths` into the token folder `out` (which the caller checked may be written) and return its
-    manifest. The folder is written as `out`'s partial folder; `finish(partial)` makes it `out` (the scripts' one
-    rule for output folders, titan_lite.job.outputs.swap_in), else it is renamed here."""
+    manifest. The folder is written as `out`'s partial folder, which an interrupted run resumes and a refused one
+    removes; `finish(partial)` makes it `out` (default: titan_lite.folders.swap_in, the one rule for output
+    folders)."""
     if encoder.kind not in KINDS:
         raise ConfigError(f"--kind {encoder.kind!r}; expected one of {', '.join(KINDS)}")
     out = Path(out)
@@ -217,13 +218,17 @@ def write_token_folder(out: str | Path, paths: list[str], encoder: RecordEncoder
             "tokenizer": tokenizer_fingerprint(encoder.tokenizer), "chunk_chars": chunk_chars,
             "settings": encoding_settings(encoder.kind, encoder.settings, encoder.folder, encoder.tokenizer)}
     partial = _partial_for(out, plan, report)
-    done, rate = _tokenize_all(partial, paths, encoder, workers, plan, total, report)
-    manifest = _finalize(partial, plan, done)
-    if finish is not None:
-        finish(partial)
-    else:
-        shutil.rmtree(out, ignore_errors=True)
-        partial.rename(out)
+    try:
+        done, rate = _tokenize_all(partial, paths, encoder, workers, plan, total, report)
+        manifest = _finalize(partial, plan, done)
+    except ConfigError:
+        shutil.rmtree(partial, ignore_errors=True)  # refused inputs: the same ones would be refused again
+        raise
+    try:
+        (finish or (lambda ready: swap_in("the token folder", ready, out)))(partial)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}; the finished token folder stays in {quote_path(partial)}: run the same command "
+                          "again once the folder may be replaced") from None
     manifest["tokens_per_second"] = rate
     return manifest
 

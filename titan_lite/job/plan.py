@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import torch
 
-from titan_lite.checkpoint.hf import weight_files
+from titan_lite.checkpoint.hf import EXPORT_INSTEAD, EXPORT_WHAT, weight_files
 from titan_lite.checkpoint.resume import check_source_before_launch, initial_source
 from titan_lite.config.schema import JobConfig
 from titan_lite.config.validate import validate
@@ -28,6 +28,7 @@ from titan_lite.data.token_files import is_token_folder
 from titan_lite.data.tokenizer import Tokenizer, build_tokenizer
 from titan_lite.distributed import choose_backend, device_type
 from titan_lite.errors import ConfigError
+from titan_lite.folders import check_replaceable
 from titan_lite.job.rope import apply_rope_settings
 from titan_lite.metrics.wandb_writer import check_wandb_installed
 from titan_lite.models.args import LlamaArgs
@@ -378,18 +379,39 @@ def _buildable_transforms(cfg: JobConfig) -> list:
 
 
 def check_output_folders(cfg: JobConfig) -> None:
-    """The run can write its outputs: dump_folder, and the checkpoint folder when it saves (created if needed)."""
+    """The run can write its outputs: dump_folder, and the checkpoint folder when it saves. Nothing is created here
+    (a run refused later leaves no empty folder): the folder, or the nearest one above it that exists, is probed."""
     folders = {"job.dump_folder": Path(cfg.job.dump_folder)}
     if cfg.checkpoint.enable and not cfg.checkpoint.load_only:
         folders["checkpoint.folder"] = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
     for key, folder in folders.items():
-        probe = folder / f".titan_lite_write_test_{os.getpid()}"
+        existing = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
+        if not existing.is_dir():
+            raise ConfigError(f"'{key}': cannot write to '{folder}' (Not a directory)")
+        probe = existing / f".titan_lite_write_test_{os.getpid()}"
         try:
-            folder.mkdir(parents=True, exist_ok=True)
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as exc:
             raise ConfigError(f"'{key}': cannot write to '{folder}' ({exc.strerror})") from None
+
+
+def export_folders(cfg: JobConfig, transforms: Transforms, step: int) -> list[Path]:
+    """The folders a run that checkpoints writes at its end, step `step`: checkpoint.last_save_in_hf's step-N-hf
+    and the transforms' exports (a LoRA adapter and its base, a pruned model)."""
+    c = cfg.checkpoint
+    if not c.enable or c.load_only:
+        return []
+    root = Path(cfg.job.dump_folder) / c.folder
+    full = [root / f"step-{step}-hf"] if c.last_save_in_hf and transforms.exports_full_model() else []
+    return full + transforms.export_folders(root, step)
+
+
+def check_export_folders(cfg: JobConfig, transforms: Transforms) -> None:
+    """Before training, not after it: each export folder of the last step may replace only what titan_lite wrote
+    there (a user's file in it is one line naming the folder and the file; export_hf checks again at the end)."""
+    for folder in export_folders(cfg, transforms, cfg.training.steps):
+        check_replaceable(EXPORT_WHAT, folder, EXPORT_INSTEAD)
 
 
 def check_before_launch(cfg: JobConfig, world_size: int) -> JobPlan:
@@ -404,4 +426,5 @@ def check_before_launch(cfg: JobConfig, world_size: int) -> JobPlan:
     check_data_volume(cfg, plan)
     check_source_before_launch(cfg, plan.model_args)
     check_output_folders(cfg)
+    check_export_folders(cfg, plan.transforms)
     return plan

@@ -1,5 +1,5 @@
 """What the scripts share (their command line is job/cli.py's ScriptParser): checks of their inputs and output
-folders (job/outputs.py writes them), a job config for a model folder, the process group and job plan, and an entry
+folders (titan_lite.folders writes them), a job config for a model folder, the process group and job plan, and an entry
 point whose user errors are one line (exit 2) and whose Ctrl-C is one line (exit 130)."""
 
 import logging
@@ -14,7 +14,7 @@ from titan_lite import distributed as tl_dist
 from titan_lite.config import JobConfig, parse_args, validate
 from titan_lite.data.datasets import check_has_documents, shards_at
 from titan_lite.errors import USER_ERROR, ConfigError, quote_path
-from titan_lite.job.outputs import check_replaceable
+from titan_lite.folders import check_replaceable
 from titan_lite.job.plan import HF_FLAVOR, JobPlan, plan_job
 from titan_lite.metrics.logger import init_logger
 from titan_lite.models.hf.config import flavor_of_hf_config
@@ -48,8 +48,8 @@ def check_text_data(flag: str, path: str) -> None:
 
 def check_output_folder(flag: str, out: str, inputs: dict[str, str | None]) -> None:
     """Refuse an output folder that is an input, lies inside one, or holds one (replacing it would delete it), and
-    one that holds anything titan_lite did not write (job/outputs.py's check_replaceable). Write it with
-    job/outputs.py's output_folder."""
+    one that holds anything titan_lite did not write (titan_lite.folders.check_replaceable). Write it with
+    titan_lite.folders.output_folder."""
     target = Path(out).resolve()
     for name, path in inputs.items():
         if not path:

@@ -184,6 +184,10 @@ class Transform:
     def export(self, model_parts: list[nn.Module], folder: Path, step: int) -> None:
         """Extra artifacts at the end of a run that checkpoints (collective: every rank calls it)."""
 
+    def export_folders(self, folder: Path, step: int) -> list[Path]:
+        """The folders `export` writes (checked at launch: each may replace only what titan_lite wrote there)."""
+        return []
+
     def exports_full_model(self) -> bool:
         """Whether checkpoint.last_save_in_hf writes the run's full model (step-N-hf through export_state_dict);
         false where this transform's own export replaces it (a LoRA adapter without the merged model)."""
@@ -327,6 +331,9 @@ class Transforms:
     def export(self, model_parts: list[nn.Module], folder: Path, step: int) -> None:
         for t in self.items:
             t.export(model_parts, folder, step)
+
+    def export_folders(self, folder: Path, step: int) -> list[Path]:
+        return [out for t in self.items for out in t.export_folders(folder, step)]
 
     def exports_full_model(self) -> bool:
         return all(t.exports_full_model() for t in self.items)

@@ -70,9 +70,9 @@ def check_base_sparsity(modules: list[tuple[str, torch.nn.Module]], mode: str) -
                 "adapted weights); training, merge and export keep them exactly")
 
 
-def write_sparsity_marker(folder: Path) -> None:
-    """Tell scripts/merge_lora.py that this adapter folder was trained with masked updates."""
-    (Path(folder) / MARKER).write_text(json.dumps({"keep_sparsity": True, "rule": "W + (s B A) * (W != 0)"}) + "\n")
+def sparsity_marker() -> dict[str, str]:
+    """The file (name -> text) that tells scripts/merge_lora.py an adapter folder was trained with masked updates."""
+    return {MARKER: json.dumps({"keep_sparsity": True, "rule": "W + (s B A) * (W != 0)"}) + "\n"}
 
 
 def adapter_keeps_sparsity(folder: str | Path) -> bool:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titan_lite.checkpoint.hf import export_hf, gather_full_state_dict
+from titan_lite.checkpoint.hf import EXPORT_INSTEAD, EXPORT_WHAT, export_hf, gather_full_state_dict
 from titan_lite.checkpoint.peft import (
     PREFIX,
     PeftAdapter,
@@ -66,7 +66,7 @@ from titan_lite.transforms.lora.sparse import (
     check_base_sparsity,
     check_keep_sparsity,
     keep_sparsity_enabled,
-    write_sparsity_marker,
+    sparsity_marker,
 )
 from titan_lite.transforms.lora.tp import lora_style
 from titan_lite.transforms.lora.weights import (
@@ -312,6 +312,13 @@ class LoraTransform(Transform):
     def exports_full_model(self) -> bool:
         return self.cfg.lora.export_merged
 
+    def export_folders(self, folder: Path, step: int) -> list[Path]:
+        if not self.cfg.checkpoint.last_save_in_hf:
+            return []
+        pissa = [folder / f"step-{step}-pissa-adapter", folder / f"step-{step}-pissa-residual-base"]
+        return [folder / f"step-{step}-adapter", *filter(None, [self.base_folder(folder, step)]),
+                *(pissa if self.options.pissa else [])]
+
     def export(self, model_parts: list[nn.Module], folder: Path, step: int) -> None:
         """With checkpoint.last_save_in_hf (the run's Hugging Face export): the PEFT adapter, and the base it applies
         to where that is not an HF folder already; nothing without it."""
@@ -363,17 +370,18 @@ class LoraTransform(Transform):
                        **fused_expert_weights(state, PREFIX)}
             if experts:
                 config["target_parameters"] = peft_target_parameters(state)
-            write_peft_adapter(out, PeftAdapter(config, tensors), readme(self.c, "original", sparse=self.keep_sparsity))
-            if self.keep_sparsity:
-                write_sparsity_marker(out)
+            write_peft_adapter(out, PeftAdapter(config, tensors), readme(self.c, "original", sparse=self.keep_sparsity),
+                               sparsity_marker() if self.keep_sparsity else None, EXPORT_WHAT, EXPORT_INSTEAD)
             logger.info(f"lora: PEFT adapter of step {step} written to {out}")
             return
         write_peft_adapter(out, PeftAdapter(peft_config(self.options, modules, base, doubled=True),
-                                            to_peft_tensors(pissa_as_lora(state), args)), readme(self.c, "converted"))
+                                            to_peft_tensors(pissa_as_lora(state), args)), readme(self.c, "converted"),
+                           what=EXPORT_WHAT, instead=EXPORT_INSTEAD)
         residual = folder / f"step-{step}-pissa-adapter"
         write_peft_adapter(residual, PeftAdapter(peft_config(self.options, modules, None),
                                                  to_peft_tensors(without_pissa_init(state), args)),
-                           readme(self.c, "residual", f"step-{step}-pissa-residual-base"))
+                           readme(self.c, "residual", f"step-{step}-pissa-residual-base"), what=EXPORT_WHAT,
+                           instead=EXPORT_INSTEAD)
         logger.info(f"lora: PiSSA adapters of step {step}: {out} is a plain LoRA of rank {2 * self.c.rank} for the "
                     f"ORIGINAL base; {residual} (rank {self.c.rank}) applies to the residual base")
 

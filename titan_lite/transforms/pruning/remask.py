@@ -1,9 +1,7 @@
 """Re-applying a pruned model's zeros to another HF folder of the same model (e.g. after a LoRA merge made the
 pruned linears dense again), shard by shard, without building a model."""
 
-import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
@@ -12,6 +10,7 @@ from safetensors.torch import load_file
 from titan_lite.checkpoint.files import copy_tree, save_safetensors
 from titan_lite.checkpoint.hf import SafetensorsReader, weight_files
 from titan_lite.errors import ConfigError
+from titan_lite.folders import output_folder
 
 # The block linears of an HF Llama (q, k, v, o, gate, up, down): the layers pruning touches.
 HF_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
@@ -22,11 +21,9 @@ def remask_hf_folder(source: str | Path, reference: str | Path, out: str | Path)
     weights set back to zero). Other files (config, tokenizer, index) are copied as they are."""
     source, reference, out = Path(source), Path(reference), Path(out)
     files, reference_files = weight_files(source), weight_files(reference)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    copy_tree(source, tmp)
     linears, rezeroed = 0, 0
-    try:
+    with output_folder("the re-masked folder", out) as tmp:
+        copy_tree(source, tmp)
         with SafetensorsReader() as reader:
             for shard in sorted(set(files.values())):
                 tensors = load_file(str(shard))
@@ -43,9 +40,4 @@ def remask_hf_folder(source: str | Path, reference: str | Path, out: str | Path)
                     tensors[name] = torch.where(keep, tensor, torch.zeros((), dtype=tensor.dtype))
                     linears += 1
                 save_safetensors(tensors, tmp / shard.name)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return linears, rezeroed

@@ -158,11 +158,16 @@ class ShearedTransform(Transform):
         """The pruned dense model: deterministic gates with the exact target counts, soft values folded in."""
         return materialize_pruned(state_dict, model_args, self.targets_for(model_args))
 
+    def export_folders(self, folder: Path, step: int) -> list[Path]:
+        if not self.cfg.sheared.materialize_at_end or self.cfg.checkpoint.last_save_in_hf:
+            return []
+        return [folder / f"step-{step}-pruned-hf"]
+
     def export(self, model_parts: list[nn.Module], folder: Path, step: int) -> None:
         """sheared.materialize_at_end: the pruned model as an HF folder (unless the run's own HF export, which goes
         through export_state_dict, already wrote it)."""
         c = self.cfg.checkpoint
-        if not self.cfg.sheared.materialize_at_end or c.last_save_in_hf:
+        if not self.export_folders(folder, step):
             return
         out = folder / f"step-{step}-pruned-hf"
         export_hf(model_parts, self.ctx.model_args, str(out), getattr(torch, c.export_dtype),

@@ -2,13 +2,14 @@
 below is a figure the documentation shows, the command that prints it, and a pattern for each side; the command runs
 as the documentation gives it, from the checkout, and its figures must be the quoted ones. Quick commands (plans,
 estimates: seconds) run by default, and the test suite runs them (tests/test_readme_figures.py); --slow adds the
-training examples (minutes).
+training examples (minutes). Developer tooling beside the benchmarks (it measures what the documentation quotes), run
+from the checkout as a module:
 
-    .venv/bin/python scripts/update_readme_figures.py --check            # the quick figures: exit 1 on a difference
-    .venv/bin/python scripts/update_readme_figures.py --check --slow     # every figure (REAP: 32 min, 2 busy cores)
-    .venv/bin/python scripts/update_readme_figures.py --check --slow --only reap_example   # one command's figures
-    .venv/bin/python scripts/update_readme_figures.py --slow             # run them all, write what they print
-    .venv/bin/python scripts/update_readme_figures.py --slow --from_logs # again from their saved output, no runs
+    .venv/bin/python -m benchmarks.figures --check            # the quick figures: exit 1 on a difference
+    .venv/bin/python -m benchmarks.figures --check --slow     # every figure (REAP: 32 min, 2 busy cores)
+    .venv/bin/python -m benchmarks.figures --check --slow --only reap_example   # one command's figures
+    .venv/bin/python -m benchmarks.figures --slow             # run them all, write what they print
+    .venv/bin/python -m benchmarks.figures --slow --from_logs # again from their saved output, no runs
 
 A new figure is an entry in FIGURES: its `readme` pattern must match exactly once across README.md and docs/*.md
 (in whichever file quotes it), its `printed` pattern the command's output; each has the same number of groups,
@@ -31,10 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-# The checkout's titan_lite (its command-line parser only: the commands below run in their own processes).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from titan_lite.job.cli import ScriptParser
+from titan_lite.job.cli import ScriptParser  # its command-line parser only: the commands run in their own processes
 
 REPO = Path(__file__).resolve().parents[1]
 LOGS = REPO / "outputs" / "readme_figures"
@@ -620,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"result: README.md and docs/*.md quote what their commands print: {elapsed}", flush=True)
         return 0
     if opts.check or any(f.readme is None or f.printed is None for f in wrong):
-        rerun = f".venv/bin/python scripts/update_readme_figures.py{' --slow' if opts.slow else ''}"
+        rerun = f".venv/bin/python -m benchmarks.figures{' --slow' if opts.slow else ''}"
         names = "; ".join(f.figure.name for f in wrong)
         print(f"result: {len(wrong)} of {elapsed} differ from what README.md and docs/*.md quote ({names}); "
               f"rewrite them with: {rerun}", flush=True)
