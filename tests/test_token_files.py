@@ -291,7 +291,7 @@ def test_a_refused_tokenize_run_leaves_no_partial_folder(tmp_path, capsys, monke
     keeps the finished one, named."""
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "bad.jsonl").write_text('{"text": "hello"}\n{"txt": "x"}\n')
-    for name, line in [("empty.jsonl", f"--data {tmp_path / 'empty.jsonl'} holds no documents"),
+    for name, line in [("empty.jsonl", f"--data '{tmp_path / 'empty.jsonl'}' holds no documents"),
                        ("bad.jsonl", f"{tmp_path / 'bad.jsonl'}:2: no \"text\" string; each line must be an object "
                                      "with a \"text\" string")]:
         out = tmp_path / f"from_{name}"
