@@ -1,8 +1,5 @@
-"""The training loss: token-sum cross entropy with IGNORE_INDEX, whether it is compiled, and the objective the
-runner calls (cross entropy here; distillation and preference tuning in titan_lite/objective/)."""
-
-from collections.abc import Callable
-from typing import Any
+"""The training loss: token-sum cross entropy with IGNORE_INDEX and whether it is compiled (the objectives that
+call it, and distillation, preference tuning and GRPO, are in titan_lite/objective/)."""
 
 import torch
 import torch.nn.functional as F
@@ -107,52 +104,3 @@ def build_loss_fn(compile_cfg: Compile, loss_parallel: bool, per_sample: bool = 
     if compile_cfg.enable and "loss" in compile_cfg.components and not loss_parallel:
         return torch.compile(fn, backend=compile_cfg.backend)
     return fn
-
-
-class Objective:
-    """What training minimises for one microbatch, as a sum over the units the loss averages (callers normalise by the
-    global count of those units): here the cross entropy of the model's logits, summed over the tokens with a label.
-    titan_lite/objective/ adds distillation, preference tuning and GRPO: their frozen model (a teacher, a reference)
-    runs through `reference` on the same inputs as the trained model, by the runner's one model-forward path."""
-
-    def __init__(self, loss_fn: Callable):
-        self.loss_fn = loss_fn
-
-    def units(self, labels: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
-        """The counts a microbatch adds to the step (float64, 1-D): the first one normalises the loss (here the tokens
-        with a label); an objective may count more for itself (start_step gets their global sums)."""
-        return (labels != IGNORE_INDEX).sum().double()[None]
-
-    def start_step(self, global_units: torch.Tensor) -> None:
-        """The step's units summed over every microbatch of every data-parallel rank, before its first forward."""
-
-    def prepare(self, labels: torch.Tensor, documents: torch.Tensor | None, shard: Callable,
-                values: torch.Tensor | None = None) -> Any:
-        """What the loss needs of a microbatch besides this rank's logits and labels, from its whole labels, document
-        ids and per-token values ([batch, seq, k] floats a source adds: RL's sampling log-probabilities and
-        advantages) (shard(*tensors): this rank's context-parallel part of [batch, seq] tensors), or None."""
-        return None
-
-    def reference(self, forward: Callable[[torch.nn.Module], torch.Tensor], prepared: Any = None) -> Any:
-        """A frozen model's output for this microbatch (forward(model) runs a model on its inputs), or None."""
-        return None
-
-    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor, reference: Any = None,
-                 prepared: Any = None) -> torch.Tensor:
-        return self.loss_fn(logits, labels)
-
-    def step_metrics(self, global_sum: Callable[[torch.Tensor], torch.Tensor],
-                     global_units: torch.Tensor) -> dict[str, float]:
-        """Scalars of the step's loss parts, logged with the training line (collective when not empty)."""
-        return {}
-
-    def pipeline_step(self, pipeline: Any, inputs: torch.Tensor, labels: torch.Tensor,
-                      documents: torch.Tensor | None, scale: torch.Tensor, extra: dict) -> torch.Tensor:
-        """One microbatch through a pipeline (a PipelineRunner): its own loss on the last stage, unless the objective
-        computes another there."""
-        return pipeline.step(inputs, labels, scale, extra=extra)
-
-    def eval_sums(self, logits: torch.Tensor, reference: Any, prepared: Any) -> torch.Tensor:
-        """The sums a validation pass adds up over batches, for an objective validated on its own terms (preference
-        tuning's rewards); cross entropy and distillation validate on the cross entropy instead."""
-        raise NotImplementedError(f"{type(self).__name__} is validated on the cross entropy")

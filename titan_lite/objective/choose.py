@@ -10,7 +10,7 @@ from titan_lite.config.schema import JobConfig
 from titan_lite.job.assembly import BuiltModel
 from titan_lite.job.estimate import compute_bytes
 from titan_lite.job.plan import JobPlan
-from titan_lite.loss import Objective
+from titan_lite.objective.base import Objective
 from titan_lite.objective.distill import (
     build_distill,
     check_distill,

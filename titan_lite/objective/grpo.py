@@ -17,10 +17,12 @@ import torch
 from torch import nn
 
 from titan_lite.config.schema import JobConfig
+from titan_lite.data.batch import Batch
 from titan_lite.distributed import device_type
 from titan_lite.job.assembly import BuiltModel
 from titan_lite.job.plan import JobPlan
-from titan_lite.loss import IGNORE_INDEX, Objective
+from titan_lite.loss import IGNORE_INDEX
+from titan_lite.objective.base import Objective
 from titan_lite.objective.frozen import (
     FrozenSpec,
     assemble_frozen,
@@ -139,16 +141,16 @@ class GRPOObjective(Objective):
         self.frozen = reference  # (forward) -> the reference's logits, or None
         self.sums: torch.Tensor | None = None
 
-    def units(self, labels: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
-        return completion_units(labels, documents, self.spec)
+    def units(self, batch: Batch) -> torch.Tensor:
+        return completion_units(batch.labels, batch.documents, self.spec)
 
-    def prepare(self, labels: torch.Tensor, documents: torch.Tensor | None, shard: Callable,
-                values: torch.Tensor | None = None) -> CompletionBatch:
+    def prepare(self, batch: Batch, shard: Callable) -> CompletionBatch:
+        values = batch.values
         if values is None:
             raise RuntimeError("GRPO trains on rollouts: a microbatch without sampling log-probabilities and "
                                "advantages")
-        weights = completion_weights(labels, documents, self.spec.loss_type)
-        return CompletionBatch(*shard(labels, values[..., 0], values[..., 1], weights))
+        weights = completion_weights(batch.labels, batch.documents, self.spec.loss_type)
+        return CompletionBatch(*shard(batch.labels, values[..., 0], values[..., 1], weights))
 
     @torch.no_grad()
     def reference(self, forward: Callable[[nn.Module], torch.Tensor],
@@ -192,7 +194,7 @@ class GRPOObjective(Objective):
             sums = torch.zeros(len(TOKEN_SUMS), dtype=torch.float64, device=global_units.device)
         return self.metrics(global_sum(sums))
 
-    def pipeline_step(self, pipeline, inputs, labels, documents, scale, extra) -> torch.Tensor:
+    def pipeline_step(self, pipeline, inputs, labels, batch, scale, extra) -> torch.Tensor:
         raise RuntimeError("GRPO does not run under pipeline parallelism (the config check refuses it)")
 
 

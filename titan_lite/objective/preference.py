@@ -18,12 +18,14 @@ import torch.distributed as dist
 from torch import nn
 
 from titan_lite.config.schema import JobConfig
+from titan_lite.data.batch import Batch
 from titan_lite.data.preference import CHOSEN
 from titan_lite.distributed import device_type
 from titan_lite.errors import ConfigError
 from titan_lite.job.assembly import BuiltModel
 from titan_lite.job.plan import JobPlan
-from titan_lite.loss import IGNORE_INDEX, Objective
+from titan_lite.loss import IGNORE_INDEX
+from titan_lite.objective.base import Objective
 from titan_lite.objective.frozen import (
     FrozenForward,
     FrozenSpec,
@@ -217,16 +219,15 @@ class PreferenceObjective(Objective):
     def uses_reference(self) -> bool:
         return not self.spec.reference_free
 
-    def units(self, labels: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
-        return pair_units(labels, documents)
+    def units(self, batch: Batch) -> torch.Tensor:
+        return pair_units(batch.labels, batch.documents)
 
     def start_step(self, global_units: torch.Tensor) -> None:
         pairs, chosen_tokens = global_units.tolist()
         self.nll_scale = pairs / max(chosen_tokens, 1.0)
 
-    def prepare(self, labels: torch.Tensor, documents: torch.Tensor | None, shard: Callable,
-                values: torch.Tensor | None = None) -> PairBatch:
-        return pair_batch(labels, documents, shard)
+    def prepare(self, batch: Batch, shard: Callable) -> PairBatch:
+        return pair_batch(batch.labels, batch.documents, shard)
 
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:
@@ -302,9 +303,9 @@ class PreferenceObjective(Objective):
     # document ids side by side; an on-the-fly reference runs first as a forward-only pipeline pass whose last stage
     # keeps each pair's log-probabilities by its row (context parallelism is refused with pipelines).
 
-    def pipeline_step(self, pipeline, inputs: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor | None,
-                      scale: torch.Tensor, extra: dict) -> torch.Tensor:
-        target = torch.cat([labels, documents], dim=1)
+    def pipeline_step(self, pipeline, inputs: torch.Tensor, labels: torch.Tensor, batch: Batch, scale: torch.Tensor,
+                      extra: dict) -> torch.Tensor:
+        target = torch.cat([labels, batch.documents], dim=1)
         reference = self.pipeline_reference(pipeline, inputs, target, extra)
         loss = pipeline.step(inputs, target, scale, extra=extra, target_loss=partial(self._pipeline_loss,
                                                                                      reference=reference))
@@ -313,9 +314,8 @@ class PreferenceObjective(Objective):
         return loss
 
     @torch.no_grad()
-    def pipeline_eval_sums(self, pipeline, inputs: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor,
-                           extra: dict) -> torch.Tensor:
-        target = torch.cat([labels, documents], dim=1)
+    def pipeline_eval_sums(self, pipeline, batch: Batch, extra: dict) -> torch.Tensor:
+        inputs, target = batch.inputs, torch.cat([batch.labels, batch.documents], dim=1)
         reference = self.pipeline_reference(pipeline, inputs, target, extra)
         pipeline.evaluate(inputs, target, extra, partial(self._pipeline_loss, reference=reference))
         zero = torch.zeros(len(PAIR_SUMS + TOKEN_SUMS), dtype=torch.float64, device=inputs.device)

@@ -11,6 +11,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from titan_lite.data.batch import Batch
 from titan_lite.data.dataloader import build_section_source, pad_collate
 from titan_lite.data.instruct import split_words
 from titan_lite.data.preference import PreferenceSource
@@ -61,18 +62,18 @@ class ReferencePass:
                     "the precomputation")
         return separate_forward(built), built
 
-    def values(self, frozen: FrozenForward, inputs: torch.Tensor, labels: torch.Tensor,
-               documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def values(self, frozen: FrozenForward, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, [pairs, 2] reference log-probabilities) of one batch's pairs (under pipeline parallelism: on the
         last stage, none elsewhere)."""
         runner = self.model.runner
         if runner.pipeline is not None:
-            found = self.objective.pipeline_reference(runner.pipeline, inputs, torch.cat([labels, documents], dim=1),
-                                                      runner.extra_inputs(documents), frozen)
+            target = torch.cat([batch.labels, batch.documents], dim=1)
+            found = self.objective.pipeline_reference(runner.pipeline, batch.inputs, target,
+                                                      runner.extra_inputs(batch.documents), frozen)
             return found.examples.to(self.device), found.values
-        batch = pair_batch(labels, documents, runner.shard)
-        return batch.examples, runner.forward_only(partial(self.objective.frozen_logps, batch=batch, frozen=frozen),
-                                                   inputs, documents)
+        pairs = pair_batch(batch.labels, batch.documents, runner.shard)
+        return pairs.examples, runner.forward_only(partial(self.objective.frozen_logps, batch=pairs, frozen=frozen),
+                                                   batch)
 
     @torch.no_grad()
     def compute(self, section: str, frozen: FrozenForward) -> torch.Tensor:
@@ -93,9 +94,8 @@ class ReferencePass:
             progress.update(i)
             chunk = mine[i * size:(i + 1) * size]
             chunk += [_padding_window(windows[0])] * (size - len(chunk))  # whole batches: pipelines need them
-            *tensors, _ = collate([(w, {}) for w in chunk])
-            inputs, labels, documents = (t.to(self.device) for t in tensors)
-            examples, values = self.values(frozen, inputs, labels, documents)
+            batch, _ = collate([(w, {}) for w in chunk])
+            examples, values = self.values(frozen, batch.to(self.device))
             if examples.numel():
                 table[examples] = values.to(table.device)
                 seen[examples] = 1
