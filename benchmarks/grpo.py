@@ -89,7 +89,7 @@ class Timed:
 
 def run(opts: argparse.Namespace, folder: Path) -> dict:
     trainer = trainer_for(folder, opts)
-    rollouts, objective = trainer.dataloader, trainer.model.runner.objective
+    rollouts, objective = trainer.dataloader, trainer.objective.objective
     sampling, scoring, reference = Timed(rollouts.sample), Timed(rollouts.rewards.score), Timed(objective.reference)
     rollouts.sample, rollouts.rewards.score, objective.reference = sampling, scoring, reference
     data = iter(rollouts)

@@ -21,6 +21,7 @@ from titan_lite.checkpoint.manager import (
     warn_incomplete_saves,
 )
 from titan_lite.config import JobConfig, help_text, parse_args, to_toml, validate
+from titan_lite.data.batch import Batch
 from titan_lite.data.dataloader import (
     BatchLayout,
     DataLoader,
@@ -28,7 +29,6 @@ from titan_lite.data.dataloader import (
     describe_source,
     loader_options,
 )
-from titan_lite.data.batch import Batch
 from titan_lite.data.mixture import DomainWeights, build_domain_weights
 from titan_lite.data.tokenizer import describe_tokenizer
 from titan_lite.dry_run import dry_run, planned_world_size

@@ -15,8 +15,8 @@ from titan_lite.errors import ConfigError
 from titan_lite.job.assembly import BuiltModel
 from titan_lite.job.estimate import compute_bytes, microbatching
 from titan_lite.job.plan import JobPlan
-from titan_lite.objective.base import Objective
 from titan_lite.objective import kd
+from titan_lite.objective.base import Objective
 from titan_lite.objective.frozen import (
     FrozenSpec,
     assemble_frozen,
