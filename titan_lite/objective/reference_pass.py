@@ -19,8 +19,8 @@ from titan_lite.job.assembly import BuiltModel
 from titan_lite.job.plan import JobPlan
 from titan_lite.loss import IGNORE_INDEX
 from titan_lite.metrics.logger import Progress
-from titan_lite.objective.frozen import FrozenForward, assemble_frozen, base_forward, separate_forward
-from titan_lite.objective.preference import PreferenceObjective, pair_batch, reference_kind, reference_spec
+from titan_lite.objective.frozen import FrozenForward
+from titan_lite.objective.preference import PreferenceObjective, pair_batch, reference_of
 from titan_lite.parallel.parallel_dims import ParallelDims
 
 logger = logging.getLogger("titan_lite")
@@ -43,24 +43,23 @@ class ReferencePass:
                         "not recomputed")
             return
         started = time.perf_counter()
-        frozen, built = self.reference()
+        frozen = self.reference()
         sections = ["training"] + (["validation"] if cfg.validation.enable else [])
         for section in sections:
             table.tables[section] = self.compute(section, frozen)
-        del frozen, built
+        del frozen
         gc.collect()
         counts = ", ".join(f"{int((~table.tables[s][:, 0].isnan()).sum()):,} {s}" for s in sections)
         logger.info(f"preference: reference log-probabilities of {counts} pairs computed in "
                     f"{time.perf_counter() - started:.1f}s and kept with the checkpoints; the reference is freed")
 
-    def reference(self) -> tuple[FrozenForward, BuiltModel | None]:
+    def reference(self) -> FrozenForward:
         cfg = self.plan.cfg
-        if reference_kind(cfg) == "base":
-            return base_forward(self.plan, self.model), None
-        tplan, built = assemble_frozen(self.plan, reference_spec(cfg), self.device, self.seed)
-        logger.info(f"preference: reference {tplan.cfg.model.flavor} from '{cfg.preference.reference}' loaded for "
-                    "the precomputation")
-        return separate_forward(built), built
+        frozen = reference_of(cfg).load(self.plan, self.model, self.device, self.seed)
+        if frozen.plan is not None:
+            logger.info(f"preference: reference {frozen.plan.cfg.model.flavor} from '{cfg.preference.reference}' "
+                        "loaded for the precomputation")
+        return frozen
 
     def values(self, frozen: FrozenForward, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, [pairs, 2] reference log-probabilities) of one batch's pairs (under pipeline parallelism: on the
