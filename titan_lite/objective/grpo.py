@@ -65,9 +65,6 @@ def reference_of(cfg: JobConfig) -> Reference:
     return Reference.of(reference_spec(cfg), used=cfg.grpo.beta != 0)
 
 
-def reference_kind(cfg: JobConfig) -> str | None:
-    return reference_of(cfg).kind
-
 
 # ------------------------------------------------------------------------------------------ a microbatch
 

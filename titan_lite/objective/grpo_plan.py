@@ -9,7 +9,7 @@ from titan_lite.config.schema import JobConfig
 from titan_lite.generate import kv_cache_bytes
 from titan_lite.job.estimate import compute_bytes
 from titan_lite.job.plan import JobPlan, gradient_accumulation_steps
-from titan_lite.objective.grpo import check_grpo, loss_spec, reference_kind, reference_of
+from titan_lite.objective.grpo import check_grpo, loss_spec, reference_of
 from titan_lite.objective.reference import BASE
 from titan_lite.objective.vocab import ACCELERATOR_CHUNK_ELEMENTS, CHUNK_ELEMENTS
 from titan_lite.parallel.memory_estimate import GIB, MemoryEstimate
@@ -19,7 +19,7 @@ from titan_lite.transforms import PassPlan, PlanItem
 
 def grpo_reference_plan(plan: JobPlan, files_there: bool) -> JobPlan | None:
     """The reference held through training: a folder's (with beta > 0), else None (none, or the policy's base)."""
-    if reference_kind(plan.cfg) == BASE:
+    if reference_of(plan.cfg).kind == BASE:
         check_grpo(plan)
     return reference_of(plan.cfg).dry_run_plan(plan, files_there)
 
@@ -39,7 +39,7 @@ def cache_capacity(cfg: JobConfig, tp: int) -> tuple[int, int]:
 
 def grpo_lines(plan: JobPlan, reference: JobPlan | None) -> list[str]:
     cfg, dims = plan.cfg, plan.parallel_dims
-    g, kind = cfg.grpo, reference_kind(cfg)
+    g, kind = cfg.grpo, reference_of(cfg).kind
     if kind is None:
         where = "no reference (beta 0)"
     elif kind == BASE:

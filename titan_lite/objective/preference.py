@@ -55,9 +55,6 @@ def reference_of(cfg: JobConfig) -> Reference:
     return Reference.of(reference_spec(cfg), used=not loss_spec(cfg).reference_free)
 
 
-def reference_kind(cfg: JobConfig) -> str | None:
-    return reference_of(cfg).kind
-
 
 # ------------------------------------------------------------------------------------------ a microbatch's pairs
 

@@ -10,7 +10,7 @@ from titan_lite.errors import ConfigError
 from titan_lite.job.estimate import compute_bytes
 from titan_lite.job.plan import JobPlan
 from titan_lite.objective.frozen import frozen_items
-from titan_lite.objective.preference import check_preference, loss_spec, reference_kind, reference_of
+from titan_lite.objective.preference import check_preference, loss_spec, reference_of
 from titan_lite.objective.reference import BASE
 from titan_lite.objective.vocab import ACCELERATOR_CHUNK_ELEMENTS, CHUNK_ELEMENTS
 from titan_lite.parallel.memory_estimate import GIB
@@ -21,7 +21,7 @@ from titan_lite.transforms import PassPlan, PlanItem
 def preference_reference_plan(plan: JobPlan, files_there: bool) -> tuple[JobPlan | None, bool]:
     """(the reference's plan, whether training holds it): None for 'base' and reference-free losses; a folder's
     reference is held through training unless precomputed (then only during the pass before it)."""
-    kind = reference_kind(plan.cfg)
+    kind = reference_of(plan.cfg).kind
     if kind == BASE:
         check_preference(plan)
     reference = reference_of(plan.cfg).dry_run_plan(plan, files_there)
@@ -30,7 +30,7 @@ def preference_reference_plan(plan: JobPlan, files_there: bool) -> tuple[JobPlan
 
 def preference_lines(plan: JobPlan, reference: JobPlan | None) -> list[str]:
     cfg = plan.cfg
-    p, spec, kind = cfg.preference, loss_spec(cfg), reference_kind(cfg)
+    p, spec, kind = cfg.preference, loss_spec(cfg), reference_of(cfg).kind
     if kind is None:
         where = "reference-free: no reference model"
     elif kind == BASE:

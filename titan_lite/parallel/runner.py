@@ -2,7 +2,7 @@
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -22,9 +22,23 @@ from titan_lite.parallel.pipeline import PipelineRunner
 
 # Keyword inputs of a model forward besides the token ids (see ModelRunner.extra_inputs).
 ExtraInputs = dict[str, torch.Tensor]
-# What a microbatch's loss is: a titan_lite.objective Objective (prepare, reference, loss_sum, pipeline_step), handed
-# in by its holder (the trainer, the validator); None is the cross entropy of loss_fn.
-Objective = Any
+
+
+class RunnerObjective(Protocol):
+    """What the runner asks of the objective its caller (the trainer, the validator) hands in: one of
+    titan_lite/objective/ (its base class documents each method); None stands for the cross entropy of loss_fn."""
+
+    def prepare(self, batch: Batch, shard: Callable) -> Any: ...
+
+    def reference(self, forward: Callable[[nn.Module], torch.Tensor], prepared: Any = None) -> Any: ...
+
+    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor, reference: Any = None,
+                 prepared: Any = None) -> torch.Tensor: ...
+
+    def pipeline_step(self, pipeline: PipelineRunner, inputs: torch.Tensor, labels: torch.Tensor, batch: Batch,
+                      scale: torch.Tensor, extra: ExtraInputs) -> torch.Tensor: ...
+
+    def eval_sums(self, logits: torch.Tensor, reference: Any, prepared: Any) -> torch.Tensor: ...
 
 
 class ModelRunner:
@@ -82,7 +96,7 @@ class ModelRunner:
         (positions,) = self.shard(document_positions(documents))
         return {"positions": positions, "documents": documents}
 
-    def forward_backward(self, batch: Batch, scale: torch.Tensor, objective: Objective = None,
+    def forward_backward(self, batch: Batch, scale: torch.Tensor, objective: RunnerObjective | None = None,
                          domain_sums: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of one microbatch with loss = the objective's loss sum x scale (None: the token-loss
         sum of the cross entropy); returns the detached sum.
@@ -153,7 +167,7 @@ class ModelRunner:
             return run(lambda model: self.logits(model, inputs, extra))
 
     @torch.no_grad()
-    def objective_sums(self, batch: Batch, objective: Objective) -> torch.Tensor:
+    def objective_sums(self, batch: Batch, objective: RunnerObjective) -> torch.Tensor:
         """The objective's evaluation sums of one batch on this rank (its reference run first, as in training)."""
         if self.pipeline is not None:
             with self.context():
