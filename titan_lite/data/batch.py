@@ -70,8 +70,7 @@ def stack_samples(samples: list[Sample | Drawn]) -> Batch:
     drawn = isinstance(samples[0], Drawn)
     rows = [s.sample for s in samples] if drawn else samples
     columns = [torch.stack(column) for column in zip(*rows, strict=True)]
-    domains = torch.tensor([s.domain for s in samples]) if drawn else None
-    return Batch(*columns, domains=domains)
+    return of_columns(columns, torch.tensor([s.domain for s in samples]) if drawn else None)
 
 
 def pad_samples(samples: list[Sample], fills: tuple[int, ...], multiple: int = 1) -> Batch:
@@ -83,4 +82,11 @@ def pad_samples(samples: list[Sample], fills: tuple[int, ...], multiple: int = 1
     for row, sample in enumerate(samples):
         for column, t in zip(columns, sample, strict=True):
             column[row, :t.numel()] = t
-    return Batch(*columns)
+    return of_columns(columns)
+
+
+def of_columns(columns: list[torch.Tensor], domains: torch.Tensor | None = None) -> Batch:
+    """The Batch of a sample's stacked tensors (inputs, labels[, documents])."""
+    if not 2 <= len(columns) <= 3:
+        raise ValueError(f"a sample holds (inputs, labels[, documents]), not {len(columns)} tensors")
+    return Batch(*columns, domains=domains)
