@@ -157,7 +157,7 @@ def correctness(lane: Lane) -> list[Line]:
 
 def fitting_layers(flavor: str, lane: Lane, make: Callable[[int], Job], budget: float = 0.85) -> int:
     """The most layers of `flavor` whose DRY_RUN estimate fits budget x this device's memory."""
-    from titan_lite.models.llama import flavor_args
+    from titan_lite.models.flavors import flavor_args
 
     low, high = 1, flavor_args(flavor).n_layers  # the estimate grows with the layers: bisect
     while low < high:
@@ -292,7 +292,8 @@ class FlatSparseLinear(torch.nn.Module):
 def sparsity(lane: Lane) -> list[Line]:
     """A 2:4-pruned model's generation tokens/s with its block linears as semi-structured sparse tensors (sm80+)
     against the same pruned weights dense."""
-    from titan_lite.models.llama import Llama, flavor_args
+    from titan_lite.models.decoder import Llama
+    from titan_lite.models.flavors import flavor_args
 
     if not lane.cuda and not lane.smoke:
         return [Line("sparsity: skipped: no CUDA device", "skipped")]

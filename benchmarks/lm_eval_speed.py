@@ -17,7 +17,8 @@ import torch
 from benchmarks import cli
 from titan_lite.checkpoint.hf import write_hf_folder
 from titan_lite.data.tokenizer import LLAMA3_PATTERN, llama3_special_tokens
-from titan_lite.models.llama import Llama, flavor_args
+from titan_lite.models.decoder import Llama
+from titan_lite.models.flavors import flavor_args
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "assets" / "tokenizer"

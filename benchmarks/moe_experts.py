@@ -18,8 +18,8 @@ import time
 import torch
 
 from benchmarks.cli import parser
-from titan_lite.models.llama import model as llama_model
-from titan_lite.models.llama.model import GroupedExperts
+from titan_lite.models.parts import experts as experts_module
+from titan_lite.models.parts.experts import GroupedExperts
 
 SHAPES = {"debugmodel_moe": (8, 256, 256, 2, 2048), "qwen3_30B_A3B_experts": (128, 2048, 768, 8, 512)}
 
@@ -42,18 +42,18 @@ def measure(shape: tuple[int, ...], repeats: int, device: torch.device, dtype: t
     choices = torch.randint(0, n_experts, (tokens * top_k,))
     counts = torch.bincount(choices, minlength=n_experts).to(device)
     x = torch.randn(tokens * top_k, dim, device=device, dtype=dtype, requires_grad=True)
-    grouped_runs = llama_model.grouped_mm_runs
+    grouped_runs = experts_module.grouped_mm_runs
     paths = {"grouped": grouped_runs, "loop": lambda a, w: False}
     times: dict[str, list[float]] = {name: [] for name in paths}
     try:
         for round_ in range(repeats + 1):  # the first round warms up
             for name, runs in paths.items():
-                llama_model.grouped_mm_runs = runs
+                experts_module.grouped_mm_runs = runs
                 seconds = one_pass(experts, x, counts)
                 if round_:
                     times[name].append(seconds)
     finally:
-        llama_model.grouped_mm_runs = grouped_runs
+        experts_module.grouped_mm_runs = grouped_runs
     return {name: statistics.median(values) for name, values in times.items()} | {
         "grouped_kernel": grouped_runs(x, experts.w1)}
 

@@ -36,7 +36,8 @@ from titan_lite.checkpoint.hf import write_hf_folder
 from titan_lite.config import parse_args
 from titan_lite.data.datasets import document_positions
 from titan_lite.loss import IGNORE_INDEX
-from titan_lite.models.llama import Llama, flavor_args
+from titan_lite.models.decoder import Llama
+from titan_lite.models.flavors import flavor_args
 from titan_lite.objective.logps import token_logps
 from titan_lite.objective.preference import PreferenceObjective, ReferenceTable, answer_sums, pair_batch
 from titan_lite.train import Trainer

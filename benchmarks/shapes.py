@@ -2,7 +2,8 @@
 
 from dataclasses import dataclass
 
-from titan_lite.models.llama.args import FLAVORS, LlamaArgs, flavor_args
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.flavors import FLAVORS, flavor_args
 
 # A 512-dim, 8-layer Llama with a 32k vocabulary: a shape where the loss over the vocabulary is a large part of the
 # step. Registered as a flavor in the benchmark processes only (register_benchmark_flavors).

@@ -66,7 +66,7 @@ class Job:
 
 def register_cut_flavor(job: Job) -> None:
     """Make job.flavor_name() a known flavor in this process (a cut of a larger model keeps its layer shapes)."""
-    from titan_lite.models.llama.args import FLAVORS, flavor_args
+    from titan_lite.models.flavors import FLAVORS, flavor_args
 
     if job.n_layers is not None and job.flavor_name() not in FLAVORS:
         FLAVORS[job.flavor_name()] = replace(flavor_args(job.flavor), n_layers=job.n_layers)
@@ -108,7 +108,7 @@ def _random_batch(batch: int, seq_len: int, vocab: int, seed: int) -> tuple[torc
 
 def _flops_per_token(trainer, job: Job) -> float:
     from titan_lite.metrics.flops import num_flops_per_token
-    from titan_lite.models.llama import Llama
+    from titan_lite.models.decoder import Llama
 
     args = trainer.plan.model_args
     with torch.device("meta"):
@@ -166,7 +166,7 @@ def run_here(job: Job) -> dict:
 
 def route_every_token_alike(model_parts: list) -> None:
     """Zero every MoE router's logits (keeping their gradient path): uniform probabilities, the same top-k for all."""
-    from titan_lite.models.llama.model import Router
+    from titan_lite.models.parts.router import Router
 
     for part in model_parts:
         for module in part.modules():

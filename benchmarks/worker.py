@@ -48,9 +48,11 @@ from titan_lite.job.plan import plan_job
 from titan_lite.job.script import start_job
 from titan_lite.metrics.flops import num_flops_per_token, peak_flops
 from titan_lite.metrics.memory import measure_peak
-from titan_lite.models.llama import Llama, LlamaArgs, flavor_args
-from titan_lite.models.llama.hf import args_to_hf_config
-from titan_lite.models.llama.model import canonical_name
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.decoder import Llama
+from titan_lite.models.flavors import flavor_args
+from titan_lite.models.hf.config import args_to_hf_config
+from titan_lite.models.parameters import canonical_name
 from titan_lite.objective.base import Objective
 from titan_lite.train import Trainer
 from titan_lite.transforms.lora.qlora import is_block_linear

@@ -23,8 +23,9 @@ from titan_lite.errors import ConfigError
 from titan_lite.job.cli import ScriptParser
 from titan_lite.job.outputs import FOLDER_HELP, output_folder
 from titan_lite.job.script import check_output_folder, run_script
-from titan_lite.models.llama.args import LlamaArgs, flavor_args
-from titan_lite.models.llama.hf import args_from_hf_config, read_hf_config
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.flavors import flavor_args
+from titan_lite.models.hf.config import args_from_hf_config, read_hf_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The checkpoint manager saves {"model": model.state_dict(), ...}; DCP flattens that to "model.<fqn>".
@@ -42,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument("input", help="the folder to read")
         p.add_argument("output", help=f"the folder to write: {FOLDER_HELP}")
         source = p.add_mutually_exclusive_group()
-        source.add_argument("--flavor", help="model flavor (titan_lite.models.llama.FLAVORS)")
+        source.add_argument("--flavor", help="model flavor (titan_lite.models.flavors.FLAVORS)")
         source.add_argument("--hf_config", help="an HF config.json describing the model")
         p.add_argument("--max_seq_len", type=int,
                        help="with --flavor: max_position_embeddings for config.json (raised to that of "

@@ -15,11 +15,11 @@ from pathlib import Path
 # The checkout's titan_lite, whichever python runs the script (e.g. `.venv/bin/python scripts/...`).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan_lite.checkpoint.manager import weights_only_loader
+from titan_lite.checkpoint.resume import plan_weights
 from titan_lite.distributed import local_device
 from titan_lite.errors import ConfigError
 from titan_lite.eval.perplexity import evaluate_perplexity, read_text, text_windows
-from titan_lite.job.assembly import assemble_model, hf_weight_loader
+from titan_lite.job.assembly import assemble_model
 from titan_lite.job.cli import ScriptParser
 from titan_lite.job.script import (
     DTYPES,
@@ -62,8 +62,7 @@ def evaluate(opts: argparse.Namespace) -> None:
     if opts.adapter:
         with_adapter(cfg, opts.adapter)
     plan, device = start_job(cfg)
-    load = (weights_only_loader(cfg.checkpoint, Path(opts.checkpoint)) if opts.checkpoint
-            else hf_weight_loader(plan, opts.hf_assets_path))
+    load = plan_weights("dcp", opts.checkpoint) if opts.checkpoint else plan_weights("hf", opts.hf_assets_path)
     built = assemble_model(plan, device, load=load)
     windows = text_windows(plan.tokenizer.encode(read_text(opts.data), bos=True, eos=False), opts.seq_len,
                            opts.max_windows)

@@ -29,7 +29,7 @@ from titan_lite.errors import ConfigError
 from titan_lite.job.cli import ScriptParser
 from titan_lite.job.outputs import FOLDER_HELP, output_folder
 from titan_lite.job.script import check_output_folder, require_folder, run_script
-from titan_lite.models.llama.hf import args_from_hf_config, read_hf_config
+from titan_lite.models.hf.config import args_from_hf_config, read_hf_config
 from titan_lite.transforms.lora.adapters import adapted_modules_of, merge_adapters, peft_specs
 from titan_lite.transforms.lora.qlora import nf4_round_trip
 from titan_lite.transforms.lora.sparse import adapter_keeps_sparsity

@@ -37,11 +37,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_lite.checkpoint.hf import export_hf, gather_full_state_dict
+from titan_lite.checkpoint.resume import plan_weights
 from titan_lite.config import JobConfig
 from titan_lite.distributed import device_type as accelerator_type
 from titan_lite.dry_run import device_memory_gib, pass_verdict, plan_passes, with_rank_parts
 from titan_lite.errors import ConfigError
-from titan_lite.job.assembly import assemble_model, calibration_source, hf_weight_loader
+from titan_lite.job.assembly import assemble_model, calibration_source
 from titan_lite.job.cli import ScriptParser
 from titan_lite.job.outputs import FOLDER_HELP, output_folder
 from titan_lite.job.plan import JobPlan, plan_job
@@ -56,7 +57,7 @@ from titan_lite.job.script import (
     start_job,
 )
 from titan_lite.metrics.memory import measure_peak
-from titan_lite.models.llama.args import LlamaArgs
+from titan_lite.models.args import LlamaArgs
 from titan_lite.parallel.memory_estimate import GIB
 from titan_lite.transforms import PassPlan
 from titan_lite.transforms.pruning.memory_plan import format_bytes, precision
@@ -221,7 +222,7 @@ def prune(opts: argparse.Namespace) -> None:
     cfg = pruning_config(opts, device_type)
     plan, device = start_job(cfg)
     # The transform's after_load prints the memory plan, calibrates, prunes and logs the measured peak.
-    built = assemble_model(plan, device, load=hf_weight_loader(plan, opts.hf_assets_path))
+    built = assemble_model(plan, device, load=plan_weights("hf", opts.hf_assets_path))
     transform = next(t for t in plan.transforms if t.name == "prune")
     report = sparsity_report(built.parts, cfg, plan.parallel_dims, transform.result, transform.plan,
                              transform.measured)
@@ -345,7 +346,7 @@ def prune_structured(opts: argparse.Namespace) -> None:
     check_taylor_layout(plan.parallel_dims)
     args = plan.model_args
     check_dense(args, "taylor_structured")
-    built = assemble_model(plan, device, load=hf_weight_loader(plan, opts.hf_assets_path))
+    built = assemble_model(plan, device, load=plan_weights("hf", opts.hf_assets_path))
     batches = calibration_batches(opts, plan, device)
     baseline = [t for part in built.parts for t in (*part.parameters(), *part.buffers())]
     with measure_peak(device, baseline) as measured:
@@ -467,7 +468,7 @@ def prune_depth(opts: argparse.Namespace) -> None:
     args = plan.model_args
     check_dense(args, "depth")
     check_removal_count(opts, args.n_layers)
-    built = assemble_model(plan, device, load=hf_weight_loader(plan, opts.hf_assets_path))
+    built = assemble_model(plan, device, load=plan_weights("hf", opts.hf_assets_path))
     if is_rank0():
         p = precision(cfg, plan.parallel_dims, device_type, getattr(torch, cfg.training.dtype))
         scoring = depth_pass_plan(args, plan.parallel_dims, built.parts, opts.nsamples, opts.batch_size, opts.seq_len,
@@ -551,7 +552,7 @@ def prune_reap(opts: argparse.Namespace) -> None:
     check_reap_layout(plan.parallel_dims)
     args = plan.model_args
     kept = check_reap_model(args, opts.expert_ratio, model_source(opts))
-    built = assemble_model(plan, device, load=hf_weight_loader(plan, opts.hf_assets_path))
+    built = assemble_model(plan, device, load=plan_weights("hf", opts.hf_assets_path))
     if is_rank0():
         p = precision(cfg, plan.parallel_dims, device_type, getattr(torch, cfg.training.dtype))
         scoring = reap_pass_plan(args, plan.parallel_dims, built.parts, opts.nsamples, opts.batch_size, opts.seq_len,

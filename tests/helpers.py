@@ -98,8 +98,8 @@ def tied_tiny_assets(folder) -> str:
     import shutil
     from pathlib import Path
 
-    from titan_lite.models.llama.args import flavor_args
-    from titan_lite.models.llama.hf import args_to_hf_config
+    from titan_lite.models.flavors import flavor_args
+    from titan_lite.models.hf.config import args_to_hf_config
 
     folder = Path(folder)
     shutil.copytree(Path(__file__).resolve().parents[1] / "assets" / "tokenizer", folder)

@@ -10,8 +10,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_lite.config.schema import JobConfig, Sheared
 from titan_lite.dtensor import full_tensor
-from titan_lite.models.llama.args import flavor_args
-from titan_lite.models.llama.model import Llama
+from titan_lite.models.decoder import Llama
+from titan_lite.models.flavors import flavor_args
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.parallelize import parallelize_llama
 from titan_lite.transforms.sheared.modules import ShearedBlock, convert_model

@@ -19,8 +19,8 @@ import torch.distributed.checkpoint as dcp
 
 from titan_lite.checkpoint import dcp as ckpt
 from titan_lite.launcher import LAUNCH_DIR_ENV
-from titan_lite.models.llama import flavor_args
-from titan_lite.models.llama.hf import args_to_hf_config
+from titan_lite.models.flavors import flavor_args
+from titan_lite.models.hf.config import args_to_hf_config
 from titan_lite.train import main
 
 REPO = Path(__file__).resolve().parents[1]

@@ -277,7 +277,7 @@ def test_pretraining_documents_carry_ids_and_resume(tmp_path):
 
 def test_config_keys_flavors_and_refusals():
     from titan_lite.job.plan import build_model_args
-    from titan_lite.models.llama import flavor_args
+    from titan_lite.models.flavors import flavor_args
 
     for flavor in ("debugmodel_flex_attn", "8B_flex"):
         args = flavor_args(flavor)

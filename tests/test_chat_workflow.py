@@ -150,7 +150,8 @@ def test_cpu_example_runs_through_run_train_and_measures_answers(chat_data, tmp_
 def chat_model_folder(chat_data, tmp_path_factory) -> Path:
     """The tiny model written as an HF folder with the ChatML tokenizer."""
     from titan_lite.checkpoint.hf import write_hf_folder
-    from titan_lite.models.llama import Llama, flavor_args
+    from titan_lite.models.decoder import Llama
+    from titan_lite.models.flavors import flavor_args
 
     args = flavor_args("tiny")
     model = Llama(args)

@@ -15,10 +15,12 @@ from torch.distributed.fsdp import fully_shard
 
 from tests.helpers import free_port, spawn_on_free_port
 from titan_lite.checkpoint import dcp as ckpt
-from titan_lite.checkpoint.manager import CheckpointManager, RankLocal, choose_resume
+from titan_lite.checkpoint.manager import CheckpointManager, RankLocal
+from titan_lite.checkpoint.resume import choose_resume
 from titan_lite.config import JobConfig
 from titan_lite.errors import ConfigError, TrainingFault
-from titan_lite.models.llama import Llama, flavor_args
+from titan_lite.models.decoder import Llama
+from titan_lite.models.flavors import flavor_args
 from titan_lite.optim.lr_scheduler import LRSchedule
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.train import TrainState

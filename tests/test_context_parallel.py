@@ -96,7 +96,8 @@ def _model_errors(rank: int, parallel_dims, load_balancer, flavor: str = "tiny",
 
     import torch.distributed as dist
 
-    from titan_lite.models.llama import Llama, flavor_args
+    from titan_lite.models.decoder import Llama
+    from titan_lite.models.flavors import flavor_args
     from titan_lite.parallel.context_parallel import apply_cp, shard_batch
 
     args = replace(flavor_args(flavor), max_seq_len=64, **overrides)
@@ -128,7 +129,8 @@ def _gathered_shard_shapes(parallel_dims) -> list[list[int]]:
     """The shapes of the shards a tiny GQA Llama under CP hands to the all-gather: one per gather, fwd and bwd."""
     from unittest import mock
 
-    from titan_lite.models.llama import Llama, flavor_args
+    from titan_lite.models.decoder import Llama
+    from titan_lite.models.flavors import flavor_args
     from titan_lite.parallel import context_parallel
 
     args = flavor_args("tiny")
@@ -203,7 +205,7 @@ def test_cp_llama_matches_single_process(cp_errors, case):
 
 
 def test_cp_all_gathers_kv_with_kv_heads_not_query_heads(cp_errors):
-    from titan_lite.models.llama import flavor_args
+    from titan_lite.models.flavors import flavor_args
 
     args = flavor_args("tiny")
     assert args.kv_heads < args.n_heads  # GQA, so expanding before the gather would show

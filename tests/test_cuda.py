@@ -16,7 +16,8 @@ import torch
 
 from tests.integration.harness import CKPT, run_train, steps, tb_losses
 from titan_lite.checkpoint.hf import export_hf, write_hf_folder
-from titan_lite.models.llama import Llama, flavor_args
+from titan_lite.models.decoder import Llama
+from titan_lite.models.flavors import flavor_args
 
 pytestmark = pytest.mark.cuda
 

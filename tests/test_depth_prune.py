@@ -15,8 +15,9 @@ import torch
 from tests.warm_python import python_command
 from titan_lite.checkpoint.hf import read_hf_folder, write_hf_folder
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama import Llama, flavor_args
-from titan_lite.models.llama.hf import args_from_hf_config, read_hf_config
+from titan_lite.models.decoder import Llama
+from titan_lite.models.flavors import flavor_args
+from titan_lite.models.hf.config import args_from_hf_config, read_hf_config
 from titan_lite.transforms.structured.depth import blocks_to_remove, check_removal, depth_keep
 from titan_lite.transforms.structured.materialize import materialize_state_dict
 

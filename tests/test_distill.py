@@ -22,8 +22,8 @@ from titan_lite.data.tokenizer import build_tokenizer
 from titan_lite.errors import ConfigError
 from titan_lite.job.plan import check_before_launch
 from titan_lite.loss import IGNORE_INDEX
-from titan_lite.models.llama import flavor_args
-from titan_lite.models.llama.hf import args_to_hf_config
+from titan_lite.models.flavors import flavor_args
+from titan_lite.models.hf.config import args_to_hf_config
 from titan_lite.objective import check_objective, kd
 from titan_lite.objective.frozen import TOKENIZER_PROBE
 from titan_lite.objective.kd import DistillLoss, distill_loss_sum

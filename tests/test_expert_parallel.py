@@ -15,7 +15,7 @@ from tests.helpers import gloo_results
 from titan_lite.config import parse_args
 from titan_lite.config.validate import validate
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama import flavor_args
+from titan_lite.models.flavors import flavor_args
 from titan_lite.parallel import memory_estimate as me
 from titan_lite.parallel.expert_parallel import check_ep_divisibility, counts_within
 from titan_lite.parallel.parallel_dims import ParallelDims
@@ -118,7 +118,7 @@ EXCHANGE_CASES = {"two local experts": (4, [3, 0, 2, 1], [0, 0, 4, 0]), "one loc
 
 
 def _exchange_errors(rank: int, mesh, experts: int, counts: list[list[int]], grad_scale: float) -> dict:
-    from titan_lite.models.llama.model import GroupedExperts
+    from titan_lite.models.parts.experts import GroupedExperts
     from titan_lite.parallel.expert_parallel import ExpertParallel
 
     gen = torch.Generator().manual_seed(experts)

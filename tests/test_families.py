@@ -19,8 +19,9 @@ from tests.helpers import hf_family_model  # noqa: E402
 from tests.test_hf import load_script  # noqa: E402
 from titan_lite.checkpoint.hf import load_hf_weights, write_hf_folder  # noqa: E402
 from titan_lite.errors import ConfigError  # noqa: E402
-from titan_lite.models.llama import Llama, flavor_args  # noqa: E402
-from titan_lite.models.llama.hf import args_from_hf_config, args_to_hf_config, flavor_of_hf_config  # noqa: E402
+from titan_lite.models.decoder import Llama  # noqa: E402
+from titan_lite.models.flavors import flavor_args  # noqa: E402
+from titan_lite.models.hf.config import args_from_hf_config, args_to_hf_config, flavor_of_hf_config  # noqa: E402
 
 FAMILIES = ["qwen2", "qwen3", "mistral"]
 SEQ = 40  # longer than the Mistral window (8): the window changes the logits
@@ -311,7 +312,7 @@ def test_the_sliding_window_holds_inside_packed_documents():
     """Mistral's window with block-causal packing (chat's packed documents): the per-document spans (eager CPU), the
     dense additive mask (compiled blocks, CUDA) and plain windowed attention of each document alone all equal the
     written-out attention; a packed tiny_mistral forward equals its documents run one at a time."""
-    from titan_lite.models.llama.model import CausalAttention
+    from titan_lite.models.parts.causal import CausalAttention
 
     torch.manual_seed(0)
     documents = torch.tensor([[0] * 12 + [1] * 5 + [2] * 15, [0] * 20 + [1] * 12])

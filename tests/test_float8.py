@@ -12,7 +12,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 
 from titan_lite.config import parse_args, validate
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama import Llama, flavor_args
+from titan_lite.models.decoder import Llama
+from titan_lite.models.flavors import flavor_args
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.tensor_parallel import block_plan
 from titan_lite.transforms import build_transforms

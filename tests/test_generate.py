@@ -13,7 +13,8 @@ from titan_lite.checkpoint.hf import write_hf_folder
 from titan_lite.config import parse_args
 from titan_lite.eval.answers import extract_answer, same_answer
 from titan_lite.eval.generate import GenerationConfig, generate, left_padded, prompts_of
-from titan_lite.models.llama import Llama, flavor_args
+from titan_lite.models.decoder import Llama
+from titan_lite.models.flavors import flavor_args
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 17, 99, 3], [7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [300, 301]]

@@ -1,7 +1,8 @@
 """GRPO through the trainer on one process: the log-probabilities recorded while sampling equal the training
 forward's on the same tokens (float32, 1e-5); num_iterations 2 trains twice on one rollout with those
 log-probabilities as the old policy's; TRL's metrics and held-out validation are logged; a run stopped in the middle
-of a rollout's passes resumes exactly; beta > 0 with reference 'base' equals an explicit frozen copy of the base."""
+of a rollout's passes resumes exactly, and one resumed with another seed or shuffle is refused in one line; beta > 0
+with reference 'base' equals an explicit frozen copy of the base."""
 
 import json
 import random
@@ -34,7 +35,11 @@ def write_prompts(folder: Path, count: int = 64) -> Path:
 
 def grpo_args(dump: Path, data: Path, *extra: str) -> list[str]:
     return ["--job.config_file", str(ROOT / "tests/integration/base.toml"), "--job.dump_folder", str(dump),
-            "--training.dataset", "prompts", "--training.dataset_path", str(data), "--grpo.prompt_field", "question",
+            *grpo_flags(data, *extra)]
+
+
+def grpo_flags(data: Path, *extra: str) -> list[str]:
+    return ["--training.dataset", "prompts", "--training.dataset_path", str(data), "--grpo.prompt_field", "question",
             "--grpo.template", "Q: {prompt}\nA:", "--grpo.num_generations", "4", "--grpo.max_completion_length", "6",
             "--grpo.temperature", str(TEMPERATURE), "--grpo.reward_funcs", "tests.grpo_rewards:vowels,answer_match",
             "--training.local_batch_size", "4", "--training.global_batch_size", "8",
@@ -122,6 +127,24 @@ def test_a_run_stopped_between_a_rollouts_passes_resumes_exactly(tmp_path):
         events.Reload()
         scalars[run] = {tag: [e.value for e in events.Scalars(tag)] for tag in ("reward", "kl", "entropy")}
     assert scalars["whole"] == pytest.approx(scalars["resumed"], abs=1e-6) and scalars["whole"]["kl"][3] > 0
+
+
+def test_a_resume_with_another_seed_or_shuffle_is_refused_in_one_line(tmp_path):
+    """The prompt stream's saved position names its order (the rows, training.shuffle, the seed): a resumed run with a
+    changed debug.seed or training.shuffle would answer other prompts than the saved run, so it stops in one line."""
+    from tests.integration.harness import run_train
+
+    data, dump = write_prompts(tmp_path), tmp_path / "run"
+    first = run_train(grpo_flags(data, "--training.steps", "2", "--checkpoint.enable"), dump)
+    assert first.returncode == 0 and (dump / "checkpoint" / "step-2").is_dir(), first.output[-3000:]
+    saved = "{'samples_in_epoch_0': 64, 'shuffle': True, 'seed': 0}"
+    for change, now in ((["--debug.seed", "1"], "{'samples_in_epoch_0': 64, 'shuffle': True, 'seed': 1}"),
+                        (["--training.shuffle=false"], "{'samples_in_epoch_0': 64, 'shuffle': False, 'seed': None}")):
+        run = run_train(grpo_flags(data, "--training.steps", "3", "--checkpoint.enable", *change), dump)
+        errors = [line for line in run.output.splitlines() if line.startswith("error: ")]
+        assert run.returncode == 2 and "Traceback" not in run.output, run.output[-3000:]
+        assert errors == [f"error: the checkpoint's data position of dataset 'prompts' is for another order ({saved}), "
+                          f"this run's is {now}: the data, training.shuffle or the seed changed"], run.output[-3000:]
 
 
 def base_folder(tmp_path: Path) -> Path:

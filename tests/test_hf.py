@@ -20,14 +20,11 @@ from titan_lite.checkpoint.hf import export_hf, load_hf_weights, read_hf_folder 
 from titan_lite.config import JobConfig  # noqa: E402
 from titan_lite.errors import ConfigError, pip_install  # noqa: E402
 from titan_lite.job.plan import build_model_args  # noqa: E402
-from titan_lite.models.llama import Llama, LlamaArgs, flavor_args  # noqa: E402
-from titan_lite.models.llama.hf import (  # noqa: E402
-    args_from_hf_config,
-    args_to_hf_config,
-    check_args_against_hf_config,
-    from_hf_state_dict,
-    to_hf_state_dict,
-)
+from titan_lite.models.args import LlamaArgs  # noqa: E402
+from titan_lite.models.decoder import Llama  # noqa: E402
+from titan_lite.models.flavors import flavor_args  # noqa: E402
+from titan_lite.models.hf.config import args_from_hf_config, args_to_hf_config, check_args_against_hf_config  # noqa: E402
+from titan_lite.models.hf.state_dict import from_hf_state_dict, to_hf_state_dict  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, SEQ = 300, 40
@@ -123,7 +120,7 @@ def test_llama3_rope_scaling_is_read_and_matters(tmp_path):
     assert (args.rope_scaling_factor, args.rope_original_max_seq_len, args.max_seq_len) == (8.0, 16, 128)
     unscaled = load_titan_from_hf(tmp_path)
     unscaled.args.rope_scaling_factor = None
-    from titan_lite.models.llama.model import rope_cache
+    from titan_lite.models.parts.rope import rope_cache
 
     unscaled.rope_cache = rope_cache(unscaled.args)
     assert (titan_logits(unscaled) - hf_logits(reference)).abs().max() > 1e-3

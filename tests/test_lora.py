@@ -11,8 +11,8 @@ from titan_lite.config import parse_args
 from titan_lite.errors import ConfigError
 from titan_lite.job.assembly import assemble_model
 from titan_lite.job.plan import plan_job
-from titan_lite.models.llama import Llama
-from titan_lite.models.llama.model import canonical_name
+from titan_lite.models.decoder import Llama
+from titan_lite.models.parameters import canonical_name
 from titan_lite.train import Trainer
 from titan_lite.transforms.lora import LoRALinear
 from titan_lite.transforms.lora.adapters import merge_adapters

@@ -17,11 +17,13 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import titan_lite.checkpoint.peft as peft_io  # noqa: E402
 from titan_lite.checkpoint.hf import write_hf_folder  # noqa: E402
 from titan_lite.checkpoint.peft import ADAPTER_WEIGHTS, PREFIX  # noqa: E402
+from titan_lite.checkpoint.resume import plan_initial  # noqa: E402
 from titan_lite.config import parse_args  # noqa: E402
 from titan_lite.errors import ConfigError  # noqa: E402
-from titan_lite.job.assembly import assemble_model, initial_weight_loader  # noqa: E402
+from titan_lite.job.assembly import assemble_model  # noqa: E402
 from titan_lite.job.plan import plan_job  # noqa: E402
-from titan_lite.models.llama import Llama, flavor_args  # noqa: E402
+from titan_lite.models.decoder import Llama  # noqa: E402
+from titan_lite.models.flavors import flavor_args  # noqa: E402
 from titan_lite.transforms.lora.adapters import lora_settings_from_peft  # noqa: E402
 from titan_lite.transforms.lora.transform import lora_modules  # noqa: E402
 
@@ -62,7 +64,7 @@ def titan_lora(hf_base: Path, *overrides: str, flavor: str = "tiny", assets: Pat
                       "--checkpoint.initial_load_path", str(hf_base), "--model.converters", "lora",
                       "--checkpoint.enable", "--checkpoint.last_save_in_hf", *overrides])
     plan = plan_job(cfg, 1)
-    return plan, assemble_model(plan, torch.device("cpu"), load=initial_weight_loader(plan)).parts[0].eval()
+    return plan, assemble_model(plan, torch.device("cpu"), load=plan_initial(plan.cfg)).parts[0].eval()
 
 
 @torch.no_grad()

@@ -10,8 +10,8 @@ from titan_lite.config import parse_args
 from titan_lite.errors import ConfigError
 from titan_lite.job.assembly import assemble_model
 from titan_lite.job.plan import plan_job
-from titan_lite.models.llama import Llama
-from titan_lite.models.llama.model import canonical_name
+from titan_lite.models.decoder import Llama
+from titan_lite.models.parameters import canonical_name
 from titan_lite.transforms.lora import LoRALinear
 from titan_lite.transforms.lora.sparse import _MaskedLoRAProduct, check_base_sparsity
 from titan_lite.transforms.lora.transform import lora_modules

@@ -12,7 +12,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from titan_lite.config.schema import JobConfig
 from titan_lite.job.estimate import layer_policies
-from titan_lite.models.llama import Llama, LlamaArgs, flavor_args
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.decoder import Llama
+from titan_lite.models.flavors import flavor_args
 from titan_lite.parallel import memory_estimate as me
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.parallelize import parallelize_llama

@@ -4,15 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titan_lite.models.llama import FLAVORS, Llama, flavor_args
-from titan_lite.models.llama import model as llama_model
-from titan_lite.models.llama.model import (
-    apply_rope,
-    apply_rope_real_pairs,
-    grouped_attention,
-    rope_cache,
-    rope_frequencies,
-)
+from titan_lite.models.decoder import Llama
+from titan_lite.models.flavors import FLAVORS, flavor_args
+from titan_lite.models.parts import sdpa
+from titan_lite.models.parts.rope import apply_rope, apply_rope_real_pairs, rope_cache, rope_frequencies
+from titan_lite.models.parts.sdpa import grouped_attention
 
 PUBLISHED = {
     "8B": 8_030_261_248,  # Llama 3.1 8B
@@ -112,13 +108,13 @@ def test_grouped_attention_shares_each_kv_head_with_consecutive_query_heads(monk
         q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), **kwargs)
     assert torch.allclose(grouped_attention(q, k, v, **kwargs), expanded, atol=1e-6)
     # The explicit expansion taken where no fused kernel reads GQA (e.g. masked fp32 on CUDA).
-    monkeypatch.setattr(llama_model, "_fused_kernel_takes_gqa", lambda *a: False)
+    monkeypatch.setattr(sdpa, "_fused_kernel_takes_gqa", lambda *a: False)
     assert torch.equal(grouped_attention(q, k, v, **kwargs), expanded)
 
 
 def test_cpu_rms_norm_matches_torch_values_and_gradients():
     """The model's eager CPU RMSNorm (a two-pass autograd function) against torch's F.rms_norm, and gradcheck."""
-    from titan_lite.models.llama.model import RMSNorm, _RMSNormFunction
+    from titan_lite.models.parts.norms import RMSNorm, _RMSNormFunction
 
     torch.manual_seed(0)
     norm = RMSNorm(64, eps=1e-5)

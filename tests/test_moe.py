@@ -15,9 +15,12 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 
 from tests.helpers import hf_family_model  # noqa: E402
 from titan_lite.checkpoint.hf import load_hf_weights  # noqa: E402
-from titan_lite.models.llama import Llama, flavor_args  # noqa: E402
-from titan_lite.models.llama.hf import args_from_hf_config  # noqa: E402
-from titan_lite.models.llama.model import MoE, Routing, grouped_mm, grouped_mm_runs, load_balancing_loss  # noqa: E402
+from titan_lite.models.decoder import Llama  # noqa: E402
+from titan_lite.models.flavors import flavor_args  # noqa: E402
+from titan_lite.models.hf.config import args_from_hf_config  # noqa: E402
+from titan_lite.models.parts.experts import grouped_mm, grouped_mm_runs  # noqa: E402
+from titan_lite.models.parts.moe import MoE  # noqa: E402
+from titan_lite.models.parts.router import Routing, load_balancing_loss  # noqa: E402
 
 SEQ = 24
 
@@ -64,7 +67,7 @@ def test_loop_and_grouped_matmul_give_the_same_logits(saved, monkeypatch):
     folder, reference, _ = saved
     model = load_titan(folder)
     assert grouped_mm_runs(torch.zeros(1, 64), model.layers["0"].moe.experts.w1)
-    monkeypatch.setattr("titan_lite.models.llama.model.grouped_mm_runs", lambda x, w: False)
+    monkeypatch.setattr("titan_lite.models.parts.experts.grouped_mm_runs", lambda x, w: False)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens()), reference, atol=1e-5, rtol=0)
 
@@ -173,7 +176,7 @@ PUBLISHED = {
 @pytest.mark.parametrize("flavor", PUBLISHED)
 def test_published_qwen3_moe_configs_are_the_flavors(flavor, tmp_path):
     """The Hub's config.json keys of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B."""
-    from titan_lite.models.llama.hf import flavor_of_hf_config
+    from titan_lite.models.hf.config import flavor_of_hf_config
 
     config = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=128, vocab_size=151936,
                   num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
@@ -272,7 +275,7 @@ def test_titan_moe_exports_to_qwen3_moe_with_the_same_logits(tmp_path):
 ])
 def test_moe_configs_titan_lite_cannot_represent_are_one_line(overrides, message):
     from titan_lite.errors import ConfigError
-    from titan_lite.models.llama.hf import args_to_hf_config
+    from titan_lite.models.hf.config import args_to_hf_config
 
     config = {**args_to_hf_config(flavor_args("tiny_moe"), torch.float32), **overrides}
     with pytest.raises(ConfigError) as exc:
@@ -282,7 +285,7 @@ def test_moe_configs_titan_lite_cannot_represent_are_one_line(overrides, message
 
 def test_a_moe_model_cannot_be_written_as_a_dense_family_or_mixtral_with_dense_layers():
     from titan_lite.errors import ConfigError
-    from titan_lite.models.llama.hf import args_to_hf_config
+    from titan_lite.models.hf.config import args_to_hf_config
 
     args = flavor_args("tiny_moe")
     with pytest.raises(ConfigError, match="8 experts cannot be written as a Qwen3ForCausalLM, which has none"):

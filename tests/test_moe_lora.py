@@ -10,8 +10,8 @@ import torch
 
 from titan_lite.config import parse_args
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama import flavor_args
-from titan_lite.models.llama.model import MoE
+from titan_lite.models.flavors import flavor_args
+from titan_lite.models.parts.moe import MoE
 from titan_lite.transforms.lora.experts import LoRAGroupedExperts, adapted_experts, merge_expert_adapters
 from titan_lite.transforms.lora.options import LoraOptions
 

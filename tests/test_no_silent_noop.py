@@ -15,7 +15,7 @@ from titan_lite.config.gates import switched_off_settings
 from titan_lite.config.manager import choices_of, iter_options, iter_sections
 from titan_lite.config.schema import JobConfig, Metrics, opt
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama.args import flavor_args
+from titan_lite.models.flavors import flavor_args
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.transforms import build_transforms, registered_transforms
 

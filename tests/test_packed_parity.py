@@ -15,8 +15,8 @@ from tests.helpers import spawn_gloo
 from titan_lite.config import parse_args
 from titan_lite.dtensor import full_tensor
 from titan_lite.loss import IGNORE_INDEX, cross_entropy_sum
-from titan_lite.models.llama import Llama
-from titan_lite.models.llama.model import canonical_name
+from titan_lite.models.decoder import Llama
+from titan_lite.models.parameters import canonical_name
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN, GLOBAL_BATCH = 64, 4

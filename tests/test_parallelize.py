@@ -14,8 +14,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 from tests.helpers import spawn_gloo
 from titan_lite.config import JobConfig
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama import Llama, flavor_args
-from titan_lite.models.llama.model import TransformerBlock, rope_cache
+from titan_lite.models.decoder import Llama
+from titan_lite.models.flavors import flavor_args
+from titan_lite.models.parts.block import TransformerBlock
+from titan_lite.models.parts.rope import rope_cache
 from titan_lite.parallel.activation_checkpoint import apply_ac, forced_mm_shapes, save_policy
 from titan_lite.parallel.tensor_parallel import check_tp_divisibility
 
@@ -101,7 +103,7 @@ def _run_scenario(name: str, tp: int, tied: bool | None, loss_parallel: bool, co
     """Parallelize a tiny Llama, run one forward/backward on the fixed batch, report placements, loss and grads."""
     from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
 
-    from titan_lite.models.llama.model import canonical_name
+    from titan_lite.models.parameters import canonical_name
     from titan_lite.parallel.parallel_dims import ParallelDims
     from titan_lite.parallel.parallelize import parallelize_llama
 
@@ -305,7 +307,7 @@ def test_op_sac_policy_forces_the_transposed_weight_shape():
 
 
 def test_checkpointed_names_stay_canonical():
-    from titan_lite.models.llama.model import canonical_name
+    from titan_lite.models.parameters import canonical_name
 
     with torch.device("meta"):
         model = Llama(_tiny_args(tied=False))

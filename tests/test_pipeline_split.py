@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama import Llama, LlamaArgs
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.decoder import Llama
 from titan_lite.parallel.pipeline import (
     check_pipeline_config,
     microbatch_count,

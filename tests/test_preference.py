@@ -21,7 +21,8 @@ from titan_lite.data.datasets import document_positions, packed_sample
 from titan_lite.errors import ConfigError
 from titan_lite.job.plan import check_before_launch
 from titan_lite.loss import IGNORE_INDEX
-from titan_lite.models.llama import Llama, flavor_args
+from titan_lite.models.decoder import Llama
+from titan_lite.models.flavors import flavor_args
 from titan_lite.objective import check_objective
 from titan_lite.objective.frozen import FrozenForward, frozen_config
 from titan_lite.objective.logps import token_logps

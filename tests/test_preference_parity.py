@@ -19,8 +19,8 @@ from titan_lite.checkpoint.hf import load_hf_weights
 from titan_lite.config import parse_args
 from titan_lite.dtensor import full_tensor
 from titan_lite.loss import IGNORE_INDEX
-from titan_lite.models.llama import Llama
-from titan_lite.models.llama.model import canonical_name
+from titan_lite.models.decoder import Llama
+from titan_lite.models.parameters import canonical_name
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN, GLOBAL_BATCH, BETA, SFT = 128, 4, 0.5, 0.3

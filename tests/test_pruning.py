@@ -17,7 +17,8 @@ from titan_lite.dtensor import full_tensor
 from titan_lite.errors import ConfigError
 from titan_lite.job.assembly import assemble_model, calibration_source
 from titan_lite.job.plan import plan_job
-from titan_lite.models.llama import Llama, flavor_args
+from titan_lite.models.decoder import Llama
+from titan_lite.models.flavors import flavor_args
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.transforms.pruning.masks import (
     Pattern,

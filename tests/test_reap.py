@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.test_hf import load_script
-from titan_lite.models.llama import Llama, flavor_args
-from titan_lite.models.llama.model import MoE
+from titan_lite.models.decoder import Llama
+from titan_lite.models.flavors import flavor_args
+from titan_lite.models.parts.moe import MoE
 from titan_lite.transforms.structured.reap import ExpertObserver, experts_to_keep, scores_of
 
 TEXT = Path(__file__).resolve().parents[1] / "titan_lite/data/corpus/shakespeare/validation/midsummer_nights_dream.txt"

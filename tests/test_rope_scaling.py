@@ -21,9 +21,9 @@ from titan_lite.checkpoint.hf import export_hf  # noqa: E402
 from titan_lite.config import parse_args  # noqa: E402
 from titan_lite.errors import ConfigError  # noqa: E402
 from titan_lite.job.plan import build_model_args  # noqa: E402
-from titan_lite.models.llama import LlamaArgs  # noqa: E402
-from titan_lite.models.llama.hf import args_from_hf_config  # noqa: E402
-from titan_lite.models.llama.model import rope_attention_factor, rope_cache, rope_frequencies  # noqa: E402
+from titan_lite.models.args import LlamaArgs  # noqa: E402
+from titan_lite.models.hf.config import args_from_hf_config  # noqa: E402
+from titan_lite.models.parts.rope import rope_attention_factor, rope_cache, rope_frequencies  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ORIGINAL, SEQ = 32, 96  # the tests' original context, and a sequence three times as long

@@ -17,7 +17,7 @@ from titan_lite.checkpoint.hf import expected_shapes, write_hf_folder
 from titan_lite.config import parse_args
 from titan_lite.data.tokenizer import build_tokenizer
 from titan_lite.job.cli import ScriptParser
-from titan_lite.models.llama.args import flavor_args
+from titan_lite.models.flavors import flavor_args
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.stem for p in (REPO / "scripts").glob("*.py"))

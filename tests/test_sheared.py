@@ -17,8 +17,11 @@ from titan_lite.checkpoint.hf import write_hf_folder
 from titan_lite.config import parse_args, validate
 from titan_lite.config.schema import Sheared
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama.args import flavor_args
-from titan_lite.models.llama.model import Llama, apply_rope, canonical_name, grouped_attention
+from titan_lite.models.decoder import Llama
+from titan_lite.models.flavors import flavor_args
+from titan_lite.models.parameters import canonical_name
+from titan_lite.models.parts.rope import apply_rope
+from titan_lite.models.parts.sdpa import grouped_attention
 from titan_lite.train import Trainer
 from titan_lite.transforms.sheared import gates
 from titan_lite.transforms.sheared.keep import final_masks, materialize_pruned
@@ -383,7 +386,7 @@ def test_the_exported_pruned_folder_gives_the_masked_models_logits_in_transforme
 def test_the_8b_sheared_flavor_is_what_the_8b_sheared_config_materialises(tmp_path):
     """train_configs/llama3_8b_sheared_continue.toml names flavor 8B_sheared: it must be the shape the pruning
     config's export writes (uniform keep-set of the target counts), and match that export's config.json."""
-    from titan_lite.models.llama.hf import args_to_hf_config, check_args_against_hf_config, flavor_of_hf_config
+    from titan_lite.models.hf.config import args_to_hf_config, check_args_against_hf_config, flavor_of_hf_config
     from titan_lite.transforms.structured.materialize import StructureKeep, materialized_args
 
     cfg = parse_args(["--job.config_file", "train_configs/llama3_8b_sheared.toml"])

@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from titan_lite.checkpoint.hf import read_hf_folder
-from titan_lite.models.llama import Llama, LlamaArgs, flavor_args
-from titan_lite.models.llama.hf import args_from_hf_config
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.decoder import Llama
+from titan_lite.models.flavors import flavor_args
+from titan_lite.models.hf.config import args_from_hf_config
 from titan_lite.transforms.structured.materialize import (
     StructureKeep,
     materialize_state_dict,

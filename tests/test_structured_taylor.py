@@ -18,13 +18,15 @@ from tests.helpers import free_port
 from tests.test_structured_materialize import masked_forward, masks_of
 from tests.warm_python import python_command
 from titan_lite.checkpoint.hf import read_hf_folder, write_hf_folder
+from titan_lite.checkpoint.resume import plan_initial, plan_weights
 from titan_lite.config import parse_args
 from titan_lite.dtensor import full_tensor
 from titan_lite.errors import ConfigError
-from titan_lite.job.assembly import assemble_model, calibration_source, hf_weight_loader, initial_weight_loader
+from titan_lite.job.assembly import assemble_model, calibration_source
 from titan_lite.job.plan import plan_job
-from titan_lite.models.llama import Llama, flavor_args
-from titan_lite.models.llama.hf import args_from_hf_config, read_hf_config
+from titan_lite.models.decoder import Llama
+from titan_lite.models.flavors import flavor_args
+from titan_lite.models.hf.config import args_from_hf_config, read_hf_config
 from titan_lite.transforms.structured.materialize import StructureKeep, materialize_state_dict, write_materialized_hf
 from titan_lite.transforms.structured.taylor import (
     LayerScores,
@@ -104,7 +106,7 @@ def score_assembled(overrides: list[str] | None = None, load_from: Path | None =
     plan = plan_job(cfg, 1)
     plan.parallel_dims.build_mesh("cpu")
     device = torch.device("cpu")
-    built = assemble_model(plan, device, load=hf_weight_loader(plan, load_from) if load_from else None)
+    built = assemble_model(plan, device, load=plan_weights("hf", load_from) if load_from else None)
     windows = calibration_source(plan, device)("shakespeare", None, NSAMPLES, SEQ, 2)
     batches = local_calibration(windows, NSAMPLES, plan.parallel_dims, device, "shakespeare")
     weights = {n: full_tensor(p.detach()).clone() for n, p in built.parts[0].named_parameters()}
@@ -192,7 +194,7 @@ def continued_pretraining_start(folder: Path, initial: list[str] | None = None) 
                       *initial])
     plan = plan_job(cfg, 1)
     plan.parallel_dims.build_mesh("cpu")
-    built = assemble_model(plan, torch.device("cpu"), load=initial_weight_loader(plan))
+    built = assemble_model(plan, torch.device("cpu"), load=plan_initial(plan.cfg))
     return built.parts[0].eval()
 
 

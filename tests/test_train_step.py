@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from tests.helpers import tied_tiny_assets
 from titan_lite.config import parse_args
-from titan_lite.models.llama import Llama
+from titan_lite.models.decoder import Llama
 from titan_lite.train import Trainer
 
 

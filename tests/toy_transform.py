@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import SequenceParallel
 
 from titan_lite.dtensor import full_tensor
-from titan_lite.models.llama.model import canonical_name
+from titan_lite.models.parameters import canonical_name
 from titan_lite.transforms import Transform, TransformContext, register_transform
 
 logger = logging.getLogger("titan_lite")

@@ -24,8 +24,8 @@ from titan_lite.job.plan import JobPlan, gather_assets, plan_with_tokenizer
 from titan_lite.loss import cross_entropy_sum
 from titan_lite.metrics.flops import num_flops_per_token
 from titan_lite.metrics.memory import device_capacity_gib
-from titan_lite.models.llama import LlamaArgs
-from titan_lite.models.llama.model import rope_attention_factor
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.parts.rope import rope_attention_factor
 from titan_lite.objective import ObjectivePlan, objective_files_problem, plan_objective
 from titan_lite.parallel import memory_estimate as me
 from titan_lite.parallel.parallel_dims import ParallelDims

@@ -13,31 +13,19 @@ import torch.distributed as dist
 
 from titan_lite import distributed as tl_dist
 from titan_lite.checkpoint.hf import export_hf
-from titan_lite.checkpoint.manager import (
-    CheckpointManager,
-    RankLocal,
-    RNGState,
-    choose_resume,
-    warn_incomplete_saves,
-)
+from titan_lite.checkpoint.manager import CheckpointManager, RankLocal, RNGState
+from titan_lite.checkpoint.resume import checkpoint_root, plan_resume
 from titan_lite.config import JobConfig, help_text, parse_args, to_toml, validate
 from titan_lite.data.batch import Batch
-from titan_lite.data.dataloader import (
-    BatchLayout,
-    DataLoader,
-    build_section_loader,
-    describe_source,
-    loader_options,
-)
-from titan_lite.data.mixture import DomainWeights, build_domain_weights
-from titan_lite.data.tokenizer import describe_tokenizer
+from titan_lite.data.mixture import DomainWeights
 from titan_lite.dry_run import dry_run, planned_world_size
 from titan_lite.dtensor import full_tensor
 from titan_lite.errors import FAULT, HANG, USER_ERROR, ConfigError, TrainingFault
 from titan_lite.eval.validate import Validator
 from titan_lite.faults import ACTIVITY, StopSignals, any_rank, is_collective_timeout, nonfinite_message, timeout_line
-from titan_lite.job.assembly import BuiltModel, assemble_model, initial_weight_loader
+from titan_lite.job.assembly import BuiltModel, assemble_model
 from titan_lite.job.plan import JobPlan, check_before_launch, plan_job
+from titan_lite.job.sources import TrainingLoader, training_data
 from titan_lite.launcher import another_rank_failed, register_rank, report_error
 from titan_lite.metrics.flops import num_flops_per_token
 from titan_lite.metrics.logger import MetricsProcessor, add_log_file, init_logger
@@ -47,8 +35,6 @@ from titan_lite.objective.load_balance import LoadBalance
 from titan_lite.optim.lr_scheduler import LRSchedule
 from titan_lite.optim.optimizer import build_optimizer
 from titan_lite.parallel.grad_norm import clip_grad_norm
-from titan_lite.rl.policy import ModelPolicy, lockstep_for
-from titan_lite.rl.rollout import RolloutSource, build_rollout_source
 
 logger = logging.getLogger("titan_lite")
 # Known, harmless warnings from torch and torchdata that would otherwise print on every rank at start.
@@ -113,16 +99,10 @@ class Trainer:
     # -------------------------------------------------------------------------------- building
 
     def build_model(self) -> BuiltModel:
-        """Assembled parts started from the initial weights, unless this run's checkpoint holds the whole model
-        (adapter-only checkpoints do not: then the initial weights come first and train() loads the rest)."""
-        choice = choose_resume(self.cfg.checkpoint, self.checkpoint_folder())
-        if self.rank == 0:
-            warn_incomplete_saves(self.cfg.checkpoint, self.checkpoint_folder())
-            if choice.note:
-                logger.warning(choice.note)
-        self.resume_folder = choice.folder
-        built = assemble_model(self.plan, self.device, seed=self.seed, resume_from=self.resume_folder,
-                               load=initial_weight_loader(self.plan))
+        """Assembled parts started from the load plan's initial weights, unless this run's checkpoint holds the whole
+        model (adapter-only checkpoints do not: then the initial weights come first and train() loads the rest)."""
+        self.loading = plan_resume(self.cfg, announce=self.rank == 0)
+        built = assemble_model(self.plan, self.device, seed=self.seed, load=self.loading)
         logger.info(f"model {self.cfg.model.name} {self.cfg.model.flavor}: {self.plan.full_param_count():,} parameters "
                     f"({built.param_count():,} held by rank {self.rank}); {self.parallel_dims.describe()}; "
                     f"gradient accumulation {self.plan.grad_accum}")
@@ -136,25 +116,12 @@ class Trainer:
         self.objective_metrics: dict[str, float] = {}
 
     def checkpoint_folder(self) -> Path:
-        return Path(self.cfg.job.dump_folder) / self.cfg.checkpoint.folder
+        return checkpoint_root(self.cfg)
 
-    def build_train_loader(self) -> DataLoader | RolloutSource:
-        t, batch_mesh = self.cfg.training, self.parallel_dims.submesh("batch")
-        layout = BatchLayout(t.local_batch_size, batch_mesh.get_local_rank(), batch_mesh.size(), self.plan.grad_accum)
-        self.mixture: DomainWeights | None = None
-        if t.dataset == "prompts":  # online RL: the policy answers the prompts, and trains on its scored answers
-            policy = ModelPolicy(self.model_parts[0], self.device, lockstep_for(self.parallel_dims),
-                                 self.model.runner.context)
-            return build_rollout_source(self.cfg, self.plan.tokenizer, layout, policy, self.parallel_dims, self.seed)
-        if self.cfg.data_mixture.enable:
-            self.mixture = build_domain_weights(self.cfg.data_mixture, self.plan.tokenizer, t.seq_len, self.seed,
-                                                documents=self.plan.block_causal, shuffle=t.shuffle)
-            return DataLoader(self.mixture.source, layout, loader_options(t.dataloader))
-        loader = build_section_loader(self.cfg, "training", self.plan.tokenizer, layout,
-                                      documents=self.plan.block_causal)
-        logger.info(f"data: {describe_source(loader.source, layout)}; tokenizer: "
-                    f"{describe_tokenizer(self.plan.tokenizer)}")
-        return loader
+    def build_train_loader(self) -> TrainingLoader:
+        data = training_data(self.plan, self.runner, self.device, self.seed)
+        self.mixture: DomainWeights | None = data.mixture
+        return data.loader
 
     def build_checkpointer(self) -> CheckpointManager:
         world = dist.get_world_size()
@@ -184,7 +151,7 @@ class Trainer:
         flops = num_flops_per_token(active, a.vocab_size * a.dim, a.n_layers, a.n_heads, a.head_dim,
                                     self.cfg.training.seq_len, self.plan.frozen_matmul_param_count())
         return MetricsProcessor(self.cfg, self.rank, self.device, flops, self.parallel_dims.non_data_parallel_size,
-                                resuming=self.resume_folder is not None)
+                                resuming=self.loading.resuming)
 
     # -------------------------------------------------------------------------------- one step
 
@@ -332,14 +299,11 @@ class Trainer:
         logger.info(f"stopped after step {step} ({cause}): {outcome}")
 
     def resume(self) -> None:
-        """Load this run's checkpoint, if any, on top of the assembled model (or a full initial DCP checkpoint)."""
-        c = self.cfg.checkpoint
+        """Load what the load plan leaves after assembly: this run's checkpoint, or an initial DCP training state."""
         ACTIVITY.now("loading the checkpoint")
-        if self.resume_folder is not None:
-            self.checkpointer.load_folder(self.resume_folder, model_only=False)
+        self.checkpointer.load_planned(self.loading)
+        if self.loading.resuming:
             logger.info(f"resuming after step {self.train_state.step}")
-        elif c.initial_load_path and not c.initial_load_in_hf and not c.initial_load_model_only:
-            self.checkpointer.load_folder(Path(c.initial_load_path), model_only=False)
 
     def run_step(self, step: int, data_iter) -> None:
         cfg = self.cfg

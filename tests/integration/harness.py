@@ -184,7 +184,8 @@ def perturbed_hf_folder(folder: Path, flavor: str) -> Path:
     import torch
 
     from titan_lite.checkpoint.hf import write_hf_folder
-    from titan_lite.models.llama import Llama, flavor_args
+    from titan_lite.models.decoder import Llama
+    from titan_lite.models.flavors import flavor_args
 
     args = flavor_args(flavor)
     model = Llama(args)

@@ -17,7 +17,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.integration.harness import REPO, run_train
 from tests.warm_python import python_command
 from titan_lite.checkpoint.hf import weight_files, write_hf_folder
-from titan_lite.models.llama import Llama, flavor_args
+from titan_lite.models.decoder import Llama
+from titan_lite.models.flavors import flavor_args
 
 PRUNE = ["--model.converters", "prune", "--pruning.pattern", "2:4", "--pruning.nsamples", "8",
          "--pruning.seq_len", "64"]

@@ -17,7 +17,8 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.integration.harness import CKPT, run_train, start_train, steps, tb_losses
-from titan_lite.checkpoint.manager import STALL_SECONDS_ENV, STALL_STEP_ENV, holds_training_state
+from titan_lite.checkpoint.manager import STALL_SECONDS_ENV, STALL_STEP_ENV
+from titan_lite.checkpoint.resume import holds_training_state
 
 RESUME_TB = ["--metrics.save_tb_folder", "tb_resume"]  # the resumed run's losses, apart from the first run's
 

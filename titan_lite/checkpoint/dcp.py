@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama.model import canonical_name
+from titan_lite.models.parameters import canonical_name
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 TMP_FOLDER = re.compile(r"^step-(\d+)\.tmp$")

@@ -16,20 +16,13 @@ from torch import Tensor, nn
 from titan_lite.checkpoint.files import copy_file, save_safetensors
 from titan_lite.dtensor import copy_into_shard, full_tensor
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama.args import LlamaArgs
-from titan_lite.models.llama.hf import (
-    LLAMA_NAMES,
-    HFNames,
-    args_to_hf_config,
-    check_args_against_hf_config,
-    hf_name,
-    hf_source_names,
-    read_hf_config,
-    rope_form_of,
-    tensor_from_hf,
-    to_hf_state_dict,
-)
-from titan_lite.models.llama.model import Llama, canonical_name
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.decoder import Llama
+from titan_lite.models.hf.config import args_to_hf_config, check_args_against_hf_config, read_hf_config
+from titan_lite.models.hf.names import LLAMA_NAMES, HFNames, hf_name, hf_source_names
+from titan_lite.models.hf.rope import rope_form_of
+from titan_lite.models.hf.state_dict import tensor_from_hf, to_hf_state_dict
+from titan_lite.models.parameters import canonical_name
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -1,4 +1,5 @@
-"""CheckpointManager: when and what to save and load (DCP step folders, atomic renames, resume, initial weights)."""
+"""CheckpointManager: when and what to save and load (DCP step folders, atomic renames; loading what a load plan,
+checkpoint/resume.py, names)."""
 
 import contextlib
 import logging
@@ -8,7 +9,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,8 +20,9 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_lite.checkpoint import dcp as ckpt
-from titan_lite.checkpoint.hf import check_hf_folder, expected_shapes
-from titan_lite.config.schema import Checkpoint, JobConfig
+from titan_lite.checkpoint.hf import load_hf_weights
+from titan_lite.checkpoint.resume import LoadPlan, check_seed_target, resume_folder, warn_incomplete_saves
+from titan_lite.config.schema import Checkpoint
 from titan_lite.errors import ConfigError, TrainingFault
 from titan_lite.faults import any_rank, nonfinite_parameter
 
@@ -272,8 +274,15 @@ class CheckpointManager:
 
     # -------------------------------------------------------------------------------- load
 
+    def load_planned(self, plan: LoadPlan) -> None:
+        """What the load plan leaves to the manager once the model is assembled (LoadPlan.state_to_load)."""
+        target = plan.state_to_load()
+        if target is not None:
+            self.load_folder(*target)
+
     def load(self) -> None:
-        """Resume from this run's checkpoint, else load the initial DCP checkpoint (initial_load_path), if any."""
+        """On its own (no assembly loaded the initial weights): resume from this run's checkpoint, else load the
+        initial DCP checkpoint (initial_load_path), if any."""
         if self.rank == 0:
             warn_incomplete_saves(self.c, self.root)
         folder = resume_folder(self.c, self.root)
@@ -371,121 +380,20 @@ def free_space(folder: Path) -> str:
         return "free space unknown"
 
 
-# ------------------------------------------------------------------------------ before launch
-
-
-@dataclass
-class ResumeChoice:
-    """The checkpoint a run continues from (None: it starts fresh) and, when it is not the newest, why."""
-
-    folder: Path | None
-    note: str | None = None
-
-
-def holds_training_state(folder: Path) -> bool:
-    """A full checkpoint (step, optimizer, schedule, data position), not a model-only final save or seed."""
-    return ckpt.has_component(ckpt.read_metadata(folder), "train_state")
-
-
-def choose_resume(c: Checkpoint, root: Path) -> ResumeChoice:
-    """This run's checkpoint to continue from: load_step's folder (which must exist and be complete), else the newest
-    complete one; None when there is none or checkpointing is off (incomplete saves are never chosen).
-
-    A model-only checkpoint after step 0 (a final save with last_save_model_only) cannot continue a run: the newest
-    checkpoint with the training state is chosen instead, with a note; with none, the run is refused, so that it
-    never starts again from step 0 over the checkpoints of the run it would not continue. A model-only step 0 is a
-    seed checkpoint: the run starts from its weights."""
-    if not c.enable or c.create_seed_checkpoint:
-        return ResumeChoice(None)
-    if c.load_step != -1:
-        folder = _load_step_folder(c, root)
-        _refuse_model_only(folder, root, "'checkpoint.load_step' = " + str(c.load_step))
-        return ResumeChoice(folder)
-    complete = ckpt.complete_steps(root)
-    if not complete:
-        return ResumeChoice(None)
-    newest = complete[max(complete)]
-    if max(complete) == 0 or holds_training_state(newest):
-        return ResumeChoice(newest)
-    for step in sorted(complete, reverse=True):
-        if holds_training_state(complete[step]):
-            return ResumeChoice(complete[step], note=(
-                f"'{newest}' holds model weights only (a final save with 'checkpoint.last_save_model_only' = true), "
-                f"so the run continues from '{complete[step]}', its newest checkpoint with the training state: "
-                f"steps {step + 1}-{max(complete)} run again"))
-    _refuse_model_only(newest, root, "the newest checkpoint")
-    return ResumeChoice(newest)
-
-
-def _load_step_folder(c: Checkpoint, root: Path) -> Path:
-    folder = ckpt.step_folder(root, c.load_step)
-    if not folder.is_dir() and ckpt.tmp_folder(root, c.load_step).is_dir():
-        raise ConfigError(f"'checkpoint.load_step' = {c.load_step}: the save of '{folder}' never finished "
-                          f"(only '{ckpt.tmp_folder(root, c.load_step)}' exists)")
-    if not folder.is_dir():
-        raise ConfigError(f"'checkpoint.load_step' = {c.load_step}: checkpoint folder '{folder}' does not exist")
-    return folder
-
-
-def _refuse_model_only(folder: Path, root: Path, which: str) -> None:
-    if folder.name == "step-0" or holds_training_state(folder):
-        return
-    raise ConfigError(f"{which} '{folder}' holds model weights only ('checkpoint.last_save_model_only' = true) and "
-                      f"cannot continue a run; to train from these weights without touching the checkpoints in "
-                      f"'{root}', set --checkpoint.initial_load_path {folder} and another --job.dump_folder")
-
-
-def resume_folder(c: Checkpoint, root: Path) -> Path | None:
-    """The folder of choose_resume (see there)."""
-    return choose_resume(c, root).folder
-
-
-def check_seed_target(c: Checkpoint, root: Path) -> None:
-    """A seed checkpoint goes into an empty checkpoint folder: never next to (or over) another run's checkpoints."""
-    if c.enable and c.create_seed_checkpoint:
-        existing = sorted(ckpt.complete_steps(root))
-        if existing:
-            raise ConfigError(f"'checkpoint.create_seed_checkpoint' = true but '{root}' already holds checkpoints "
-                              f"(steps {', '.join(map(str, existing))}); use an empty 'checkpoint.folder' or "
-                              f"'job.dump_folder'")
-
-
-def warn_incomplete_saves(c: Checkpoint, root: Path) -> None:
-    """One warning per save that never finished (a killed run's leftovers), which resuming skips."""
-    if c.enable:
-        for folder in ckpt.incomplete_folders(root):
-            logger.warning(f"skipping incomplete checkpoint '{folder}': its save never finished")
-
-
-def initial_source(cfg: JobConfig) -> tuple[str, Path] | None:
-    """The weights a run starts from when it does not resume: ("hf", an HF folder), ("dcp", a DCP folder) or None."""
-    c = cfg.checkpoint
-    if c.create_seed_checkpoint:
-        return None
-    if c.initial_load_in_hf:
-        folder = c.initial_load_path or cfg.model.hf_assets_path
-        if not folder:
-            raise ConfigError("'checkpoint.initial_load_in_hf' = true needs 'checkpoint.initial_load_path' or "
-                              "'model.hf_assets_path' to name a Hugging Face folder")
-        return "hf", Path(folder)
-    if c.initial_load_path:
-        return "dcp", Path(c.initial_load_path)
-    return None
-
-
-def source_to_load(cfg: JobConfig) -> tuple[str, Path] | None:
-    """What a run starts from: ("resume", its own checkpoint), else its initial_source, else None."""
-    folder = resume_folder(cfg.checkpoint, Path(cfg.job.dump_folder) / cfg.checkpoint.folder)
-    return ("resume", folder) if folder is not None else initial_source(cfg)
-
-
-def holds_model(folder: Path, model_parts: list[nn.Module],
-                saves_parameter: Callable[[str], bool] | None = None) -> bool:
-    """Whether loading the checkpoint restores every model parameter of the parts: each is one the run saves
-    (`saves_parameter`) and is in the checkpoint. Adapter-only checkpoints do not."""
-    saved = ckpt.read_metadata(folder).state_dict_metadata
-    saves = saves_parameter or (lambda name: True)
-    return all(saves(name) and f"model.{name}" in saved for name in ckpt.model_state_dict(model_parts))
+def load_initial_weights(load: LoadPlan, parts: list[nn.Module], cfg: Checkpoint, model_args,
+                         hf_names: Callable[[], Any], saves_parameter: Callable[[str], bool] | None = None) -> bool:
+    """Assembly's share of the load plan, into the materialised parts: the initial weights (an HF folder, read with
+    the transforms' `hf_names`, or a DCP checkpoint's model), unless the plan's checkpoint restores every parameter.
+    True when it does (the checkpoint, loaded later, brings the whole model)."""
+    restores_model = load.restores_model(parts, saves_parameter)
+    if load.initial is None or restores_model:
+        return restores_model
+    if load.initial.kind == "hf":
+        load_hf_weights(parts, str(load.initial.path), model_args, hf_names())
+        logger.info(f"loaded Hugging Face weights from {load.initial.path}")
+    else:
+        weights_only_loader(cfg, load.initial.path)(parts)
+    return restores_model
 
 
 def weights_only_loader(cfg: Checkpoint, folder: Path) -> Callable[[list[nn.Module]], None]:
@@ -494,24 +402,3 @@ def weights_only_loader(cfg: Checkpoint, folder: Path) -> Callable[[list[nn.Modu
         manager = CheckpointManager(replace(cfg, enable=False), folder, model_parts, None, {})
         manager.load_folder(folder, model_only=True)
     return load
-
-
-def check_source_before_launch(cfg: JobConfig, model_args) -> None:
-    """Read only headers and metadata of what the run will load, so a missing, corrupt or mismatched checkpoint is
-    one line before any process starts. Transforms may rename or reshape parameters: then the run itself checks."""
-    root = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
-    check_seed_target(cfg.checkpoint, root)
-    source = source_to_load(cfg)
-    if source is None or cfg.model.converters:
-        return
-    kind, path = source
-    if kind == "hf":
-        check_hf_folder(str(path), model_args)
-        return
-    metadata = ckpt.read_metadata(path)
-    ckpt.check_storage_files(path, metadata)
-    if not ckpt.has_component(metadata, "model"):
-        raise ConfigError(f"checkpoint '{path}' holds no model weights")
-    with torch.device("meta"):
-        wanted = {name: torch.empty(shape) for name, shape in expected_shapes(model_args).items()}
-    ckpt.check_tensors_match(path, metadata, wanted, "model")

@@ -5,7 +5,7 @@ PEFT names an adapter tensor `base_model.model.<HF module>.lora_A.weight` (lora_
 DoRA), and a fully trained module (modules_to_save) `base_model.model.<HF parameter>`. titan_lite's are
 `<module>.lora_a` / `.lora_b` / `.magnitude` and the plain parameter names. q/k projections rotate interleaved pairs
 in titan_lite and half-split ones in HF: their output rows (lora_B's rows, the magnitude) are permuted like the
-weights (models/llama/hf.py).
+weights (models/hf/state_dict.py).
 """
 
 import hashlib
@@ -24,8 +24,9 @@ from safetensors.torch import load_file
 from titan_lite.checkpoint.files import save_safetensors
 from titan_lite.checkpoint.hf import SafetensorsReader, open_safetensors
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama.args import LlamaArgs
-from titan_lite.models.llama.hf import LLAMA_NAMES, tensor_from_hf, tensor_to_hf
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.hf.names import LLAMA_NAMES
+from titan_lite.models.hf.state_dict import tensor_from_hf, tensor_to_hf
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -4,7 +4,6 @@ preference pairs; from token files or tokenized at the start of the run) one per
 packed end to end. The order within an epoch is the stored one or a seeded permutation (data/order.py). Workers split
 the reading only: a token-file window is one memory-mapped read, which the main process alone does fast enough."""
 
-import bisect
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -13,7 +12,7 @@ import numpy as np
 import torch
 
 from titan_lite.data.datasets import Deferred, Sample, packed_sample
-from titan_lite.data.order import GlobalOrder
+from titan_lite.data.order import Epochs
 from titan_lite.data.token_files import TokenTable, check_kind, check_tokenizer, open_token_folder
 from titan_lite.errors import ConfigError
 
@@ -21,19 +20,20 @@ logger = logging.getLogger(__name__)
 
 
 class IndexedSource:
-    """A SampleSource whose sample i (of the stream over every epoch) is computed directly. Its state is the index
-    of the next sample and where that sample's epoch starts (epochs of whole records packed into windows differ in
-    size). Subclasses give epoch_size(epoch) and read(epoch, position)."""
+    """A SampleSource whose sample i (of the stream over every epoch) is computed directly. Its epochs (which epoch
+    and position sample i is, the saved position and its check) are data/order.py's Epochs. Subclasses give
+    epoch_size(epoch) and read(epoch, position)."""
 
     name: str
     infinite: bool
+    fixed_epochs = False  # every epoch has epoch 0's size
 
     def __init__(self, name: str, infinite: bool, seed: int, shuffle: bool):
         self.name = name
         self.infinite = infinite
         self.seed = seed
         self.shuffle = shuffle
-        self._epoch_starts = {0: 0}  # known first indices of epochs
+        self.epochs = Epochs(name, self.epoch_size, seed, shuffle, self.fixed_epochs)
 
     # -- what subclasses give
 
@@ -52,46 +52,18 @@ class IndexedSource:
         """Samples of a finite source (one epoch), None for an infinite one."""
         return None if self.infinite else self.epoch_size(0)
 
-    def locate(self, index: int) -> tuple[int, int, int]:
-        """(epoch, position in it, index where it starts) of sample `index`."""
-        known = sorted(self._epoch_starts.items())
-        at = bisect.bisect_right([start for _, start in known], index) - 1
-        epoch, start = known[at]
-        while index >= start + self.epoch_size(epoch):
-            start += self.epoch_size(epoch)
-            epoch += 1
-            self._epoch_starts[epoch] = start
-        return epoch, index - start, start
-
     def sample(self, index: int) -> Sample:
-        epoch, position, _ = self.locate(index)
+        epoch, position, _ = self.epochs.locate(index)
         if not self.infinite and epoch > 0:
             raise IndexError(f"sample {index} of a finite source of {self.epoch_size(0)}")
         return self.read(epoch, position)
 
     def state_at(self, index: int) -> dict[str, Any]:
-        epoch, _, start = self.locate(index)
-        return {"next": index, "epoch": epoch, "epoch_start": start, "order": self.describe()}
+        return self.epochs.state_at(index)
 
     def seek(self, state: dict[str, Any] | None) -> int:
-        """The next index of a state this source handed out (0 for None), its epoch start remembered."""
-        if state is None:
-            return 0
-        if "next" not in state:
-            raise ConfigError(f"the checkpoint's data position of dataset '{self.name}' was read in order as a "
-                              "stream; this run reads it by index (token files, or shuffled records): start a new run "
-                              "(job.dump_folder), or read the data as that run did")
-        if state.get("order") != self.describe():
-            raise ConfigError(f"the checkpoint's data position of dataset '{self.name}' is for another order "
-                              f"({state.get('order')}), this run's is {self.describe()}: the data, training.shuffle "
-                              "or the seed changed")
-        self._epoch_starts[state["epoch"]] = state["epoch_start"]
-        return state["next"]
-
-    def describe(self) -> dict[str, Any]:
-        """What a saved position depends on: a resume with other values is refused."""
-        return {"samples_in_epoch_0": self.epoch_size(0), "shuffle": self.shuffle,
-                "seed": self.seed if self.shuffle else None}
+        """The next index of a state this source handed out (0 for None); one of another order is refused."""
+        return self.epochs.seek(state)
 
     def samples(self, state: dict[str, Any] | None = None) -> Iterator[tuple[Sample, dict[str, Any]]]:
         """The samples in order from a state on (a stream, as other sources give them)."""
@@ -207,6 +179,8 @@ class TokenWindows(IndexedSource):
     like the same run from the raw text); shuffled, each epoch is the table's whole windows (the partial last one
     left out) in a seeded order."""
 
+    fixed_epochs = True
+
     def __init__(self, name: str, table: TokenTable, seq_len: int, infinite: bool = True, documents: bool = False,
                  seed: int = 0, shuffle: bool = False):
         super().__init__(name, infinite, seed, shuffle)
@@ -214,14 +188,10 @@ class TokenWindows(IndexedSource):
         self.stream = TableStream(table)
         self.window = seq_len + 1
         self.documents = documents
-        self.order = GlobalOrder(self.stream.total // self.window, seed, shuffle)
+        self.order = self.epochs.order(self.stream.total // self.window)
 
     def epoch_size(self, epoch: int) -> int:
         return self.order.size
-
-    def locate(self, index: int) -> tuple[int, int, int]:
-        epoch, position = divmod(index, max(self.order.size, 1))
-        return epoch, position, index - position
 
     def sample(self, index: int) -> Sample:
         if self.shuffle or not self.infinite:
@@ -303,7 +273,7 @@ class RecordSource(IndexedSource):
         across windows the records' stream)."""
         if self._epoch_plan is None or self._epoch_plan[0] != epoch:
             self.prepare()
-            permutation = GlobalOrder(len(self._items), self.seed, self.shuffle).epoch_order(epoch)
+            permutation = self.epochs.order(len(self._items)).epoch_order(epoch)
             order = self._items[permutation]
             placed = None
             if self.packing == "whole":

@@ -1,10 +1,14 @@
 """The global order of a countable dataset: which stored sample (a window, an example, a pair) each position of an
 epoch holds, the stored order or a seeded permutation per epoch (training.shuffle). It is computed, not stored: any
 rank, any worker and any resumed run asks for any position and gets the same answer, in O(1) memory (a Feistel
-network over the positions, cycle-walked into [0, size))."""
+network over the positions, cycle-walked into [0, size)); and the epochs of the stream a countable source hands
+out (Epochs: which epoch and position a global sample index is, its saved form and the check of a saved one)."""
 
+import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -114,3 +118,61 @@ def data_order(cfg, section: str, countable: bool, where: str) -> tuple[int, boo
         raise ConfigError(f"'training.shuffle' = true, but {where} is raw text, read in order as a stream; tokenize it "
                           "once with scripts/tokenize_data.py and point the path at the token folder to shuffle it")
     return seed, countable if asked is None else asked
+
+
+class Epochs:
+    """Sample i of a countable source's stream over every epoch, as (epoch, position in it): the one place that
+    counts epochs, saves a position and checks a saved one. Epochs may differ in size (whole records packed into
+    windows in another order each epoch): their first indices are found by walking, and a saved position names its
+    epoch's start. A position saved under another order (another epoch size, training.shuffle or seed) is refused
+    in one line, since continuing it would read other samples than the saved run would have."""
+
+    def __init__(self, name: str, epoch_size: Callable[[int], int], seed: int, shuffle: bool,
+                 fixed_size: bool = False):
+        self.name = name
+        self.epoch_size = epoch_size
+        self.seed, self.shuffle = seed, shuffle
+        self.fixed_size = fixed_size  # every epoch is epoch 0's size: located by division
+        self._starts = {0: 0}  # known first indices of epochs
+
+    def order(self, size: int) -> GlobalOrder:
+        """The stored item at each position of an epoch of `size` items, in this order's seed and shuffle."""
+        return GlobalOrder(size, self.seed, self.shuffle)
+
+    def locate(self, index: int) -> tuple[int, int, int]:
+        """(epoch, position in it, index where it starts) of sample `index`."""
+        if self.fixed_size:
+            epoch, position = divmod(index, max(self.epoch_size(0), 1))
+            return epoch, position, index - position
+        known = sorted(self._starts.items())
+        epoch, start = known[bisect.bisect_right([s for _, s in known], index) - 1]
+        while index >= start + self.epoch_size(epoch):
+            start += self.epoch_size(epoch)
+            epoch += 1
+            self._starts[epoch] = start
+        return epoch, index - start, start
+
+    def describe(self) -> dict[str, Any]:
+        """What a saved position depends on: a resume with other values is refused."""
+        return {"samples_in_epoch_0": self.epoch_size(0), "shuffle": self.shuffle,
+                "seed": self.seed if self.shuffle else None}
+
+    def state_at(self, index: int) -> dict[str, Any]:
+        """The saved form of the position before sample `index`."""
+        epoch, _, start = self.locate(index)
+        return {"next": index, "epoch": epoch, "epoch_start": start, "order": self.describe()}
+
+    def seek(self, state: dict[str, Any] | None) -> int:
+        """The next index of a state this order handed out (0 for None), its epoch start remembered."""
+        if state is None:
+            return 0
+        if "next" not in state:
+            raise ConfigError(f"the checkpoint's data position of dataset '{self.name}' was read in order as a "
+                              "stream; this run reads it by index (token files, or shuffled records): start a new run "
+                              "(job.dump_folder), or read the data as that run did")
+        if state.get("order") != self.describe():
+            raise ConfigError(f"the checkpoint's data position of dataset '{self.name}' is for another order "
+                              f"({state.get('order')}), this run's is {self.describe()}: the data, training.shuffle "
+                              "or the seed changed")
+        self._starts[state["epoch"]] = state["epoch_start"]
+        return state["next"]

@@ -19,7 +19,7 @@ from titan_lite.data.instruct import (
     instruction_file_and_split,
     prompt_text,
 )
-from titan_lite.data.order import GlobalOrder, data_order
+from titan_lite.data.order import Epochs, data_order
 from titan_lite.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -121,8 +121,9 @@ class PromptEncoder:
 class PromptSource:
     """The prompts of a split (a finite pass, or epoch after epoch), rendered: in file order, or in a seeded
     permutation per epoch (training.shuffle, as the other row datasets). The split's rows are read once, when first
-    needed. The state after a prompt is the epoch and the position of the next one in that epoch's order, so a source
-    restarted from it continues with exactly the prompts that would have come next."""
+    needed. Its epochs and saved position are data/order.py's Epochs, as every countable source's: a source restarted
+    from a position continues with exactly the prompts that would have come next, and a position saved under another
+    order (the rows, training.shuffle or the seed changed) is refused in one line."""
 
     def __init__(self, name: str, file: PromptFile, encoder: PromptEncoder, split: str = "all",
                  infinite: bool = True, seed: int = 0, shuffle: bool = False):
@@ -132,7 +133,7 @@ class PromptSource:
         self.encoder = encoder
         self.split = split
         self.infinite = infinite
-        self.seed, self.shuffle = seed, shuffle
+        self.epochs = Epochs(name, lambda epoch: len(self.split_rows()), seed, shuffle, fixed_size=True)
         self._rows: list[tuple[int, PromptRow]] | None = None
 
     def rows(self, start: int = 0) -> Iterator[tuple[int, PromptRow]]:
@@ -150,20 +151,22 @@ class PromptSource:
                                   "split" + (" (raise 'grpo.validation_fraction')" if self.split == "heldout" else ""))
         return self._rows
 
+    def seek(self, state: dict[str, Any] | None) -> int:
+        """The next index of a saved position (0 for None); one of another order is refused."""
+        return self.epochs.seek(state)
+
     def samples(self, state: dict[str, Any] | None = None) -> Iterator[tuple[Prompt, dict[str, Any]]]:
-        state = dict(state) if state is not None else {"epoch": 0, "position": 0}
-        epoch, start = state["epoch"], state["position"]
+        index = self.seek(state)
         rows = self.split_rows()
-        order = GlobalOrder(len(rows), self.seed, self.shuffle)
-        while True:
-            for position in range(start, len(rows)):
-                index, row = rows[order.stored(epoch, position)]
-                text, ids = self.encoder.encode(row)
-                yield Prompt(index, row, text, tuple(ids)), {"epoch": epoch, "position": position + 1}
-            if not self.infinite:
-                return
-            epoch, start = epoch + 1, 0
-            logger.info("Dataset %s: starting epoch %d", self.name, epoch)
+        order = self.epochs.order(len(rows))
+        while self.infinite or index < len(rows):
+            epoch, position, _ = self.epochs.locate(index)
+            if position == 0 and epoch > 0:
+                logger.info("Dataset %s: starting epoch %d", self.name, epoch)
+            file_index, row = rows[order.stored(epoch, position)]
+            text, ids = self.encoder.encode(row)
+            index += 1
+            yield Prompt(file_index, row, text, tuple(ids)), self.epochs.state_at(index)
 
 
 # ---------------------------------------------------------------------------------------------- from the config
@@ -182,7 +185,7 @@ def prompt_encoder(cfg: JobConfig, tokenizer) -> PromptEncoder:
 def build_prompt_source(cfg: JobConfig, section: str, tokenizer, infinite: bool) -> PromptSource:
     file, split = prompt_file_and_split(cfg, section)
     seed, shuffle = data_order(cfg, section, countable=True, where=f"'{file.key}' = '{file.path}'")
-    return PromptSource("prompts", file, prompt_encoder(cfg, tokenizer), split, infinite, seed, shuffle)
+    return PromptSource(file.DATASET, file, prompt_encoder(cfg, tokenizer), split, infinite, seed, shuffle)
 
 
 def check_prompt_data(cfg: JobConfig, section: str, tokenizer=None) -> PromptRow:
@@ -190,7 +193,7 @@ def check_prompt_data(cfg: JobConfig, section: str, tokenizer=None) -> PromptRow
     it is rendered and must leave room for a completion of grpo.max_completion_length tokens within seq_len. Returns
     that row (the reward functions' fields are checked against it)."""
     file, split = prompt_file_and_split(cfg, section)
-    source = PromptSource("prompts", file, prompt_encoder(cfg, tokenizer), split, infinite=False)
+    source = PromptSource(file.DATASET, file, prompt_encoder(cfg, tokenizer), split, infinite=False)
     index, row = next(source.rows(), (None, None))
     if row is None:
         raise ConfigError(f"'{file.key}' = '{file.path}' holds no prompts for the {split} split"

@@ -9,13 +9,11 @@ import torch
 from torch import nn
 
 from titan_lite.config.schema import JobConfig
-from titan_lite.data.dataloader import BatchLayout, build_section_loader
 from titan_lite.eval.answer_accuracy import answer_accuracy
+from titan_lite.job.sources import PromptValidation, validation_data
 from titan_lite.metrics.logger import Progress
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.runner import ModelRunner
-from titan_lite.rl.evaluate import PromptValidation
-from titan_lite.rl.policy import ModelPolicy, lockstep_for
 
 logger = logging.getLogger(__name__)
 
@@ -36,14 +34,11 @@ class Validator:
         self.last_step = cfg.training.steps // self.cfg.freq * self.cfg.freq
         self.evaluations = 0
         self.prompts = None
-        if self.cfg.dataset == "prompts":
-            policy = ModelPolicy(runner.model_parts[0], device, lockstep_for(parallel_dims), runner.context)
-            self.prompts = PromptValidation(cfg, tokenizer, policy, parallel_dims)
+        source = validation_data(cfg, tokenizer, parallel_dims, runner, device)
+        if isinstance(source, PromptValidation):
+            self.prompts = source
             return
-        batch_mesh = parallel_dims.submesh("batch")
-        layout = BatchLayout(self.cfg.local_batch_size, batch_mesh.get_local_rank(), batch_mesh.size())
-        self.loader = build_section_loader(cfg, "validation", tokenizer, layout, infinite=False,
-                                           documents=runner.block_causal)
+        self.loader = source
         self.instruction_data = self.cfg.dataset == "instruct"
         self.preference_data = self.cfg.dataset == "preference"
         self._batches: int | None = None

@@ -5,30 +5,33 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from titan_lite.models.llama import LlamaArgs
-from titan_lite.models.llama.model import apply_rope, grouped_attention, rope_cache, within_window
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.parts.masks import within_window
+from titan_lite.models.parts.rope import apply_rope, rope_cache
+from titan_lite.models.parts.sdpa import grouped_attention
 
 
 class KVCache:
     """Keys and values of every layer for a batch, in slots 0..capacity-1, with which slots hold real tokens.
 
     `step(tokens_real, positions)` opens the next slots for a forward: it records their rotary rows and the
-    attention mask (each new query sees the real keys up to its own slot, and itself; with a sliding window only
-    those within the window of its position) that every layer then uses. `last_only`: the model computes the logits
-    of the last slot only (not under sequence parallelism, where a rank holds a piece of the sequence).
+    attention masks (each new query sees the real keys up to its own slot, and itself; in a layer with a sliding
+    window only those within the window of its position), one per window the layers' mixers have. `last_only`: the
+    model computes the logits of the last slot only (not under sequence parallelism, where a rank holds a piece of the
+    sequence).
     """
 
     def __init__(self, args: LlamaArgs, batch: int, capacity: int, device: torch.device, last_only: bool = True):
         self.rope = rope_cache(replace(args, max_seq_len=capacity), device)
         self.capacity = capacity
-        self.window = args.sliding_window
+        self.windows = [args.window_of(layer) for layer in range(args.n_layers)]  # each layer's mixer's window
         self.last_only = last_only
         self.real = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
         self.positions = torch.zeros(batch, capacity, dtype=torch.long, device=device)
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.start = self.end = 0
-        self.rows = self.mask = None
+        self.rows, self.masks = None, {}
 
     def step(self, real: torch.Tensor, positions: torch.Tensor) -> "KVCache":
         """Open slots for a [batch, seq] forward: `real` marks real tokens, `positions` their rotary positions."""
@@ -39,13 +42,17 @@ class KVCache:
         self.real[:, self.start:self.end] = real
         self.positions[:, self.start:self.end] = positions
         self.rows = self.rope[positions]
-        slots = torch.arange(self.end, device=real.device)
+        self.masks = {window: self.visible(positions, window) for window in set(self.windows)}
+        return self
+
+    def visible(self, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+        """The open slots' mask [batch, 1, seq, end] for layers attending within `window` (None: no window)."""
+        slots = torch.arange(self.end, device=positions.device)
         queries = slots[self.start:, None]
         visible = self.real[:, None, :self.end] & (slots[None, :] <= queries)[None]
-        if self.window is not None:
-            visible &= within_window(positions, self.positions[:, :self.end], self.window)
-        self.mask = (visible | (slots[None, :] == queries)[None])[:, None]  # [batch, 1, seq, end]
-        return self
+        if window is not None:
+            visible &= within_window(positions, self.positions[:, :self.end], window)
+        return (visible | (slots[None, :] == queries)[None])[:, None]
 
     def layer(self, layer_id: int) -> "LayerView":
         return LayerView(self, layer_id)
@@ -68,7 +75,8 @@ class LayerView:
             c.values[self.layer_id] = torch.zeros(shape, dtype=v.dtype, device=v.device)
         keys, values = c.keys[self.layer_id], c.values[self.layer_id]
         keys[:, :, c.start:c.end], values[:, :, c.start:c.end] = k, v
-        return grouped_attention(q, keys[:, :, :c.end], values[:, :, :c.end], attn_mask=c.mask)
+        mask = c.masks[c.windows[self.layer_id]]
+        return grouped_attention(q, keys[:, :, :c.end], values[:, :, :c.end], attn_mask=mask)
 
 
 def kv_cache_bytes(args: LlamaArgs, rows: int, capacity: int, element_bytes: int, tp: int = 1) -> int:

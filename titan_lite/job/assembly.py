@@ -1,31 +1,26 @@
 """Model assembly, the one path every entry point takes: meta model, transforms, pipeline split, parallelize,
-materialise, init, initial weights, transforms after load."""
+materialise, init, the load plan's initial weights, transforms after load."""
 
 import itertools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from titan_lite.checkpoint.hf import load_hf_weights
-from titan_lite.checkpoint.manager import holds_model, initial_source, weights_only_loader
+from titan_lite.checkpoint.manager import load_initial_weights
+from titan_lite.checkpoint.resume import LoadPlan
 from titan_lite.data.datasets import build_packed_source
 from titan_lite.job.plan import JobPlan
 from titan_lite.loss import build_loss_fn
-from titan_lite.models.llama import Llama
+from titan_lite.models.decoder import Llama
 from titan_lite.parallel.parallelize import loss_parallel_enabled, parallelize_llama
 from titan_lite.parallel.pipeline import PipelineRunner, pipeline_llama, split_llama
 from titan_lite.parallel.runner import ModelRunner
 from titan_lite.transforms import TransformContext
 
 logger = logging.getLogger("titan_lite")
-
-# Loads initial weights into the materialised parts (an HF folder, a DCP checkpoint, ...).
-WeightLoader = Callable[[list[nn.Module]], None]
-
 
 @dataclass
 class BuiltModel:
@@ -76,46 +71,28 @@ def materialise(parts: list[nn.Module], plan: JobPlan, device: torch.device, see
         part.train()
 
 
-def assemble_model(plan: JobPlan, device: torch.device, *, seed: int = 0, load: WeightLoader | None = None,
-                   resume_from: Path | None = None) -> BuiltModel:
-    """Build, materialise and initialise this rank's parts, load the initial weights (if any), then let the
-    transforms work on real weights (`after_load`). The trainer and the scripts come through here.
+def assemble_model(plan: JobPlan, device: torch.device, *, seed: int = 0,
+                   load: LoadPlan | None = None) -> BuiltModel:
+    """Build, materialise and initialise this rank's parts, load the load plan's initial weights (if any), then let
+    the transforms work on real weights (`after_load`). The trainer and the scripts come through here.
 
-    resume_from: the checkpoint the caller loads afterwards. When it restores every parameter the initial weights
-    are not loaded; when it does not (adapter-only checkpoints) they are, and the rest comes from the checkpoint.
+    The plan's checkpoint is loaded by the caller afterwards (CheckpointManager.load_planned). When it restores every
+    parameter the initial weights are not loaded; when it does not (adapter-only checkpoints) they are, and the rest
+    comes from the checkpoint.
     """
+    load = load or LoadPlan()
     loss_fn = loss_function(plan)
     parts, pipeline = build_parts(plan, device, loss_fn)
     materialise(parts, plan, device, seed)
     built = BuiltModel(parts, ModelRunner(parts, plan.parallel_dims, plan.cfg, device, loss_fn, pipeline), pipeline)
-    restores_model = resume_from is not None and holds_model(resume_from, parts, plan.transforms.saves_parameter)
-    if load is not None and not restores_model:
-        load(parts)
+    restores_model = load_initial_weights(load, parts, plan.cfg.checkpoint, plan.model_args, plan.transforms.hf_names,
+                                          plan.transforms.saves_parameter)
     plan.transforms.after_load(TransformContext(
         cfg=plan.cfg, model_args=plan.model_args, parallel_dims=plan.parallel_dims, device=device,
         tokenizer=plan.tokenizer, model_parts=parts, runner=built.runner,
-        calibration_batches=calibration_source(plan, device), resuming=resume_from is not None,
+        calibration_batches=calibration_source(plan, device), resuming=load.resuming,
         checkpoint_holds_model=restores_model))
     return built
-
-
-def initial_weight_loader(plan: JobPlan) -> WeightLoader | None:
-    """The run's initial weights (checkpoint.initial_load_path / initial_load_in_hf): an HF or DCP loader, or None."""
-    source = initial_source(plan.cfg)
-    if source is None:
-        return None
-    kind, path = source
-    return hf_weight_loader(plan, path) if kind == "hf" else weights_only_loader(plan.cfg.checkpoint, path)
-
-
-def hf_weight_loader(plan: JobPlan, folder: str | Path) -> WeightLoader:
-    """Loads an HF safetensors folder into the parts (each rank reads only its shard of each tensor)."""
-    names = plan.transforms.hf_names()
-
-    def load(parts: list[nn.Module]) -> None:
-        load_hf_weights(parts, str(folder), plan.model_args, names)
-        logger.info(f"loaded Hugging Face weights from {folder}")
-    return load
 
 
 def calibration_source(plan: JobPlan, device: torch.device):

@@ -15,8 +15,9 @@ from titan_lite.config.schema import JobConfig
 from titan_lite.distributed import compute_dtype
 from titan_lite.dtensor import local_tensor
 from titan_lite.job.plan import gradient_accumulation_steps
-from titan_lite.models.llama import LlamaArgs
-from titan_lite.models.llama.model import MoE, canonical_name
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.parameters import canonical_name
+from titan_lite.models.parts.moe import MoE
 from titan_lite.parallel import memory_estimate as me
 from titan_lite.parallel.compile import compiles_model
 from titan_lite.parallel.fsdp import reshard_after_forward

@@ -6,12 +6,13 @@ from pathlib import Path
 import torch
 
 from titan_lite.checkpoint.manager import CheckpointManager
+from titan_lite.checkpoint.resume import plan_initial
 from titan_lite.config import JobConfig, parse_args
 from titan_lite.errors import ConfigError
-from titan_lite.job.assembly import BuiltModel, assemble_model, initial_weight_loader
+from titan_lite.job.assembly import BuiltModel, assemble_model
 from titan_lite.job.plan import HF_FLAVOR, JobPlan, plan_job
-from titan_lite.models.llama.args import FLAVORS
-from titan_lite.models.llama.hf import check_args_against_hf_config
+from titan_lite.models.flavors import FLAVORS
+from titan_lite.models.hf.config import check_args_against_hf_config
 from titan_lite.transforms import apply_peft_adapter
 
 
@@ -63,11 +64,10 @@ def build_model(cfg: JobConfig, checkpoint: str | None, device: torch.device) ->
 
 def assemble_with_checkpoint(plan: JobPlan, checkpoint: str | None, device: torch.device) -> BuiltModel:
     """One whole model of `plan` on `device` from its initial weights, with a checkpoint's saved parameters on top."""
-    folder = Path(checkpoint) if checkpoint else None
-    built = assemble_model(plan, device, seed=plan.cfg.debug.seed or 0, load=initial_weight_loader(plan),
-                           resume_from=folder)
-    if folder is not None:
-        manager = CheckpointManager(plan.cfg.checkpoint, folder.parent, built.parts, None, {},
+    loading = plan_initial(plan.cfg, Path(checkpoint) if checkpoint else None)
+    built = assemble_model(plan, device, seed=plan.cfg.debug.seed or 0, load=loading)
+    if loading.checkpoint is not None:
+        manager = CheckpointManager(plan.cfg.checkpoint, loading.checkpoint.parent, built.parts, None, {},
                                     saves_parameter=plan.transforms.saves_parameter)
-        manager.load_folder(folder, model_only=True)
+        manager.load_planned(loading)
     return built

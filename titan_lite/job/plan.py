@@ -13,7 +13,7 @@ from typing import TypeVar
 import torch
 
 from titan_lite.checkpoint.hf import weight_files
-from titan_lite.checkpoint.manager import check_source_before_launch, initial_source
+from titan_lite.checkpoint.resume import check_source_before_launch, initial_source
 from titan_lite.config.schema import JobConfig
 from titan_lite.config.validate import validate
 from titan_lite.data.dataloader import build_section_source, samples_per_epoch
@@ -30,8 +30,10 @@ from titan_lite.distributed import choose_backend, device_type
 from titan_lite.errors import ConfigError
 from titan_lite.job.rope import apply_rope_settings
 from titan_lite.metrics.wandb_writer import check_wandb_installed
-from titan_lite.models.llama import FLAVORS, Llama, LlamaArgs, flavor_args
-from titan_lite.models.llama.hf import args_from_hf_config, check_args_against_hf_config, read_hf_config
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.decoder import Llama
+from titan_lite.models.flavors import FLAVORS, flavor_args
+from titan_lite.models.hf.config import args_from_hf_config, check_args_against_hf_config, read_hf_config
 from titan_lite.parallel.context_parallel import check_sequence_lengths
 from titan_lite.parallel.expert_parallel import check_ep_divisibility
 from titan_lite.parallel.fsdp import check_cpu_offload

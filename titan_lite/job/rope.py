@@ -4,7 +4,7 @@ from dataclasses import fields, replace
 
 from titan_lite.config.schema import RoPE
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama import LlamaArgs
+from titan_lite.models.args import LlamaArgs
 
 # [model.rope] key -> the LlamaArgs field it sets, and the scaling types that read it (None: every type).
 _KEYS = {
@@ -43,7 +43,7 @@ def apply_rope_settings(args: LlamaArgs, rope: RoPE) -> LlamaArgs:
     if kind != _current_type(args):
         args = _fresh_scaling(args, kind, given)
     args = replace(args, **{_KEYS[key][0]: value for key, value in given.items()})
-    if "rope_factor" in given and not args.rope_scaling_factor >= 1:  # config.json's own factor: models/llama/hf.py
+    if "rope_factor" in given and not args.rope_scaling_factor >= 1:  # config.json's own factor: models/hf/rope.py
         raise ConfigError(f"'model.rope.rope_factor' must be at least 1 (the factor the context grows by), got "
                           f"{args.rope_scaling_factor}")
     return args

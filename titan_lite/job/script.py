@@ -17,7 +17,7 @@ from titan_lite.errors import USER_ERROR, ConfigError, quote_path
 from titan_lite.job.outputs import check_replaceable
 from titan_lite.job.plan import HF_FLAVOR, JobPlan, plan_job
 from titan_lite.metrics.logger import init_logger
-from titan_lite.models.llama.hf import flavor_of_hf_config
+from titan_lite.models.hf.config import flavor_of_hf_config
 
 logger = logging.getLogger("titan_lite")
 DTYPES = ("auto", "float32", "bfloat16")

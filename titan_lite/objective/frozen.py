@@ -12,18 +12,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from titan_lite.checkpoint.manager import check_source_before_launch
+from titan_lite.checkpoint.resume import check_source_before_launch, plan_initial
 from titan_lite.config import parse_args
 from titan_lite.config.schema import ActivationCheckpoint, Checkpoint, Distill, JobConfig
 from titan_lite.data.tokenizer import Tokenizer, build_tokenizer
 from titan_lite.distributed import compute_dtype
 from titan_lite.errors import ConfigError, quote_path
-from titan_lite.job.assembly import BuiltModel, assemble_model, build_parts, initial_weight_loader
+from titan_lite.job.assembly import BuiltModel, assemble_model, build_parts
 from titan_lite.job.estimate import data_parallel_units, local_numel
 from titan_lite.job.plan import HF_FLAVOR, JobPlan, check_initial_weights, plan_with_tokenizer, tokenizer_path
 from titan_lite.job.script import model_flavor
 from titan_lite.loss import cross_entropy_sum
-from titan_lite.models.llama.args import flavor_args
+from titan_lite.models.flavors import flavor_args
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.pipeline import PipelineRunner
 from titan_lite.transforms import PlanItem
@@ -189,7 +189,7 @@ def frozen_files_problem(cfg: JobConfig, spec: FrozenSpec) -> str | None:
 def assemble_frozen(plan: JobPlan, spec: FrozenSpec, device: torch.device, seed: int) -> tuple[JobPlan, BuiltModel]:
     """The frozen model built on the trained model's mesh, loaded, with no gradients, in eval mode."""
     tplan = frozen_plan(plan, spec, device.type)
-    built = assemble_model(tplan, device, seed=seed, load=initial_weight_loader(tplan))
+    built = assemble_model(tplan, device, seed=seed, load=plan_initial(tplan.cfg))
     for part in built.parts:
         part.requires_grad_(False)
         part.eval()

@@ -6,8 +6,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from titan_lite.models.llama.args import LlamaArgs
-from titan_lite.models.llama.model import MoE, canonical_name
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.parameters import canonical_name
+from titan_lite.models.parts.moe import MoE
 
 
 def moe_layers(model_parts: list[nn.Module]) -> dict[int, MoE]:

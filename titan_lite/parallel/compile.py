@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from titan_lite.config.schema import Compile
-from titan_lite.models.llama.model import MoE
+from titan_lite.models.parts.moe import MoE
 
 
 def apply_compile(model: nn.Module, compile_cfg: Compile, tp_enabled: bool = False) -> None:

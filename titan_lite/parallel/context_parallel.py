@@ -13,7 +13,8 @@ from torch import nn
 
 from titan_lite.config.schema import JobConfig
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama.model import block_causal_mask, grouped_attention, within_window
+from titan_lite.models.parts.masks import block_causal_mask, within_window
+from titan_lite.models.parts.sdpa import grouped_attention
 
 HEADTAIL = "headtail"
 

@@ -12,8 +12,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from titan_lite.config.schema import JobConfig
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama.args import LlamaArgs
-from titan_lite.models.llama.model import MoE
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.parts.moe import MoE
 from titan_lite.parallel.fsdp import mixed_precision_policy, offload_policy, reshard_after_forward
 from titan_lite.parallel.parallel_dims import ParallelDims
 

@@ -3,7 +3,7 @@
 import itertools
 from dataclasses import dataclass, field
 
-from titan_lite.models.llama.args import LlamaArgs
+from titan_lite.models.args import LlamaArgs
 
 GIB = 1024**3
 FP32 = 4

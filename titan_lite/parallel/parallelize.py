@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from titan_lite.config.schema import JobConfig
-from titan_lite.models.llama.model import canonical_name
+from titan_lite.models.parameters import canonical_name
 from titan_lite.parallel.activation_checkpoint import apply_ac
 from titan_lite.parallel.compile import apply_compile, compiles_model
 from titan_lite.parallel.context_parallel import apply_cp

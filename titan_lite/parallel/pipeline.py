@@ -9,8 +9,8 @@ from torch import nn
 
 from titan_lite.config.schema import JobConfig
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama import Llama
-from titan_lite.models.llama.model import MoE
+from titan_lite.models.decoder import Llama
+from titan_lite.models.parts.moe import MoE
 from titan_lite.parallel.parallel_dims import ParallelDims
 
 # torch.distributed.pipelining imports torch._dynamo (about a second): only the schedule needs it, so it is imported

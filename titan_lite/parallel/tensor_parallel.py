@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama.args import LlamaArgs
+from titan_lite.models.args import LlamaArgs
 
 
 def check_tp_divisibility(args: LlamaArgs, tp: int) -> None:

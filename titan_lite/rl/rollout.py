@@ -219,6 +219,7 @@ class RolloutSource:
             raise ConfigError(f"the checkpoint's rollouts have {state['global_batch']} completions per step, this run "
                               f"{self.layout.global_batch}; set 'training.global_batch_size' to "
                               f"{state['global_batch']} to continue the same run")
+        self.prompts.seek(state["prompts"])  # a position of another order (rows, shuffle, seed) is one line now
         self.prompt_state, self.rollouts = state["prompts"], state["rollouts"]
         self.current = Rollout.from_state(state["rollout"]) if state["rollout"] is not None else None
 

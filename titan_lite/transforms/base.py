@@ -59,8 +59,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from titan_lite.config.schema import JobConfig
 from titan_lite.errors import ConfigError, did_you_mean
-from titan_lite.models.llama.args import LlamaArgs
-from titan_lite.models.llama.hf import HFNames
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.hf.names import HFNames
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.runner import ModelRunner
 

@@ -10,8 +10,9 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from titan_lite.config.schema import JobConfig
 from titan_lite.distributed import device_type
-from titan_lite.models.llama.args import LlamaArgs
-from titan_lite.models.llama.model import Llama, canonical_name
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.decoder import Llama
+from titan_lite.models.parameters import canonical_name
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.transforms.base import PlanContext, PlanItem, Transform, TransformContext, register_transform
 from titan_lite.transforms.float8.adapters import Float8BaseLinear, takes_base_linear

@@ -22,7 +22,7 @@ from titan_lite.checkpoint.peft import (
     titan_tensor_name,
 )
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama.args import LlamaArgs
+from titan_lite.models.args import LlamaArgs
 from titan_lite.transforms.lora.module import ADAPTER_PARAMS, PISSA_INIT_PARAMS, merged_weight
 from titan_lite.transforms.lora.options import FULL_MODULES, PROJECTIONS, AdapterSpec, LoraOptions
 from titan_lite.transforms.lora.sparse import adapter_keeps_sparsity

@@ -9,7 +9,7 @@ from torch import nn
 
 from titan_lite.dtensor import local_tensor
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama.model import GroupedExperts, grouped_mm
+from titan_lite.models.parts.experts import GroupedExperts, grouped_mm
 from titan_lite.transforms.lora.module import kaiming_uniform_a
 from titan_lite.transforms.lora.options import pattern_matches
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from titan_lite.config.schema import JobConfig, Lora
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama.args import LlamaArgs
-from titan_lite.models.llama.hf import LLAMA_NAMES
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.hf.names import LLAMA_NAMES
 from titan_lite.transforms.lora.module import adapter_scale
 
 # titan_lite projection -> (its parent in a block, the Hugging Face name)

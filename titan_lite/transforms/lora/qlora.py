@@ -10,8 +10,8 @@ from torch import nn
 from titan_lite.config.schema import JobConfig
 from titan_lite.dtensor import copy_into_shard, full_tensor
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama.args import LlamaArgs
-from titan_lite.models.llama.model import canonical_name
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.parameters import canonical_name
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.transforms.base import PlanContext, PlanItem
 from titan_lite.transforms.lora.module import LoRALinear, _like, dora_magnitude

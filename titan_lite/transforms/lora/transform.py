@@ -22,9 +22,9 @@ from titan_lite.checkpoint.peft import (
 from titan_lite.config.schema import JobConfig
 from titan_lite.distributed import compute_dtype, local_device
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama.args import LlamaArgs
-from titan_lite.models.llama.hf import HFNames
-from titan_lite.models.llama.model import canonical_name
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.hf.names import HFNames
+from titan_lite.models.parameters import canonical_name
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.transforms.base import PlanContext, PlanItem, Transform, TransformContext, register_transform
 from titan_lite.transforms.lora.adapters import (

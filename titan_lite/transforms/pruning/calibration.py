@@ -27,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from titan_lite.config.schema import Pruning
 from titan_lite.dtensor import copy_into_shard, full_tensor, local_tensor
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama.model import canonical_name
+from titan_lite.models.parameters import canonical_name
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.transforms.pruning.masks import attach_mask, shard_like
 from titan_lite.transforms.pruning.methods import InputSquares, Method, build_method

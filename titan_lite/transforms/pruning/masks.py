@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_lite.dtensor import local_tensor
-from titan_lite.models.llama.model import canonical_name
+from titan_lite.models.parameters import canonical_name
 
 # The buffer a pruned linear carries: True where the weight is kept (torch.nn.utils.prune's convention).
 MASK = "weight_mask"

@@ -11,7 +11,7 @@ from torch.distributed.fsdp import FSDPModule
 from titan_lite.config.schema import JobConfig, Pruning
 from titan_lite.distributed import compute_dtype
 from titan_lite.dtensor import local_tensor
-from titan_lite.models.llama.args import LlamaArgs
+from titan_lite.models.args import LlamaArgs
 from titan_lite.parallel.memory_estimate import GIB
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.transforms.pruning.calibration import Target, find_targets

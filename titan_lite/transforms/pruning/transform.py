@@ -15,7 +15,7 @@ from titan_lite.data.datasets import check_dataset
 from titan_lite.dtensor import local_tensor
 from titan_lite.errors import ConfigError
 from titan_lite.metrics.memory import PeakReading, device_capacity_gib, measure_peak
-from titan_lite.models.llama.args import LlamaArgs
+from titan_lite.models.args import LlamaArgs
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.transforms.base import PassPlan, PlanContext, Transform, TransformContext, register_transform
 from titan_lite.transforms.pruning.calibration import OneShotPruner, PruneResult, find_targets

@@ -4,7 +4,7 @@ import logging
 
 import torch
 
-from titan_lite.models.llama.args import LlamaArgs
+from titan_lite.models.args import LlamaArgs
 from titan_lite.transforms.sheared.modules import deterministic_mask
 from titan_lite.transforms.sheared.targets import Targets
 from titan_lite.transforms.structured.materialize import StructureKeep, materialize_state_dict, param_count

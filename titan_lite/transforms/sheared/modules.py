@@ -19,7 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_lite.models.llama.model import Attention, FeedForward, RMSNorm, TransformerBlock
+from titan_lite.models.parts.attention import Attention
+from titan_lite.models.parts.block import TransformerBlock
+from titan_lite.models.parts.feed_forward import FeedForward
+from titan_lite.models.parts.norms import RMSNorm
 from titan_lite.transforms.sheared import gates
 from titan_lite.transforms.sheared.targets import KINDS, Targets
 

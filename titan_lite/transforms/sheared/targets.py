@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 from titan_lite.config.schema import Sheared
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama.args import LlamaArgs
+from titan_lite.models.args import LlamaArgs
 from titan_lite.transforms.structured.materialize import family_layer_params
 
 # Gate types, in the order of the Lagrange multiplier rows.

@@ -11,8 +11,8 @@ from titan_lite.checkpoint.hf import export_hf
 from titan_lite.config.schema import JobConfig
 from titan_lite.dtensor import full_tensor, local_tensor
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama.args import LlamaArgs
-from titan_lite.models.llama.hf import HFNames
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.hf.names import HFNames
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.transforms.base import Transform, TransformContext, register_transform
 from titan_lite.transforms.sheared import gates

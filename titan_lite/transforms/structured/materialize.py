@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from titan_lite.checkpoint.hf import write_hf_folder
-from titan_lite.models.llama.args import LlamaArgs
-from titan_lite.models.llama.hf import read_hf_config
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.hf.config import read_hf_config
 
 
 @dataclass

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from titan_lite.data.batch import Batch
 from titan_lite.dtensor import full_tensor
 from titan_lite.errors import ConfigError
-from titan_lite.models.llama.args import LlamaArgs
+from titan_lite.models.args import LlamaArgs
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.runner import ModelRunner
 from titan_lite.transforms.structured.materialize import StructureKeep

@@ -1,103 +1,9 @@
-"""Decoder arguments (Llama and the families that are options of it: Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral) and the
-named flavors (sizes) with their published shapes."""
+"""The named flavors (sizes) of the decoder with their published shapes, and flavor_args."""
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from titan_lite.errors import did_you_mean
-
-
-@dataclass
-class LlamaArgs:
-    dim: int = 256
-    n_layers: int = 6
-    n_heads: int = 16
-    n_kv_heads: int | None = None  # None = n_heads (no GQA)
-    vocab_size: int = 2048
-    ffn_dim: int = 768  # SwiGLU hidden size (HF `intermediate_size`)
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    # Long-context RoPE scaling, as transformers' rope types; factor None disables it. rope_scaling_type: "llama3"
-    # (Llama 3.1's frequency bands, low/high_freq_factor), "yarn" (frequencies blended from the original to the
-    # original / factor over the pairs between beta_fast and beta_slow rotations in the original context; cos and sin
-    # times an attention factor) or "linear" (every frequency / factor, i.e. positions / factor).
-    rope_scaling_factor: float | None = None
-    rope_scaling_type: str = "llama3"
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_seq_len: int = 8192
-    rope_beta_fast: float = 32.0
-    rope_beta_slow: float = 1.0
-    rope_truncate: bool = True  # yarn: the ramp's ends rounded outwards to whole pairs
-    # yarn's multiplier of cos and sin; None = 0.1 ln(factor) + 1, or the ratio of the two when (DeepSeek's) mscale
-    # and mscale_all_dim are given
-    rope_attention_factor: float | None = None
-    rope_mscale: float | None = None
-    rope_mscale_all_dim: float | None = None
-    max_seq_len: int = 2048
-    tie_word_embeddings: bool = False
-    # Per-layer widths after structured pruning (None = uniform). Lengths equal n_layers.
-    layer_n_heads: list[int] | None = None
-    layer_n_kv_heads: list[int] | None = None
-    layer_ffn_dims: list[int] | None = None
-    # Per-head width when it is not dim // n_heads (structured pruning keeps head_dim while dim or n_heads shrink).
-    explicit_head_dim: int | None = None
-    # Family options of the one decoder. `family` is the Hugging Face model_type an export writes (llama, qwen2, qwen3,
-    # mistral); the others change the computation: q/k/v biases (Qwen2/2.5), an RMSNorm over head_dim on each head's
-    # q and k after projection and before RoPE (Qwen3), and attention to the last `sliding_window` positions only
-    # (Mistral v0.1; None = the whole causal past).
-    family: str = "llama"
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    sliding_window: int | None = None
-    # torchtitan's attention options: the kernel (sdpa; flex: FlexAttention on CUDA) and the mask (causal, or
-    # block_causal: packed documents attend only within themselves).
-    attn_type: str = "sdpa"
-    attn_mask_type: str = "causal"
-    # Mixture of experts (Qwen3-MoE, Mixtral): with n_experts > 0 the feed-forward of each MoE layer is a router over
-    # n_experts SwiGLU experts of width moe_ffn_dim (HF moe_intermediate_size); each token goes to its moe_top_k most
-    # probable experts (num_experts_per_tok), their weights renormalised to sum 1 when moe_norm_topk_prob. Layer i is
-    # MoE when (i + 1) % moe_sparse_step == 0 and i is not in moe_dense_layers (HF decoder_sparse_step,
-    # mlp_only_layers); the other layers keep a dense feed-forward of ffn_dim. Training adds router_aux_loss_coef x
-    # transformers' load-balancing loss.
-    n_experts: int = 0
-    moe_top_k: int = 0
-    moe_ffn_dim: int = 0
-    moe_norm_topk_prob: bool = False
-    moe_sparse_step: int = 1
-    moe_dense_layers: list[int] | None = None
-    router_aux_loss_coef: float = 0.0
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.explicit_head_dim or self.dim // self.n_heads
-
-    def heads_of(self, layer: int) -> tuple[int, int]:
-        """(query heads, kv heads) of one layer."""
-        q = self.layer_n_heads[layer] if self.layer_n_heads else self.n_heads
-        kv = self.layer_n_kv_heads[layer] if self.layer_n_kv_heads else self.kv_heads
-        return q, kv
-
-    def ffn_dim_of(self, layer: int) -> int:
-        return self.layer_ffn_dims[layer] if self.layer_ffn_dims else self.ffn_dim
-
-    def is_moe_layer(self, layer: int) -> bool:
-        """Whether layer's feed-forward is routed experts (Qwen3-MoE's rule) rather than a dense SwiGLU."""
-        return self.n_experts > 0 and (layer + 1) % self.moe_sparse_step == 0 and \
-            layer not in (self.moe_dense_layers or [])
-
-    @property
-    def moe_layers(self) -> list[int]:
-        return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
-
-    def inactive_param_count(self) -> int:
-        """Parameters a token does not use: the experts outside its top-k in every MoE layer."""
-        per_expert = 3 * self.dim * self.moe_ffn_dim
-        return len(self.moe_layers) * (self.n_experts - self.moe_top_k) * per_expert
-
+from titan_lite.models.args import LlamaArgs
 
 _QWEN3 = dict(family="qwen3", qk_norm=True, explicit_head_dim=128, vocab_size=151936, rope_theta=1000000.0,
               norm_eps=1e-6)
@@ -202,10 +108,6 @@ FLAVORS: dict[str, LlamaArgs] = {
     "8B_flex": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336,
                          attn_type="flex", attn_mask_type="block_causal", **_LLAMA31_ROPE),
 }
-
-
-# The rope types a model can train with; transformers' "dynamic" is refused where it is read (hf.py, the config).
-ROPE_SCALING_TYPES = ("llama3", "yarn", "linear")
 
 
 def flavor_args(flavor: str) -> LlamaArgs:

@@ -1,0 +1,167 @@
+"""The families titan_lite reads and writes, a row per Hugging Face model_type: the architecture, the options the
+family fixes (q/k/v biases, q/k norms), whether it may route experts or slide a window, its own config.json keys in
+each direction, and how its files spell the layer names apart from Qwen3-MoE's (models/hf/names.py)."""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from titan_lite.errors import ConfigError
+from titan_lite.models.args import LlamaArgs
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str
+    read: Callable[[dict, str], dict]  # config.json -> the LlamaArgs options it sets (ConfigError naming a key)
+    write: Callable[[LlamaArgs], dict]  # LlamaArgs -> the config.json keys of this family's own
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    moe: bool = False  # may route experts
+    window: bool = False  # may attend within a sliding window
+    renames: dict[str, str] = field(default_factory=dict)  # HF layer suffixes spelled apart from Qwen3-MoE's
+    check: Callable[[LlamaArgs, str], None] | None = None  # refuses args the family's class cannot hold
+
+
+def require_key(cfg: dict, key: str, source: str):
+    """cfg[key]; a ConfigError naming the file and the key when it is missing."""
+    if key not in cfg:
+        raise ConfigError(f"{source}: missing '{key}'")
+    return cfg[key]
+
+
+def expect_value(cfg: dict, key: str, allowed: tuple, source: str) -> None:
+    """A ConfigError naming the key where cfg sets it to a value outside `allowed` (the first is the one named)."""
+    if key in cfg and cfg[key] not in allowed:
+        family = FAMILIES.get(cfg.get("model_type", "llama"))
+        model = family.architecture if family else "Llama"
+        raise ConfigError(f"{source}: '{key}' is {cfg[key]!r}; titan_lite's {model} supports only {allowed[0]!r}")
+
+
+# ------------------------------------------------------------------------------------- config.json -> args
+
+
+def _llama_options(cfg: dict, source: str) -> dict:
+    expect_value(cfg, "attention_bias", (False,), source)
+    expect_value(cfg, "mlp_bias", (False,), source)
+    return {}
+
+
+def _uniform_window(cfg: dict, source: str) -> dict:
+    """Mistral and Mixtral: one sliding window (or none) in every layer."""
+    layer_types = cfg.get("layer_types") or []
+    if len(set(layer_types)) > 1:
+        raise ConfigError(f"{source}: 'layer_types' mixes {sorted(set(layer_types))}; titan_lite's "
+                          f"{FAMILIES[cfg['model_type']].architecture} attends the same way in every layer")
+    window = cfg.get("sliding_window")
+    return {"sliding_window": int(window) if window is not None else None}
+
+
+def _no_window(cfg: dict, source: str) -> dict:
+    """Qwen2 and Qwen3: a window applies only to the layers from max_window_layers on, when use_sliding_window is
+    set; titan_lite reads only configs without one."""
+    model_type = cfg["model_type"]
+    if cfg.get("use_sliding_window"):
+        raise ConfigError(f"{source}: 'use_sliding_window' is true (sliding windows in the layers from "
+                          f"max_window_layers = {cfg.get('max_window_layers')} on); titan_lite's {model_type} "
+                          "supports only false")
+    layer_types = cfg.get("layer_types") or []
+    if any(kind != "full_attention" for kind in layer_types):
+        raise ConfigError(f"{source}: 'layer_types' has {sorted(set(layer_types))}; titan_lite's {model_type} "
+                          "supports only 'full_attention'")
+    return {}
+
+
+def _qwen3_options(cfg: dict, source: str) -> dict:
+    options = _no_window(cfg, source)
+    expect_value(cfg, "attention_bias", (False,), source)  # True would also give o_proj a bias
+    return options
+
+
+def _qwen3_moe_options(cfg: dict, source: str) -> dict:
+    """Qwen3-MoE's experts (transformers 5 writes num_experts as num_local_experts); none: a dense Qwen3."""
+    options = _no_window(cfg, source)
+    expect_value(cfg, "attention_bias", (False,), source)
+    n_experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
+    if not n_experts:
+        return options
+    top_k = int(require_key(cfg, "num_experts_per_tok", source))
+    if not 0 < top_k <= n_experts:
+        raise ConfigError(f"{source}: 'num_experts_per_tok' is {top_k}; expected 1 to num_experts = {n_experts}")
+    return {**options, "n_experts": n_experts, "moe_top_k": top_k,
+            "moe_ffn_dim": int(require_key(cfg, "moe_intermediate_size", source)),
+            "moe_norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "moe_sparse_step": int(cfg.get("decoder_sparse_step", 1)),
+            "moe_dense_layers": sorted(int(i) for i in cfg.get("mlp_only_layers") or []) or None,
+            "router_aux_loss_coef": float(cfg.get("router_aux_loss_coef", 0.001))}
+
+
+def _mixtral_options(cfg: dict, source: str) -> dict:
+    """Mixtral: every layer routed, top-k renormalised, experts of intermediate_size; router jitter (training noise
+    on the router's input) is not supported."""
+    window = _uniform_window(cfg, source)
+    expect_value(cfg, "router_jitter_noise", (0, 0.0), source)
+    n_experts = int(require_key(cfg, "num_local_experts", source))
+    top_k = int(require_key(cfg, "num_experts_per_tok", source))
+    if not 0 < top_k <= n_experts:
+        raise ConfigError(f"{source}: 'num_experts_per_tok' is {top_k}; expected 1 to num_local_experts = "
+                          f"{n_experts}")
+    return {**window, "n_experts": n_experts, "moe_top_k": top_k,
+            "moe_ffn_dim": int(require_key(cfg, "intermediate_size", source)), "moe_norm_topk_prob": True,
+            "router_aux_loss_coef": float(cfg.get("router_aux_loss_coef", 0.001))}
+
+
+# ------------------------------------------------------------------------------------- args -> config.json
+
+
+def _no_window_keys(args: LlamaArgs) -> dict:
+    return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": args.n_layers}
+
+
+def _qwen3_moe_keys(args: LlamaArgs) -> dict:
+    return {"attention_bias": False, **_no_window_keys(args),
+            "num_experts": args.n_experts, "num_experts_per_tok": args.moe_top_k,
+            "moe_intermediate_size": args.moe_ffn_dim, "norm_topk_prob": args.moe_norm_topk_prob,
+            "decoder_sparse_step": args.moe_sparse_step, "mlp_only_layers": list(args.moe_dense_layers or []),
+            "router_aux_loss_coef": args.router_aux_loss_coef, "output_router_logits": False}
+
+
+def _mixtral_keys(args: LlamaArgs) -> dict:
+    """Mixtral: every layer MoE, intermediate_size the experts' width."""
+    return {"sliding_window": args.sliding_window, "intermediate_size": args.moe_ffn_dim,
+            "num_local_experts": args.n_experts, "num_experts_per_tok": args.moe_top_k,
+            "router_aux_loss_coef": args.router_aux_loss_coef, "router_jitter_noise": 0.0,
+            "output_router_logits": False}
+
+
+def _mixtral_check(args: LlamaArgs, source: str) -> None:
+    """MixtralForCausalLM: every layer MoE of one width, the top-k weights always renormalised."""
+    differs = {"moe_norm_topk_prob": (args.moe_norm_topk_prob, True),
+               "MoE layers": (args.moe_layers, list(range(args.n_layers))),
+               "moe_ffn_dim": (args.moe_ffn_dim, args.ffn_dim)}
+    for option, (ours, mixtral) in differs.items():
+        if ours != mixtral:
+            raise ConfigError(f"{source}: {option} = {ours} cannot be written as a MixtralForCausalLM, which has "
+                              f"{mixtral}")
+
+
+# Mixtral's layer suffixes for Qwen3-MoE's (names.py's table).
+_MIXTRAL_NAMES = {"mlp.gate.weight": "block_sparse_moe.gate.weight",
+                  "mlp.experts.{j}.gate_proj.weight": "block_sparse_moe.experts.{j}.w1.weight",
+                  "mlp.experts.{j}.up_proj.weight": "block_sparse_moe.experts.{j}.w3.weight",
+                  "mlp.experts.{j}.down_proj.weight": "block_sparse_moe.experts.{j}.w2.weight"}
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("LlamaForCausalLM", _llama_options,
+                    lambda args: {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}),
+    "qwen2": Family("Qwen2ForCausalLM", _no_window, _no_window_keys, qkv_bias=True),
+    "qwen3": Family("Qwen3ForCausalLM", _qwen3_options, lambda args: {"attention_bias": False,
+                                                                     **_no_window_keys(args)}, qk_norm=True),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", _qwen3_moe_options, _qwen3_moe_keys, qk_norm=True, moe=True),
+    "mistral": Family("MistralForCausalLM", _uniform_window, lambda args: {"sliding_window": args.sliding_window},
+                      window=True),
+    "mixtral": Family("MixtralForCausalLM", _mixtral_options, _mixtral_keys, moe=True, window=True,
+                      renames=_MIXTRAL_NAMES, check=_mixtral_check),
+}
+ARCHITECTURES = {model_type: family.architecture for model_type, family in FAMILIES.items()}
+MOE_FAMILIES = tuple(model_type for model_type, family in FAMILIES.items() if family.moe)
+WINDOW_FAMILIES = tuple(model_type for model_type, family in FAMILIES.items() if family.window)

@@ -1,0 +1,138 @@
+"""titan_lite <-> Hugging Face state-dict names of the decoder: the layer and top-level names, one HF tensor per
+expert for the grouped expert weights, each family's spelling (the renames of its row in families.py), and the
+names a transform adds."""
+
+import re
+from dataclasses import dataclass, field, replace
+
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.hf.families import FAMILIES
+
+# titan_lite name (with {i} for the layer) -> HF name.
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",  # Qwen2/2.5
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "moe.router.gate.weight": "mlp.gate.weight",  # Qwen3-MoE
+}
+# Grouped expert weights [E, ...] (titan_lite suffix) -> the HF suffix of expert j's own tensor, {j} its index.
+_EXPERT_NAMES = {
+    "moe.experts.w1": "mlp.experts.{j}.gate_proj.weight",
+    "moe.experts.w3": "mlp.experts.{j}.up_proj.weight",
+    "moe.experts.w2": "mlp.experts.{j}.down_proj.weight",
+}
+_TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_TITAN_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+@dataclass
+class HFNames:
+    """titan_lite <-> HF names of a Llama's parameters. A transform extends the run's copy (`Transform.hf_names`)
+    with layer-level names it adds, and with patterns of names that no HF folder holds (adapters, masks)."""
+
+    layer: dict[str, str] = field(default_factory=lambda: dict(_LAYER_NAMES))
+    top: dict[str, str] = field(default_factory=lambda: dict(_TOP_NAMES))
+    not_in_hf: list[re.Pattern] = field(default_factory=list)
+    experts: dict[str, str] = field(default_factory=lambda: dict(_EXPERT_NAMES))
+
+    def add_layer_name(self, titan_suffix: str, hf_suffix: str) -> None:
+        """Map `layers.{i}.<titan_suffix>` to `model.layers.{i}.<hf_suffix>` both ways."""
+        self.layer[titan_suffix] = hf_suffix
+
+    def add_not_in_hf(self, pattern: str) -> None:
+        """titan_lite names matching this regex (searched anywhere in the name) are not read from HF folders."""
+        self.not_in_hf.append(re.compile(pattern))
+
+    def in_hf(self, name: str) -> bool:
+        return not any(p.search(name) for p in self.not_in_hf)
+
+    def to_hf(self, name: str) -> str:
+        """The HF name of a titan_lite parameter name."""
+        if name in self.top:
+            return self.top[name]
+        match = _TITAN_LAYER.fullmatch(name)
+        if match and match.group(2) in self.layer:
+            return f"model.layers.{match.group(1)}.{self.layer[match.group(2)]}"
+        raise KeyError(f"'{name}' is not a Llama parameter name")
+
+    def to_titan(self, name: str) -> str:
+        """The titan_lite name of an HF LlamaForCausalLM parameter name."""
+        top = {hf: titan for titan, hf in self.top.items()}
+        if name in top:
+            return top[name]
+        match = _HF_LAYER.fullmatch(name)
+        layer = {hf: titan for titan, hf in self.layer.items()}
+        if match and match.group(2) in layer:
+            return f"layers.{match.group(1)}.{layer[match.group(2)]}"
+        raise KeyError(f"'{name}' is not a LlamaForCausalLM parameter name")
+
+    def is_grouped(self, name: str) -> bool:
+        """Whether a titan_lite name is a grouped expert weight [E, ...], held by HF folders as E tensors."""
+        match = _TITAN_LAYER.fullmatch(name)
+        return bool(match) and match.group(2) in self.experts
+
+    def to_hf_experts(self, name: str, n_experts: int) -> list[str]:
+        """The HF names of experts 0..n_experts-1's tensors of a grouped titan_lite weight, in expert order."""
+        layer, suffix = _TITAN_LAYER.fullmatch(name).groups()
+        return [f"model.layers.{layer}.{self.experts[suffix].format(j=j)}" for j in range(n_experts)]
+
+    def expert_of_hf(self, name: str) -> tuple[str, int] | None:
+        """(titan_lite grouped name, expert index) of an HF per-expert tensor name; None for other names."""
+        match = _HF_LAYER.fullmatch(name)
+        if not match:
+            return None
+        for titan, pattern in self.experts.items():
+            expert = re.fullmatch(re.escape(pattern).replace(r"\{j\}", r"(\d+)"), match.group(2))
+            if expert:
+                return f"layers.{match.group(1)}.{titan}", int(expert.group(1))
+        return None
+
+    def hf_names_of(self, name: str, n_experts: int) -> list[str]:
+        """Every HF name a titan_lite parameter is written as: one, or one per expert."""
+        return self.to_hf_experts(name, n_experts) if self.is_grouped(name) else [self.to_hf(name)]
+
+    def for_family(self, family: str) -> "HFNames":
+        """These names as a family's files spell them (Mixtral: block_sparse_moe.experts.{j}.w1, ...)."""
+        renamed = FAMILIES[family].renames if family in FAMILIES else {}
+        if not renamed:
+            return self
+        return replace(self, layer={t: renamed.get(h, h) for t, h in self.layer.items()},
+                       experts={t: renamed.get(h, h) for t, h in self.experts.items()})
+
+
+LLAMA_NAMES = HFNames()  # the plain Llama's names; extend a copy (HFNames()), never this one
+
+
+def hf_name(name: str) -> str:
+    """The HF name of a plain Llama parameter name."""
+    return LLAMA_NAMES.to_hf(name)
+
+
+def titan_name(name: str) -> str:
+    """The titan_lite name of an HF LlamaForCausalLM parameter name."""
+    return LLAMA_NAMES.to_titan(name)
+
+
+def hf_source_names(name: str, args: LlamaArgs, names: HFNames = LLAMA_NAMES) -> list[str]:
+    """HF names a titan_lite parameter may be read from, preferred first (a tied head falls back to the embedding)."""
+    names = names.for_family(args.family)
+    sources = [names.to_hf(name)]
+    if name == "output.weight" and args.tie_word_embeddings:
+        sources.append(names.to_hf("tok_embeddings.weight"))
+    return sources

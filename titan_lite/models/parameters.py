@@ -1,0 +1,43 @@
+"""Parameter names and their initialisation: canonical_name (without wrapper prefixes) and init_parameter
+(torchtitan's init, chosen by the parameter's name)."""
+
+import math
+
+import torch
+from torch import nn
+
+from titan_lite.models.args import LlamaArgs
+
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter name without compile/checkpoint wrapper prefixes."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def init_parameter(name: str, tensor: torch.Tensor, args: LlamaArgs, generator: torch.Generator) -> None:
+    """torchtitan-style init: unit-normal embeddings, std 0.02 projections scaled down with depth on the
+    residual outputs, dim^-0.5 output head, ones for norms."""
+    if name.endswith("norm.weight"):
+        tensor.fill_(1.0)
+        return
+    if name.endswith(".bias"):
+        tensor.zero_()
+        return
+    if name == "tok_embeddings.weight":
+        std = args.dim ** -0.5 if args.tie_word_embeddings else 1.0
+        nn.init.normal_(tensor, 0.0, std, generator=generator)
+        return
+    if name == "output.weight":
+        std = args.dim ** -0.5
+        nn.init.trunc_normal_(tensor, 0.0, std, -3 * std, 3 * std, generator=generator)
+        return
+    std = 0.02
+    if name.startswith("layers.") and name.endswith(("wo.weight", "w2.weight", "w3.weight", "experts.w2",
+                                                     "experts.w3")):
+        layer_id = int(name.split(".")[1])
+        std = 0.02 / math.sqrt(2 * (layer_id + 1))
+    nn.init.trunc_normal_(tensor, 0.0, std, -2 * std, 2 * std, generator=generator)

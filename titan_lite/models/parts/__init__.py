@@ -1,0 +1,1 @@
+"""The parts a decoder block is composed of: mixers, feed-forwards, norms, rope, masks."""

@@ -1,0 +1,71 @@
+"""The attention mixer (attention.wq/wk/wv/wo): GQA, q/k/v biases (Qwen2/2.5), q/k RMSNorms over head_dim (Qwen3,
+attention.q_norm/k_norm), a sliding window (Mistral, the "sliding_attention" layers), RoPE on q and k. It declares
+what packed documents need (`document_mask`, shared by the mixers of one `mask_key`) and its window."""
+
+import torch
+from torch import nn
+
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.parts.cache import LayerCache
+from titan_lite.models.parts.causal import CausalAttention
+from titan_lite.models.parts.norms import RMSNorm
+from titan_lite.models.parts.rope import apply_rope
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped K/V heads; `window` limits it to the last `window` positions. Generation
+    caches every position's keys and values (titan_lite.generate's KVCache, a mask per window)."""
+
+    def __init__(self, args: LlamaArgs, layer_id: int, window: int | None = None):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = args.heads_of(layer_id)
+        self.head_dim = args.head_dim
+        self.window = window
+        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        # Qwen3: one RMSNorm over head_dim, shared by every head, on q and on k.
+        self.q_norm = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.inner_attention = CausalAttention(window, flex=args.attn_type == "flex")
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None,
+                mask=None) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        return self.wo(self.head_outputs(x, rope, cache, mask).reshape(batch, seq, -1))
+
+    def head_outputs(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None,
+                     mask=None) -> torch.Tensor:
+        """Each head's attention output before wo: [batch, seq, heads, head_dim] (a transform may gate heads).
+        rope: the cache of every position [max_seq, pairs, 2], or each token's own rows [batch, seq, pairs, 2];
+        mask: the packed documents' mask (None: causal)."""
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cache is not None:
+            out = cache.attend(q, k, v)
+        else:
+            rows = rope if rope.dim() == 4 else rope[:seq]
+            q, k = apply_rope(q, rows), apply_rope(k, rows)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            # K/V keep their n_kv_heads: the inner attention expands them, after any gather (context parallel).
+            out = self.inner_attention(q, k, v) if mask is None else self.inner_attention(q, k, v, mask)
+        return out.transpose(1, 2)
+
+    @property
+    def mask_key(self) -> int | None:
+        """Mixers with one key share one document mask per forward: attention's depends on its window only."""
+        return self.window
+
+    def document_mask(self, documents: torch.Tensor, dtype: torch.dtype, compiled: bool = False):
+        """The mask of packed documents [batch, seq] this mixer's kernel takes (context parallel's kernel builds its
+        own); `compiled`: the block is compiled, which takes tensor masks only."""
+        inner = self.inner_attention
+        if isinstance(inner, CausalAttention):
+            return inner.document_mask(documents, dtype, compiled=compiled)
+        return inner.document_mask(documents, dtype)

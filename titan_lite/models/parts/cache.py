@@ -1,0 +1,20 @@
+"""The generation cache's interface the mixers call (titan_lite.generate implements it): one layer's view of the
+keys and values, and the cache of every layer."""
+
+from typing import Protocol
+
+import torch
+
+
+class LayerCache(Protocol):
+    """One layer's view of a generation KV cache (titan_lite.generate): rotates q and k at the cached
+    sequence's positions, appends k and v, and attends q [batch, seq, heads, head_dim] to every cached key;
+    returns [batch, heads, seq, head_dim]."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class KVCache(Protocol):
+    last_only: bool  # compute the last position's logits only (not when ranks hold pieces of the sequence)
+
+    def layer(self, layer_id: int) -> LayerCache: ...

@@ -1,0 +1,56 @@
+"""The attention kernel of a mixer: softmax(QK^T / sqrt(d)) V over rotated q, k and v, causal (within a sliding
+window when one is set) or block-causal over packed documents; SDPA with an explicit mask or per-document spans,
+FlexAttention's block mask on CUDA."""
+
+import torch
+from torch import nn
+
+from titan_lite.models.parts.flex import BlockMask, document_block_mask, flex_attend
+from titan_lite.models.parts.masks import DocumentSpans, block_causal_mask, windowed_causal_mask
+from titan_lite.models.parts.sdpa import grouped_attention
+
+
+class CausalAttention(nn.Module):
+    """softmax(QK^T / sqrt(d)) V with a causal mask (limited to the last `window` positions when one is set), or
+    block-causal over packed documents when the forward gets a document mask; a module so context parallel can swap
+    it. flex: FlexAttention's block mask on CUDA.
+
+    q: [batch, heads, seq, head_dim]; k, v: [batch, kv_heads, seq, head_dim] with kv_heads dividing heads (GQA).
+    """
+
+    def __init__(self, window: int | None = None, flex: bool = False):
+        super().__init__()
+        self.window = window
+        self.flex = flex
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+        if mask is None:
+            return self.causal(q, k, v)
+        if isinstance(mask, BlockMask):
+            return flex_attend(q, k, v, mask)
+        if isinstance(mask, DocumentSpans):
+            return torch.cat([torch.cat([self.causal(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e])
+                                         for s, e in row], dim=2)
+                              for b, row in enumerate(mask.rows)])
+        return grouped_attention(q, k, v, attn_mask=mask)
+
+    def causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over one whole sequence (or document), within the sliding window when one is set."""
+        window_mask = windowed_causal_mask(q.shape[2], self.window, q.device)
+        if window_mask is None:
+            return grouped_attention(q, k, v, is_causal=True)
+        return grouped_attention(q, k, v, attn_mask=window_mask)
+
+    def document_mask(self, documents: torch.Tensor, dtype: torch.dtype, compiled: bool = False):
+        """The mask of documents [batch, seq] for this attention: a FlexAttention block mask (flex, on CUDA), the
+        documents' spans (eager on a CPU), else block_causal_mask's dense one (CUDA's kernels, compiled blocks)."""
+        if self.flex and documents.device.type == "cuda":
+            return document_block_mask(documents, self.window)
+        if documents.device.type == "cpu" and not compiled:
+            return DocumentSpans.of(documents)
+        return block_causal_mask(documents, torch.arange(documents.shape[1], device=documents.device), documents,
+                                 dtype, self.window)
+
+    def extra_repr(self) -> str:
+        window = [f"window={self.window}"] if self.window is not None else []
+        return ", ".join(window + (["flex"] if self.flex else []))
