@@ -24,6 +24,7 @@ from pathlib import Path
 
 from benchmarks.worker import RESULT_PREFIX, measure, peak_rss_bytes
 from titan_lite.config import parse_args
+from titan_lite.data.batch import Batch
 from titan_lite.loss import IGNORE_INDEX
 from titan_lite.metrics.flops import num_flops_per_token
 from titan_lite.train import Trainer
@@ -71,7 +72,7 @@ def chat_step(layout: str, folder: Path, batches: int):
     data_iter = iter(trainer.dataloader)
     prefetched = [trainer.next_microbatches(data_iter) for _ in range(batches)]  # read before timing
     if layout == "packed_causal":  # the same windows, attended causally: what the block mask costs at equal tokens
-        prefetched = [[(inputs, labels) for inputs, labels, _ in mb] for mb in prefetched]
+        prefetched = [[Batch(batch.inputs, batch.labels) for batch in mb] for mb in prefetched]
 
     def step(i: int) -> float:
         loss, _ = trainer.train_step(prefetched[i % len(prefetched)], i + 1)
@@ -80,10 +81,10 @@ def chat_step(layout: str, folder: Path, batches: int):
     a = trainer.plan.model_args
     flops = num_flops_per_token(trainer.plan.full_param_count(), a.vocab_size * a.dim, a.n_layers, a.n_heads,
                                 a.head_dim, SEQ_LEN)
-    trained = [sum(int((labels != IGNORE_INDEX).sum()) for _, labels, *_ in mb) for mb in prefetched]
-    total = [sum(inputs.numel() for inputs, *_ in mb) for mb in prefetched]
+    trained = [sum(int((batch.labels != IGNORE_INDEX).sum()) for batch in mb) for mb in prefetched]
+    total = [sum(batch.inputs.numel() for batch in mb) for mb in prefetched]
     pad_id = trainer.plan.tokenizer.eos_id
-    real = [sum(int((inputs != pad_id).sum()) for inputs, *_ in mb) for mb in prefetched]
+    real = [sum(int((batch.inputs != pad_id).sum()) for batch in mb) for mb in prefetched]
     return step, trained, total, real, flops
 
 

@@ -89,7 +89,7 @@ class Timed:
 
 def run(opts: argparse.Namespace, folder: Path) -> dict:
     trainer = trainer_for(folder, opts)
-    rollouts, objective = trainer.dataloader, trainer.model.runner.objective
+    rollouts, objective = trainer.dataloader, trainer.objective.objective
     sampling, scoring, reference = Timed(rollouts.sample), Timed(rollouts.rewards.score), Timed(objective.reference)
     rollouts.sample, rollouts.rewards.score, objective.reference = sampling, scoring, reference
     data = iter(rollouts)
@@ -108,8 +108,8 @@ def run(opts: argparse.Namespace, folder: Path) -> dict:
         if step <= opts.warmup:
             busy0, cpu0, wall0 = machine_busy_seconds(), time.process_time(), time.perf_counter()
             continue
-        labels = [mb[1] for mb in microbatches]
-        documents = [mb[2] for mb in microbatches]
+        labels = [mb.labels for mb in microbatches]
+        documents = [mb.documents for mb in microbatches]
         for key, value in (("generation_s", generation_s), ("scoring_s", scoring_s), ("rollout_s", rollout_s),
                            ("reference_s", reference_s), ("policy_s", train_s - reference_s), ("train_s", train_s),
                            ("completion_tokens", sum(map(len, rollouts.current.completions))),

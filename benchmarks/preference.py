@@ -34,7 +34,6 @@ from benchmarks.cli import parser
 from benchmarks.worker import RESULT_PREFIX, alternate, measure, peak_rss_bytes
 from titan_lite.checkpoint.hf import write_hf_folder
 from titan_lite.config import parse_args
-from titan_lite.data.dataloader import split_batch
 from titan_lite.data.datasets import document_positions
 from titan_lite.loss import IGNORE_INDEX
 from titan_lite.models.decoder import Llama
@@ -100,9 +99,9 @@ def packing(opts: argparse.Namespace, folder: Path) -> dict:
 
     result = measure(step, opts.steps, opts.warmup)
     timed = range(opts.warmup, opts.warmup + opts.steps)
-    trained = [sum(int((labels != IGNORE_INDEX).sum()) for _, labels, *_ in batches[i]) for i in timed]
-    total = [sum(inputs.numel() for inputs, *_ in batches[i]) for i in timed]
-    pairs = [sum(len({int(d) // 2 for d in split_batch(mb)[2].flatten().tolist() if d >= 0}) for mb in batches[i])
+    trained = [sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in batches[i]) for i in timed]
+    total = [sum(mb.inputs.numel() for mb in batches[i]) for i in timed]
+    pairs = [sum(len({int(d) // 2 for d in mb.documents.flatten().tolist() if d >= 0}) for mb in batches[i])
              for i in timed]
     return result | {"layout": opts.layout, "trained_per_step": trained, "total_per_step": total,
                      "pairs_per_step": pairs}
@@ -119,7 +118,7 @@ def tree_windows(trainer: Trainer, batches: list) -> list[tuple]:
     encoded = dict(trainer.dataloader.source.encoded())
     out = []
     for mb in batches:
-        for row in split_batch(mb[0])[2]:
+        for row in mb[0].documents:
             rows = sorted({int(d) // 2 for d in row.tolist() if d >= 0})
             tokens, labels, positions, pair_of, answer_of, extra = [], [], [], [], [], []
             for k, r in enumerate(rows):
@@ -163,8 +162,7 @@ def prompt_copies(opts: argparse.Namespace, folder: Path) -> dict:
     batches = prefetch(trainer, 2)
     model = trainer.model_parts[0]
     base = trainer.plan.transforms.base_function
-    duplicated = [(inputs[r:r + 1], labels[r:r + 1], documents[r:r + 1]) for mb in batches
-                  for inputs, labels, documents, _ in [split_batch(mb[0])] for r in range(inputs.shape[0])]
+    duplicated = [(row.inputs, row.labels, row.documents) for mb in batches for row in mb[0].split(1)]
     shared = tree_windows(trainer, batches)
 
     def dpo_duplicated(i: int) -> float:
@@ -242,31 +240,29 @@ def reference_cost(opts: argparse.Namespace, folder: Path) -> dict:
         del reference
         overrides = ["--preference.reference", str(folder / "reference")]
     trainer = trainer_for(folder, 2, "--preference.packing", *overrides)
-    runner, online = trainer.model.runner, trainer.model.runner.objective
+    runner, online = trainer.model.runner, trainer.objective.objective
     batches = prefetch(trainer, 4)
     table = ReferenceTable("benchmark")
-    rows = 1 + max(int(d) // 2 for mb in batches for micro in mb for d in split_batch(micro)[2].flatten().tolist())
+    rows = 1 + max(int(d) // 2 for mb in batches for micro in mb for d in micro.documents.flatten().tolist())
     values = torch.full((rows, 2), float("nan"), dtype=torch.float64)
     for mb in batches:
         for micro in mb:
-            inputs, labels, documents, _ = split_batch(micro)
-            batch = pair_batch(labels, documents, runner.shard)
+            batch = pair_batch(micro.labels, micro.documents, runner.shard)
             values[batch.examples] = runner.forward_only(lambda forward, b=batch: online.frozen_logps(forward, b),
-                                                         inputs, documents)
+                                                         micro)
     table.tables["training"] = values
     given = PreferenceObjective(online.loss_fn, online.spec, None, table, online.cp)
 
     def with_objective(objective):
         def run(i: int) -> float:
-            runner.use_objective(objective)
+            trainer.objective.objective = objective
             return trainer.train_step(batches[i % len(batches)], i + 1)[0]
         return run
 
     def forward_alone(i: int) -> float:
         for micro in batches[i % len(batches)]:
-            inputs, labels, documents, _ = split_batch(micro)
-            batch = pair_batch(labels, documents, runner.shard)
-            runner.forward_only(lambda forward, b=batch: online.frozen_logps(forward, b), inputs, documents)
+            batch = pair_batch(micro.labels, micro.documents, runner.shard)
+            runner.forward_only(lambda forward, b=batch: online.frozen_logps(forward, b), micro)
         return 0.0
 
     times = alternate({"dpo_step_s": with_objective(online), "given_step_s": with_objective(given),

@@ -123,6 +123,7 @@ def run_here(job: Job) -> dict:
     import logging
 
     from titan_lite import distributed as tl_dist
+    from titan_lite.data.batch import Batch
     from titan_lite.metrics.flops import peak_flops
     from titan_lite.metrics.memory import measure_peak
     from titan_lite.train import Trainer
@@ -134,7 +135,7 @@ def run_here(job: Job) -> dict:
             route_every_token_alike(trainer.model_parts)
         vocab = trainer.plan.model_args.vocab_size
         batches = [_random_batch(job.batch, job.seq_len, vocab, seed=1000 * trainer.rank + i) for i in range(4)]
-        batches = [tuple(t.to(trainer.device) for t in batch) for batch in batches]  # as the trainer's loader does
+        batches = [Batch(*batch).to(trainer.device) for batch in batches]  # as the trainer's loader does
         times, losses = [], []
         for i in range(job.warmup + job.steps):
             start = time.perf_counter()

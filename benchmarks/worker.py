@@ -41,11 +41,11 @@ from benchmarks.shapes import SHAPES, Shape
 from titan_lite import distributed as tl_dist
 from titan_lite.checkpoint.hf import write_hf_folder
 from titan_lite.config import parse_args
+from titan_lite.data.batch import Batch
 from titan_lite.dry_run import plan_rank
 from titan_lite.job.assembly import assemble_model
 from titan_lite.job.plan import plan_job
 from titan_lite.job.script import start_job
-from titan_lite.loss import Objective
 from titan_lite.metrics.flops import num_flops_per_token, peak_flops
 from titan_lite.metrics.memory import measure_peak
 from titan_lite.models.args import LlamaArgs
@@ -53,6 +53,7 @@ from titan_lite.models.decoder import Llama
 from titan_lite.models.flavors import flavor_args
 from titan_lite.models.hf.config import args_to_hf_config
 from titan_lite.models.parameters import canonical_name
+from titan_lite.objective.base import Objective
 from titan_lite.train import Trainer
 from titan_lite.transforms.lora.qlora import is_block_linear
 from titan_lite.transforms.nf4 import is_nf4
@@ -128,7 +129,7 @@ def titan_lite_step(shape: Shape, opts: argparse.Namespace,
     trainer (for its state)."""
     trainer = Trainer(parse_args(titan_lite_overrides(shape, opts, dump_folder)))
     vocab = trainer.plan.model_args.vocab_size
-    batches = [random_batch(shape, vocab, seed=trainer.rank * 1000 + i) for i in range(4)]
+    batches = [Batch(*random_batch(shape, vocab, seed=trainer.rank * 1000 + i)) for i in range(4)]
 
     def step(i: int) -> float:
         loss, _ = trainer.train_step([batches[i % len(batches)]], i + 1)
@@ -179,12 +180,12 @@ def distill_steps(shape: Shape, opts: argparse.Namespace, dump_folder: str) -> d
     opts.overrides = f"{opts.overrides or ''} --distill.enable --distill.teacher_path {folder}"
     step, trainer = titan_lite_step(shape, opts, dump_folder)
     runner = trainer.model.runner
-    distilled, plain = runner.objective, Objective(runner.loss_fn)
+    distilled, plain = trainer.objective.objective, Objective(runner.loss_fn)
     batches = [random_batch(shape, trainer.plan.model_args.vocab_size, seed=i)[0] for i in range(4)]
 
     def with_objective(objective: Objective) -> Callable[[int], float]:
         def run(i: int) -> float:
-            runner.use_objective(objective)
+            trainer.objective.objective = objective
             return step(i)
         return run
 

@@ -265,15 +265,14 @@ def test_pretraining_documents_carry_ids_and_resume(tmp_path):
             assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     # a data mixture's samples carry the documents too, its domain id last; a loader batch splits into both
     from titan_lite.config.schema import DataMixture
-    from titan_lite.data.dataloader import split_batch, stack_collate
+    from titan_lite.data.dataloader import stack_collate
     from titan_lite.data.mixture import build_domain_weights
 
     mixture = build_domain_weights(DataMixture(enable=True, dataset_paths=[str(path)]), tokenizer, 24, 0,
                                    documents=True).source
-    *tensors, _ = stack_collate(list(itertools.islice(mixture.samples(), 2)))
-    inputs, labels, documents, domains = split_batch(tuple(tensors))
-    assert documents.shape == inputs.shape == (2, 24) and domains.tolist() == [0, 0]
-    assert torch.equal(documents[0], run[0][0][2])
+    batch, _ = stack_collate(list(itertools.islice(mixture.samples(), 2)))
+    assert batch.documents.shape == batch.inputs.shape == (2, 24) and batch.domains.tolist() == [0, 0]
+    assert torch.equal(batch.documents[0], run[0][0][2])
 
 
 def test_config_keys_flavors_and_refusals():

@@ -122,7 +122,8 @@ def test_bundled_shakespeare_splits_are_disjoint_plays():
 
 def test_bundled_shakespeare_loader_from_another_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.chdir(tmp_path)
-    inputs, labels = next(iter(build_dataloader("shakespeare", None, TOK, 32, single(2))))
+    batch = next(iter(build_dataloader("shakespeare", None, TOK, 32, single(2))))
+    inputs, labels = batch.inputs, batch.labels
     assert inputs.shape == labels.shape == (2, 32)
     assert inputs[0, 0].item() == BOS
     assert TOK.decode(inputs[0, 1:].tolist()).startswith("ANTONY AND CLEOP")
@@ -198,7 +199,7 @@ def global_batches(folder: Path, layout: tuple[int, int, int], steps: int, **kwa
     per_rank = [microbatches(folder, local, degree, accumulation, r, steps, **kwargs)[0] for r in range(degree)]
     out = []
     for step in range(steps):
-        rows = [per_rank[r][step * accumulation + a][0] for a in range(accumulation) for r in range(degree)]
+        rows = [per_rank[r][step * accumulation + a].inputs for a in range(accumulation) for r in range(degree)]
         out.append(torch.cat(rows))
     return out
 
@@ -215,7 +216,7 @@ def test_a_global_batch_holds_the_same_sequences_on_every_layout(mixed_folder: P
 def test_dataloader_workers_keep_the_order(mixed_folder: Path):
     plain, _ = microbatches(mixed_folder, 1, 2, 2, 1, steps=5)
     with_workers, _ = microbatches(mixed_folder, 1, 2, 2, 1, steps=5, num_workers=2)
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(plain, with_workers, strict=True))
+    assert all(a.equal(b) for a, b in zip(plain, with_workers, strict=True))
 
 
 def test_encoding_threads_hand_out_documents_in_order_and_a_bad_line_in_its_place(tmp_path: Path):
@@ -254,20 +255,20 @@ def test_raw_text_workers_share_the_tokenizing_with_the_same_windows_documents_a
         return batches, states
 
     reference, reference_states = steps(loader(0))
-    assert len(reference[0]) == 3  # inputs, labels, document ids
+    assert reference[0].documents is not None  # inputs, labels, document ids
     with caplog.at_level(logging.INFO, logger="titan_lite.data.dataloader"):
         shared = loader(2)
     assert "one worker process reads raw text 'jsonl' once and 2 threads in it share the tokenizing" in caplog.text
     assert shared._read_from(None).num_workers == 1
     got, states = steps(shared)
-    assert all(torch.equal(x, y) for a, b in zip(got, reference, strict=True) for x, y in zip(a, b, strict=True))
+    assert all(a.equal(b) for a, b in zip(got, reference, strict=True))
     assert states == reference_states  # read ahead, never in a state
 
     # resumed mid-stream (what the worker runs, here in this process): the uninterrupted stream's samples
     resumed = loader(2).dataset
     resumed.start_state, resumed.encoders = pickle.loads(pickle.dumps(states[k - 1]["source"])), 2
     rest = [sample for sample, _ in itertools.islice(resumed, (total - k) * layout.accumulation)]
-    expected = [tuple(t[0] for t in batch[:3]) for batch in reference[k * layout.accumulation:]]
+    expected = [(b.inputs[0], b.labels[0], b.documents[0]) for b in reference[k * layout.accumulation:]]
     assert all(torch.equal(x, y) for a, b in zip(rest, expected, strict=True) for x, y in zip(a, b, strict=True))
 
     caplog.clear()
@@ -302,9 +303,9 @@ def test_resume_with_another_global_batch_size_is_refused(mixed_folder: Path):
 
 def test_finite_pass_drops_an_incomplete_global_batch_and_restarts(mixed_folder: Path):
     loader = build_dataloader("jsonl", str(mixed_folder), TOK, 9, BatchLayout(2, 1, 2), infinite=False)
-    first = [torch.cat(b) for b in loader]
+    first = [torch.cat([b.inputs, b.labels]) for b in loader]
     loader.restart()
-    second = [torch.cat(b) for b in loader]
+    second = [torch.cat([b.inputs, b.labels]) for b in loader]
     assert len(first) == len(second) == (len(token_stream(DOCS)) // 10) // 4
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 

@@ -147,13 +147,14 @@ def test_grpo_equals_trl(name, models):
     old = [row[m].tolist() for row, m in zip(batch["old_per_token_logps"], mask, strict=True)]
     rollout = Rollout(prompts, completions, old, advantages.tolist())
     documents = [Document.of(rollout, i, G) for i in [5, 0, 3, 7, 1, 6, 2, 4]]  # packed in another order
-    inputs, labels, docs, values = microbatch(documents, 40, packing=True, pad_id=0)
+    mb = microbatch(documents, 40, packing=True, pad_id=0)
+    inputs, labels, docs = mb.inputs, mb.labels, mb.documents
     spec = GRPOLoss(case["loss_type"], case["epsilon"], case["epsilon_high"], case["beta"], TEMPERATURE,
                     max(LENGTHS), case.get("kl_ratio", True))
     policy = ours["policy"]
     policy.zero_grad()
     objective = GRPOObjective(None, spec, FrozenForward([ours["reference"]]))
-    prepared = objective.prepare(labels, docs, lambda *t: t, values)
+    prepared = objective.prepare(mb, lambda *t: t)
 
     def forward(m):
         return m(inputs, positions=document_positions(docs), documents=docs)
@@ -191,11 +192,12 @@ def test_padded_equals_packed():
     results = []
     for packing in (True, False):
         model.zero_grad()
-        inputs, labels, docs, values = microbatch(documents, 30, packing, pad_id=0, multiple=4)
+        batch = microbatch(documents, 30, packing, pad_id=0, multiple=4)
+        inputs, labels, docs = batch.inputs, batch.labels, batch.documents
         assert inputs.shape[0] < len(LENGTHS) if packing else inputs.shape == (len(LENGTHS), 12)
         spec = GRPOLoss("grpo", 0.2, 0.2, 0.0, 1.0, 8)
         objective = GRPOObjective(None, spec, None)
-        prepared = objective.prepare(labels, docs, lambda *t: t, values)
+        prepared = objective.prepare(batch, lambda *t: t)
         logits = model(inputs, positions=document_positions(docs), documents=docs)
         loss = objective.loss_sum(logits, labels, None, prepared) / completion_units(labels, docs, spec)[0]
         loss.backward()

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from titan_lite.config import parse_args
-from titan_lite.data.dataloader import split_batch, token_values
 from titan_lite.data.datasets import document_positions
 from titan_lite.loss import IGNORE_INDEX
 from titan_lite.objective.logps import tempered_logps
@@ -71,11 +70,10 @@ def steps_of(trainer, count: int) -> list[tuple]:
 @torch.no_grad()
 def forward_logps(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(the training forward's log-probabilities of the labels at the temperature, the sampled ones), on labels."""
-    inputs, labels, documents, _ = split_batch(batch)
-    logits = model(inputs, positions=document_positions(documents), documents=documents)
-    logps, _ = tempered_logps(logits, labels, TEMPERATURE)
-    valid = labels != IGNORE_INDEX
-    return logps[valid], token_values(batch)[..., 0][valid]
+    logits = model(batch.inputs, positions=document_positions(batch.documents), documents=batch.documents)
+    logps, _ = tempered_logps(logits, batch.labels, TEMPERATURE)
+    valid = batch.labels != IGNORE_INDEX
+    return logps[valid], batch.values[..., 0][valid]
 
 
 def test_sampled_logps_are_the_training_forwards_and_iterations_reuse_the_rollout(tmp_path):
@@ -92,8 +90,8 @@ def test_sampled_logps_are_the_training_forwards_and_iterations_reuse_the_rollou
     trainer.dataloader.current = None  # the rollout above is not the run's
     (loss1, mb1, rollout1, obj1), (loss2, mb2, rollout2, obj2), (_, mb3, _, _) = steps_of(trainer, 3)
     # step 2 trains on step 1's rollout, its old log-probabilities those of sampling; step 3 samples anew
-    assert all(torch.equal(a, b) for x, y in zip(mb1, mb2, strict=True) for a, b in zip(x, y, strict=True))
-    assert not torch.equal(mb1[0][0], mb3[0][0]) and rollout1 == rollout2
+    assert all(x.equal(y) for x, y in zip(mb1, mb2, strict=True))
+    assert not torch.equal(mb1[0].inputs, mb3[0].inputs) and rollout1 == rollout2
     assert obj1["clip_ratio/region_mean"] == 0 and loss2 != loss1
     assert set(rollout1) >= {"reward", "reward_std", "rewards/vowels/mean", "rewards/answer_match/mean",
                              "completions/mean_length", "completions/clipped_ratio", "frac_reward_zero_std",

@@ -90,7 +90,8 @@ def test_padding_to_the_longest_and_the_loss_counts_response_tokens(tmp_path: Pa
     src = source(write_jsonl(tmp_path / "d.jsonl", PROBLEMS))
     samples = [s for s, _ in itertools.islice(src.samples(), 4)]
     loader = DataLoader(src, BatchLayout(4, 0, 1), collate=pad_collate(EOS, IGNORE_INDEX))
-    inputs, labels = next(iter(loader))
+    batch = next(iter(loader))
+    inputs, labels = batch.inputs, batch.labels
     assert inputs.shape[1] == max(x.numel() for x, _ in samples)
     for row, (x, y) in enumerate(samples):
         assert torch.equal(inputs[row, :x.numel()], x) and (inputs[row, x.numel():] == EOS).all()

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from titan_lite.config import parse_args, validate
 from titan_lite.config.schema import DataMixture
+from titan_lite.data.batch import Batch
 from titan_lite.data.dataloader import BatchLayout, DataLoader, LoaderOptions
 from titan_lite.data.mixture import DomainWeights, MixtureSource, sheared_update
 from titan_lite.errors import ConfigError
@@ -77,7 +78,7 @@ def test_weights_move_towards_the_domain_furthest_above_its_reference():
 
 def domains_of(source: MixtureSource, n: int, state=None) -> list[int]:
     it = source.samples(state)
-    return [int(next(it)[0][2]) for _ in range(n)]
+    return [next(it)[0].domain for _ in range(n)]
 
 
 def test_sampled_proportions_follow_the_weights():
@@ -95,10 +96,11 @@ def test_samples_continue_every_domain_from_a_state():
     items = [next(it) for _ in range(30)]
     restarted = source.samples(items[9][1])
     for (sample, state), (again, again_state) in zip(items[10:], restarted, strict=False):
-        assert all(torch.equal(a, b) for a, b in zip(sample, again, strict=True)) and state == again_state
+        assert sample.domain == again.domain and state == again_state
+        assert all(torch.equal(a, b) for a, b in zip(sample.sample, again.sample, strict=True))
 
 
-def read_global_batches(loader: DataLoader, it, n: int) -> list[tuple[torch.Tensor, ...]]:
+def read_global_batches(loader: DataLoader, it, n: int) -> list[Batch]:
     return [next(it) for _ in range(n * loader.layout.accumulation)]
 
 
@@ -117,11 +119,11 @@ def test_loader_restarts_exactly_after_a_weight_change(workers):
     fresh = DataLoader(mixture([0.1, 0.9], seed=1), layout, options)
     fresh.load_state_dict(state)
     expected = read_global_batches(fresh, iter(fresh), 2)
-    assert all(torch.equal(a, b) for x, y in zip(after, expected, strict=True) for a, b in zip(x, y, strict=True))
-    domains = torch.cat([batch[2] for batch in after])
+    assert all(x.equal(y) for x, y in zip(after, expected, strict=True))
+    domains = torch.cat([batch.domains for batch in after])
     assert domains.float().mean() > 0.6  # drawn with the new weights, not the 0.9 / 0.1 read ahead
     # Positions continue per domain: every domain's counter rises by one per sample of that domain.
-    tokens = torch.cat([batch[0] for batch in after])
+    tokens = torch.cat([batch.inputs for batch in after])
     for d in (0, 1):
         counters = tokens[tokens[:, 0] == d][:, 1]
         assert len(counters) == 0 or torch.equal(counters, torch.arange(counters[0], counters[0] + len(counters)))

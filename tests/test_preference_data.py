@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from titan_lite.config import parse_args, validate
-from titan_lite.data.dataloader import BatchLayout, build_section_loader, build_section_source, split_batch
+from titan_lite.data.dataloader import BatchLayout, build_section_loader, build_section_source
 from titan_lite.data.preference import CHOSEN, REJECTED, EncodedPair, Pair, fit_pair, pair_encoder
 from titan_lite.errors import ConfigError
 from titan_lite.job.plan import check_data
@@ -88,7 +88,7 @@ def test_unpacked_pairs_are_padded_one_per_row(tmp_path: Path):
     cfg = config(write_jsonl(tmp_path / "d.jsonl", PAIRS), "--preference.packing=false",
                  "--training.local_batch_size", "3")
     batch = next(iter(build_section_loader(cfg, "training", TOK, BatchLayout(3, 0, 1))))
-    inputs, labels, documents, _ = split_batch(batch)
+    inputs, labels, documents = batch.inputs, batch.labels, batch.documents
     assert inputs.shape[0] == 3 and documents.shape == inputs.shape
     for row in range(3):
         ids = sorted(set(documents[row].tolist()) - {-1})

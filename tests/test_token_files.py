@@ -487,10 +487,10 @@ def test_a_data_mixture_reads_its_token_folder_domains_by_index(tmp_path, tok):
     raw = build_packed_source("text", str(shards), tok, 32).samples()
     windows = [sample for (sample, _), _ in zip(raw, range(40), strict=False)]
     taken = [0, 0]
-    for (sample, _), _ in zip(mixture.samples(), range(40), strict=False):
-        deferred = isinstance(sample, Deferred)  # a token-file domain's window: read only by the rank keeping it
-        *tensors, domain = sample.load() if deferred else sample
-        assert deferred == (int(domain) == 0)
-        assert all(torch.equal(a, b) for a, b in zip(tensors, windows[taken[int(domain)]], strict=True))
-        taken[int(domain)] += 1
+    for (drawn, _), _ in zip(mixture.samples(), range(40), strict=False):
+        deferred = isinstance(drawn.sample, Deferred)  # a token-file domain's window: read only by the rank keeping it
+        tensors, domain = drawn.load().sample, drawn.domain
+        assert deferred == (domain == 0)
+        assert all(torch.equal(a, b) for a, b in zip(tensors, windows[taken[domain]], strict=True))
+        taken[domain] += 1
     assert min(taken) >= 10  # both domains drawn, each its windows in order (the same data)

@@ -50,7 +50,8 @@ def test_loss_is_mean_token_cross_entropy(tmp_path):
     fresh, _, _ = first_step(tmp_path / "again", 4, 4)
     assert fresh == loss
     model = trainer.model_parts[0]
-    inputs, labels = next(iter(trainer.build_train_loader()))
+    batch = next(iter(trainer.build_train_loader()))
+    inputs, labels = batch.inputs, batch.labels
     model.init_weights(seed=0)
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), labels.flatten()).item()

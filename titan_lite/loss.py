@@ -1,10 +1,15 @@
-"""The training loss: token-sum cross entropy with IGNORE_INDEX, whether it is compiled, and the objective the
-runner calls (cross entropy here; distillation and preference tuning in titan_lite/objective/)."""
+"""The training loss: token-sum cross entropy with IGNORE_INDEX and whether it is compiled; and the one row-block
+kernel the chunked losses share (cross entropy here, log-probabilities and distillation in titan_lite/objective/):
+blocks of rows, each block's softmax written into the gradient's buffer in the forward, a backward that finishes
+that gradient in place, once.
+
+The objectives (and their base class) are in titan_lite/objective/."""
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
@@ -18,6 +23,68 @@ IGNORE_INDEX = -100
 # 64 MiB, few enough blocks that kernel launches do not matter (63 for 2 x 8192 tokens of a 128k vocabulary).
 _CHUNK_ELEMENTS = 1 << 20
 _ACCELERATOR_CHUNK_ELEMENTS = 1 << 24
+
+
+# ------------------------------------------------------------------------------------------ the row-block kernel
+
+
+def row_blocks(rows: int, width: int, device: torch.device, elements: tuple[int, int]) -> list[slice]:
+    """Slices of rows whose [rows, width] float32 block holds about elements[0] elements on the CPU, elements[1] on
+    an accelerator (each chunked loss names its own: as many float32 temporaries as it keeps alive per block)."""
+    cpu, accelerator = elements
+    step = max(1, (cpu if device.type == "cpu" else accelerator) // max(1, width))
+    return [slice(start, start + step) for start in range(0, rows, step)]
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's columns [offset, offset + width) of a vocabulary split over `group` (None: the whole of it)."""
+
+    offset: int = 0
+    group: dist.ProcessGroup | None = None
+
+    def max_(self, t: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def local_labels(self, labels: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(labels as column indices of this shard, 0 where outside it; whether each label is in this shard)."""
+        inside = (labels >= self.offset) & (labels < self.offset + width)
+        return torch.where(inside, labels - self.offset, 0), inside
+
+
+def softmax_rows(block: torch.Tensor, probs: torch.Tensor | None, shard: VocabShard = VocabShard(),
+                 more_sums: Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row maxima, [row sums of exp(block - max), *more_sums(exp, block)]) of a float32 block of rows, made whole
+    over the vocab shards; with `probs` (the block's rows of the gradient's buffer, in the logits' dtype) softmax(block)
+    is written there, with one exp per logit (in place when the buffer is float32, else in a float32 temporary)."""
+    row_max = shard.max_(block.amax(dim=1))
+    exp_in_probs = probs is not None and probs.dtype == torch.float32
+    exp = torch.sub(block, row_max[:, None], out=probs if exp_in_probs else None).exp_()
+    sums = shard.sum_(torch.stack([exp.sum(dim=1), *(more_sums(exp, block) if more_sums is not None else [])]))
+    if probs is not None:
+        exp.div_(sums[0][:, None])
+        if not exp_in_probs:
+            probs.copy_(exp)
+    return row_max, sums
+
+
+def saved_once(ctx, name: str) -> tuple[torch.Tensor, ...]:
+    """A chunked loss's saved tensors for its backward, which makes the gradient in place from them: only once."""
+    if ctx.used:
+        raise RuntimeError(f"{name} supports one backward pass (no retain_graph)")
+    ctx.used = True
+    return ctx.saved_tensors
+
+
+# ------------------------------------------------------------------------------------------ cross entropy
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -63,17 +130,10 @@ class ChunkedCrossEntropySum(torch.autograd.Function):
         safe_labels = torch.where(valid, labels, 0)
         lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         probs = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
-        exp_in_probs = probs is not None and probs.dtype == torch.float32  # else exp in a float32 temporary
-        for rows in _row_blocks(logits):
-            block = logits[rows].float()
-            row_max = block.amax(dim=-1, keepdim=True)
-            exp = torch.sub(block, row_max, out=probs[rows] if exp_in_probs else None).exp_()
-            total = exp.sum(dim=-1, keepdim=True)
-            if probs is not None:
-                exp.div_(total)
-                if not exp_in_probs:
-                    probs[rows].copy_(exp)
-            torch.add(row_max.squeeze(1), total.squeeze(1).log(), out=lse[rows])
+        elements = (_CHUNK_ELEMENTS, _ACCELERATOR_CHUNK_ELEMENTS)
+        for rows in row_blocks(logits.shape[0], logits.shape[1], logits.device, elements):
+            row_max, sums = softmax_rows(logits[rows].float(), probs[rows] if probs is not None else None)
+            torch.add(row_max, sums[0].log(), out=lse[rows])
         target = logits.gather(1, safe_labels[:, None]).squeeze(1).float()
         ctx.save_for_backward(probs, safe_labels, valid)
         ctx.logits_dtype = logits.dtype
@@ -83,20 +143,12 @@ class ChunkedCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        if ctx.used:  # the gradient is made in place from the saved probabilities: only once
-            raise RuntimeError("ChunkedCrossEntropySum supports one backward pass (no retain_graph)")
-        ctx.used = True
-        probs, safe_labels, valid = ctx.saved_tensors
+        probs, safe_labels, valid = saved_once(ctx, "ChunkedCrossEntropySum")
         scale = valid * grad_output  # [tokens]: 0 on ignored rows (grad_output: a scalar, or [tokens] per token)
         grad = probs.mul_(scale[:, None])
         grad.scatter_add_(1, safe_labels[:, None], -scale[:, None].to(grad.dtype))
         return grad.to(ctx.logits_dtype), None, None
 
-
-def _row_blocks(logits: torch.Tensor) -> list[slice]:
-    chunk = _CHUNK_ELEMENTS if logits.device.type == "cpu" else _ACCELERATOR_CHUNK_ELEMENTS
-    rows = max(1, chunk // max(1, logits.shape[1]))
-    return [slice(start, start + rows) for start in range(0, logits.shape[0], rows)]
 
 
 def build_loss_fn(compile_cfg: Compile, loss_parallel: bool, per_sample: bool = False):
@@ -107,52 +159,3 @@ def build_loss_fn(compile_cfg: Compile, loss_parallel: bool, per_sample: bool = 
     if compile_cfg.enable and "loss" in compile_cfg.components and not loss_parallel:
         return torch.compile(fn, backend=compile_cfg.backend)
     return fn
-
-
-class Objective:
-    """What training minimises for one microbatch, as a sum over the units the loss averages (callers normalise by the
-    global count of those units): here the cross entropy of the model's logits, summed over the tokens with a label.
-    titan_lite/objective/ adds distillation, preference tuning and GRPO: their frozen model (a teacher, a reference)
-    runs through `reference` on the same inputs as the trained model, by the runner's one model-forward path."""
-
-    def __init__(self, loss_fn: Callable):
-        self.loss_fn = loss_fn
-
-    def units(self, labels: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
-        """The counts a microbatch adds to the step (float64, 1-D): the first one normalises the loss (here the tokens
-        with a label); an objective may count more for itself (start_step gets their global sums)."""
-        return (labels != IGNORE_INDEX).sum().double()[None]
-
-    def start_step(self, global_units: torch.Tensor) -> None:
-        """The step's units summed over every microbatch of every data-parallel rank, before its first forward."""
-
-    def prepare(self, labels: torch.Tensor, documents: torch.Tensor | None, shard: Callable,
-                values: torch.Tensor | None = None) -> Any:
-        """What the loss needs of a microbatch besides this rank's logits and labels, from its whole labels, document
-        ids and per-token values ([batch, seq, k] floats a source adds: RL's sampling log-probabilities and
-        advantages) (shard(*tensors): this rank's context-parallel part of [batch, seq] tensors), or None."""
-        return None
-
-    def reference(self, forward: Callable[[torch.nn.Module], torch.Tensor], prepared: Any = None) -> Any:
-        """A frozen model's output for this microbatch (forward(model) runs a model on its inputs), or None."""
-        return None
-
-    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor, reference: Any = None,
-                 prepared: Any = None) -> torch.Tensor:
-        return self.loss_fn(logits, labels)
-
-    def step_metrics(self, global_sum: Callable[[torch.Tensor], torch.Tensor],
-                     global_units: torch.Tensor) -> dict[str, float]:
-        """Scalars of the step's loss parts, logged with the training line (collective when not empty)."""
-        return {}
-
-    def pipeline_step(self, pipeline: Any, inputs: torch.Tensor, labels: torch.Tensor,
-                      documents: torch.Tensor | None, scale: torch.Tensor, extra: dict) -> torch.Tensor:
-        """One microbatch through a pipeline (a PipelineRunner): its own loss on the last stage, unless the objective
-        computes another there."""
-        return pipeline.step(inputs, labels, scale, extra=extra)
-
-    def eval_sums(self, logits: torch.Tensor, reference: Any, prepared: Any) -> torch.Tensor:
-        """The sums a validation pass adds up over batches, for an objective validated on its own terms (preference
-        tuning's rewards); cross entropy and distillation validate on the cross entropy instead."""
-        raise NotImplementedError(f"{type(self).__name__} is validated on the cross entropy")

@@ -16,7 +16,7 @@ from titan_lite.checkpoint.hf import export_hf
 from titan_lite.checkpoint.manager import CheckpointManager, RankLocal, RNGState
 from titan_lite.checkpoint.resume import checkpoint_root, plan_resume
 from titan_lite.config import JobConfig, help_text, parse_args, to_toml, validate
-from titan_lite.data.dataloader import split_batch, token_values
+from titan_lite.data.batch import Batch
 from titan_lite.data.mixture import DomainWeights
 from titan_lite.dry_run import dry_run, planned_world_size
 from titan_lite.dtensor import full_tensor
@@ -84,6 +84,7 @@ class Trainer:
         ACTIVITY.now("building the model")
         self.model = self.build_model()
         self.model_parts = self.model.parts
+        self.runner = self.model.runner
         self.build_objective()
         self.load_balance = LoadBalance(self.model_parts, self.plan.model_args)
         self.optimizer = build_optimizer(cfg.optimizer, self.model_parts, self.device,
@@ -109,17 +110,17 @@ class Trainer:
         return built
 
     def build_objective(self) -> None:
-        """The runner's objective: cross entropy, distillation with its frozen teacher (not checkpointed), or
-        preference tuning with its reference (a precomputed one is checkpointed)."""
+        """The one objective the trainer holds and hands to the runner: cross entropy, distillation with its frozen
+        teacher (not checkpointed), preference tuning or GRPO with their reference (a precomputed one is
+        checkpointed)."""
         self.objective = build_objective(self.plan, self.model, self.device, self.seed)
-        self.model.runner.use_objective(self.objective.objective)
         self.objective_metrics: dict[str, float] = {}
 
     def checkpoint_folder(self) -> Path:
         return checkpoint_root(self.cfg)
 
     def build_train_loader(self) -> TrainingLoader:
-        data = training_data(self.plan, self.model.runner, self.device, self.seed)
+        data = training_data(self.plan, self.runner, self.device, self.seed)
         self.mixture: DomainWeights | None = data.mixture
         return data.loader
 
@@ -141,7 +142,8 @@ class Trainer:
     def build_validator(self) -> Validator | None:
         if not self.cfg.validation.enable:
             return None
-        return Validator(self.cfg, self.plan.tokenizer, self.parallel_dims, self.model.runner, self.device)
+        return Validator(self.cfg, self.plan.tokenizer, self.parallel_dims, self.runner, self.device,
+                         self.objective.objective)
 
     def build_metrics(self) -> MetricsProcessor:
         a = self.plan.model_args
@@ -154,23 +156,22 @@ class Trainer:
 
     # -------------------------------------------------------------------------------- one step
 
-    def next_microbatches(self, data_iter) -> list[tuple[torch.Tensor, ...]]:
-        """(input_ids, labels) per microbatch on the device, with document ids of packed documents (block_causal)
-        and domain ids under a data mixture."""
-        return [tuple(t.to(self.device, non_blocking=True) for t in next(data_iter))
-                for _ in range(self.plan.grad_accum)]
+    def next_microbatches(self, data_iter) -> list[Batch]:
+        """The step's microbatches on the device (with document ids of packed documents (block_causal), domain ids
+        under a data mixture, per-token values of RL's rollouts)."""
+        return [next(data_iter).to(self.device, non_blocking=True) for _ in range(self.plan.grad_accum)]
 
-    def global_units(self, microbatches) -> torch.Tensor:
+    def global_units(self, microbatches: list[Batch]) -> torch.Tensor:
         """What the loss averages over (tokens that carry a loss; preference pairs), and the objective's other
         counts, summed over the microbatches of every data-parallel rank."""
-        objective = self.model.runner.objective
-        local = sum(objective.units(labels, documents) for _, labels, documents, _ in map(split_batch, microbatches))
+        objective = self.objective.objective
+        local = sum(objective.units(batch) for batch in microbatches)
         if self.parallel_dims.dp_degree > 1:
             dist.all_reduce(local, group=self.parallel_dims.submesh("batch").get_group())
         objective.start_step(local)
         return local
 
-    def train_step(self, microbatches, step: int) -> tuple[float, float]:
+    def train_step(self, microbatches: list[Batch], step: int) -> tuple[float, float]:
         """Accumulate gradients over the microbatches, clip, step; return the global loss and grad norm."""
         self.transforms.before_step(self.model_parts, step)
         if self.load_balance.enabled:
@@ -182,17 +183,15 @@ class Trainer:
         scale = (self.parallel_dims.gradient_average_degree / global_tokens).to(torch.float32)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         domain_sums = self.mixture.new_sums(self.device) if self.mixture is not None else None
+        objective = self.objective.objective
         for batch in microbatches:
-            inputs, labels, documents, domains = split_batch(batch)
-            loss_sum += self.model.runner.forward_backward(inputs, labels, scale, domains, domain_sums=domain_sums,
-                                                           documents=documents,
-                                                           values=token_values(batch)).to(torch.float64)
-        self.objective_metrics = self.model.runner.objective.step_metrics(
-            lambda sums: self.model.runner.global_sum(sums, loss_values=True), global_units)
+            loss_sum += self.runner.forward_backward(batch, scale, objective, domain_sums).to(torch.float64)
+        self.objective_metrics = objective.step_metrics(lambda sums: self.runner.global_sum(sums, loss_values=True),
+                                                        global_units)
         self.add_transform_loss(step)
         self.maybe_poison_gradients_for_test(step)
         grad_norm = self.clip_gradients()
-        loss = (self.model.runner.global_sum(loss_sum, loss_values=True) / global_tokens).item()
+        loss = (self.runner.global_sum(loss_sum, loss_values=True) / global_tokens).item()
         # Both are global values, so every rank takes the same branch.
         fault = nonfinite_message(step, loss, grad_norm)
         if fault is None:
@@ -203,7 +202,7 @@ class Trainer:
         else:
             self.handle_nonfinite(fault)
         if domain_sums is not None:  # a skipped step's losses are not measured, but its window still ends
-            sums = self.model.runner.global_sum(domain_sums, loss_values=True) if fault is None else domain_sums.zero_()
+            sums = self.runner.global_sum(domain_sums, loss_values=True) if fault is None else domain_sums.zero_()
             self.mixture.observe(sums, step)
         self.lr_schedule.step(loss if fault is None else None)
         return loss, grad_norm
@@ -311,7 +310,7 @@ class Trainer:
         cfg = self.cfg
         ACTIVITY.now(f"reading step {step}'s batch (RL: sampling its rollout)")
         microbatches = self.next_microbatches(data_iter)
-        ntokens = sum(inputs.numel() for inputs, *_ in microbatches)
+        ntokens = sum(batch.inputs.numel() for batch in microbatches)
         self.train_state.ntokens_seen += ntokens
         self.metrics.add_tokens(ntokens)
         lr = self.lr_schedule.last_lr()  # the LR this step uses; train_step advances the schedule
@@ -340,7 +339,7 @@ class Trainer:
         logged step)."""
         if not self.load_balance.enabled:
             return {}, {}
-        return self.load_balance.metrics(lambda sums: self.model.runner.global_sum(sums, loss_values=True),
+        return self.load_balance.metrics(lambda sums: self.runner.global_sum(sums, loss_values=True),
                                          self.plan.global_batch_size, self.device)
 
     def export(self) -> None:

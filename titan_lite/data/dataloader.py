@@ -25,8 +25,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titan_lite.config.schema import JobConfig
+from titan_lite.data.batch import Batch, Drawn, loaded, pad_samples, stack_samples
 from titan_lite.data.datasets import (
-    Deferred,
     PackedSource,
     Sample,
     SampleSource,
@@ -80,7 +80,7 @@ class GlobalBatchSlices(IterableDataset):
         self.start_state: dict[str, Any] | None = None
         self.encoders = 1
 
-    def __iter__(self) -> Iterator[tuple[Sample, dict[str, Any]]]:
+    def __iter__(self) -> Iterator[tuple[Sample | Drawn, dict[str, Any]]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if isinstance(self.source, IndexedSource):
@@ -101,7 +101,7 @@ class GlobalBatchSlices(IterableDataset):
             for a, microbatch in enumerate(mine):
                 if (batch_index * self.layout.accumulation + a) % workers == worker:
                     for sample in microbatch:
-                        yield (sample.load() if isinstance(sample, Deferred) else sample), end_state
+                        yield loaded(sample), end_state
 
     def _by_index(self, worker: int, workers: int) -> Iterator[tuple[Sample, dict[str, Any]]]:
         """This worker's microbatches of this rank, each sample read by its index and nothing else read."""
@@ -122,26 +122,19 @@ class GlobalBatchSlices(IterableDataset):
 
 
 def pad_collate(pad_id: int, ignore_index: int, multiple: int = 1) -> Callable:
-    """Collate variable-length samples: inputs padded with pad_id and labels with ignore_index (document ids, when
-    the samples carry them, with PAD_DOCUMENT), to the longest sample rounded up to a multiple (context parallel
-    needs lengths divisible by its chunks)."""
-    def collate(items: list[tuple[Sample, dict]]) -> tuple[torch.Tensor, ...]:
-        longest = max(sample[0].numel() for sample, _ in items)
-        length = -(-longest // multiple) * multiple
-        fills = (pad_id, ignore_index, PAD_DOCUMENT)[:len(items[0][0])]
-        columns = [torch.full((len(items), length), fill, dtype=torch.long) for fill in fills]
-        for row, (sample, _) in enumerate(items):
-            for column, t in zip(columns, sample, strict=True):
-                column[row, :t.numel()] = t
-        return (*columns, items[-1][1])
+    """Collate variable-length samples into a Batch: inputs padded with pad_id and labels with ignore_index
+    (document ids, when the samples carry them, with PAD_DOCUMENT), to the longest sample rounded up to a multiple
+    (context parallel needs lengths divisible by its chunks); the batch's end state beside it."""
+    def collate(items: list[tuple[Sample, dict]]) -> tuple[Batch, dict]:
+        return pad_samples([sample for sample, _ in items], (pad_id, ignore_index, PAD_DOCUMENT), multiple), \
+            items[-1][1]
     return collate
 
 
-def stack_collate(items: list[tuple[tuple, dict]]) -> tuple:
-    """Stack equal-length samples (input_ids, labels[, domain id]) into ([B, S], [B, S][, [B]]), with the batch's
-    end state last."""
-    columns = zip(*(sample for sample, _ in items), strict=True)
-    return (*(torch.stack(column) for column in columns), items[-1][1])
+def stack_collate(items: list[tuple[Sample | Drawn, dict]]) -> tuple[Batch, dict]:
+    """Stack equal-length samples (a data mixture's draws with their domains) into a Batch, with the batch's end
+    state beside it."""
+    return stack_samples([sample for sample, _ in items]), items[-1][1]
 
 
 @dataclass(frozen=True)
@@ -150,8 +143,9 @@ class AsArrays:
 
     collate: Callable
 
-    def __call__(self, items: list) -> tuple:
-        return tuple(t.numpy() if isinstance(t, torch.Tensor) else t for t in self.collate(items))
+    def __call__(self, items: list) -> tuple[Batch, dict]:
+        batch, end_state = self.collate(items)
+        return batch.map(torch.Tensor.numpy), end_state
 
 
 @dataclass
@@ -166,7 +160,7 @@ class LoaderOptions:
 
 
 class DataLoader:
-    """Yields this rank's microbatches (input_ids, labels) and checkpoints a layout-independent position.
+    """Yields this rank's microbatches (Batch) and checkpoints a layout-independent position.
 
     state_dict() must be taken between steps (after whole global batches), as the trainer's checkpoints are.
     """
@@ -184,17 +178,17 @@ class DataLoader:
         if self.options.num_workers > 1 and any(isinstance(s, PackedSource) for s in streams):
             logger.info("DataLoader: %s", describe_workers(source, self.options.num_workers))
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
-        """(input_ids, labels) per microbatch, plus a [B] domain-id tensor for a MixtureSource. When the source's
+    def __iter__(self) -> Iterator[Batch]:
+        """A Batch per microbatch (with its domains for a MixtureSource). When the source's
         sampling changes between steps (a mixture's new weights: its `version`), reading restarts from the end of the
         last consumed global batch, so batches read ahead (workers, prefetch) with the old weights are dropped."""
         while True:
             version = self._source_version()
-            for *tensors, end_state in self._read_from(self.state):
+            for batch, end_state in self._read_from(self.state):
                 self.microbatches += 1
                 if self.microbatches % self.layout.accumulation == 0:
                     self.state = end_state
-                yield tuple(torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in tensors)
+                yield batch.map(lambda t: torch.from_numpy(t) if isinstance(t, np.ndarray) else t)
                 if self.microbatches % self.layout.accumulation == 0 and self._source_version() != version:
                     break
             else:
@@ -314,17 +308,6 @@ def samples_per_epoch(cfg: JobConfig, section: str, tokenizer, documents: bool =
     return sum(1 for _ in source.samples())
 
 
-def split_batch(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                                           torch.Tensor | None]:
-    """(inputs, labels, document ids or None, domain ids or None) of a loader batch: a source that packs documents
-    adds [batch, seq] document ids after the labels, a data mixture adds [batch] domain ids last (and RL's rollouts
-    [batch, seq, k] per-token values: token_values)."""
-    inputs, labels, *rest = batch
-    documents = next((t for t in rest if t.dim() == 2), None)
-    domains = next((t for t in rest if t.dim() == 1), None)
-    return inputs, labels, documents, domains
-
-
 def describe_source(source: SampleSource, layout: BatchLayout) -> str:
     """How a rank reads its data, for the run's log and DRY_RUN: by index (each rank its own sequences), or a
     raw-text stream every rank reads whole."""
@@ -380,6 +363,3 @@ def describe_workers(source: SampleSource, num_workers: int) -> str:
 def reads_by_index(source: SampleSource) -> bool:
     """Whether each rank reads only its own samples (token files, rows; a mixture of token files only)."""
     return all(isinstance(s, IndexedSource) for s in getattr(source, "sources", [source]))
-def token_values(batch: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
-    """The [batch, seq, k] per-token values a source adds for its objective (RL rollouts), or None."""
-    return next((t for t in batch[2:] if t.dim() == 3), None)

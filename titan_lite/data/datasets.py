@@ -352,16 +352,13 @@ def document_positions(documents: torch.Tensor) -> torch.Tensor:
 
 class Deferred:
     """A sample read only when a rank keeps it (from a source that reads any sample by index): a data mixture's
-    draws are walked by every rank, but each reads only its own samples. `extra` tensors are appended."""
+    draws are walked by every rank, but each reads only its own samples."""
 
-    def __init__(self, source: Any, index: int, extra: tuple = ()):
-        self.source, self.index, self.extra = source, index, extra
-
-    def with_extra(self, *extra: torch.Tensor) -> "Deferred":
-        return Deferred(self.source, self.index, self.extra + extra)
+    def __init__(self, source: Any, index: int):
+        self.source, self.index = source, index
 
     def load(self) -> Sample:
-        return (*self.source.sample(self.index), *self.extra)
+        return self.source.sample(self.index)
 
 
 class SampleSource(Protocol):

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from titan_lite.config.schema import DataMixture
+from titan_lite.data.batch import Drawn
 from titan_lite.data.datasets import (
-    Deferred,
     DocumentStream,
     PackedSource,
     TokenizerLike,
@@ -47,7 +47,7 @@ def draw_domain(seed: int, index: int, cumulative: list[float]) -> int:
 
 class MixtureSource:
     """A SampleSource over several PackedSources: each sample comes from domain d with probability weights[d] and
-    carries d as a last tensor. Every rank draws the same domains (same seed, same sample index).
+    comes as Drawn(sample, d). Every rank draws the same domains (same seed, same sample index).
 
     Its state is every domain's state plus the count of samples drawn. The weights are not part of it: they are
     set between steps by DomainWeights (which checkpoints them); `version` counts the changes, so that the data
@@ -68,7 +68,7 @@ class MixtureSource:
         self.weights = normalised(weights) if normalise else list(weights)
         self.version += 1
 
-    def samples(self, state: dict[str, Any] | None = None) -> Iterator[tuple[tuple, dict[str, Any]]]:
+    def samples(self, state: dict[str, Any] | None = None) -> Iterator[tuple[Drawn, dict[str, Any]]]:
         state = self._checked(state) if state is not None else {"domains": [None] * len(self.sources), "drawn": 0}
         domain_states, drawn = list(state["domains"]), state["drawn"]
         streams = [source.refs(s) if isinstance(source, IndexedSource) else source.samples(s)
@@ -78,9 +78,7 @@ class MixtureSource:
             domain = draw_domain(self.seed, drawn, cumulative)
             drawn += 1
             sample, domain_states[domain] = next(streams[domain])
-            tagged = sample.with_extra(torch.tensor(domain)) if isinstance(sample, Deferred) else \
-                (*sample, torch.tensor(domain))
-            yield tagged, {"domains": list(domain_states), "drawn": drawn, "names": self.names}
+            yield Drawn(sample, domain), {"domains": list(domain_states), "drawn": drawn, "names": self.names}
 
     def _checked(self, state: dict[str, Any]) -> dict[str, Any]:
         if "names" not in state:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from titan_lite.data.batch import Batch
 from titan_lite.data.datasets import DocumentStream, StreamPosition, resolve_shards
 from titan_lite.errors import ConfigError
 from titan_lite.loss import IGNORE_INDEX
@@ -83,8 +84,8 @@ def evaluate_perplexity(runner: ModelRunner, windows: torch.Tensor, dims: Parall
     tokens = torch.zeros((), dtype=torch.float64, device=device)
     batches = range(0, inputs.shape[0], batch_size)
     for done, start in enumerate(batches, start=1):
-        batch_nll, batch_tokens = runner.loss_sum(inputs[start:start + batch_size].to(device),
-                                                  labels[start:start + batch_size].to(device))
+        batch = Batch(inputs[start:start + batch_size], labels[start:start + batch_size]).to(device)
+        batch_nll, batch_tokens = runner.loss_sum(batch)
         nll += batch_nll
         tokens += batch_tokens
         if done % max(1, len(batches) // 10) == 0 or done == len(batches):

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from titan_lite.config.schema import JobConfig
-from titan_lite.data.dataloader import split_batch
 from titan_lite.eval.answer_accuracy import answer_accuracy
 from titan_lite.job.sources import PromptValidation, validation_data
 from titan_lite.metrics.logger import Progress
@@ -20,14 +19,16 @@ logger = logging.getLogger(__name__)
 
 
 class Validator:
-    """Builds the validation loader once and counts its batches once (the first time)."""
+    """Builds the validation loader once and counts its batches once (the first time). `objective`: the trainer's,
+    for data validated on the objective's own terms (preference pairs)."""
 
     def __init__(self, cfg: JobConfig, tokenizer, parallel_dims: ParallelDims, runner: ModelRunner,
-                 device: torch.device):
+                 device: torch.device, objective=None):
         self.cfg = cfg.validation
         self.instruct = cfg.instruct
         self.tokenizer = tokenizer
         self.runner = runner
+        self.objective = objective
         self.device = device
         # The last step that validates: sample completions are printed there and at the first evaluation.
         self.last_step = cfg.training.steps // self.cfg.freq * self.cfg.freq
@@ -90,8 +91,7 @@ class Validator:
         progress = Progress("validation", count, "batches")
         for done in range(count):
             progress.update(done)
-            inputs, labels, documents, _ = split_batch(tuple(t.to(self.device) for t in next(batches)))
-            loss, tokens, correct = self.runner.eval_sums(inputs, labels, documents)
+            loss, tokens, correct = self.runner.eval_sums(next(batches).to(self.device))
             has_correct = correct is not None
             sums += torch.stack([loss, tokens, correct if has_correct else torch.zeros_like(tokens)])
         loss_sum = self.runner.global_sum(sums[:1].clone(), loss_values=True)
@@ -103,7 +103,7 @@ class Validator:
 
     def _preference_metrics(self) -> dict[str, float]:
         """The preference loss and TRL's metrics (rewards/*, logps/*, logits/*) over the held-out pairs."""
-        objective = self.runner.objective
+        objective = self.objective
         count = self.batch_count()
         batches = self._batches_from_start()
         progress = Progress("validation", count, "batches")
@@ -111,8 +111,7 @@ class Validator:
         with objective.evaluating():
             for done in range(count):
                 progress.update(done)
-                inputs, labels, documents, _ = split_batch(tuple(t.to(self.device) for t in next(batches)))
-                batch_sums = self.runner.objective_sums(inputs, labels, documents)
+                batch_sums = self.runner.objective_sums(next(batches).to(self.device), objective)
                 sums = batch_sums if sums is None else sums + batch_sums
         return objective.metrics(self.runner.global_sum(sums, loss_values=True))
 

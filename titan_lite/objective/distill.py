@@ -4,34 +4,25 @@ inputs train the student through the chunked loss of kd.py; its checks before la
 
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 from torch import nn
 
 from titan_lite.config.schema import JobConfig
-from titan_lite.distributed import device_type
 from titan_lite.errors import ConfigError
 from titan_lite.job.assembly import BuiltModel
 from titan_lite.job.estimate import compute_bytes, microbatching
 from titan_lite.job.plan import JobPlan
-from titan_lite.loss import Objective
 from titan_lite.objective import kd
-from titan_lite.objective.frozen import (
-    FrozenSpec,
-    assemble_frozen,
-    base_forward,
-    check_frozen,
-    frozen_files_problem,
-    frozen_plan,
-    separate_forward,
-)
+from titan_lite.objective.base import Objective
+from titan_lite.objective.frozen import FrozenSpec
 from titan_lite.objective.kd import DistillLoss, distill_loss_sum
+from titan_lite.objective.reference import BASE, Reference
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.transforms import PlanItem
 
 logger = logging.getLogger("titan_lite")
-SELF_TEACHER = "base"
+SELF_TEACHER = BASE
 
 
 def self_teacher(cfg: JobConfig) -> bool:
@@ -43,6 +34,11 @@ def teacher_spec(cfg: JobConfig) -> FrozenSpec:
     return FrozenSpec(d.teacher_path, d.teacher_flavor, d.teacher_config, "teacher", "distill.teacher_path",
                       "distill.teacher_flavor", "distill.teacher_config", "student",
                       "distillation compares their logits token by token")
+
+
+def teacher(cfg: JobConfig) -> Reference:
+    """The student's own base, or a teacher folder."""
+    return Reference.of(teacher_spec(cfg))
 
 
 def describe(cfg: JobConfig) -> str:
@@ -83,23 +79,24 @@ class DistillObjective(Objective):
 def check_distill(plan: JobPlan) -> None:
     """Before launch: the teacher is usable (its files, shapes, vocabulary, tokenizer), or the self-teacher has a
     transform that keeps a base apart from what trains."""
+    teacher(plan.cfg).check(plan, check_self_teacher)
+
+
+def check_self_teacher(plan: JobPlan) -> None:
     cfg = plan.cfg
-    if self_teacher(cfg):
-        if plan.transforms.base_function([]) is None:
-            raise ConfigError(f"'distill.teacher_path' = '{SELF_TEACHER}' runs the student's frozen base as the "
-                              f"teacher, but no transform of 'model.converters' = {cfg.model.converters} keeps a base "
-                              "apart from what it trains (adapters do); name a teacher folder instead")
-        if cfg.distill.alpha == 1:
-            raise ConfigError(f"'distill.teacher_path' = '{SELF_TEACHER}' with 'distill.alpha' = 1: the student starts "
-                              "as its own base, so the KL and its gradient are zero and nothing would train; set "
-                              "alpha below 1 (the KL then keeps the fine-tuned model near its base)")
-        return
-    check_frozen(plan, teacher_spec(cfg), device_type())
+    if plan.transforms.base_function([]) is None:
+        raise ConfigError(f"'distill.teacher_path' = '{SELF_TEACHER}' runs the student's frozen base as the "
+                          f"teacher, but no transform of 'model.converters' = {cfg.model.converters} keeps a base "
+                          "apart from what it trains (adapters do); name a teacher folder instead")
+    if cfg.distill.alpha == 1:
+        raise ConfigError(f"'distill.teacher_path' = '{SELF_TEACHER}' with 'distill.alpha' = 1: the student starts "
+                          "as its own base, so the KL and its gradient are zero and nothing would train; set "
+                          "alpha below 1 (the KL then keeps the fine-tuned model near its base)")
 
 
 def teacher_files_problem(cfg: JobConfig) -> str | None:
     """DRY_RUN's checklist line for a teacher not downloaded yet, or None."""
-    return None if self_teacher(cfg) else frozen_files_problem(cfg, teacher_spec(cfg))
+    return teacher(cfg).files_problem(cfg)
 
 
 def build_distill(plan: JobPlan, model: BuiltModel, device: torch.device, seed: int,
@@ -107,15 +104,13 @@ def build_distill(plan: JobPlan, model: BuiltModel, device: torch.device, seed: 
     """Distillation with its teacher assembled here (loaded, frozen), or the student's own base."""
     d = plan.cfg.distill
     spec = DistillLoss(d.alpha, d.temperature, d.kind)
-    if self_teacher(plan.cfg):
+    frozen = teacher(plan.cfg).load(plan, model, device, seed)
+    if frozen.plan is None:
         logger.info(f"distill: the teacher is the student's own base, its adapters switched off "
                     f"({describe(plan.cfg)})")
-        return DistillObjective(loss_fn, spec, base_forward(plan, model))
-    tplan, built = assemble_frozen(plan, teacher_spec(plan.cfg), device, seed)
-    logger.info(f"distill: teacher {tplan.cfg.model.flavor} from '{d.teacher_path}', {tplan.full_param_count():,} "
-                f"parameters ({built.param_count():,} held by this rank, {tplan.cfg.training.dtype}, frozen) "
-                f"({describe(plan.cfg)})")
-    return DistillObjective(loss_fn, spec, separate_forward(built))
+    else:
+        logger.info(f"distill: {frozen.describe(teacher_spec(plan.cfg))} ({describe(plan.cfg)})")
+    return DistillObjective(loss_fn, spec, frozen)
 
 
 # ------------------------------------------------------------------------------------------ DRY_RUN
@@ -126,9 +121,7 @@ def distill_teacher_plan(plan: JobPlan, files_there: bool) -> JobPlan | None:
     self-teacher."""
     if self_teacher(plan.cfg):
         check_distill(plan)
-        return None
-    return frozen_plan(plan if files_there else replace(plan, tokenizer=None), teacher_spec(plan.cfg),
-                       plan.cfg.dry_run.device_type)
+    return teacher(plan.cfg).dry_run_plan(plan, files_there)
 
 
 def distill_lines(plan: JobPlan, teacher: JobPlan | None) -> list[str]:

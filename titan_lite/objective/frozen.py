@@ -200,20 +200,29 @@ def assemble_frozen(plan: JobPlan, spec: FrozenSpec, device: torch.device, seed:
 class FrozenForward:
     """How a frozen model runs on the runner's inputs: its parts within a context (the trained model's own parts with
     the transforms' base function, or a separate model's) and, under pipeline parallelism, the pipeline that runs
-    them. Called with forward(model) it returns the model's logits."""
+    them; a separate model also keeps its plan and what it built. Called with forward(model) it returns the model's
+    logits."""
 
     parts: list[nn.Module]
     pipeline: PipelineRunner | None = None
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    plan: JobPlan | None = None
+    built: BuiltModel | None = None
 
     def __call__(self, forward: Forward) -> torch.Tensor:
         with self.context():
             return forward(self.parts[0])
 
+    def describe(self, spec: FrozenSpec) -> str:
+        """A separate model's words for the log: its flavor, folder and parameters."""
+        p = self.plan
+        return (f"{spec.role} {p.cfg.model.flavor} from '{spec.path}', {p.full_param_count():,} parameters "
+                f"({self.built.param_count():,} held by this rank, {p.cfg.training.dtype}, frozen)")
 
-def separate_forward(built: BuiltModel) -> FrozenForward:
+
+def separate_forward(tplan: JobPlan, built: BuiltModel) -> FrozenForward:
     """A frozen model's logits on the runner's inputs."""
-    return FrozenForward(built.parts, built.pipeline)
+    return FrozenForward(built.parts, built.pipeline, plan=tplan, built=built)
 
 
 def base_forward(plan: JobPlan, trained: BuiltModel) -> FrozenForward:

@@ -17,20 +17,14 @@ import torch
 from torch import nn
 
 from titan_lite.config.schema import JobConfig
-from titan_lite.distributed import device_type
+from titan_lite.data.batch import Batch
 from titan_lite.job.assembly import BuiltModel
 from titan_lite.job.plan import JobPlan
-from titan_lite.loss import IGNORE_INDEX, Objective
-from titan_lite.objective.frozen import (
-    FrozenSpec,
-    assemble_frozen,
-    base_forward,
-    check_base_reference,
-    check_frozen,
-    frozen_files_problem,
-    separate_forward,
-)
+from titan_lite.loss import IGNORE_INDEX
+from titan_lite.objective.base import Objective
+from titan_lite.objective.frozen import FrozenSpec, check_base_reference
 from titan_lite.objective.logps import tempered_logps
+from titan_lite.objective.reference import BASE, Reference
 
 logger = logging.getLogger("titan_lite")
 # The sums behind the logged metrics, per completion token, in this order.
@@ -66,11 +60,10 @@ def reference_spec(cfg: JobConfig) -> FrozenSpec:
                       "the KL term compares their log-probabilities of the same token ids")
 
 
-def reference_kind(cfg: JobConfig) -> str | None:
+def reference_of(cfg: JobConfig) -> Reference:
     """None (beta 0: no reference), 'base' (the policy with its adapters off) or 'path' (a frozen model)."""
-    if cfg.grpo.beta == 0:
-        return None
-    return "base" if cfg.grpo.reference == "base" else "path"
+    return Reference.of(reference_spec(cfg), used=cfg.grpo.beta != 0)
+
 
 
 # ------------------------------------------------------------------------------------------ a microbatch
@@ -139,16 +132,16 @@ class GRPOObjective(Objective):
         self.frozen = reference  # (forward) -> the reference's logits, or None
         self.sums: torch.Tensor | None = None
 
-    def units(self, labels: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
-        return completion_units(labels, documents, self.spec)
+    def units(self, batch: Batch) -> torch.Tensor:
+        return completion_units(batch.labels, batch.documents, self.spec)
 
-    def prepare(self, labels: torch.Tensor, documents: torch.Tensor | None, shard: Callable,
-                values: torch.Tensor | None = None) -> CompletionBatch:
+    def prepare(self, batch: Batch, shard: Callable) -> CompletionBatch:
+        values = batch.values
         if values is None:
             raise RuntimeError("GRPO trains on rollouts: a microbatch without sampling log-probabilities and "
                                "advantages")
-        weights = completion_weights(labels, documents, self.spec.loss_type)
-        return CompletionBatch(*shard(labels, values[..., 0], values[..., 1], weights))
+        weights = completion_weights(batch.labels, batch.documents, self.spec.loss_type)
+        return CompletionBatch(*shard(batch.labels, values[..., 0], values[..., 1], weights))
 
     @torch.no_grad()
     def reference(self, forward: Callable[[nn.Module], torch.Tensor],
@@ -192,7 +185,7 @@ class GRPOObjective(Objective):
             sums = torch.zeros(len(TOKEN_SUMS), dtype=torch.float64, device=global_units.device)
         return self.metrics(global_sum(sums))
 
-    def pipeline_step(self, pipeline, inputs, labels, documents, scale, extra) -> torch.Tensor:
+    def pipeline_step(self, pipeline, inputs, labels, batch, scale, extra) -> torch.Tensor:
         raise RuntimeError("GRPO does not run under pipeline parallelism (the config check refuses it)")
 
 
@@ -201,31 +194,28 @@ class GRPOObjective(Objective):
 
 def check_grpo(plan: JobPlan) -> None:
     """Before launch: a KL reference that can serve ('base': adapters that keep the base apart; a folder: usable)."""
-    kind = reference_kind(plan.cfg)
-    if kind == "base":
-        check_base_reference(plan, "grpo.reference", trains_in_full_fix="name a reference folder (the model training "
-                                                                          "starts from) in 'grpo.reference'")
-    elif kind == "path":
-        check_frozen(plan, reference_spec(plan.cfg), device_type())
+    reference_of(plan.cfg).check(plan, check_base)
+
+
+def check_base(plan: JobPlan) -> None:
+    check_base_reference(plan, "grpo.reference", trains_in_full_fix="name a reference folder (the model training "
+                                                                      "starts from) in 'grpo.reference'")
 
 
 def grpo_reference_problem(cfg: JobConfig) -> str | None:
     """DRY_RUN's checklist line for a reference folder not downloaded yet, or None."""
-    return frozen_files_problem(cfg, reference_spec(cfg)) if reference_kind(cfg) == "path" else None
+    return reference_of(cfg).files_problem(cfg)
 
 
 def build_grpo(plan: JobPlan, model: BuiltModel, device: torch.device, seed: int) -> GRPOObjective:
     """The objective with its reference: none (beta 0), the policy's base, or a frozen model assembled here."""
     cfg, spec = plan.cfg, loss_spec(plan.cfg)
-    kind, frozen = reference_kind(cfg), None
-    if kind == "base":
-        frozen = base_forward(plan, model)
+    reference = reference_of(cfg)
+    frozen = reference.load(plan, model, device, seed)
+    if reference.kind == BASE:
         where = "the reference is the policy's own base, its adapters switched off (no second copy)"
-    elif kind == "path":
-        rplan, built = assemble_frozen(plan, reference_spec(cfg), device, seed)
-        frozen = separate_forward(built)
-        where = (f"reference {rplan.cfg.model.flavor} from '{cfg.grpo.reference}', {rplan.full_param_count():,} "
-                 f"parameters ({built.param_count():,} held by this rank, {rplan.cfg.training.dtype}, frozen)")
+    elif frozen is not None:
+        where = frozen.describe(reference.spec)
     else:
         where = "no reference model"
     logger.info(f"grpo: {spec.describe()}; {where}")

@@ -4,14 +4,13 @@ own (the policy's weights and optimizer state, the KV cache of a generation batc
 decode step's logits: generation and the training forwards never hold their memory together)."""
 
 from collections.abc import Callable
-from dataclasses import replace
 
 from titan_lite.config.schema import JobConfig
 from titan_lite.generate import kv_cache_bytes
 from titan_lite.job.estimate import compute_bytes
 from titan_lite.job.plan import JobPlan, gradient_accumulation_steps
-from titan_lite.objective.frozen import frozen_plan
-from titan_lite.objective.grpo import check_grpo, loss_spec, reference_kind, reference_spec
+from titan_lite.objective.grpo import check_grpo, loss_spec, reference_of
+from titan_lite.objective.reference import BASE
 from titan_lite.objective.vocab import ACCELERATOR_CHUNK_ELEMENTS, CHUNK_ELEMENTS
 from titan_lite.parallel.memory_estimate import GIB, MemoryEstimate
 from titan_lite.parallel.parallel_dims import ParallelDims
@@ -20,13 +19,9 @@ from titan_lite.transforms import PassPlan, PlanItem
 
 def grpo_reference_plan(plan: JobPlan, files_there: bool) -> JobPlan | None:
     """The reference held through training: a folder's (with beta > 0), else None (none, or the policy's base)."""
-    kind = reference_kind(plan.cfg)
-    if kind == "base":
+    if reference_of(plan.cfg).kind == BASE:
         check_grpo(plan)
-    if kind != "path":
-        return None
-    return frozen_plan(plan if files_there else replace(plan, tokenizer=None), reference_spec(plan.cfg),
-                       plan.cfg.dry_run.device_type)
+    return reference_of(plan.cfg).dry_run_plan(plan, files_there)
 
 
 def rollout_rows(cfg: JobConfig, dims: ParallelDims) -> tuple[int, int]:
@@ -44,10 +39,10 @@ def cache_capacity(cfg: JobConfig, tp: int) -> tuple[int, int]:
 
 def grpo_lines(plan: JobPlan, reference: JobPlan | None) -> list[str]:
     cfg, dims = plan.cfg, plan.parallel_dims
-    g, kind = cfg.grpo, reference_kind(cfg)
+    g, kind = cfg.grpo, reference_of(cfg).kind
     if kind is None:
         where = "no reference (beta 0)"
-    elif kind == "base":
+    elif kind == BASE:
         where = "reference: the policy's own base, adapters off (no second copy), one forward per microbatch"
     else:
         where = (f"reference: {reference.cfg.model.flavor} from '{g.reference}', {reference.full_param_count():,} "

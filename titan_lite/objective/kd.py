@@ -18,14 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from titan_lite.loss import IGNORE_INDEX
-from titan_lite.objective.vocab import (
-    ACCELERATOR_CHUNK_ELEMENTS,
-    CHUNK_ELEMENTS,
-    VocabShard,
-    local_vocab_shard,
-    row_blocks,
-)
+from titan_lite.loss import IGNORE_INDEX, VocabShard, row_blocks, saved_once
+from titan_lite.objective.vocab import ACCELERATOR_CHUNK_ELEMENTS, CHUNK_ELEMENTS, local_vocab_shard
 
 KINDS = ("forward", "reverse")
 # Elements of one [rows, vocab] float32 block; about six such temporaries are alive while a block is worked on.
@@ -94,10 +88,7 @@ class ChunkedDistillSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor, grad_parts: torch.Tensor) -> tuple:
-        if ctx.used:  # the gradient is scaled in place: only once
-            raise RuntimeError("ChunkedDistillSum supports one backward pass (no retain_graph)")
-        ctx.used = True
-        (grad,) = ctx.saved_tensors
+        (grad,) = saved_once(ctx, "ChunkedDistillSum")
         return grad.mul_(grad_loss.to(grad.dtype)).to(ctx.student_dtype), None, None, None, None
 
 

@@ -6,8 +6,8 @@ it."""
 
 import torch
 
-from titan_lite.loss import IGNORE_INDEX
-from titan_lite.objective.vocab import VocabShard, local_vocab_shard, row_blocks
+from titan_lite.loss import IGNORE_INDEX, VocabShard, row_blocks, saved_once, softmax_rows
+from titan_lite.objective.vocab import block_elements, local_vocab_shard
 
 
 def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,8 +43,7 @@ class TokenLogps(torch.autograd.Function):
         lse = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
         logit_sums, entropies = torch.zeros_like(lse), torch.zeros_like(lse)
         probs = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
-        exp_in_probs = probs is not None and probs.dtype == torch.float32
-        blocks = row_blocks(logits.shape[0], logits.shape[1], logits.device)
+        blocks = row_blocks(logits.shape[0], logits.shape[1], logits.device, block_elements())
         wanted = [bool(b) for b in torch.stack([valid[rows].any() for rows in blocks]).tolist()]  # one sync
         for rows, needed in zip(blocks, wanted, strict=True):
             if not needed:
@@ -54,14 +53,8 @@ class TokenLogps(torch.autograd.Function):
             block = logits[rows].float()  # a float32 block (the logits themselves when they are float32)
             if scale != 1.0:
                 block = block * scale
-            row_max = shard.max_(block.amax(dim=1))
-            exp = torch.sub(block, row_max[:, None], out=probs[rows] if exp_in_probs else None).exp_()
-            parts = [exp.sum(dim=1), block.sum(dim=1)] + ([(exp * block).sum(dim=1)] if entropy else [])
-            sums = shard.sum_(torch.stack(parts))
-            if probs is not None:
-                exp.div_(sums[0][:, None])
-                if not exp_in_probs:
-                    probs[rows].copy_(exp)
+            row_max, sums = softmax_rows(block, probs[rows] if probs is not None else None, shard,
+                                         lambda exp, x: [x.sum(dim=1)] + ([(exp * x).sum(dim=1)] if entropy else []))
             lse[rows], logit_sums[rows] = row_max + sums[0].log(), sums[1]
             if entropy:  # H = logsumexp(x) - sum softmax(x) x
                 entropies[rows] = lse[rows] - sums[2] / sums[0]
@@ -75,10 +68,7 @@ class TokenLogps(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logps: torch.Tensor, grad_mean_logits: torch.Tensor, grad_entropies: torch.Tensor) -> tuple:
-        if ctx.used:  # the gradient is made in place from the saved probabilities: only once
-            raise RuntimeError("TokenLogps supports one backward pass (no retain_graph)")
-        ctx.used = True
-        probs, local_labels, inside, valid = ctx.saved_tensors
+        probs, local_labels, inside, valid = saved_once(ctx, "TokenLogps")
         g = grad_logps * valid * ctx.scale  # rows without a label have a constant 0
         grad = probs.mul_(-g[:, None].to(probs.dtype))  # d log p(label) / d logits = scale (onehot - softmax)
         grad.scatter_add_(1, local_labels[:, None], (g * inside)[:, None].to(grad.dtype))

@@ -18,27 +18,19 @@ import torch.distributed as dist
 from torch import nn
 
 from titan_lite.config.schema import JobConfig
+from titan_lite.data.batch import Batch
 from titan_lite.data.preference import CHOSEN
-from titan_lite.distributed import device_type
 from titan_lite.errors import ConfigError
 from titan_lite.job.assembly import BuiltModel
 from titan_lite.job.plan import JobPlan
-from titan_lite.loss import IGNORE_INDEX, Objective
-from titan_lite.objective.frozen import (
-    FrozenForward,
-    FrozenSpec,
-    assemble_frozen,
-    base_forward,
-    check_base_reference,
-    check_frozen,
-    frozen_files_problem,
-    separate_forward,
-)
+from titan_lite.loss import IGNORE_INDEX
+from titan_lite.objective.base import Objective
+from titan_lite.objective.frozen import FrozenForward, FrozenSpec, check_base_reference
 from titan_lite.objective.logps import token_logps
 from titan_lite.objective.preference_loss import PreferenceLoss, pair_terms
+from titan_lite.objective.reference import BASE, Reference
 
 logger = logging.getLogger("titan_lite")
-BASE_REFERENCE = "base"
 # The sums behind the logged metrics, in this order: per pair (the same on every context-parallel rank) ...
 PAIR_SUMS = ("pairs", "pair_loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen",
              "logps/rejected")
@@ -58,11 +50,10 @@ def reference_spec(cfg: JobConfig) -> FrozenSpec:
                       "preference tuning compares their log-probabilities of the same token ids")
 
 
-def reference_kind(cfg: JobConfig) -> str | None:
+def reference_of(cfg: JobConfig) -> Reference:
     """None (a reference-free loss), 'base' (the policy with its adapters off) or 'path' (a frozen model)."""
-    if loss_spec(cfg).reference_free:
-        return None
-    return "base" if cfg.preference.reference == BASE_REFERENCE else "path"
+    return Reference.of(reference_spec(cfg), used=not loss_spec(cfg).reference_free)
+
 
 
 # ------------------------------------------------------------------------------------------ a microbatch's pairs
@@ -217,16 +208,15 @@ class PreferenceObjective(Objective):
     def uses_reference(self) -> bool:
         return not self.spec.reference_free
 
-    def units(self, labels: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
-        return pair_units(labels, documents)
+    def units(self, batch: Batch) -> torch.Tensor:
+        return pair_units(batch.labels, batch.documents)
 
     def start_step(self, global_units: torch.Tensor) -> None:
         pairs, chosen_tokens = global_units.tolist()
         self.nll_scale = pairs / max(chosen_tokens, 1.0)
 
-    def prepare(self, labels: torch.Tensor, documents: torch.Tensor | None, shard: Callable,
-                values: torch.Tensor | None = None) -> PairBatch:
-        return pair_batch(labels, documents, shard)
+    def prepare(self, batch: Batch, shard: Callable) -> PairBatch:
+        return pair_batch(batch.labels, batch.documents, shard)
 
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:
@@ -302,9 +292,9 @@ class PreferenceObjective(Objective):
     # document ids side by side; an on-the-fly reference runs first as a forward-only pipeline pass whose last stage
     # keeps each pair's log-probabilities by its row (context parallelism is refused with pipelines).
 
-    def pipeline_step(self, pipeline, inputs: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor | None,
-                      scale: torch.Tensor, extra: dict) -> torch.Tensor:
-        target = torch.cat([labels, documents], dim=1)
+    def pipeline_step(self, pipeline, inputs: torch.Tensor, labels: torch.Tensor, batch: Batch, scale: torch.Tensor,
+                      extra: dict) -> torch.Tensor:
+        target = torch.cat([labels, batch.documents], dim=1)
         reference = self.pipeline_reference(pipeline, inputs, target, extra)
         loss = pipeline.step(inputs, target, scale, extra=extra, target_loss=partial(self._pipeline_loss,
                                                                                      reference=reference))
@@ -313,9 +303,8 @@ class PreferenceObjective(Objective):
         return loss
 
     @torch.no_grad()
-    def pipeline_eval_sums(self, pipeline, inputs: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor,
-                           extra: dict) -> torch.Tensor:
-        target = torch.cat([labels, documents], dim=1)
+    def pipeline_eval_sums(self, pipeline, batch: Batch, extra: dict) -> torch.Tensor:
+        inputs, target = batch.inputs, torch.cat([batch.labels, batch.documents], dim=1)
         reference = self.pipeline_reference(pipeline, inputs, target, extra)
         pipeline.evaluate(inputs, target, extra, partial(self._pipeline_loss, reference=reference))
         zero = torch.zeros(len(PAIR_SUMS + TOKEN_SUMS), dtype=torch.float64, device=inputs.device)
@@ -387,20 +376,19 @@ def check_preference(plan: JobPlan) -> None:
     """Before launch: a reference that can serve: 'base' needs adapters that keep the base apart (and no module
     trained in full, no adapter loaded to start from: switching the adapters off would not give the model training
     starts from); a folder must be usable (files, shapes, vocabulary, tokenizer)."""
-    cfg = plan.cfg
-    kind = reference_kind(cfg)
-    if kind == "base":
-        fix = None if cfg.preference.precompute_reference else \
-            "set 'preference.precompute_reference' = true (the reference is computed before training) or name a " \
-            "reference folder"
-        check_base_reference(plan, "preference.reference", trains_in_full_fix=fix)
-    elif kind == "path":
-        check_frozen(plan, reference_spec(cfg), device_type())
+    reference_of(plan.cfg).check(plan, check_base)
+
+
+def check_base(plan: JobPlan) -> None:
+    fix = None if plan.cfg.preference.precompute_reference else \
+        "set 'preference.precompute_reference' = true (the reference is computed before training) or name a " \
+        "reference folder"
+    check_base_reference(plan, "preference.reference", trains_in_full_fix=fix)
 
 
 def reference_files_problem(cfg: JobConfig) -> str | None:
     """DRY_RUN's checklist line for a reference folder not downloaded yet, or None."""
-    return frozen_files_problem(cfg, reference_spec(cfg)) if reference_kind(cfg) == "path" else None
+    return reference_of(cfg).files_problem(cfg)
 
 
 def build_preference(plan: JobPlan, model: BuiltModel, device: torch.device, seed: int) -> PreferenceObjective:
@@ -409,19 +397,15 @@ def build_preference(plan: JobPlan, model: BuiltModel, device: torch.device, see
     cfg, spec = plan.cfg, loss_spec(plan.cfg)
     dims = plan.parallel_dims
     cp = ContextParallelSum(dims.submesh("cp").get_group() if dims.cp_enabled else None, dims.cp)
-    kind, precompute = reference_kind(cfg), cfg.preference.precompute_reference
+    reference, precompute = reference_of(cfg), cfg.preference.precompute_reference
+    kind = reference.kind
     table = ReferenceTable(table_fingerprint(cfg)) if precompute else None
-    frozen = None
-    if kind == "base" and not precompute:
-        frozen = base_forward(plan, model)
+    frozen = None if precompute else reference.load(plan, model, device, seed)
+    if kind == BASE and not precompute:
         logger.info(f"preference: {spec.describe()}; the reference is the policy's own base, its adapters switched "
                     "off (no second copy)")
-    elif kind == "path" and not precompute:
-        tplan, built = assemble_frozen(plan, reference_spec(cfg), device, seed)
-        frozen = separate_forward(built)
-        logger.info(f"preference: {spec.describe()}; reference {tplan.cfg.model.flavor} from "
-                    f"'{cfg.preference.reference}', {tplan.full_param_count():,} parameters ({built.param_count():,} "
-                    f"held by this rank, {tplan.cfg.training.dtype}, frozen)")
+    elif kind is not None and not precompute:
+        logger.info(f"preference: {spec.describe()}; {frozen.describe(reference.spec)}")
     elif kind is None:
         logger.info(f"preference: {spec.describe()} (reference-free: no reference model)")
     else:

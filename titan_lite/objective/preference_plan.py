@@ -3,15 +3,15 @@ data there, what its first sequences hold), the memory a held reference adds to 
 precomputed reference folder runs before training."""
 
 from collections.abc import Callable
-from dataclasses import replace
 
 from titan_lite.config.schema import JobConfig
 from titan_lite.data.dataloader import build_section_source
 from titan_lite.errors import ConfigError
 from titan_lite.job.estimate import compute_bytes
 from titan_lite.job.plan import JobPlan
-from titan_lite.objective.frozen import frozen_items, frozen_plan
-from titan_lite.objective.preference import check_preference, loss_spec, reference_kind, reference_spec
+from titan_lite.objective.frozen import frozen_items
+from titan_lite.objective.preference import check_preference, loss_spec, reference_of
+from titan_lite.objective.reference import BASE
 from titan_lite.objective.vocab import ACCELERATOR_CHUNK_ELEMENTS, CHUNK_ELEMENTS
 from titan_lite.parallel.memory_estimate import GIB
 from titan_lite.parallel.parallel_dims import ParallelDims
@@ -21,22 +21,19 @@ from titan_lite.transforms import PassPlan, PlanItem
 def preference_reference_plan(plan: JobPlan, files_there: bool) -> tuple[JobPlan | None, bool]:
     """(the reference's plan, whether training holds it): None for 'base' and reference-free losses; a folder's
     reference is held through training unless precomputed (then only during the pass before it)."""
-    kind = reference_kind(plan.cfg)
-    if kind != "path":
-        if kind == "base":
-            check_preference(plan)
-        return None, False
-    reference = frozen_plan(plan if files_there else replace(plan, tokenizer=None), reference_spec(plan.cfg),
-                            plan.cfg.dry_run.device_type)
-    return reference, not plan.cfg.preference.precompute_reference
+    kind = reference_of(plan.cfg).kind
+    if kind == BASE:
+        check_preference(plan)
+    reference = reference_of(plan.cfg).dry_run_plan(plan, files_there)
+    return reference, reference is not None and not plan.cfg.preference.precompute_reference
 
 
 def preference_lines(plan: JobPlan, reference: JobPlan | None) -> list[str]:
     cfg = plan.cfg
-    p, spec, kind = cfg.preference, loss_spec(cfg), reference_kind(cfg)
+    p, spec, kind = cfg.preference, loss_spec(cfg), reference_of(cfg).kind
     if kind is None:
         where = "reference-free: no reference model"
-    elif kind == "base":
+    elif kind == BASE:
         where = "reference: the policy's own base, adapters off (no second copy)"
     else:
         where = (f"reference: {reference.cfg.model.flavor} from '{p.reference}', {reference.full_param_count():,} "

@@ -11,6 +11,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from titan_lite.data.batch import Batch
 from titan_lite.data.dataloader import build_section_source, pad_collate
 from titan_lite.data.instruct import split_words
 from titan_lite.data.preference import PreferenceSource
@@ -18,8 +19,8 @@ from titan_lite.job.assembly import BuiltModel
 from titan_lite.job.plan import JobPlan
 from titan_lite.loss import IGNORE_INDEX
 from titan_lite.metrics.logger import Progress
-from titan_lite.objective.frozen import FrozenForward, assemble_frozen, base_forward, separate_forward
-from titan_lite.objective.preference import PreferenceObjective, pair_batch, reference_kind, reference_spec
+from titan_lite.objective.frozen import FrozenForward
+from titan_lite.objective.preference import PreferenceObjective, pair_batch, reference_of
 from titan_lite.parallel.parallel_dims import ParallelDims
 
 logger = logging.getLogger("titan_lite")
@@ -42,37 +43,36 @@ class ReferencePass:
                         "not recomputed")
             return
         started = time.perf_counter()
-        frozen, built = self.reference()
+        frozen = self.reference()
         sections = ["training"] + (["validation"] if cfg.validation.enable else [])
         for section in sections:
             table.tables[section] = self.compute(section, frozen)
-        del frozen, built
+        del frozen
         gc.collect()
         counts = ", ".join(f"{int((~table.tables[s][:, 0].isnan()).sum()):,} {s}" for s in sections)
         logger.info(f"preference: reference log-probabilities of {counts} pairs computed in "
                     f"{time.perf_counter() - started:.1f}s and kept with the checkpoints; the reference is freed")
 
-    def reference(self) -> tuple[FrozenForward, BuiltModel | None]:
+    def reference(self) -> FrozenForward:
         cfg = self.plan.cfg
-        if reference_kind(cfg) == "base":
-            return base_forward(self.plan, self.model), None
-        tplan, built = assemble_frozen(self.plan, reference_spec(cfg), self.device, self.seed)
-        logger.info(f"preference: reference {tplan.cfg.model.flavor} from '{cfg.preference.reference}' loaded for "
-                    "the precomputation")
-        return separate_forward(built), built
+        frozen = reference_of(cfg).load(self.plan, self.model, self.device, self.seed)
+        if frozen.plan is not None:
+            logger.info(f"preference: reference {frozen.plan.cfg.model.flavor} from '{cfg.preference.reference}' "
+                        "loaded for the precomputation")
+        return frozen
 
-    def values(self, frozen: FrozenForward, inputs: torch.Tensor, labels: torch.Tensor,
-               documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def values(self, frozen: FrozenForward, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, [pairs, 2] reference log-probabilities) of one batch's pairs (under pipeline parallelism: on the
         last stage, none elsewhere)."""
         runner = self.model.runner
         if runner.pipeline is not None:
-            found = self.objective.pipeline_reference(runner.pipeline, inputs, torch.cat([labels, documents], dim=1),
-                                                      runner.extra_inputs(documents), frozen)
+            target = torch.cat([batch.labels, batch.documents], dim=1)
+            found = self.objective.pipeline_reference(runner.pipeline, batch.inputs, target,
+                                                      runner.extra_inputs(batch.documents), frozen)
             return found.examples.to(self.device), found.values
-        batch = pair_batch(labels, documents, runner.shard)
-        return batch.examples, runner.forward_only(partial(self.objective.frozen_logps, batch=batch, frozen=frozen),
-                                                   inputs, documents)
+        pairs = pair_batch(batch.labels, batch.documents, runner.shard)
+        return pairs.examples, runner.forward_only(partial(self.objective.frozen_logps, batch=pairs, frozen=frozen),
+                                                   batch)
 
     @torch.no_grad()
     def compute(self, section: str, frozen: FrozenForward) -> torch.Tensor:
@@ -93,9 +93,8 @@ class ReferencePass:
             progress.update(i)
             chunk = mine[i * size:(i + 1) * size]
             chunk += [_padding_window(windows[0])] * (size - len(chunk))  # whole batches: pipelines need them
-            *tensors, _ = collate([(w, {}) for w in chunk])
-            inputs, labels, documents = (t.to(self.device) for t in tensors)
-            examples, values = self.values(frozen, inputs, labels, documents)
+            batch, _ = collate([(w, {}) for w in chunk])
+            examples, values = self.values(frozen, batch.to(self.device))
             if examples.numel():
                 table[examples] = values.to(table.device)
                 seen[examples] = 1

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from titan_lite.config.schema import JobConfig
+from titan_lite.data.batch import Batch
 from titan_lite.data.dataloader import BatchLayout
 from titan_lite.data.datasets import packed_sample
 from titan_lite.data.instruct import PAD_DOCUMENT
@@ -142,15 +143,16 @@ def document_rows(documents: list[Document], window: int, packing: bool) -> list
     return rows
 
 
-def microbatch(documents: list[Document], window: int, packing: bool, pad_id: int,
-               multiple: int = 1) -> tuple[torch.Tensor, ...]:
-    """(inputs, labels, document ids, values [rows, seq, 2]) of a microbatch's documents: packed into windows of
-    `window` tokens, or padded to the longest (its seq rounded up to a multiple of `multiple`)."""
+def microbatch(documents: list[Document], window: int, packing: bool, pad_id: int, multiple: int = 1) -> Batch:
+    """The Batch of a microbatch's documents (with their document ids, and values [rows, seq, 2]: each label's
+    sampling log-probability and advantage): packed into windows of `window` tokens, or padded to the longest (its
+    seq rounded up to a multiple of `multiple`)."""
     rows = document_rows(documents, window, packing)
     if not packing:
         window = -(-(max(len(d.tokens) for d in documents) - 1) // multiple) * multiple + 1
     samples = [packed_row(row, window, pad_id) for row in rows]
-    return tuple(torch.stack(column) for column in zip(*samples, strict=True))
+    inputs, labels, ids, values = (torch.stack(column) for column in zip(*samples, strict=True))
+    return Batch(inputs, labels, ids, values=values)
 
 
 def packed_row(row: list[Document], window: int, pad_id: int) -> tuple[torch.Tensor, ...]:
@@ -198,7 +200,7 @@ class RolloutSource:
 
     # ------------------------------------------------------------------ the loader's interface
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+    def __iter__(self) -> Iterator[Batch]:
         stream = self.prompts.samples(self.prompt_state)
         while True:
             if self.current is None or self.current.passes >= self.s.iterations:
@@ -276,7 +278,7 @@ class RolloutSource:
         return Rollout([list(p.ids) for p in prompts], [r[1] for r in records], [r[2] for r in records],
                        advantages.tolist(), metrics=metrics)
 
-    def microbatch(self, rollout: Rollout, members: list[int]) -> tuple[torch.Tensor, ...]:
+    def microbatch(self, rollout: Rollout, members: list[int]) -> Batch:
         documents = [Document.of(rollout, i, self.s.group) for i in members]
         return microbatch(documents, self.s.seq_len + 1, self.s.packing, self.s.generation.pad_id, self.s.multiple)
 

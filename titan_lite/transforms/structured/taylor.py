@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from titan_lite.data.batch import Batch
 from titan_lite.dtensor import full_tensor
 from titan_lite.errors import ConfigError
 from titan_lite.models.args import LlamaArgs
@@ -75,7 +76,7 @@ def accumulate_gradients(runner: ModelRunner, batches: list[tuple[Tensor, Tensor
     loss = torch.zeros((), dtype=torch.float64, device=device)
     begin = time.monotonic()
     for i, (inputs, labels) in enumerate(batches, start=1):
-        loss += runner.forward_backward(inputs, labels, scale).to(torch.float64)
+        loss += runner.forward_backward(Batch(inputs, labels), scale).to(torch.float64)
         logger.info(f"taylor: calibration batch {i}/{len(batches)} forward+backward "
                     f"({time.monotonic() - begin:.1f}s)")
     return float(runner.global_sum(loss, loss_values=True) / global_tokens)
