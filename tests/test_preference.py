@@ -387,6 +387,22 @@ def test_precomputed_reference_resumes_exactly_and_metrics_reach_tensorboard(tmp
     assert [e.step for e in events.Scalars("validation/rewards/accuracies")] == [2, 4]
 
 
+def test_a_held_out_split_smaller_than_one_batch_is_one_line(tmp_path):
+    """A held-out split that fills no whole validation batch is refused in one line naming the setting (it was a
+    traceback in the preference metrics)."""
+    from titan_lite.train import Trainer
+
+    flags = ["--validation.enable", "--validation.dataset", "preference", "--validation.freq", "1",
+             "--validation.seq_len", "64", "--validation.local_batch_size", "4", "--validation.steps", "1",
+             "--training.steps", "1"]
+    trainer = Trainer(config(tmp_path / "run", tiny_pairs(tmp_path, 40), *flags))
+    with pytest.raises(ConfigError) as refused:
+        trainer.validator.batch_count()
+    assert str(refused.value) == ("validation: the held-out preference split fills no whole batch of "
+                                  "'validation.local_batch_size' = 4 per data-parallel rank: lower it, or hold out "
+                                  "more data")
+
+
 def test_preference_benchmark_cases_read_their_results():
     """benchmarks/preference.py's result lines as the cases read them: useful tokens per second, seconds and tokens
     per pair of both prompt layouts, and the reference's cost in a step against its forward alone."""

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from titan_lite.config.schema import JobConfig
+from titan_lite.errors import ConfigError
 from titan_lite.eval.answer_accuracy import answer_accuracy
 from titan_lite.job.sources import PromptValidation, validation_data
 from titan_lite.metrics.logger import Progress
@@ -48,6 +49,10 @@ class Validator:
         if self._batches is None:
             limit = self.cfg.steps if self.cfg.steps != -1 else None
             self._batches = sum(1 for _ in itertools.islice(self._batches_from_start(), limit))
+            if self._batches == 0:  # a pass over nothing: no loss to report (and no metrics to divide)
+                raise ConfigError(f"validation: the held-out {self.cfg.dataset} split fills no whole batch of "
+                                  f"'validation.local_batch_size' = {self.cfg.local_batch_size} per data-parallel "
+                                  "rank: lower it, or hold out more data")
         return self._batches
 
     def _batches_from_start(self):
