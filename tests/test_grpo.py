@@ -282,6 +282,9 @@ def test_prompts_shuffle_per_epoch_seeded_and_resume_in_order(tmp_path):
     state = run[6][1]  # after the 7th prompt: resumed, the rest of the order follows exactly
     assert [p.index for p, _ in prompt_order(data, state, take=13)] == [p.index for p, _ in run[7:]]
     assert [p.index for p, _ in prompt_order(data, shuffle=False, take=10)] == list(range(10))
+    # an earlier titan_lite's saved form, (epoch, position) after run[12]: continued at the same prompt
+    assert [p.index for p, _ in prompt_order(data, {"epoch": 1, "position": 3}, take=7)] == [
+        p.index for p, _ in run[13:]]
 
 
 # ------------------------------------------------------------------------------------------ bad input, one line

@@ -152,7 +152,13 @@ class PromptSource:
         return self._rows
 
     def seek(self, state: dict[str, Any] | None) -> int:
-        """The next index of a saved position (0 for None); one of another order is refused."""
+        """The next index of a saved position (0 for None); one of another order is refused. A checkpoint of an
+        earlier titan_lite saved (epoch, position) without its order: continued where it stopped, with a warning."""
+        if state is not None and "next" not in state and {"epoch", "position"} <= state.keys():
+            logger.warning("Dataset %s: the checkpoint's prompt position (epoch %d, position %d) was saved by an "
+                           "earlier titan_lite without its order: continuing there, unchecked against this run's "
+                           "seed and training.shuffle", self.name, state["epoch"], state["position"])
+            return state["epoch"] * len(self.split_rows()) + state["position"]
         return self.epochs.seek(state)
 
     def samples(self, state: dict[str, Any] | None = None) -> Iterator[tuple[Prompt, dict[str, Any]]]:
