@@ -1,6 +1,7 @@
 """Perplexity of magnitude, Wanda and SparseGPT at 50% (or --sparsities) unstructured and 2:4 against the dense
 model, measured the way a user would: scripts/prune.py for each method and pattern, scripts/eval_ppl.py for each
-folder, and (with --transformers) transformers' LlamaForCausalLM on the same windows as an independent check.
+folder, and (with --transformers) transformers' LlamaForCausalLM on the same windows as an independent check. With
+--owl every unstructured sparsity also runs with OWL's layer ratios (`--layer_ratios owl`), beside uniform.
 
     .venv/bin/python benchmarks/prune_quality.py --hf_assets_path outputs/debug_tied/checkpoint/step-600-hf \\
         --eval_data titan_lite/data/corpus/shakespeare/validation/midsummer_nights_dream.txt --seq_len 256 \\
@@ -65,17 +66,28 @@ def main() -> None:
     parser.add_argument("--transformers", action="store_true", help="also compute transformers' perplexity")
     parser.add_argument("--sparsities", default="0.5",
                         help="comma list of unstructured sparsities (2:4 runs as well) (default: %(default)s)")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma list (default: %(default)s)")
+    parser.add_argument("--owl", action="store_true",
+                        help="also prune every unstructured sparsity with OWL's layer ratios (default M and lambda)")
+    parser.add_argument("--no_2of4", action="store_true", help="skip the 2:4 rows")
     opts = parser.parse_args()
-    settings = [("unstructured", float(s)) for s in opts.sparsities.split(",")] + [("2:4", 0.5)]
+    methods = [m for m in opts.methods.split(",") if m]
+    if unknown := [m for m in methods if m not in METHODS]:
+        raise SystemExit(f"--methods: unknown {unknown}; expected some of {', '.join(METHODS)}")
+    settings = [("unstructured", float(s), ratios) for s in opts.sparsities.split(",")
+                for ratios in ("uniform", "owl")[:2 if opts.owl else 1]]
+    settings += [] if opts.no_2of4 else [("2:4", 0.5, "uniform")]
     rows = [("dense", "-", Path(opts.hf_assets_path), 0.0)]
-    for pattern, sparsity in settings:
+    for pattern, sparsity, ratios in settings:
         label = f"{pattern} {sparsity:.0%}" if pattern == "unstructured" else pattern
-        for method in METHODS:
+        label += " OWL" if ratios == "owl" else ""
+        for method in methods:
             folder = Path(opts.out) / f"{method}-{label.replace(':', 'of').replace(' ', '-').replace('%', '')}"
             begin = time.monotonic()
             run("prune.py", "--hf_assets_path", opts.hf_assets_path, "--output_dir", str(folder), "--method", method,
                 "--pattern", pattern, "--sparsity", str(sparsity), "--nsamples", str(opts.nsamples), "--seq_len",
-                str(opts.seq_len), *(["--calib_path", opts.calib_path] if opts.calib_path else []))
+                str(opts.seq_len), "--layer_ratios", ratios,
+                *(["--calib_path", opts.calib_path] if opts.calib_path else []))
             rows.append((method, label, folder, time.monotonic() - begin))
     print(f"\n| method | pattern | perplexity (eval_ppl.py) |{' transformers |' if opts.transformers else ''} "
           f"prune time |")
@@ -88,6 +100,21 @@ def main() -> None:
         print(f"| {method} | {label} | {ours:.4f} |{theirs} {seconds:.1f}s |", flush=True)
     rankings = [f"{label}: " + " < ".join(m for _, m in sorted(v)) for label, v in by_label.items() if label != "-"]
     print(f"result: dense perplexity {by_label['-'][0][0]:.4f}; lowest perplexity first, " + "; ".join(rankings))
+    if opts.owl:
+        print("OWL against uniform: " + "; ".join(owl_changes(by_label)))
+
+
+def owl_changes(by_label: dict[str, list[tuple[float, str]]]) -> list[str]:
+    """'wanda 70%: 155.2492 -> 143.6340 (-7.48%)' for every method and sparsity pruned both ways."""
+    changes = []
+    for label, rows in by_label.items():
+        if not label.endswith(" OWL"):
+            continue
+        uniform = {method: ppl for ppl, method in by_label[label.removesuffix(" OWL")]}
+        for ppl, method in rows:
+            before = uniform[method]
+            changes.append(f"{method} {label.split()[1]}: {before:.4f} -> {ppl:.4f} ({ppl / before - 1:+.2%})")
+    return changes
 
 
 if __name__ == "__main__":

@@ -391,6 +391,84 @@ def dense_outlier_ratios(plan, dense_state: dict[str, torch.Tensor], m: float) -
     return ratios
 
 
+def reference_windows(plan) -> list[torch.Tensor]:
+    p = plan.cfg.pruning
+    return [inputs for inputs, _ in calibration_source(plan, torch.device("cpu"))(p.dataset, p.dataset_path,
+                                                                                  p.nsamples, p.seq_len, 1)]
+
+
+def own_input_squares(block: torch.nn.Module, hidden: list[torch.Tensor], rope: torch.Tensor) -> dict:
+    """Wanda's statistic from a hook on every linear of the block (each its own input, no sharing): the sum over
+    the calibration tokens of x_j^2, the block run on `hidden`."""
+    squares: dict[str, torch.Tensor] = {}
+
+    def hook(name, module, args, output):
+        x = args[0].reshape(-1, args[0].shape[-1]).double()
+        squares[name] = squares.get(name, 0) + (x * x).sum(0)
+    linears = {n: m for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
+    handles = [m.register_forward_hook(partial(hook, n)) for n, m in linears.items()]
+    for h in hidden:
+        block(h, rope)
+    for handle in handles:
+        handle.remove()
+    return squares
+
+
+@torch.no_grad()
+def reference_wanda(plan, dense_state: dict[str, torch.Tensor], sparsity: float, owl: tuple[float, float] | None,
+                    sequential: bool = True) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Wanda (Sun et al. 2023) with OWL's layer ratios (Yin et al. 2024), written from the papers: OWL's outlier
+    ratio D_l on the dense model, S_l from reference_owl; then block by block, each block calibrated on the outputs
+    of the blocks already pruned (`sequential`; else on the dense blocks' outputs), every linear's score
+    |W_ij| x ||x_j|| from its own input, the floor(in x S_l) lowest of each output row pruned (a stable sort).
+    Returns (pruned positions by linear, the layer sparsities)."""
+    model = Llama(plan.model_args)
+    model.load_state_dict(dense_state, strict=False)
+    rope, blocks = model.rope_cache, list(model.layers.values())
+    hidden = [model.tok_embeddings(w) for w in reference_windows(plan)]
+    dense_inputs, outlier_ratios = [], []
+    for block in blocks:
+        dense_inputs.append(hidden)
+        squares = own_input_squares(block, hidden, rope)
+        scores = [m.weight.abs() * squares[n].sqrt().float()[None, :] for n, m in block.named_modules()
+                  if isinstance(m, torch.nn.Linear)]
+        outlier_ratios.append(reference_outlier_ratio(scores, owl[0]) if owl else 0.0)
+        hidden = [block(h, rope) for h in hidden]
+    sparsities = reference_owl(outlier_ratios, sparsity, owl[1]) if owl else [sparsity] * len(blocks)
+    hidden, pruned = dense_inputs[0], {}
+    for i, block in enumerate(blocks):
+        squares = own_input_squares(block, hidden if sequential else dense_inputs[i], rope)
+        for name, linear in block.named_modules():
+            if isinstance(linear, torch.nn.Linear):
+                score = linear.weight.abs() * squares[name].sqrt().float()[None, :]
+                lowest = torch.sort(score, dim=-1, stable=True).indices[:, :int(score.shape[1] * sparsities[i])]
+                mask = torch.zeros_like(score, dtype=torch.bool).scatter_(1, lowest, True)
+                linear.weight[mask] = 0
+                pruned[f"layers.{i}.{name}"] = mask
+        hidden = [block(h, rope) for h in hidden]
+    return pruned, sparsities
+
+
+@pytest.mark.parametrize("layer_ratios", ["owl", "uniform"])
+def test_wanda_masks_equal_a_sequential_reference_from_the_papers(process_group, dense, layer_ratios):
+    owl = ("--pruning.layer_ratios", "owl", "--pruning.owl_m", "3", "--pruning.owl_lambda", "0.1")
+    built, plan = build(["--model.converters", "prune", "--pruning.sparsity", "0.7", *CALIBRATION,
+                         *(owl if layer_ratios == "owl" else ())])
+    settings = (3.0, 0.1) if layer_ratios == "owl" else None
+    expected, sparsities = reference_wanda(plan, dense, 0.7, settings)
+    dense_calibrated, _ = reference_wanda(plan, dense, 0.7, settings, sequential=False)
+    pruned = full_state(built.parts)
+    assert sorted(expected) == sorted(n for n, _ in masked_linears(built.parts))
+    for name, mask in expected.items():
+        assert torch.equal(pruned[f"{name}.weight"] == 0, mask), name
+    # Sequential: block 0 sees the same inputs either way; every later block's masks follow the pruned inputs.
+    differ = {i: sum(int((expected[n] != dense_calibrated[n]).sum()) for n in expected if n.startswith(f"layers.{i}."))
+              for i in range(plan.model_args.n_layers)}
+    assert differ[0] == 0 and all(differ[i] > 0 for i in range(1, plan.model_args.n_layers)), differ
+    if layer_ratios == "owl":
+        assert max(sparsities) - min(sparsities) == pytest.approx(0.2, abs=1e-12)
+
+
 @pytest.mark.parametrize("method", ["wanda", "magnitude"])
 def test_owl_prunes_every_layer_at_its_outlier_weighted_ratio(process_group, dense, method):
     built, plan = build(["--model.converters", "prune", "--pruning.method", method, "--pruning.sparsity", "0.6",
