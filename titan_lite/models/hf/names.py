@@ -25,6 +25,10 @@ _LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "moe.router.gate.weight": "mlp.gate.weight",  # Qwen3-MoE
+    # Qwen3.5's Gated DeltaNet (the linear_attention layers): transformers' names under the mixer's
+    **{f"attention.{name}": f"linear_attn.{name}"
+       for name in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
+                    "out_proj.weight", "conv1d.weight", "A_log", "dt_bias", "norm.weight")},
 }
 # Grouped expert weights [E, ...] (titan_lite suffix) -> the HF suffix of expert j's own tensor, {j} its index.
 _EXPERT_NAMES = {
