@@ -5,6 +5,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from titan_lite.errors import ConfigError
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.parts.masks import within_window
 from titan_lite.models.parts.rope import apply_rope, rope_cache
@@ -22,6 +23,9 @@ class KVCache:
     """
 
     def __init__(self, args: LlamaArgs, batch: int, capacity: int, device: torch.device, last_only: bool = True):
+        if args.is_hybrid or args.rotary_dim != args.head_dim:
+            raise ConfigError(f"generation with a KV cache is not supported yet for Qwen3.5 (family {args.family!r}: "
+                              "Gated DeltaNet layers, partial RoPE)")
         self.rope = rope_cache(replace(args, max_seq_len=capacity), device)
         self.capacity = capacity
         self.windows = [args.window_of(layer) for layer in range(args.n_layers)]  # each layer's mixer's window

@@ -23,7 +23,7 @@ from titan_lite.models.hf.families import (
     text_config_of,
 )
 from titan_lite.models.hf.rope import ROPE_FIELDS, rope_entries, rope_fields
-from titan_lite.models.parts.mixers import MIXERS
+from titan_lite.models.parts.mixers import MIXERS, check_layer_types
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -126,6 +126,7 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> LlamaArgs:
         layer_n_heads=cfg.get("layer_n_heads"), layer_n_kv_heads=cfg.get("layer_n_kv_heads"),
         layer_ffn_dims=cfg.get("layer_ffn_dims"), explicit_head_dim=None if head_dim == dim // n_heads else head_dim,
         family=model_type, **_family_options(cfg, model_type, source), **rope_fields(cfg, source))
+    check_layer_types(args, source)
     return args
 
 

@@ -23,6 +23,10 @@ class Family:
     fixed: dict = field(default_factory=dict)  # further LlamaArgs options the family always has (Qwen3.5's gate)
     hybrid: bool = False  # may mix mixers across layers (Qwen3.5: Gated DeltaNet and attention)
     model_type: str | None = None  # the model_type its config.json is written with, where not the row's key
+    # where a multimodal folder holds the text model's "model." tensors (Qwen3.5: model.language_model.)
+    text_prefix: str | None = None
+    # HF tensor-name prefixes of parts titan_lite does not build, skipped on load (and said) -> what they are
+    skipped: dict[str, str] = field(default_factory=dict)
 
 
 def require_key(cfg: dict, key: str, source: str):
@@ -233,7 +237,8 @@ FAMILIES: dict[str, Family] = {
     # multimodal folder's text_config included
     "qwen3_5": Family("Qwen3_5ForCausalLM", _qwen3_5_options, _qwen3_5_keys, qk_norm=True, check=_qwen3_5_check,
                       fixed={"attn_output_gate": True, "norm_unit_offset": True}, hybrid=True,
-                      model_type="qwen3_5_text"),
+                      model_type="qwen3_5_text", text_prefix="model.language_model.",
+                      skipped={"model.visual.": "vision encoder", "mtp.": "multi-token prediction head"}),
 }
 # model_type values read as another row's
 MODEL_TYPE_ALIASES = {"qwen3_5_text": "qwen3_5"}
