@@ -89,8 +89,8 @@ def test_the_kv_cache_keeps_a_mask_per_window():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"layer_types": ["full_attention", "linear_attention", "full_attention", "full_attention"]},
-     "model args: layer_types[1] is 'linear_attention'; known layer types: full_attention, sliding_attention"),
+    ({"layer_types": ["full_attention", "mamba", "full_attention", "full_attention"]},
+     "model args: layer_types[1] is 'mamba'; known layer types: full_attention, sliding_attention, linear_attention"),
     ({"layer_types": ["full_attention"] * 3},
      "model args: 'layer_types' has 3 entries; expected one per layer (n_layers = 4)"),
     ({"layer_types": MIXED, "sliding_window": None},
