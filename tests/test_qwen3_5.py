@@ -15,7 +15,7 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
 
 from titan_lite.checkpoint.hf import load_hf_weights, write_hf_folder  # noqa: E402
 from titan_lite.errors import ConfigError  # noqa: E402
-from titan_lite.generate.cache import KVCache  # noqa: E402
+from titan_lite.generate.decode import GenerationConfig, generate  # noqa: E402
 from titan_lite.models.decoder import Llama  # noqa: E402
 from titan_lite.models.hf.config import args_from_hf_config, args_to_hf_config  # noqa: E402
 from titan_lite.models.parts.gated_deltanet import chunked_delta_rule, recurrent_delta_rule  # noqa: E402
@@ -192,10 +192,35 @@ def test_bad_config_is_one_line(saved, overrides, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_greedy_generation_equals_transformers(saved):
+    """40 new tokens past a 70-token prompt (the prefill crosses a chunk): the cache holds the attention layer's K/V
+    and each Gated DeltaNet layer's conv window and recurrent state."""
+    prompts = tokens(2, 70, seed=4)
+    new = 40
+    with torch.no_grad():
+        expected = Qwen3_5ForCausalLM.from_pretrained(saved).eval().generate(
+            prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+            pad_token_id=0)[:, 70:].tolist()
+    got = generate(load_titan(saved), prompts.tolist(), GenerationConfig(max_new_tokens=new), torch.device("cpu"))
+    assert got == expected and got[0] != got[1]
+
+
+@torch.no_grad()
+def test_cached_logits_of_a_left_padded_batch_equal_full_forwards(saved):
+    """A short prompt left-padded beside a long one: its padding slots leave the recurrent state at zero, so every
+    step's logits equal the full forward of its own tokens."""
+    model = load_titan(saved)
+    short, long = tokens(1, 9, seed=6)[0].tolist(), tokens(1, 21, seed=7)[0].tolist()
+    got = generate(model, [short, long], GenerationConfig(max_new_tokens=6), torch.device("cpu"))
+    for prompt, continuation in zip([short, long], got, strict=True):
+        ids = list(prompt)
+        for _ in range(6):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+        assert continuation == ids[len(prompt):]
+
+
 def test_what_phase_one_does_not_run_is_refused_in_one_line(saved):
     args = load_titan(saved).args
-    with pytest.raises(ConfigError, match="not supported yet for Qwen3.5"):
-        KVCache(args, batch=1, capacity=8, device=torch.device("cpu"))
     assert args_to_hf_config(args, torch.float32)["layer_types"] == args.schedule
     for setting in ("tp", "cp", "pp"):
         dims = SimpleNamespace(**{f"{name}_enabled": name == setting for name in ("tp", "cp", "pp")})

@@ -10,7 +10,7 @@ from titan_lite.models.args import LlamaArgs
 from titan_lite.models.parts.cache import LayerCache
 from titan_lite.models.parts.causal import CausalAttention
 from titan_lite.models.parts.norms import make_norm
-from titan_lite.models.parts.rope import apply_rope
+from titan_lite.models.parts.rope import rotate_channels
 
 
 class Attention(nn.Module):
@@ -58,18 +58,12 @@ class Attention(nn.Module):
             out = cache.attend(q, k, v)
         else:
             rows = rope if rope.dim() == 4 else rope[:seq]
-            q, k = self.rotate(q, rows), self.rotate(k, rows)
+            q, k = rotate_channels(q, rows, self.rotary_dim), rotate_channels(k, rows, self.rotary_dim)
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             # K/V keep their n_kv_heads: the inner attention expands them, after any gather (context parallel).
             out = self.inner_attention(q, k, v) if mask is None else self.inner_attention(q, k, v, mask)
         out = out.transpose(1, 2)
         return out if gate is None else out * torch.sigmoid(gate)
-
-    def rotate(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """RoPE on each head's first rotary_dim channels; the others pass through."""
-        if self.rotary_dim == self.head_dim:
-            return apply_rope(x, rows)
-        return torch.cat([apply_rope(x[..., :self.rotary_dim], rows), x[..., self.rotary_dim:]], dim=-1)
 
     @property
     def mask_key(self) -> int | None:

@@ -10,6 +10,7 @@ from torch.nn import functional as F
 
 from titan_lite.errors import ConfigError
 from titan_lite.models.args import LlamaArgs
+from titan_lite.models.parts.cache import RecurrentCache
 from titan_lite.models.parts.masks import DocumentSpans
 from titan_lite.models.parts.norms import GatedRMSNorm
 
@@ -122,12 +123,13 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.value_head_dim, eps=args.norm_eps)
         self.out_proj = nn.Linear(self.value_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None, cache=None, mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None, cache: RecurrentCache | None = None,
+                mask=None) -> torch.Tensor:
         """x [batch, seq, dim] -> [batch, seq, dim]; `rope` is not used; `mask`: the packed documents' spans (each
-        document then runs alone, from a zero state)."""
+        document then runs alone, from a zero state); `cache` (generation): continue from its conv window and
+        state, and keep the new ones."""
         if cache is not None:
-            raise ConfigError("generation with a KV cache is not supported yet for Qwen3.5's linear_attention "
-                              "(Gated DeltaNet) layers")
+            return self.mix(x, cache)
         if mask is None:
             return self.mix(x)
         spans = [(b, s, e) for b, row in enumerate(mask.rows) for s, e in row]
@@ -137,19 +139,30 @@ class GatedDeltaNet(nn.Module):
         i = iter(range(len(spans)))
         return torch.stack([torch.cat([mixed[next(i), :e - s] for s, e in row]) for row in mask.rows])
 
-    def mix(self, x: torch.Tensor) -> torch.Tensor:
-        """One sequence per row, from a zero state and conv window."""
+    def mix(self, x: torch.Tensor, cache: RecurrentCache | None = None) -> torch.Tensor:
+        """One sequence per row, from a zero state and conv window, or from the cache's."""
         batch, seq, _ = x.shape
+        window, state = cache.states() if cache is not None else (None, None)
+        if cache is not None:  # padding slots (a left-padded prompt's) add nothing: a zero input keeps a zero state
+            x = x * cache.real[..., None].to(x.dtype)
         qkv = self.in_proj_qkv(x).transpose(1, 2)
         kernel = self.conv1d.weight.shape[-1]
-        qkv = F.silu(F.conv1d(F.pad(qkv, (kernel - 1, 0)), self.conv1d.weight, groups=qkv.shape[1]))
+        if window is None:
+            window = qkv.new_zeros(batch, qkv.shape[1], kernel - 1)
+        columns = torch.cat([window, qkv], dim=-1)
+        qkv = F.silu(F.conv1d(columns, self.conv1d.weight, groups=qkv.shape[1]))
         q, k, v = qkv.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(batch, seq, -1, self.key_head_dim)
         k = k.reshape(batch, seq, -1, self.key_head_dim)
         v = v.reshape(batch, seq, -1, self.value_head_dim)
         beta = self.in_proj_b(x).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        out, _ = chunked_delta_rule(q, k, v, g, beta, chunk=self.chunk)
+        if cache is not None and seq == 1:
+            out, state = recurrent_delta_rule(q, k, v, g, beta, state=state)
+        else:
+            out, state = chunked_delta_rule(q, k, v, g, beta, chunk=self.chunk, state=state)
+        if cache is not None:
+            cache.keep_states(columns[..., columns.shape[-1] - (kernel - 1):], state)
         z = self.in_proj_z(x).reshape(batch, seq, -1, self.value_head_dim)
         return self.out_proj(self.norm(out, z).reshape(batch, seq, -1))
 

@@ -107,3 +107,10 @@ def apply_rope_real_pairs(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     x0, x1 = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
     return rotated.flatten(-2).type_as(x)
+
+
+def rotate_channels(x: torch.Tensor, cache: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """apply_rope on each head's first rotary_dim channels (all of them: plain RoPE); the others pass through."""
+    if rotary_dim == x.shape[-1]:
+        return apply_rope(x, cache)
+    return torch.cat([apply_rope(x[..., :rotary_dim], cache), x[..., rotary_dim:]], dim=-1)
