@@ -17,8 +17,10 @@ from titan_lite.checkpoint.hf import load_hf_weights, write_hf_folder  # noqa: E
 from titan_lite.errors import ConfigError  # noqa: E402
 from titan_lite.generate.decode import GenerationConfig, generate  # noqa: E402
 from titan_lite.models.decoder import Llama  # noqa: E402
+from titan_lite.models.flavors import flavor_args  # noqa: E402
 from titan_lite.models.hf.config import args_from_hf_config, args_to_hf_config  # noqa: E402
 from titan_lite.models.parts.gated_deltanet import chunked_delta_rule, recurrent_delta_rule  # noqa: E402
+from titan_lite.parallel.memory_estimate import ActivationShape, layer_activation_bytes  # noqa: E402
 from titan_lite.parallel.parallelize import refuse_hybrid_layouts  # noqa: E402
 
 VOCAB = 512
@@ -226,3 +228,21 @@ def test_what_phase_one_does_not_run_is_refused_in_one_line(saved):
         dims = SimpleNamespace(**{f"{name}_enabled": name == setting for name in ("tp", "cp", "pp")})
         with pytest.raises(ConfigError, match=r"^parallelism\.\w+_parallel_degree > 1 is not supported yet for Qwen3"):
             refuse_hybrid_layouts(load_titan(saved), dims)
+    with pytest.raises(ConfigError, match="^DRY_RUN's memory plan is not supported yet for Qwen3.5"):
+        layer_activation_bytes(args, 0, ActivationShape(tokens=64, compute_bytes=4), "none")
+
+
+def test_the_debug_flavor_initialises_and_exports_to_transformers(tmp_path):
+    args = replace(flavor_args("debugmodel_qwen3_5"), max_seq_len=128)
+    model = Llama(args)
+    model.init_weights(seed=0)
+    attention, deltanet = model.layers["3"].attention, model.layers["0"].attention
+    assert float(attention.q_norm.weight.detach().abs().max()) == 0.0  # (1 + w): w starts at 0
+    assert float(deltanet.norm.weight.detach().min()) == 1.0  # the gated norm is plain
+    decay_rates = deltanet.A_log.detach().exp()
+    assert 0.01 <= float(decay_rates.min()) and float(decay_rates.max()) <= 16
+    write_hf_folder(model.state_dict(), args, str(tmp_path / "hf"), torch.float32)
+    ids = torch.randint(0, args.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = Qwen3_5ForCausalLM.from_pretrained(tmp_path / "hf").eval()(ids).logits
+        torch.testing.assert_close(model.eval()(ids), theirs, rtol=0, atol=1e-5)
