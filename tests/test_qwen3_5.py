@@ -22,6 +22,7 @@ from titan_lite.models.hf.config import args_from_hf_config, args_to_hf_config  
 from titan_lite.models.parts.gated_deltanet import chunked_delta_rule, recurrent_delta_rule  # noqa: E402
 from titan_lite.parallel.memory_estimate import ActivationShape, layer_activation_bytes  # noqa: E402
 from titan_lite.parallel.parallelize import refuse_hybrid_layouts  # noqa: E402
+from titan_lite.transforms.base import Transforms  # noqa: E402
 
 VOCAB = 512
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -230,6 +231,8 @@ def test_what_phase_one_does_not_run_is_refused_in_one_line(saved):
             refuse_hybrid_layouts(load_titan(saved), dims)
     with pytest.raises(ConfigError, match="^DRY_RUN's memory plan is not supported yet for Qwen3.5"):
         layer_activation_bytes(args, 0, ActivationShape(tokens=64, compute_bytes=4), "none")
+    with pytest.raises(ConfigError, match=r"^'model.converters' = \['lora'\] is not supported yet for Qwen3.5"):
+        Transforms([SimpleNamespace(name="lora")]).check(args, None)
 
 
 def test_the_debug_flavor_initialises_and_exports_to_transformers(tmp_path):
