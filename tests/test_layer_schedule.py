@@ -35,6 +35,9 @@ def tokens() -> torch.Tensor:
 
 def test_every_flavor_derives_a_uniform_schedule_from_its_options():
     for name, args in FLAVORS.items():
+        if args.family == "qwen3_5":  # the hybrid: three Gated DeltaNet layers, then one attention
+            assert args.schedule == (["linear_attention"] * 3 + ["full_attention"]) * (args.n_layers // 4), name
+            continue
         expected = "full_attention" if args.sliding_window is None else "sliding_attention"
         assert args.layer_types is None and args.schedule == [expected] * args.n_layers, name
     assert windows(model_of(flavor_args("tiny_mistral"))) == [8, 8, 8, 8]
@@ -89,8 +92,8 @@ def test_the_kv_cache_keeps_a_mask_per_window():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"layer_types": ["full_attention", "linear_attention", "full_attention", "full_attention"]},
-     "model args: layer_types[1] is 'linear_attention'; known layer types: full_attention, sliding_attention"),
+    ({"layer_types": ["full_attention", "mamba", "full_attention", "full_attention"]},
+     "model args: layer_types[1] is 'mamba'; known layer types: full_attention, sliding_attention, linear_attention"),
     ({"layer_types": ["full_attention"] * 3},
      "model args: 'layer_types' has 3 entries; expected one per layer (n_layers = 4)"),
     ({"layer_types": MIXED, "sliding_window": None},

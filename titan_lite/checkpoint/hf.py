@@ -1,6 +1,7 @@
 """Hugging Face safetensors folders: reading them into (possibly sharded) model parts, writing them from the model."""
 
 import json
+import logging
 import re
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -18,10 +19,19 @@ from titan_lite.folders import ANOTHER, output_folder
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.decoder import Llama
 from titan_lite.models.hf.config import args_to_hf_config, check_args_against_hf_config, read_hf_config
-from titan_lite.models.hf.names import LLAMA_NAMES, HFNames, hf_name, hf_source_names
+from titan_lite.models.hf.names import (
+    LLAMA_NAMES,
+    HFNames,
+    hf_name,
+    hf_source_names,
+    multimodal_names,
+    skipped_tensor,
+)
 from titan_lite.models.hf.rope import rope_form_of
 from titan_lite.models.hf.state_dict import tensor_from_hf, to_hf_state_dict
 from titan_lite.models.parameters import canonical_name
+
+logger = logging.getLogger("titan_lite")
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -151,10 +161,17 @@ def check_no_unexpected_tensors(files: dict[str, Path], args: LlamaArgs, folder:
     names = LLAMA_NAMES.for_family(args.family)
     known = {hf for name in expected_shapes(args) for hf in names.hf_names_of(name, args.n_experts)}
     known.add(hf_name("output.weight"))
+    known.update(multimodal_names(sorted(known), args.family))
+    skipped: dict[str, int] = {}
     for name in sorted(files):
-        if name not in known and not name.endswith("rotary_emb.inv_freq"):
+        what = skipped_tensor(name, args.family)
+        if what is not None:
+            skipped[what] = skipped.get(what, 0) + 1
+        elif name not in known and not name.endswith("rotary_emb.inv_freq"):
             raise ConfigError(f"{files[name]}: tensor '{name}' has no counterpart in the model "
                               f"({args.n_layers} layers); is the model config the checkpoint's?")
+    for what, count in skipped.items():
+        logger.info(f"{folder}: skipping {count} tensors of the {what}, which titan_lite does not build")
 
 
 @torch.no_grad()

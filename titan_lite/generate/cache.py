@@ -1,5 +1,6 @@
-"""The KV cache of batched generation: every layer's keys and values in slots, which slots hold real tokens, their
-rotary rows and the attention mask of the slots a forward opens; and its size, for DRY_RUN's plan."""
+"""The KV cache of batched generation: every attention layer's keys and values in slots, every Gated DeltaNet
+layer's conv window and recurrent state (Qwen3.5), which slots hold real tokens, their rotary rows and the attention
+mask of the slots a forward opens; and its size, for DRY_RUN's plan."""
 
 from dataclasses import dataclass, replace
 
@@ -7,7 +8,7 @@ import torch
 
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.parts.masks import within_window
-from titan_lite.models.parts.rope import apply_rope, rope_cache
+from titan_lite.models.parts.rope import rope_cache, rotate_channels
 from titan_lite.models.parts.sdpa import grouped_attention
 
 
@@ -28,8 +29,13 @@ class KVCache:
         self.last_only = last_only
         self.real = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
         self.positions = torch.zeros(batch, capacity, dtype=torch.long, device=device)
+        self.rotary_dim = args.rotary_dim
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
+        # Gated DeltaNet layers: the last kernel - 1 pre-conv qkv columns [batch, conv_dim, kernel - 1] and the state
+        # [batch, value_heads, dk, dv] (float32), absent until the layer's first forward
+        self.conv_windows: dict[int, torch.Tensor] = {}
+        self.recurrent_states: dict[int, torch.Tensor] = {}
         self.start = self.end = 0
         self.rows, self.masks = None, {}
 
@@ -67,7 +73,8 @@ class LayerView:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         c = self.cache
-        q, k = apply_rope(q, c.rows).transpose(1, 2), apply_rope(k, c.rows).transpose(1, 2)
+        q = rotate_channels(q, c.rows, c.rotary_dim).transpose(1, 2)
+        k = rotate_channels(k, c.rows, c.rotary_dim).transpose(1, 2)
         v = v.transpose(1, 2)
         if self.layer_id not in c.keys:
             shape = (k.shape[0], k.shape[1], c.capacity, k.shape[3])
@@ -78,9 +85,28 @@ class LayerView:
         mask = c.masks[c.windows[self.layer_id]]
         return grouped_attention(q, keys[:, :, :c.end], values[:, :, :c.end], attn_mask=mask)
 
+    @property
+    def real(self) -> torch.Tensor:
+        """[batch, seq] which of the open slots hold real tokens (a recurrent layer zeroes the others' inputs)."""
+        return self.cache.real[:, self.cache.start:self.cache.end]
+
+    def states(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A recurrent layer's (conv window, state) so far; None before its first forward."""
+        return self.cache.conv_windows.get(self.layer_id), self.cache.recurrent_states.get(self.layer_id)
+
+    def keep_states(self, conv_window: torch.Tensor, state: torch.Tensor) -> None:
+        self.cache.conv_windows[self.layer_id], self.cache.recurrent_states[self.layer_id] = conv_window, state
+
 
 def kv_cache_bytes(args: LlamaArgs, rows: int, capacity: int, element_bytes: int, tp: int = 1) -> int:
-    """Keys and values of every layer for `rows` sequences of `capacity` slots, each rank holding 1/tp of the KV heads
-    (what a KVCache allocates), plus its mask and bookkeeping."""
-    per_slot = sum(2 * args.heads_of(layer)[1] // tp * args.head_dim for layer in range(args.n_layers))
-    return rows * capacity * (per_slot * element_bytes + capacity + 9)
+    """Keys and values of every attention layer for `rows` sequences of `capacity` slots, each rank holding 1/tp of the
+    KV heads (what a KVCache allocates), plus its mask and bookkeeping; each Gated DeltaNet layer's conv window and
+    float32 state, whatever the capacity."""
+    attention = [layer for layer in range(args.n_layers) if args.layer_type(layer) != "linear_attention"]
+    per_slot = sum(2 * args.heads_of(layer)[1] // tp * args.head_dim for layer in attention)
+    key_dim, value_dim = args.linear_n_key_heads * args.linear_key_head_dim, \
+        args.linear_n_value_heads * args.linear_value_head_dim
+    per_recurrent = (2 * key_dim + value_dim) * (args.linear_conv_kernel - 1) * element_bytes + \
+        args.linear_key_head_dim * value_dim * 4
+    recurrent = (args.n_layers - len(attention)) * per_recurrent
+    return rows * (capacity * (per_slot * element_bytes + capacity + 9) + recurrent)

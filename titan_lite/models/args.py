@@ -47,9 +47,24 @@ class LlamaArgs:
     qk_norm: bool = False
     sliding_window: int | None = None
     # The mixer of each layer, as config.json's layer_types names it (parts/mixers.py: "full_attention",
-    # "sliding_attention"); None derives it from the options: every layer sliding when sliding_window is set, else
-    # every layer full.
+    # "sliding_attention", "linear_attention"); None derives it from the options: every layer sliding when
+    # sliding_window is set, else every layer full.
     layer_types: list[str] | None = None
+    # Qwen3.5's attention: a doubled wq whose second half of each head's rows is a sigmoid gate on that head's output
+    # (attn_output_gate), RoPE on the first rope_partial_factor of each head's channels, and RMSNorms of the (1 + w)
+    # form, w starting at 0 (norm_unit_offset; every norm but the Gated DeltaNet's output norm).
+    attn_output_gate: bool = False
+    rope_partial_factor: float = 1.0
+    norm_unit_offset: bool = False
+    # The Gated DeltaNet mixer of the "linear_attention" layers (parts/gated_deltanet.py): key and value heads (each
+    # key head serves linear_n_value_heads / linear_n_key_heads consecutive value heads), their widths, the causal
+    # conv's kernel and the chunk length of the chunked delta rule.
+    linear_n_key_heads: int = 0
+    linear_n_value_heads: int = 0
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel: int = 4
+    linear_chunk_size: int = 64
     # torchtitan's attention options: the kernel (sdpa; flex: FlexAttention on CUDA) and the mask (causal, or
     # block_causal: packed documents attend only within themselves).
     attn_type: str = "sdpa"
@@ -75,6 +90,16 @@ class LlamaArgs:
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.dim // self.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """The channels of each head RoPE rotates (all of them unless the rotation is partial)."""
+        return int(self.head_dim * self.rope_partial_factor)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layer's mixer is a recurrent Gated DeltaNet rather than attention."""
+        return "linear_attention" in self.schedule
 
     def heads_of(self, layer: int) -> tuple[int, int]:
         """(query heads, kv heads) of one layer."""

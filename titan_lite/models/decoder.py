@@ -19,7 +19,7 @@ from titan_lite.models.parts.block import TransformerBlock
 from titan_lite.models.parts.cache import KVCache
 from titan_lite.models.parts.mixers import check_layer_types
 from titan_lite.models.parts.moe import MoE
-from titan_lite.models.parts.norms import RMSNorm
+from titan_lite.models.parts.norms import make_norm
 from titan_lite.models.parts.rope import rope_cache
 
 
@@ -34,7 +34,7 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A dict keyed by the global layer id, so names stay stable when pipeline stages drop layers.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm = make_norm(args.dim, args)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_embeddings()
         self.register_buffer("rope_cache", rope_cache(args), persistent=False)

@@ -12,6 +12,9 @@ _QWEN2 = dict(family="qwen2", qkv_bias=True, rope_theta=1000000.0)
 # 128 experts, top 8 renormalised, router_aux_loss_coef 0.001; intermediate_size is the (unused) dense width.
 _QWEN3_MOE = dict(_QWEN3, family="qwen3_moe", n_experts=128, moe_top_k=8, moe_norm_topk_prob=True,
                   router_aux_loss_coef=0.001)
+_QWEN3_5 = dict(family="qwen3_5", qk_norm=True, attn_output_gate=True, norm_unit_offset=True,
+                rope_partial_factor=0.25, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+                linear_n_key_heads=4, linear_n_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32)
 _MISTRAL = dict(family="mistral", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336)
 _LLAMA31_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=8.0, rope_original_max_seq_len=8192)
 _LLAMA32_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=32.0, rope_original_max_seq_len=8192)
@@ -107,6 +110,9 @@ FLAVORS: dict[str, LlamaArgs] = {
                                       rope_theta=500000.0, attn_type="flex", attn_mask_type="block_causal"),
     "8B_flex": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336,
                          attn_type="flex", attn_mask_type="block_causal", **_LLAMA31_ROPE),
+    # Qwen3.5 dense for the CPU (not a published size): three Gated DeltaNet layers before each gated attention
+    "debugmodel_qwen3_5": LlamaArgs(dim=256, n_layers=8, n_heads=4, n_kv_heads=2, vocab_size=2048, ffn_dim=768,
+                                    explicit_head_dim=64, rope_theta=10000000.0, norm_eps=1e-6, **_QWEN3_5),
 }
 
 

@@ -20,9 +20,20 @@ def canonical_name(name: str) -> str:
 
 def init_parameter(name: str, tensor: torch.Tensor, args: LlamaArgs, generator: torch.Generator) -> None:
     """torchtitan-style init: unit-normal embeddings, std 0.02 projections scaled down with depth on the
-    residual outputs, dim^-0.5 output head, ones for norms."""
+    residual outputs, dim^-0.5 output head, ones for norms (zeros for the (1 + w) norms); the Gated DeltaNet's decay
+    as transformers draws it (dt_bias 1, A_log = log U(0.01, 16)) and its conv at std kernel^-1/2."""
     if name.endswith("norm.weight"):
+        unit_offset = args.norm_unit_offset and not name.endswith("attention.norm.weight")  # the gated norm is plain
+        tensor.fill_(0.0 if unit_offset else 1.0)
+        return
+    if name.endswith("dt_bias"):
         tensor.fill_(1.0)
+        return
+    if name.endswith("A_log"):
+        tensor.uniform_(0.01, 16.0, generator=generator).log_()
+        return
+    if name.endswith("conv1d.weight"):
+        nn.init.normal_(tensor, 0.0, tensor.shape[-1] ** -0.5, generator=generator)
         return
     if name.endswith(".bias"):
         tensor.zero_()
@@ -37,7 +48,7 @@ def init_parameter(name: str, tensor: torch.Tensor, args: LlamaArgs, generator: 
         return
     std = 0.02
     if name.startswith("layers.") and name.endswith(("wo.weight", "w2.weight", "w3.weight", "experts.w2",
-                                                     "experts.w3")):
+                                                     "experts.w3", "out_proj.weight")):
         layer_id = int(name.split(".")[1])
         std = 0.02 / math.sqrt(2 * (layer_id + 1))
     nn.init.trunc_normal_(tensor, 0.0, std, -2 * std, 2 * std, generator=generator)

@@ -3,6 +3,7 @@
 import itertools
 from dataclasses import dataclass, field
 
+from titan_lite.errors import ConfigError
 from titan_lite.models.args import LlamaArgs
 
 GIB = 1024**3
@@ -105,6 +106,9 @@ def layer_activation_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape, p
     projections consume are full-length. A routed feed-forward (MoE layer) keeps moe_bytes instead of the dense
     SwiGLU's.
     """
+    if args.layer_type(layer_id) == "linear_attention":
+        raise ConfigError("DRY_RUN's memory plan is not supported yet for Qwen3.5: it does not yet count the "
+                          "activations and states of the linear_attention (Gated DeltaNet) layers")
     c, dim, tokens = s.compute_bytes, args.dim, s.tokens
     seq_shard = tokens // s.tp
     ffn = args.ffn_dim_of(layer_id) // s.tp

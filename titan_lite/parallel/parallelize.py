@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from titan_lite.config.schema import JobConfig
+from titan_lite.errors import ConfigError
 from titan_lite.models.parameters import canonical_name
 from titan_lite.parallel.activation_checkpoint import apply_ac
 from titan_lite.parallel.compile import apply_compile, compiles_model
@@ -23,6 +24,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, cfg: JobCon
 
     tp_plan_edits: transforms' contributions to the tensor-parallel plan (see tensor_parallel.PlanEdit).
     """
+    refuse_hybrid_layouts(model, parallel_dims)
     with frozen_parameters_kept(model):
         if parallel_dims.tp_enabled:
             edits = [*tp_plan_edits, drop_experts_from_tp_plan] if parallel_dims.ep_enabled else tp_plan_edits
@@ -39,6 +41,20 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, cfg: JobCon
                 apply_expert_fsdp(model, parallel_dims, cfg)
             apply_fsdp(model, data_parallel_mesh(parallel_dims), cfg, pp_enabled=parallel_dims.pp_enabled)
     return model
+
+
+def refuse_hybrid_layouts(model: nn.Module, parallel_dims: ParallelDims) -> None:
+    """A ConfigError in one line for the layouts a model with Gated DeltaNet layers (Qwen3.5) cannot run yet: its
+    recurrent state runs in time order over whole heads."""
+    args = getattr(model, "args", None)
+    if args is None or not args.is_hybrid:
+        return
+    layouts = {"tensor_parallel_degree": parallel_dims.tp_enabled, "context_parallel_degree": parallel_dims.cp_enabled,
+               "pipeline_parallel_degree": parallel_dims.pp_enabled}
+    for setting, enabled in layouts.items():
+        if enabled:
+            raise ConfigError(f"parallelism.{setting} > 1 is not supported yet for Qwen3.5 (its linear_attention "
+                              "layers); use data parallel (FSDP/HSDP) only")
 
 
 class frozen_parameters_kept:

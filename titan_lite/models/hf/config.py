@@ -15,13 +15,15 @@ from titan_lite.models.flavors import FLAVORS
 from titan_lite.models.hf.families import (
     ARCHITECTURES,
     FAMILIES,
+    MODEL_TYPE_ALIASES,
     MOE_FAMILIES,
     WINDOW_FAMILIES,
     expect_value,
     require_key,
+    text_config_of,
 )
 from titan_lite.models.hf.rope import ROPE_FIELDS, rope_entries, rope_fields
-from titan_lite.models.parts.mixers import MIXERS
+from titan_lite.models.parts.mixers import MIXERS, check_layer_types
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -34,7 +36,10 @@ def check_family_options(args: LlamaArgs, source: str = "model args") -> None:
     if args.family not in ARCHITECTURES:
         raise ConfigError(f"{source}: family '{args.family}' is not one of {', '.join(ARCHITECTURES)}")
     family = FAMILIES[args.family]
-    expected = {"qkv_bias": family.qkv_bias, "qk_norm": family.qk_norm}
+    expected = {"qkv_bias": family.qkv_bias, "qk_norm": family.qk_norm,
+                **{option: family.fixed.get(option, False) for option in ("attn_output_gate", "norm_unit_offset")}}
+    if not family.hybrid:
+        expected["rope_partial_factor"] = 1.0
     for option, value in expected.items():
         if getattr(args, option) != value:
             raise ConfigError(f"{source}: {option} = {getattr(args, option)} cannot be written as a "
@@ -48,7 +53,7 @@ def check_family_options(args: LlamaArgs, source: str = "model args") -> None:
         writers = " or ".join(ARCHITECTURES[f] for f in WINDOW_FAMILIES)
         raise ConfigError(f"{source}: a sliding window is written only as a {writers}, not a "
                           f"{ARCHITECTURES[args.family]}")
-    if len(set(args.schedule)) > 1:
+    if len(set(args.schedule)) > 1 and not family.hybrid:
         raise ConfigError(f"{source}: layer_types mixes {sorted(set(args.schedule))}, which a "
                           f"{ARCHITECTURES[args.family]} cannot write: it attends the same way in every layer")
 
@@ -60,7 +65,7 @@ def args_to_hf_config(args: LlamaArgs, dtype: torch.dtype, rope_form: str = "rop
     check_family_options(args)
     config = {
         "architectures": [ARCHITECTURES[args.family]],
-        "model_type": args.family,
+        "model_type": FAMILIES[args.family].model_type or args.family,
         "hidden_size": args.dim,
         "intermediate_size": args.ffn_dim,
         "num_hidden_layers": args.n_layers,
@@ -94,13 +99,16 @@ def _family_options(cfg: dict, model_type: str, source: str) -> dict:
     for layer, kind in enumerate(cfg.get("layer_types") or []):
         if kind not in MIXERS:
             raise ConfigError(f"{source}: layer_types[{layer}] is {kind!r}; known layer types: {', '.join(MIXERS)}")
-    return {**options, **{name: True for name in ("qkv_bias", "qk_norm") if getattr(family, name)}}
+    return {**options, **{name: True for name in ("qkv_bias", "qk_norm") if getattr(family, name)}, **family.fixed}
 
 
 def args_from_hf_config(cfg: dict, source: str = "config.json") -> LlamaArgs:
     """LlamaArgs of a config.json of one of the families (model_type llama, qwen2, qwen3, qwen3_moe, mistral,
-    mixtral); anything the decoder cannot represent raises ConfigError naming the key."""
+    mixtral, qwen3_5 or qwen3_5_text: a multimodal folder's text_config is read); anything the decoder cannot
+    represent raises ConfigError naming the key."""
+    cfg = text_config_of(cfg)
     model_type = cfg.get("model_type", "llama")
+    model_type = MODEL_TYPE_ALIASES.get(model_type, model_type)
     if model_type not in ARCHITECTURES:
         raise ConfigError(f"{source}: model_type is '{model_type}'; expected one of {', '.join(ARCHITECTURES)}")
     expect_value(cfg, "hidden_act", ("silu",), source)
@@ -118,6 +126,7 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> LlamaArgs:
         layer_n_heads=cfg.get("layer_n_heads"), layer_n_kv_heads=cfg.get("layer_n_kv_heads"),
         layer_ffn_dims=cfg.get("layer_ffn_dims"), explicit_head_dim=None if head_dim == dim // n_heads else head_dim,
         family=model_type, **_family_options(cfg, model_type, source), **rope_fields(cfg, source))
+    check_layer_types(args, source)
     return args
 
 
@@ -136,7 +145,9 @@ def read_hf_config(config_path: str | Path) -> dict:
 _CHECKED_FIELDS = ("family", "dim", "n_layers", "n_heads", "kv_heads", "head_dim", "vocab_size", "ffn_dim",
                    "norm_eps", *ROPE_FIELDS, "tie_word_embeddings", "layer_n_heads", "layer_n_kv_heads",
                    "layer_ffn_dims", "qkv_bias", "qk_norm", "sliding_window", "schedule", "n_experts", "moe_top_k",
-                   "moe_ffn_dim", "moe_norm_topk_prob", "moe_layers")
+                   "moe_ffn_dim", "moe_norm_topk_prob", "moe_layers", "attn_output_gate", "norm_unit_offset",
+                   "rope_partial_factor", "linear_n_key_heads", "linear_n_value_heads", "linear_key_head_dim",
+                   "linear_value_head_dim", "linear_conv_kernel")
 _SCALING_FIELDS = ROPE_FIELDS[2:]
 
 

@@ -20,6 +20,13 @@ class Family:
     window: bool = False  # may attend within a sliding window
     renames: dict[str, str] = field(default_factory=dict)  # HF layer suffixes spelled apart from Qwen3-MoE's
     check: Callable[[LlamaArgs, str], None] | None = None  # refuses args the family's class cannot hold
+    fixed: dict = field(default_factory=dict)  # further LlamaArgs options the family always has (Qwen3.5's gate)
+    hybrid: bool = False  # may mix mixers across layers (Qwen3.5: Gated DeltaNet and attention)
+    model_type: str | None = None  # the model_type its config.json is written with, where not the row's key
+    # where a multimodal folder holds the text model's "model." tensors (Qwen3.5: model.language_model.)
+    text_prefix: str | None = None
+    # HF tensor-name prefixes of parts titan_lite does not build, skipped on load (and said) -> what they are
+    skipped: dict[str, str] = field(default_factory=dict)
 
 
 def require_key(cfg: dict, key: str, source: str):
@@ -32,7 +39,8 @@ def require_key(cfg: dict, key: str, source: str):
 def expect_value(cfg: dict, key: str, allowed: tuple, source: str) -> None:
     """A ConfigError naming the key where cfg sets it to a value outside `allowed` (the first is the one named)."""
     if key in cfg and cfg[key] not in allowed:
-        family = FAMILIES.get(cfg.get("model_type", "llama"))
+        model_type = cfg.get("model_type", "llama")
+        family = FAMILIES.get(MODEL_TYPE_ALIASES.get(model_type, model_type))
         model = family.architecture if family else "Llama"
         raise ConfigError(f"{source}: '{key}' is {cfg[key]!r}; titan_lite's {model} supports only {allowed[0]!r}")
 
@@ -110,6 +118,62 @@ def _mixtral_options(cfg: dict, source: str) -> dict:
             "router_aux_loss_coef": float(cfg.get("router_aux_loss_coef", 0.001))}
 
 
+def text_config_of(cfg: dict) -> dict:
+    """A multimodal config.json's text part (Qwen3.5's `text_config`, tie_word_embeddings from the top when the text
+    part lacks it), or the config itself."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        return cfg
+    return {**({"tie_word_embeddings": cfg["tie_word_embeddings"]} if "tie_word_embeddings" in cfg else {}), **text}
+
+
+def _qwen3_5_schedule(cfg: dict, source: str) -> list[str]:
+    """Qwen3.5's layer_types, given or from full_attention_interval (layer i is attention when (i + 1) % interval
+    is 0; default 4)."""
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    interval = cfg.get("full_attention_interval", 4)
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        raise ConfigError(f"{source}: 'full_attention_interval' is {interval!r}; expected a positive integer")
+    n_layers = int(require_key(cfg, "num_hidden_layers", source))
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+
+
+# The Gated DeltaNet's LlamaArgs fields -> (config.json key, transformers' default)
+_LINEAR_KEYS = {"linear_n_key_heads": ("linear_num_key_heads", 16),
+                "linear_n_value_heads": ("linear_num_value_heads", 32),
+                "linear_key_head_dim": ("linear_key_head_dim", 128),
+                "linear_value_head_dim": ("linear_value_head_dim", 128),
+                "linear_conv_kernel": ("linear_conv_kernel_dim", 4)}
+
+
+def _qwen3_5_options(cfg: dict, source: str) -> dict:
+    """Qwen3.5 (dense): Gated DeltaNet layers and gated attention by layer_types; partial RoPE (0.25 unless said)."""
+    expect_value(cfg, "attention_bias", (False,), source)
+    expect_value(cfg, "attn_output_gate", (True,), source)  # transformers always builds the gate
+    for key in ("num_experts", "num_local_experts"):
+        if cfg.get(key):
+            raise ConfigError(f"{source}: '{key}' is {cfg[key]}: Qwen3.5 MoE is not supported yet for Qwen3.5; "
+                              "titan_lite reads the dense Qwen3.5 only")
+    rope = cfg.get("rope_parameters") or {}
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+        raise ConfigError(f"{source}: 'partial_rotary_factor' is {partial!r}; expected a number in (0, 1]")
+    layer_types = _qwen3_5_schedule(cfg, source)
+    options = {"layer_types": layer_types, "rope_partial_factor": float(partial)}
+    if "linear_attention" not in layer_types:
+        return options
+    return {**options, **{name: int(cfg.get(key, default)) for name, (key, default) in _LINEAR_KEYS.items()}}
+
+
+def _qwen3_5_check(args: LlamaArgs, source: str) -> None:
+    """Qwen3_5ForCausalLM: each layer a Gated DeltaNet or a full attention, every attention with q/k norms."""
+    for layer, kind in enumerate(args.schedule):
+        if kind not in ("linear_attention", "full_attention"):
+            raise ConfigError(f"{source}: layer_types[{layer}] is {kind!r}, which a Qwen3_5ForCausalLM cannot write: "
+                              "it has 'linear_attention' and 'full_attention' layers only")
+
+
 # ------------------------------------------------------------------------------------- args -> config.json
 
 
@@ -144,6 +208,14 @@ def _mixtral_check(args: LlamaArgs, source: str) -> None:
                               f"{mixtral}")
 
 
+def _qwen3_5_keys(args: LlamaArgs) -> dict:
+    keys = {"attention_bias": False, "attn_output_gate": True, "layer_types": list(args.schedule)}
+    if not args.is_hybrid:
+        return keys
+    linear = {key: getattr(args, name) for name, (key, _) in _LINEAR_KEYS.items()}
+    return {**keys, **linear, "mamba_ssm_dtype": "float32"}
+
+
 # Mixtral's layer suffixes for Qwen3-MoE's (names.py's table).
 _MIXTRAL_NAMES = {"mlp.gate.weight": "block_sparse_moe.gate.weight",
                   "mlp.experts.{j}.gate_proj.weight": "block_sparse_moe.experts.{j}.w1.weight",
@@ -161,7 +233,15 @@ FAMILIES: dict[str, Family] = {
                       window=True),
     "mixtral": Family("MixtralForCausalLM", _mixtral_options, _mixtral_keys, moe=True, window=True,
                       renames=_MIXTRAL_NAMES, check=_mixtral_check),
+    # Qwen3.5's text model: written as Qwen3_5ForCausalLM ("qwen3_5_text"); read from either model_type, the
+    # multimodal folder's text_config included
+    "qwen3_5": Family("Qwen3_5ForCausalLM", _qwen3_5_options, _qwen3_5_keys, qk_norm=True, check=_qwen3_5_check,
+                      fixed={"attn_output_gate": True, "norm_unit_offset": True}, hybrid=True,
+                      model_type="qwen3_5_text", text_prefix="model.language_model.",
+                      skipped={"model.visual.": "vision encoder", "mtp.": "multi-token prediction head"}),
 }
+# model_type values read as another row's
+MODEL_TYPE_ALIASES = {"qwen3_5_text": "qwen3_5"}
 ARCHITECTURES = {model_type: family.architecture for model_type, family in FAMILIES.items()}
 MOE_FAMILIES = tuple(model_type for model_type, family in FAMILIES.items() if family.moe)
 WINDOW_FAMILIES = tuple(model_type for model_type, family in FAMILIES.items() if family.window)

@@ -25,6 +25,10 @@ _LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "moe.router.gate.weight": "mlp.gate.weight",  # Qwen3-MoE
+    # Qwen3.5's Gated DeltaNet (the linear_attention layers): transformers' names under the mixer's
+    **{f"attention.{name}": f"linear_attn.{name}"
+       for name in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
+                    "out_proj.weight", "conv1d.weight", "A_log", "dt_bias", "norm.weight")},
 }
 # Grouped expert weights [E, ...] (titan_lite suffix) -> the HF suffix of expert j's own tensor, {j} its index.
 _EXPERT_NAMES = {
@@ -135,4 +139,19 @@ def hf_source_names(name: str, args: LlamaArgs, names: HFNames = LLAMA_NAMES) ->
     sources = [names.to_hf(name)]
     if name == "output.weight" and args.tie_word_embeddings:
         sources.append(names.to_hf("tok_embeddings.weight"))
-    return sources
+    return [*sources, *multimodal_names(sources, args.family)]
+
+
+def multimodal_names(hf_names: list[str], family: str) -> list[str]:
+    """The names a family's multimodal folder gives the same text-model tensors (Qwen3.5: model.language_model.*)."""
+    prefix = FAMILIES[family].text_prefix if family in FAMILIES else None
+    if prefix is None:
+        return []
+    return [prefix + name.removeprefix("model.") for name in hf_names if name.startswith("model.")]
+
+
+def skipped_tensor(hf: str, family: str) -> str | None:
+    """What an HF tensor is when the family's folders hold it for a part titan_lite does not build (Qwen3.5's vision
+    encoder, its multi-token prediction head); None for the model's own tensors."""
+    skipped = FAMILIES[family].skipped if family in FAMILIES else {}
+    return next((what for prefix, what in skipped.items() if hf.startswith(prefix)), None)

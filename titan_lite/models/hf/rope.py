@@ -48,10 +48,13 @@ def rope_form_of(cfg: dict) -> str:
 
 
 def rope_entries(args: LlamaArgs, form: str) -> dict:
+    """The rope keys of a config.json in `form`; a partial rotation's factor where it rotates part of each head."""
     scaling = _rope_scaling_of(args)
+    partial = {"partial_rotary_factor": args.rope_partial_factor} if args.rope_partial_factor != 1.0 else {}
     if form == "rope_parameters":
-        return {"rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": float(args.rope_theta)}}
-    return {"rope_theta": float(args.rope_theta), "rope_scaling": scaling}
+        return {"rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": float(args.rope_theta),
+                                    **partial}}
+    return {"rope_theta": float(args.rope_theta), "rope_scaling": scaling, **partial}
 
 
 _DYNAMIC_REFUSED = ("its frequencies follow the longest sequence seen so far (transformers recomputes them whenever a "

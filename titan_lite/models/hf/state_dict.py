@@ -1,4 +1,5 @@
-"""Tensors between layouts: the rotary permutation of q/k rows (interleaved pairs <-> HF's half-split), and whole
+"""Tensors between layouts: the rotary permutation of q/k rows (interleaved pairs <-> HF's half-split, over the
+rotated channels of each head, a gated wq's gate rows untouched), and whole
 state dicts between titan_lite's names and layout and a family's HF ones (grouped experts <-> one tensor each)."""
 
 import torch
@@ -13,37 +14,40 @@ _ROTARY = ("attention.wq.weight", "attention.wk.weight", "attention.wq.bias", "a
            "attention.q_norm.weight", "attention.k_norm.weight")
 
 
-def interleaved_to_half_split(weight: Tensor, head_dim: int) -> Tensor:
-    """Reorder the output rows of a q/k projection from interleaved rotary pairs to HF's half-split layout."""
-    rows, cols = weight.shape
-    return weight.reshape(rows // head_dim, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def half_split_to_interleaved(weight: Tensor, head_dim: int) -> Tensor:
-    """The inverse of interleaved_to_half_split."""
-    rows, cols = weight.shape
-    return weight.reshape(rows // head_dim, 2, head_dim // 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
 def _is_rotary(name: str) -> bool:
     return name.startswith("layers.") and name.endswith(_ROTARY)
 
 
-def _permute_rows(permute, tensor: Tensor, head_dim: int) -> Tensor:
-    """A rotary permutation of a 2-D tensor's rows or a 1-D tensor's entries (biases; q/k norm weights, one head)."""
-    if tensor.dim() == 1:
-        return permute(tensor[:, None], head_dim)[:, 0]
-    return permute(tensor, head_dim)
+def _rotary_block(name: str, args: LlamaArgs) -> int:
+    """Rows per head of a rotary tensor: head_dim, or twice it for a gated wq (each head's [query | gate])."""
+    gated = args.attn_output_gate and ".wq." in name
+    return args.head_dim * (2 if gated else 1)
+
+
+def _rotary_order(block: int, rotary_dim: int, to_hf: bool) -> Tensor:
+    """The row order within one head's block taking interleaved rotary pairs to half-split (or back); rows past
+    rotary_dim (partial rotation, the gate) keep their place."""
+    half = rotary_dim // 2
+    interleaved_of_half = torch.arange(rotary_dim).reshape(2, half).T.reshape(-1)  # titan row j <- HF row
+    order = interleaved_of_half.argsort() if to_hf else interleaved_of_half
+    return torch.cat([order, torch.arange(rotary_dim, block)])
+
+
+def _permute_rotary(name: str, tensor: Tensor, args: LlamaArgs, to_hf: bool) -> Tensor:
+    block = _rotary_block(name, args)
+    order = _rotary_order(block, args.rotary_dim, to_hf)
+    rows = tensor.reshape(-1, block, *tensor.shape[1:])
+    return rows[:, order].reshape(tensor.shape)
 
 
 def tensor_to_hf(name: str, tensor: Tensor, args: LlamaArgs) -> Tensor:
     """A titan_lite tensor in HF layout (q/k rows, biases and norm weights permuted; others unchanged)."""
-    return _permute_rows(interleaved_to_half_split, tensor, args.head_dim) if _is_rotary(name) else tensor
+    return _permute_rotary(name, tensor, args, to_hf=True) if _is_rotary(name) else tensor
 
 
 def tensor_from_hf(name: str, tensor: Tensor, args: LlamaArgs) -> Tensor:
     """An HF tensor in titan_lite layout; `name` is the titan_lite name."""
-    return _permute_rows(half_split_to_interleaved, tensor, args.head_dim) if _is_rotary(name) else tensor
+    return _permute_rotary(name, tensor, args, to_hf=False) if _is_rotary(name) else tensor
 
 
 def _converted_name(convert, name: str) -> str:

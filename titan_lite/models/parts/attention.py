@@ -1,5 +1,6 @@
 """The attention mixer (attention.wq/wk/wv/wo): GQA, q/k/v biases (Qwen2/2.5), q/k RMSNorms over head_dim (Qwen3,
-attention.q_norm/k_norm), a sliding window (Mistral, the "sliding_attention" layers), RoPE on q and k. It declares
+attention.q_norm/k_norm), a sliding window (Mistral, the "sliding_attention" layers), RoPE on q and k (on the first
+rotary_dim channels of each head only, Qwen3.5), a sigmoid output gate from a doubled wq (Qwen3.5). It declares
 what packed documents need (`document_mask`, shared by the mixers of one `mask_key`) and its window."""
 
 import torch
@@ -8,8 +9,8 @@ from torch import nn
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.parts.cache import LayerCache
 from titan_lite.models.parts.causal import CausalAttention
-from titan_lite.models.parts.norms import RMSNorm
-from titan_lite.models.parts.rope import apply_rope
+from titan_lite.models.parts.norms import make_norm
+from titan_lite.models.parts.rope import rotate_channels
 
 
 class Attention(nn.Module):
@@ -21,13 +22,17 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads = args.heads_of(layer_id)
         self.head_dim = args.head_dim
         self.window = window
-        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.rotary_dim = args.rotary_dim
+        # Qwen3.5: each head's rows of wq are [query | gate], the gate's sigmoid scaling that head's output.
+        self.output_gate = args.attn_output_gate
+        q_width = self.n_heads * self.head_dim * (2 if self.output_gate else 1)
+        self.wq = nn.Linear(args.dim, q_width, bias=args.qkv_bias)
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
         # Qwen3: one RMSNorm over head_dim, shared by every head, on q and on k.
-        self.q_norm = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.q_norm = make_norm(self.head_dim, args) if args.qk_norm else None
+        self.k_norm = make_norm(self.head_dim, args) if args.qk_norm else None
         self.inner_attention = CausalAttention(window, flex=args.attn_type == "flex")
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None,
@@ -42,7 +47,9 @@ class Attention(nn.Module):
         mask: the packed documents' mask (None: causal)."""
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        q, gate = self.wq(x).view(batch, seq, -1, self.head_dim), None
+        if self.output_gate:
+            q, gate = q.unflatten(2, (-1, 2)).unbind(3)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         if self.q_norm is not None:
@@ -51,11 +58,12 @@ class Attention(nn.Module):
             out = cache.attend(q, k, v)
         else:
             rows = rope if rope.dim() == 4 else rope[:seq]
-            q, k = apply_rope(q, rows), apply_rope(k, rows)
+            q, k = rotate_channels(q, rows, self.rotary_dim), rotate_channels(k, rows, self.rotary_dim)
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             # K/V keep their n_kv_heads: the inner attention expands them, after any gather (context parallel).
             out = self.inner_attention(q, k, v) if mask is None else self.inner_attention(q, k, v, mask)
-        return out.transpose(1, 2)
+        out = out.transpose(1, 2)
+        return out if gate is None else out * torch.sigmoid(gate)
 
     @property
     def mask_key(self) -> int | None:

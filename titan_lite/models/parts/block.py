@@ -9,7 +9,7 @@ from titan_lite.models.parts.cache import LayerCache
 from titan_lite.models.parts.feed_forward import FeedForward
 from titan_lite.models.parts.mixers import build_mixer
 from titan_lite.models.parts.moe import MoE
-from titan_lite.models.parts.norms import RMSNorm
+from titan_lite.models.parts.norms import make_norm
 
 
 class TransformerBlock(nn.Module):
@@ -18,9 +18,9 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: LlamaArgs, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention_norm = make_norm(args.dim, args)
         self.attention = build_mixer(args, layer_id)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = make_norm(args.dim, args)
         self.moe_enabled = args.is_moe_layer(layer_id)
         if self.moe_enabled:
             self.moe = MoE(args)

@@ -1,5 +1,5 @@
 """The generation cache's interface the mixers call (titan_lite.generate implements it): one layer's view of the
-keys and values, and the cache of every layer."""
+keys and values (or of a recurrent layer's conv window and state), and the cache of every layer."""
 
 from typing import Protocol
 
@@ -12,6 +12,17 @@ class LayerCache(Protocol):
     returns [batch, heads, seq, head_dim]."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class RecurrentCache(Protocol):
+    """One Gated DeltaNet layer's view of the cache: which open slots hold real tokens [batch, seq], and its conv
+    window and recurrent state (None before its first forward)."""
+
+    real: torch.Tensor
+
+    def states(self) -> tuple[torch.Tensor | None, torch.Tensor | None]: ...
+
+    def keep_states(self, conv_window: torch.Tensor, state: torch.Tensor) -> None: ...
 
 
 class KVCache(Protocol):

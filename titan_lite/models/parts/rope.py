@@ -1,6 +1,7 @@
 """Rotary position embeddings: the per-pair frequencies with their long-context scalings (llama3, yarn, linear), the
-cos/sin cache and its application to interleaved pairs (x0, x1), (x2, x3), ... (Meta's and torchtitan's layout; HF
-checkpoints use the half-split layout and are permuted on import and export, models/hf/state_dict.py)."""
+cos/sin cache (of the rotated channels: all of a head's, or the first rotary_dim) and its application to interleaved
+pairs (x0, x1), (x2, x3), ... (Meta's and torchtitan's layout; HF checkpoints use the half-split layout and are
+permuted on import and export, models/hf/state_dict.py)."""
 
 import math
 
@@ -10,9 +11,10 @@ from titan_lite.models.args import LlamaArgs
 
 
 def rope_frequencies(args: LlamaArgs) -> torch.Tensor:
-    """Per-pair rotation frequencies (float64), with the args' long-context scaling when configured."""
-    head_dim = args.head_dim
-    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    """Per-pair rotation frequencies (float64) of the rotated channels, with the args' long-context scaling when
+    configured."""
+    dim = args.rotary_dim
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     if args.rope_scaling_factor is None:
         return freqs
     scale = {"llama3": _llama3_frequencies, "yarn": _yarn_frequencies, "linear": _linear_frequencies}
@@ -39,7 +41,7 @@ def _linear_frequencies(freqs: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
 def _yarn_frequencies(freqs: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
     """YaRN's NTK-by-parts: pairs that turn more than beta_fast times over the original context keep their frequency,
     pairs that turn less than beta_slow times are divided by the factor, a linear ramp over the pairs in between."""
-    dim, base = args.head_dim, args.rope_theta
+    dim, base = args.rotary_dim, args.rope_theta
 
     def pair_turning(rotations: float) -> float:  # the (fractional) pair index that turns `rotations` times
         return dim * math.log(args.rope_original_max_seq_len / (2 * math.pi * rotations)) / (2 * math.log(base))
@@ -72,7 +74,7 @@ def rope_attention_factor(args: LlamaArgs) -> float:
 
 
 def rope_cache(args: LlamaArgs, device: torch.device | None = None) -> torch.Tensor:
-    """cos and sin of every (position, pair), times the attention factor: shape [max_seq_len, head_dim // 2, 2],
+    """cos and sin of every (position, pair), times the attention factor: shape [max_seq_len, rotary_dim // 2, 2],
     float32."""
     freqs = rope_frequencies(args)
     angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), freqs)
@@ -105,3 +107,10 @@ def apply_rope_real_pairs(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     x0, x1 = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
     return rotated.flatten(-2).type_as(x)
+
+
+def rotate_channels(x: torch.Tensor, cache: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """apply_rope on each head's first rotary_dim channels (all of them: plain RoPE); the others pass through."""
+    if rotary_dim == x.shape[-1]:
+        return apply_rope(x, cache)
+    return torch.cat([apply_rope(x[..., :rotary_dim], cache), x[..., rotary_dim:]], dim=-1)

@@ -1,0 +1,175 @@
+"""The Gated DeltaNet mixer of Qwen3.5's "linear_attention" layers: its projections (named as transformers', so
+the HF mapping is a rename), the causal depthwise conv, L2-normalised q/k, beta and the decay g, the gated delta rule
+in its chunked form (training, prefill; pure PyTorch, float32 state) and its recurrent form (decoding, the check of
+the chunked one), the gated RMSNorm with the z gate, the out projection. Packed documents each start from a zero
+state and a zero conv window, exactly as one document per row."""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from titan_lite.errors import ConfigError
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.parts.cache import RecurrentCache
+from titan_lite.models.parts.masks import DocumentSpans
+from titan_lite.models.parts.norms import GatedRMSNorm
+
+
+def check_linear_heads(args: LlamaArgs, source: str = "model args") -> None:
+    """A ConfigError in one line where the Gated DeltaNet's head counts cannot be built."""
+    keys, values = args.linear_n_key_heads, args.linear_n_value_heads
+    if keys <= 0 or values <= 0:
+        raise ConfigError(f"{source}: 'linear_attention' layers need linear_num_key_heads and linear_num_value_heads "
+                          f"of at least 1; got {keys} and {values}")
+    if values % keys:
+        raise ConfigError(f"{source}: linear_num_value_heads = {values} is not a multiple of linear_num_key_heads = "
+                          f"{keys}; each key head serves a whole group of value heads")
+    if args.linear_conv_kernel < 1 or args.linear_chunk_size < 1:
+        raise ConfigError(f"{source}: linear_conv_kernel_dim = {args.linear_conv_kernel} and the chunk size "
+                          f"{args.linear_chunk_size} must be at least 1")
+
+
+def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x * rsqrt(sum x^2 + eps) over the last dim (FLA's and transformers' form)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _heads_first(q, k, v, g, beta):
+    """[batch, seq, heads, d] (and [batch, seq, heads]) -> float32 [batch, heads, seq, ...], k/q repeated to the value
+    heads (consecutive value heads share a key head), q/k L2-normalised and q scaled by dk^-1/2."""
+    group = v.shape[2] // k.shape[2]
+    q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+    q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))
+    q, k = l2_normalise(q), l2_normalise(k)
+    return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+def recurrent_delta_rule(q, k, v, g, beta, state: torch.Tensor | None = None):
+    """The gated delta rule one step at a time: S <- exp(g_t) S; S += k_t (beta_t (v_t - S^T k_t))^T; o_t = S^T q_t.
+    q, k: [batch, seq, key_heads, dk]; v: [batch, seq, value_heads, dv]; g, beta: [batch, seq, value_heads]; state:
+    [batch, value_heads, dk, dv] float32 (None: zeros). Returns (o [batch, seq, value_heads, dv] in v's dtype, the
+    final state)."""
+    dtype = v.dtype
+    q, k, v, g, beta = _heads_first(q, k, v, g, beta)
+    batch, heads, seq, dk = k.shape
+    if state is None:
+        state = torch.zeros(batch, heads, dk, v.shape[-1], dtype=torch.float32, device=v.device)
+    outs = []
+    for t in range(seq):
+        state = state * g[:, :, t].exp()[..., None, None]
+        delta = (v[:, :, t] - (state * k[:, :, t, :, None]).sum(-2)) * beta[:, :, t, None]
+        state = state + k[:, :, t, :, None] * delta[:, :, None, :]
+        outs.append((state * q[:, :, t, :, None]).sum(-2))
+    return torch.stack(outs, dim=2).transpose(1, 2).to(dtype), state
+
+
+def chunked_delta_rule(q, k, v, g, beta, chunk: int = 64, state: torch.Tensor | None = None):
+    """The gated delta rule by chunks of `chunk` steps (the WY form: within a chunk a triangular solve, between chunks
+    the state carried in order). Same arguments and results as recurrent_delta_rule; the sequence is right-padded to
+    a whole chunk, which changes no output before the padding."""
+    dtype, seq = v.dtype, v.shape[1]
+    q, k, v, g, beta = _heads_first(q, k, v, g, beta)
+    pad = -seq % chunk
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    batch, heads, length, dk = k.shape
+    q, k, v = (t.reshape(batch, heads, length // chunk, chunk, -1) for t in (q, k, v))
+    g, beta = (t.reshape(batch, heads, length // chunk, chunk) for t in (g, beta))
+    gamma = g.cumsum(-1)  # log of the decay from the chunk's start to each step
+    later = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).triu(1)
+    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(later, float("-inf")).exp()
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    # I + L, L the strictly lower part of ((beta K) K^T) .* decay; T = (I + L)^-1 applied by unit-triangular solves:
+    # U = T (beta V), W = T (beta exp(gamma) K)
+    system = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1) + torch.eye(chunk, device=v.device)
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * gamma.exp()[..., None], upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * gamma.exp()[..., None]
+    k_to_end = k * (gamma[..., -1:] - gamma).exp()[..., None]
+    chunk_decay = gamma[..., -1].exp()[..., None, None]
+    if state is None:
+        state = torch.zeros(batch, heads, dk, v.shape[-1], dtype=torch.float32, device=v.device)
+    outs = []
+    for i in range(length // chunk):
+        v_new = u[:, :, i] - w[:, :, i] @ state
+        outs.append(q_decayed[:, :, i] @ state + attn[:, :, i] @ v_new)
+        state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ v_new
+    out = torch.stack(outs, dim=2).reshape(batch, heads, length, -1)[:, :, :seq]
+    return out.transpose(1, 2).to(dtype), state
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear attention: in_proj_qkv -> causal depthwise conv + SiLU -> q, k, v heads; beta = sigmoid(b),
+    g = -exp(A_log) softplus(a + dt_bias); the gated delta rule; norm(o) * silu(z) per head; out_proj."""
+
+    mask_key = "linear_attention"  # packed documents: every Gated DeltaNet layer shares one set of spans
+
+    def __init__(self, args: LlamaArgs, layer_id: int):
+        super().__init__()
+        self.n_key_heads, self.n_value_heads = args.linear_n_key_heads, args.linear_n_value_heads
+        self.key_dim = args.linear_n_key_heads * args.linear_key_head_dim
+        self.value_dim = args.linear_n_value_heads * args.linear_value_head_dim
+        self.key_head_dim, self.value_head_dim = args.linear_key_head_dim, args.linear_value_head_dim
+        self.chunk = args.linear_chunk_size
+        conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = nn.Linear(args.dim, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(args.dim, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(args.dim, self.n_value_heads, bias=False)
+        self.in_proj_a = nn.Linear(args.dim, self.n_value_heads, bias=False)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, args.linear_conv_kernel, groups=conv_dim, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(self.n_value_heads))
+        self.dt_bias = nn.Parameter(torch.ones(self.n_value_heads))
+        self.norm = GatedRMSNorm(self.value_head_dim, eps=args.norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None, cache: RecurrentCache | None = None,
+                mask=None) -> torch.Tensor:
+        """x [batch, seq, dim] -> [batch, seq, dim]; `rope` is not used; `mask`: the packed documents' spans (each
+        document then runs alone, from a zero state); `cache` (generation): continue from its conv window and
+        state, and keep the new ones."""
+        if cache is not None:
+            return self.mix(x, cache)
+        if mask is None:
+            return self.mix(x)
+        spans = [(b, s, e) for b, row in enumerate(mask.rows) for s, e in row]
+        longest = max(e - s for _, s, e in spans)
+        docs = torch.stack([F.pad(x[b, s:e], (0, 0, 0, longest - (e - s))) for b, s, e in spans])
+        mixed = self.mix(docs)  # right padding changes nothing before it: the conv and the rule are causal
+        i = iter(range(len(spans)))
+        return torch.stack([torch.cat([mixed[next(i), :e - s] for s, e in row]) for row in mask.rows])
+
+    def mix(self, x: torch.Tensor, cache: RecurrentCache | None = None) -> torch.Tensor:
+        """One sequence per row, from a zero state and conv window, or from the cache's."""
+        batch, seq, _ = x.shape
+        window, state = cache.states() if cache is not None else (None, None)
+        if cache is not None:  # padding slots (a left-padded prompt's) add nothing: a zero input keeps a zero state
+            x = x * cache.real[..., None].to(x.dtype)
+        qkv = self.in_proj_qkv(x).transpose(1, 2)
+        kernel = self.conv1d.weight.shape[-1]
+        if window is None:
+            window = qkv.new_zeros(batch, qkv.shape[1], kernel - 1)
+        columns = torch.cat([window, qkv], dim=-1)
+        qkv = F.silu(F.conv1d(columns, self.conv1d.weight, groups=qkv.shape[1]))
+        q, k, v = qkv.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(batch, seq, -1, self.key_head_dim)
+        k = k.reshape(batch, seq, -1, self.key_head_dim)
+        v = v.reshape(batch, seq, -1, self.value_head_dim)
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        if cache is not None and seq == 1:
+            out, state = recurrent_delta_rule(q, k, v, g, beta, state=state)
+        else:
+            out, state = chunked_delta_rule(q, k, v, g, beta, chunk=self.chunk, state=state)
+        if cache is not None:
+            cache.keep_states(columns[..., columns.shape[-1] - (kernel - 1):], state)
+        z = self.in_proj_z(x).reshape(batch, seq, -1, self.value_head_dim)
+        return self.out_proj(self.norm(out, z).reshape(batch, seq, -1))
+
+    def document_mask(self, documents: torch.Tensor, dtype: torch.dtype, compiled: bool = False) -> DocumentSpans:
+        """The documents' runs of each row: each runs alone from a zero state and a zero conv window (a compiled
+        block takes tensor masks only, which this mixer has none of yet)."""
+        if compiled:
+            raise ConfigError("compile with packed documents (attn_mask_type 'block_causal') is not supported yet "
+                              "for Qwen3.5's linear_attention layers; turn off compile or the packing")
+        return DocumentSpans.of(documents)
