@@ -202,7 +202,7 @@ def gpu_tokens_per_s(plan: JobPlan, params: int) -> float:
     """Tokens per second one GPU trains this model (`params` parameters) at GPU_MFU of GPU_PEAK_FLOPS, every
     parameter trained (a frozen base would be a little faster)."""
     a = plan.model_args
-    flops = num_flops_per_token(params - a.inactive_param_count(), a.vocab_size * a.dim, a.n_layers, a.n_heads,
+    flops = num_flops_per_token(params - a.inactive_param_count(), a.vocab_size * a.dim, a.attention_layers, a.n_heads,
                                 a.head_dim, plan.cfg.training.seq_len)
     return GPU_MFU * GPU_PEAK_FLOPS / flops
 

@@ -50,7 +50,9 @@ def num_flops_per_token(num_params: int, num_embedding_params: int, n_layers: in
     - 6N: every parameter used in a matmul costs 2 FLOPs per token forward (multiply + add) and 4 backward.
       The token-embedding lookup is a gather, not a matmul, so its parameters are subtracted.
     - 12*L*H*hd*T: per layer, Q@K^T and scores@V cost 2*T*hd each per head per token forward, times 3 for
-      forward + backward. Attention is counted as full (not causal), the usual convention.
+      forward + backward. Attention is counted as full (not causal), the usual convention. L counts the
+      softmax-attention layers only: a Gated DeltaNet layer's delta rule is linear in T and left out (its
+      projections are in 6N).
 
     Tied embeddings (Llama 3.2 1B/3B): the shared matrix is also the output projection, a real matmul, so
     it must stay in the 6N term; with num_params counting that shared tensor once, pass

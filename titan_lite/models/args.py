@@ -101,6 +101,11 @@ class LlamaArgs:
         """Whether some layer's mixer is a recurrent Gated DeltaNet rather than attention."""
         return "linear_attention" in self.schedule
 
+    @property
+    def attention_layers(self) -> int:
+        """Layers whose mixer is softmax attention (the FLOPs' quadratic term counts these only)."""
+        return sum(kind != "linear_attention" for kind in self.schedule)
+
     def heads_of(self, layer: int) -> tuple[int, int]:
         """(query heads, kv heads) of one layer."""
         q = self.layer_n_heads[layer] if self.layer_n_heads else self.n_heads
