@@ -327,8 +327,8 @@ BAD_INPUTS = [
     ("a reward function without TRL's signature", "reward function 'tests.grpo_rewards:bare' takes (x), but reward "
      "functions are called by keyword as TRL calls them", ["--grpo.reward_funcs", "tests.grpo_rewards:bare"],
      QUESTION),
-    ("prompts from token files", "'training.dataset_path' = '{tmp}/tokens' holds token files, which keep tokens but "
-     "not the rows' text and fields", [], "tokens"),
+    ("prompts from token files", "'training.dataset_path' = '{tmp}/rows_tokens' holds token files, which keep "
+     "tokens but not the rows' text and fields", [], "tokens"),
     ("reference base without adapters", "'grpo.reference' = 'base' runs the policy with its adapters switched off as "
      "the reference, but no transform of 'model.converters' = [] keeps a base apart", ["--grpo.beta", "0.1"],
      QUESTION),
@@ -352,10 +352,10 @@ def test_bad_grpo_input_is_one_line_exit_2(name, expected, argv, row, tmp_path, 
 
 
 def token_folder(tmp: Path) -> list[str]:
-    """A folder that is token files by its look (its document offsets): refused before it is opened."""
-    (tmp / "tokens").mkdir()
-    (tmp / "tokens" / "documents.int64").write_bytes(b"")
-    return ["--training.dataset", "prompts", "--training.dataset_path", str(tmp / "tokens")]
+    """Token files of instruction rows: GRPO needs the rows' text and fields."""
+    from tests.test_token_runs import rows_token_folder
+
+    return ["--training.dataset", "prompts", "--training.dataset_path", str(rows_token_folder(tmp))]
 
 
 def failing(completions, **kwargs):
