@@ -184,7 +184,7 @@ def run_case(case: Case, settings: Settings, opts: argparse.Namespace, peaks: li
     """Rounds of every variant in turn (A/B/A/B...); each round first measures the matmul peak for MFU."""
     runs: dict[str, list[dict]] = {v.label: [] for v in case.variants}
     failed: dict[str, str] = {}
-    trains = any("tokens_per_s" in c for c in case.columns)
+    trains = "tokens_per_s" in case.columns  # (the peak is for MFU: a case of rollout or trained tokens/s has none)
     rounds = max(opts.repeats, case.min_rounds)
     rounds = rounds if case.max_rounds is None else min(rounds, case.max_rounds)
     for r in range(rounds):
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = select_cases([n for n in opts.cases.split(",") if n])
     settings = Settings(steps=opts.steps, warmup=opts.warmup, threads=opts.threads)
     load_before = machine_load()
-    print(f"benchmark: {len(cases)} cases x {opts.repeats} alternating rounds (or a case's minimum), "
+    print(f"benchmark: {len(cases)} cases x {opts.repeats} alternating rounds (or a case's own minimum or maximum), "
           f"{opts.threads} threads; torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores")
     print(f"load before: {load_before}", flush=True)

@@ -6,6 +6,7 @@ prompt rows and advantages on their own."""
 
 import json
 import math
+import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -306,7 +307,8 @@ BAD_INPUTS = [
      "'grpo.max_completion_length' = 60 exceed 'training.seq_len' = 64 (+ 1)", ["--grpo.max_completion_length", "60"],
      QUESTION),
     ("a reward module that is not there", "reward function 'no_such_rewards:score': module 'no_such_rewards' cannot "
-     "be imported", ["--grpo.reward_funcs", "no_such_rewards:score"], QUESTION),
+     "be imported (No module named 'no_such_rewards'); a reward module is imported from the folder the run starts in "
+     f"({os.getcwd()}) or from PYTHONPATH", ["--grpo.reward_funcs", "no_such_rewards:score"], QUESTION),
     ("a reward function that is not there", "reward function 'tests.grpo_rewards:nope': module 'tests.grpo_rewards' "
      "has no function 'nope'", ["--grpo.reward_funcs", "tests.grpo_rewards:nope"], QUESTION),
     ("a reward name that is neither", "'grpo.reward_funcs' has 'accuracy': not a built-in (answer_match, format, "

@@ -9,6 +9,7 @@ import inspect
 import json
 import logging
 import math
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -104,8 +105,9 @@ def load_user_function(setting: str) -> Callable:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"reward function '{setting}': module '{module_name}' cannot be imported ({exc}); put it "
-                          "on PYTHONPATH") from None
+        raise ConfigError(f"reward function '{setting}': module '{module_name}' cannot be imported ({exc}); a "
+                          f"reward module is imported from the folder the run starts in ({os.getcwd()}) or from "
+                          "PYTHONPATH") from None
     fn = getattr(module, attribute, None)
     if not callable(fn):
         raise ConfigError(f"reward function '{setting}': module '{module_name}' has no function '{attribute}'")
