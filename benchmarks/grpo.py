@@ -8,10 +8,11 @@ Run by benchmarks/run.py (the `grpo_step` case); by hand:
     .venv/bin/python -m benchmarks.grpo --layout packed --steps 2 --warmup 1
 
 Prompts are synthetic GSM8K-format problems with Shakespeare's words in front (log-uniform 4-60 words, so prompt
-lengths vary as real ones do); 4 prompts x 8 completions a step, up to 32 tokens each: a step takes seconds on 2
-quiet cores, so the case finishes in minutes. The random debug model never ends an answer on its own, so the benchmark
-also stops a completion at 16 frequent token ids (about 1% a token): completion lengths then vary as real ones do.
-Each step prints a progress line (benchmarks.run shows it as it comes); the result line is benchmarks.worker's."""
+lengths vary as real ones do); 4 prompts x 8 completions a step, up to 32 tokens each (an eighth of the completion
+tokens of the first version, 8 x 8 x 128, whose case had not finished one run in 15 minutes; docs/rl.md has the last
+run's time and load). The random debug model never ends an answer on its own, so the benchmark also stops a
+completion at 16 frequent token ids (about 1% a token): completion lengths then vary as real ones do. Each step prints
+a progress line (benchmarks.run shows it as it comes); the result line is benchmarks.worker's."""
 
 import argparse
 import json
