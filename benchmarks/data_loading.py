@@ -29,6 +29,7 @@ import sysconfig
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 from benchmarks import cli
@@ -48,6 +49,9 @@ from titan_lite.data.token_writer import write_token_folder
 from titan_lite.data.tokenizer import HFByteLevelBPETokenizer, SentencePieceTokenizer, build_tokenizer
 from titan_lite.data.tokenizer.bpe_core import missing_bytes
 
+# torchdata's StatefulDataLoader calls a deprecated torch function: its warning would land among the figures (train.py
+# filters it the same way).
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 DEGREES = (1, 8, 64, 512)
 LINE_CHARS = 3000
 PARTS = ("tokenize", "rows", "loaders", "workers", "threads", "tokenizers", "smollm2")

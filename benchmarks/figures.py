@@ -266,8 +266,8 @@ FIGURES = [
            rf"^  parameters +{NUMBER} GiB +{NUMBER} local x {NUMBER} bytes each\n  activations +{NUMBER} GiB .*\n"
            rf"  peak +{NUMBER} GiB"),
     Figure("QLoRA 8B plan: the last line", "qlora_8b_plan",
-           rf"^dry run OK: 1 ranks; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",
-           rf"^  peak +[\d.]+ GiB\ndry run OK: 1 ranks; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB"),
+           rf"^dry run OK: 1 rank; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",
+           rf"^  peak +[\d.]+ GiB\ndry run OK: 1 rank; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB"),
     Figure("QLoRA 8B plan: the prose", "qlora_8b_plan", rf"^  peak +{NUMBER} GiB",
            rf"fits\n24 GiB at {NUMBER} GiB"),
     Figure("QLoRA 70B plan: parameters, buffers", "qlora_70b_plan",
@@ -287,18 +287,18 @@ FIGURES = [
     # chat fine-tuning: the 8B chat config with LoRA and with QLoRA
     Figure("chat 8B LoRA plan", "chat_8b_plan",
            rf"^  parameters +{NUMBER} GiB +{NUMBER} local x bfloat16/float32\n(?:.*\n)*?  activations +{NUMBER} GiB .*"
-           rf"block-causal \(sdpa\) {NUMBER} GiB of mask and RoPE rows per microbatch\n(?:.*\n)*?dry run OK: 1 ranks; "
+           rf"block-causal \(sdpa\) {NUMBER} GiB of mask and RoPE rows per microbatch\n(?:.*\n)*?dry run OK: 1 rank; "
            rf"largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",
            rf"^```\n  parameters +{NUMBER} GiB +{NUMBER} local x bfloat16/float32\n  activations +{NUMBER} GiB .*"
-           rf"block-causal \(sdpa\) {NUMBER} GiB of mask and RoPE rows per microbatch\ndry run OK: 1 ranks; "
+           rf"block-causal \(sdpa\) {NUMBER} GiB of mask and RoPE rows per microbatch\ndry run OK: 1 rank; "
            rf"largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB"),  # the DPO 8B plan's lines follow a name
     Figure("chat 8B QLoRA plan", "chat_8b_qlora_plan",
-           rf"^  parameters +{NUMBER} GiB +{NUMBER} local x {NUMBER} bytes each\n(?:.*\n)*?dry run OK: 1 ranks; "
+           rf"^  parameters +{NUMBER} GiB +{NUMBER} local x {NUMBER} bytes each\n(?:.*\n)*?dry run OK: 1 rank; "
            rf"largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",
-           rf"^\.\.\.\n  parameters +{NUMBER} GiB +{NUMBER} local x {NUMBER} bytes each\ndry run OK: 1 ranks; "
+           rf"^\.\.\.\n  parameters +{NUMBER} GiB +{NUMBER} local x {NUMBER} bytes each\ndry run OK: 1 rank; "
            rf"largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB"),
     # model families: the shipped configs' peaks
-    *(Figure(f"{name} plan: peak", f"{name}_plan", rf"^dry run OK: \d+ ranks; largest peak {NUMBER} GiB",
+    *(Figure(f"{name} plan: peak", f"{name}_plan", rf"^dry run OK: \d+ ranks?; largest peak {NUMBER} GiB",
              rf"`{re.escape(name)}\.toml`(?: on `NGPU=8`)? {NUMBER} GiB of")
       for name in ("qwen3_8b_lora", "qwen3_8b_qlora", "mistral_7b_lora", "qwen2.5_7b_wanda")),
     Figure("qwen3_8b_lora_128k plan: YaRN, activations, peak", "qwen3_8b_lora_128k_plan",
@@ -330,15 +330,15 @@ FIGURES = [
     # preference tuning's plans
     Figure("DPO 8B LoRA plan", "llama3_8b_dpo_lora_plan",
            rf"^  parameters +{NUMBER} GiB  ([\d,]+) local x bfloat16/float32(?:.*\n)*?  activations +{NUMBER} GiB  AC "
-           rf"full(?:.*\n)*?^dry run OK: 1 ranks; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",
+           rf"full(?:.*\n)*?^dry run OK: 1 rank; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",
            rf"^llama3_8b_dpo_lora.toml:\n  parameters +{NUMBER} GiB  ([\d,]+) local x bfloat16/float32\n  "
-           rf"activations +{NUMBER} GiB  AC full.*\ndry run OK: 1 ranks; largest peak {NUMBER} GiB on rank 0, "
+           rf"activations +{NUMBER} GiB  AC full.*\ndry run OK: 1 rank; largest peak {NUMBER} GiB on rank 0, "
            rf"head-room {NUMBER} GiB"),
     Figure("DPO 8B QLoRA plan", "llama3_8b_dpo_qlora_plan",
-           rf"^  parameters +{NUMBER} GiB  ([\d,]+) local x {NUMBER} bytes each(?:.*\n)*?^dry run OK: 1 ranks; "
+           rf"^  parameters +{NUMBER} GiB  ([\d,]+) local x {NUMBER} bytes each(?:.*\n)*?^dry run OK: 1 rank; "
            rf"largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",
            rf"^llama3_8b_dpo_qlora.toml:\n  parameters +{NUMBER} GiB  ([\d,]+) local x {NUMBER} bytes each\ndry run "
-           rf"OK: 1 ranks; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB"),
+           rf"OK: 1 rank; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB"),
     Figure("DPO 70B QLoRA plan", "llama3_70b_dpo_qlora_plan",
            rf"^  parameters +{NUMBER} GiB  ([\d,]+) local x {NUMBER} bytes each \(offloaded to CPU\)(?:.*\n)*?^dry "
            rf"run OK: 2 ranks; largest peak {NUMBER} GiB on rank 0, head-room {NUMBER} GiB",

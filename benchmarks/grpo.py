@@ -5,12 +5,14 @@ packed completions and once padded, trained tokens per second of both layouts on
 
 Run by benchmarks/run.py (the `grpo_step` case); by hand:
 
-    .venv/bin/python -m benchmarks.grpo --layout packed --steps 4 --warmup 1
+    .venv/bin/python -m benchmarks.grpo --layout packed --steps 2 --warmup 1
 
-Prompts are synthetic GSM8K-format problems with Shakespeare's words in front (log-uniform 4-120 words, so prompt
-lengths vary as real ones do); 8 prompts x 8 completions a step, up to 128 tokens each. The random debug model never
-ends an answer on its own, so the benchmark also stops a completion at 16 frequent token ids (about 1% a token):
-completion lengths then vary as real ones do. The result line is benchmarks.worker's."""
+Prompts are synthetic GSM8K-format problems with Shakespeare's words in front (log-uniform 4-60 words, so prompt
+lengths vary as real ones do); 4 prompts x 8 completions a step, up to 32 tokens each (an eighth of the completion
+tokens of the first version, 8 x 8 x 128, whose case had not finished one run in 15 minutes; docs/rl.md has the last
+run's time and load). The random debug model never ends an answer on its own, so the benchmark also stops a
+completion at 16 frequent token ids (about 1% a token): completion lengths then vary as real ones do. Each step prints
+a progress line (benchmarks.run shows it as it comes); the result line is benchmarks.worker's."""
 
 import argparse
 import json
@@ -26,13 +28,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.cli import parser
-from benchmarks.worker import RESULT_PREFIX, machine_busy_seconds, peak_rss_bytes
+from benchmarks.worker import PROGRESS_PREFIX, RESULT_PREFIX, machine_busy_seconds, peak_rss_bytes
 from titan_lite.config import parse_args
 from titan_lite.loss import IGNORE_INDEX
 from titan_lite.train import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
-PROMPTS, GROUP, MAX_NEW = 8, 8, 128
+PROMPTS, GROUP, MAX_NEW = 4, 8, 32
 EXTRA_STOPS = tuple(range(200, 216))
 
 
@@ -105,6 +107,9 @@ def run(opts: argparse.Namespace, folder: Path) -> dict:
         trainer.train_step(microbatches, step)
         train_s = time.perf_counter() - start
         generation_s, scoring_s, reference_s = sampling.take(), scoring.take(), reference.take()
+        print(f"{PROGRESS_PREFIX}{opts.layout} step {step}/{opts.warmup + opts.steps}"
+              f"{' (warmup)' if step <= opts.warmup else ''}: rollout {rollout_s:.1f} s, training {train_s:.1f} s",
+              flush=True)
         if step <= opts.warmup:
             busy0, cpu0, wall0 = machine_busy_seconds(), time.process_time(), time.perf_counter()
             continue
@@ -129,8 +134,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--flavor", default="debugmodel", help="the model (tiny: a seconds-long smoke run)")
     p.add_argument("--local_batch", type=int, default=16, help="completions per microbatch")
     p.add_argument("--max_new", type=int, default=MAX_NEW, help="grpo.max_completion_length")
-    p.add_argument("--seq_len", type=int, default=512, help="training.seq_len (a prompt and its completion fit it)")
-    p.add_argument("--most_words", type=int, default=120, help="the longest prompt's words (smoke runs: a few)")
+    p.add_argument("--seq_len", type=int, default=256, help="training.seq_len (a prompt and its completion fit it)")
+    p.add_argument("--most_words", type=int, default=60, help="the longest prompt's words (smoke runs: a few)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     return p.parse_args(argv)

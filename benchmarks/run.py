@@ -25,6 +25,7 @@ from benchmarks.cases import CASES, DEFAULT_CASES
 from benchmarks.cli import parser
 from benchmarks.framework import REPO, Case, RunOutput, Settings, Variant, environment_of
 from benchmarks.variants import MatmulPeakVariant
+from benchmarks.worker import PROGRESS_PREFIX
 
 _LABELS = {"tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "step_s": "step s", "peak_rss_gib": "peak RSS GiB",
            "peak_tensor_gib": "tensors GiB",
@@ -71,28 +72,69 @@ def machine_load() -> str:
 
 
 def execute(variant: Variant, settings: Settings, timeout: float) -> RunOutput:
-    """Run the variant's command in a fresh process group; its own CPU time and peak RSS come from wait4."""
+    """Run the variant's command in a fresh process group; its own CPU time and peak RSS come from wait4. Its
+    progress lines are printed as they come; the group is killed when this process stops first (Ctrl-C, SIGTERM),
+    and the child dies with it even when it is killed outright (PR_SET_PDEATHSIG)."""
     argv, env = environment_of(variant, settings)
-    with tempfile.TemporaryFile(mode="w+") as log:
+    with tempfile.TemporaryFile() as log:
         start = time.perf_counter()
-        proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        status, usage = _wait(proc, start + timeout)
+        proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_die_with_parent)
+        try:
+            status, usage = _wait(proc, start + timeout, log)
+        finally:
+            if proc.returncode is None:  # stopped before the child finished: none of its processes outlive us
+                _kill_group(proc.pid)
         wall = time.perf_counter() - start
         log.seek(0)
-        stdout = log.read()
+        stdout = log.read().decode(errors="replace")
     return RunOutput(stdout, proc.returncode, wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024)
 
 
-def _wait(proc: subprocess.Popen, deadline: float):
-    """(status, rusage) of the finished process; its process group is killed at the deadline."""
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGKILL when the benchmark process dies, however it dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
+def _wait(proc: subprocess.Popen, deadline: float, log=None):
+    """(status, rusage) of the finished process, printing its progress lines meanwhile; its process group is killed
+    at the deadline."""
+    seen = 0
     while True:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        seen = _print_progress(log, seen)
         if pid:
             proc.returncode = os.waitstatus_to_exitcode(status)
             return status, usage
         if time.perf_counter() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
         time.sleep(0.2)
+
+
+def _print_progress(log, seen: int) -> int:
+    """The child's new whole progress lines in `log` from byte `seen` on, printed; the offset after them. pread:
+    the child writes through the same file offset, which a seek here would move."""
+    if log is None:
+        return seen
+    data = os.pread(log.fileno(), 1 << 20, seen)
+    whole = data[:data.rfind(b"\n") + 1]
+    for line in whole.decode(errors="replace").splitlines():
+        if line.startswith(PROGRESS_PREFIX):
+            print(f"    {line[len(PROGRESS_PREFIX):]}", flush=True)
+    return seen + len(whole)
 
 
 # ------------------------------------------------------------------------------------- measuring
@@ -134,7 +176,7 @@ def run_case(case: Case, settings: Settings, opts: argparse.Namespace, peaks: li
     """Rounds of every variant in turn (A/B/A/B...); each round first measures the matmul peak for MFU."""
     runs: dict[str, list[dict]] = {v.label: [] for v in case.variants}
     failed: dict[str, str] = {}
-    trains = any("tokens_per_s" in c for c in case.columns)
+    trains = "tokens_per_s" in case.columns  # (the peak is for MFU: a case of rollout or trained tokens/s has none)
     rounds = max(opts.repeats, case.min_rounds)
     rounds = rounds if case.max_rounds is None else min(rounds, case.max_rounds)
     for r in range(rounds):
@@ -243,8 +285,14 @@ def select_cases(names: list[str]) -> list[Case]:
     return cases
 
 
+def _stop(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds through execute(), which ends the running child's process group
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGHUP, _stop)
     if opts.list:
         for name, build in CASES.items():
             case = build()
@@ -254,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = select_cases([n for n in opts.cases.split(",") if n])
     settings = Settings(steps=opts.steps, warmup=opts.warmup, threads=opts.threads)
     load_before = machine_load()
-    print(f"benchmark: {len(cases)} cases x {opts.repeats} alternating rounds (or a case's minimum), "
+    print(f"benchmark: {len(cases)} cases x {opts.repeats} alternating rounds (or a case's own minimum or maximum), "
           f"{opts.threads} threads; torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores")
     print(f"load before: {load_before}", flush=True)

@@ -59,6 +59,7 @@ from titan_lite.transforms.lora.qlora import is_block_linear
 from titan_lite.transforms.nf4 import is_nf4
 
 RESULT_PREFIX = "BENCH_RESULT "
+PROGRESS_PREFIX = "progress: "  # a line benchmarks.run prints while the run goes on (a long run's steps)
 _HF_STEP = "transformers' step"
 _LR, _BETAS, _EPS, _WEIGHT_DECAY, _MAX_NORM = 1e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 

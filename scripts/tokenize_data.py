@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_lite.config import parse_args as parse_config
 from titan_lite.data.token_files import KINDS
-from titan_lite.data.token_writer import RecordEncoder, write_token_folder
+from titan_lite.data.token_writer import RecordEncoder, source_list, write_token_folder
 from titan_lite.data.tokenizer import build_tokenizer
 from titan_lite.errors import USER_ERROR, ConfigError, quote_path
 from titan_lite.folders import check_replaceable, partial_folder, swap_in
@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         check_distinct_inputs(opts.data)
         check_replaceable("--output_dir", opts.output_dir)
         encoder = encoder_of(opts, rest)
+        source_list(opts.data)  # a missing input is its one line before "tokenizing ..."
         print(f"tokenizing {', '.join(opts.data)} ({opts.kind}) with '{opts.hf_assets_path}' "
               f"({encoder.tokenizer.backend}), {opts.workers} process(es)", flush=True)
         manifest = write_token_folder(opts.output_dir, opts.data, encoder, opts.workers,

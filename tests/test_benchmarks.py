@@ -228,3 +228,49 @@ def test_data_loading_smoke_prints_every_figure(monkeypatch, capsys):
                   "bytes; 2 of 40 documents hold one), one thread: titan_lite tokenizer.json on tiktoken's core "):
         assert any(line.startswith(start) for line in out.splitlines()), start
     assert out.count("ids equal HF tokenizers' on 40 of 40 documents") == 2
+
+
+_STOPPED_PARENT = """
+import signal, sys
+from dataclasses import dataclass
+from benchmarks import run
+from benchmarks.framework import Settings, Variant
+
+@dataclass
+class Sleeper(Variant):
+    def command(self, settings):
+        script = "sleep 300 & echo $! > " + sys.argv[1] + "; echo 'progress: step 1/2'; echo other; wait"
+        return ["sh", "-c", script], {}
+
+signal.signal(signal.SIGTERM, run._stop)
+run.execute(Sleeper("sleeper"), Settings(steps=1, warmup=0, threads=1), 600)
+"""
+
+
+def test_a_stopped_benchmark_prints_its_childs_progress_and_ends_its_process_group(tmp_path):
+    import signal
+    import time
+
+    pidfile = tmp_path / "grandchild.pid"
+    parent = subprocess.Popen([sys.executable, "-c", _STOPPED_PARENT, str(pidfile)], cwd=REPO, env=clean_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert parent.stdout.readline() == "    step 1/2\n"  # printed while the child runs; its other lines are not
+    grandchild = int(pidfile.read_text())
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=30) == 128 + signal.SIGTERM
+    for _ in range(50):  # the group's SIGKILL is delivered at once; the zombie is reaped by init
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the child's own child {grandchild} outlived the stopped benchmark")
+
+
+def test_the_data_benchmark_keeps_torchdatas_deprecation_warning_out_of_its_figures():
+    code = "import benchmarks.data_loading\nfrom torchdata.stateful_dataloader import StatefulDataLoader\n" \
+           "StatefulDataLoader([1, 2])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "set_vital" not in out.stderr, out.stderr

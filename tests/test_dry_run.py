@@ -208,6 +208,12 @@ def test_llama3_2_1b_workflow_fits_24_gib(c4_shard):
     assert headroom > 4  # the point of the workflow: ZeRO-3 style sharding leaves room on a 24 GB card
 
 
+def test_one_rank_is_one_rank(c4_shard):
+    run = dry_run("debug_model.toml", c4_shard, ngpu=1)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "dry run OK: 1 rank; largest peak" in run.stdout
+
+
 @pytest.mark.parametrize("base", ["bfloat16", "nf4"], ids=["lora", "qlora"])
 def test_llama3_8b_chat_lora_fits_24_gib_with_its_mask_planned(tmp_path, base):
     """The chat config (messages, the Llama 3 instruct template, packed block-causal) on one 24 GB GPU, with a

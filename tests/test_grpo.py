@@ -6,6 +6,7 @@ prompt rows and advantages on their own."""
 
 import json
 import math
+import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -311,13 +312,30 @@ BAD_INPUTS = [
      "'grpo.max_completion_length' = 60 exceed 'training.seq_len' = 64 (+ 1)", ["--grpo.max_completion_length", "60"],
      QUESTION),
     ("a reward module that is not there", "reward function 'no_such_rewards:score': module 'no_such_rewards' cannot "
-     "be imported", ["--grpo.reward_funcs", "no_such_rewards:score"], QUESTION),
+     "be imported (No module named 'no_such_rewards'); a reward module is imported from the folder the run starts in "
+     f"({os.getcwd()}) or from PYTHONPATH", ["--grpo.reward_funcs", "no_such_rewards:score"], QUESTION),
     ("a reward function that is not there", "reward function 'tests.grpo_rewards:nope': module 'tests.grpo_rewards' "
      "has no function 'nope'", ["--grpo.reward_funcs", "tests.grpo_rewards:nope"], QUESTION),
     ("a reward name that is neither", "'grpo.reward_funcs' has 'accuracy': not a built-in (answer_match, format, "
      "length_penalty) nor 'module.path:function'", ["--grpo.reward_funcs", "accuracy"], QUESTION),
     ("a prompt without the reward's field", "{tmp}/p.jsonl:1: reward function 'answer_match' needs the field 'answer' "
      "('grpo.answer_field'), which this row lacks (fields: solution)", [], {"prompt": "1 + 1?", "solution": "2"}),
+    ("a prompt that is a number", "{tmp}/p.jsonl:1: 'prompt' is int 5, not a string or a message list "
+     "('grpo.prompt_field')", [], {"prompt": 5, "answer": "#### 2"}),
+    ("an empty prompt", "{tmp}/p.jsonl:2: 'prompt' is empty: there is no problem to answer", [],
+     (QUESTION, {"prompt": " ", "answer": "#### 2"})),
+    ("a later prompt too long for its completions", "{tmp}/p.jsonl:3: the prompt's 62 tokens plus "
+     "'grpo.max_completion_length' = 8 exceed 'training.seq_len' = 64 (+ 1)", [],
+     (QUESTION, QUESTION, {"prompt": "one " * 60, "answer": "#### 2"})),
+    ("a later row without the reward's field", "{tmp}/p.jsonl:2: reward function 'answer_match' needs the field "
+     "'answer'", [], (QUESTION, {"prompt": "1 + 1?", "solution": "2"})),
+    ("answers without a number", "{tmp}/p.jsonl:1: reward function 'answer_match' finds no number in the row's "
+     "'answer' (\"two\"), nor in any other row's", [], ({"prompt": "1 + 1?", "answer": "two"},) * 2),
+    ("a reward function without TRL's signature", "reward function 'tests.grpo_rewards:bare' takes (x), but reward "
+     "functions are called by keyword as TRL calls them", ["--grpo.reward_funcs", "tests.grpo_rewards:bare"],
+     QUESTION),
+    ("prompts from token files", "'training.dataset_path' = '{tmp}/rows_tokens' holds token files, which keep "
+     "tokens but not the rows' text and fields", [], "tokens"),
     ("reference base without adapters", "'grpo.reference' = 'base' runs the policy with its adapters switched off as "
      "the reference, but no transform of 'model.converters' = [] keeps a base apart", ["--grpo.beta", "0.1"],
      QUESTION),
@@ -334,9 +352,17 @@ BAD_INPUTS = [
 def test_bad_grpo_input_is_one_line_exit_2(name, expected, argv, row, tmp_path, monkeypatch, capsys):
     from tests.test_bad_inputs import Case, test_bad_input_is_one_line_exit_2
 
-    build = prompts_file(row) if row is not None else None
+    build = (token_folder if row == "tokens" else prompts_file(*row) if isinstance(row, tuple) else
+             prompts_file(row)) if row is not None else None
     argv = ["--grpo.max_completion_length", "8", *argv] if row is not None else argv
     test_bad_input_is_one_line_exit_2(Case(name, expected, argv, build=build), tmp_path, monkeypatch, capsys)
+
+
+def token_folder(tmp: Path) -> list[str]:
+    """Token files of instruction rows: GRPO needs the rows' text and fields."""
+    from tests.test_token_runs import rows_token_folder
+
+    return ["--training.dataset", "prompts", "--training.dataset_path", str(rows_token_folder(tmp))]
 
 
 def failing(completions, **kwargs):
@@ -360,3 +386,40 @@ def test_a_reward_function_that_raises_or_miscounts_is_one_line_naming_it_and_th
         rewards.score(batch, ["a", "b", "c"], [[1], [2], [3]])
     with pytest.raises(ConfigError, match=r"^data.jsonl:2: reward function 'answer_match' needs the field 'answer'"):
         Rewards(Grpo()).score(rows({"answer": "1"}, {}), ["1", "2"], [[1], [2]])
+
+
+def test_a_non_finite_reward_is_one_line_and_none_stays_missing():
+    rewards = Rewards(Grpo(reward_funcs=["tests.grpo_rewards:not_a_number"]))
+    with pytest.raises(ConfigError, match=r"^reward function 'tests.grpo_rewards:not_a_number' returned nan for the "
+                                          r"completion of data.jsonl:2: a reward must be finite \(return None for a "
+                                          r"missing score\)$"):
+        rewards.score(rows({}, {}), ["fine", "nan"], [[1], [2]])
+    assert Rewards(Grpo(reward_funcs=["tests.grpo_rewards:not_a_number"])).score(rows({}), ["ok"], [[1]]).tolist() \
+        == [[1.0]]
+
+
+def strict(prompts, completions, completion_ids, answer):
+    return [1.0] * len(completions)
+
+
+def test_a_field_a_function_cannot_take_is_one_line_and_unreadable_answers_are_counted(caplog):
+    with pytest.raises(ConfigError, match=r"^data.jsonl:1: reward function 'tests.test_grpo:strict' is passed this "
+                                          r"row's field 'level' by name .* add \*\*kwargs to it$"):
+        Rewards(Grpo(reward_funcs=["tests.test_grpo:strict"])).check_rows(rows({"answer": "1", "level": 2}))
+    Rewards(Grpo(reward_funcs=["tests.test_grpo:strict"])).check_rows(rows({"answer": "1"}))
+    with caplog.at_level("WARNING", logger="titan_lite"):
+        Rewards(Grpo()).check_rows(rows({"answer": "#### 4"}, {"answer": "four"}, {"answer": "x"}, {"answer": "5"}))
+    assert [r.getMessage() for r in caplog.records] == [
+        "2 of 4 rows' 'answer' hold no number answer_match can read (the first: data.jsonl:2, \"four\"): their "
+        "completions score 0 whatever they answer"]
+
+
+def test_zero_reward_spread_for_three_rollouts_in_a_row_warns_once(caplog):
+    from titan_lite.rl.advantages import ZeroSpreadWatch
+
+    watch = ZeroSpreadWatch()
+    with caplog.at_level("WARNING", logger="titan_lite"):
+        for frac in [1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0]:
+            watch.update(frac)
+    assert [r.getMessage()[:80] for r in caplog.records] == [
+        "grpo: no group's rewards have differed for 3 rollouts in a row (frac_reward_zero"]

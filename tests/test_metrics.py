@@ -198,6 +198,27 @@ def test_mfu_and_throughput_arithmetic(tmp_path, clock, fixed_hw):
     assert m["time/step_s"] == pytest.approx(0.4, rel=1e-12)
 
 
+def test_mfu_never_reads_above_100_percent_of_a_peak_training_outran(tmp_path, clock, fixed_hw, records):
+    """A measured peak is a lower bound: 40,960 tokens in 2 s at 6e7 FLOP/token is 1.2288e12 FLOP/s, above the
+    1e12 peak, so that rate becomes the peak (100%) and a slower window is measured against it."""
+    mp = MetricsProcessor(make_cfg(tmp_path, "--metrics.disable_color_printing"), 0, CPU, num_flops_per_token=6e7)
+    mp.add_tokens(40_960)
+    clock.now = 102.0
+    assert mp.log(1, loss=5.0, grad_norm=1.0, lr=1e-3)["throughput/mfu_pct"] == pytest.approx(100.0)
+    assert records.messages[-2] == ("training ran at 1,228.8 GFLOP/s, above the peak MFU was measured against "
+                                    "(1,000.0 GFLOP/s): MFU is against 1,228.8 GFLOP/s from here on")
+    assert "mfu: 100.00%" in records.messages[-1]
+    mp.add_tokens(20_480)
+    clock.now = 104.0
+    assert mp.log(2, loss=5.0, grad_norm=1.0, lr=1e-3)["throughput/mfu_pct"] == pytest.approx(50.0)
+
+
+def test_the_cpu_peak_is_the_fastest_matmul_size(monkeypatch):
+    rates = {256: 9e10, 512: 1e11, 1024: 3e10}  # as measured on an AVX-512 core: 1024 falls out of cache
+    monkeypatch.setattr(flops_mod, "_measure_matmul_flops", lambda device, dtype, size, reps: rates[size])
+    assert flops_mod._measure_peak(CPU, torch.float32) == 1e11
+
+
 def test_the_first_line_after_a_resume_measures_only_the_steps_that_ran(tmp_path, clock, fixed_hw, records):
     """Resumed after step 432 of 600, logging every 10: the line at step 440 covers steps 433-440 (8 steps in 8 s),
     so time/step_s is 1 s and the ETA the 160 steps left, 2m40s (not 8 s over 440 steps, eta 3s)."""

@@ -183,3 +183,17 @@ def test_missing_domain_path_is_named(tmp_path):
 def test_a_checkpoint_of_the_other_kind_is_one_line():
     with pytest.raises(ConfigError, match="position is for a single dataset"):
         next(mixture([0.5, 0.5]).samples({"epoch": 0, "position": {}, "buffer": [], "num_shards": 1}))
+
+
+def test_a_token_folder_of_rows_as_a_domain_says_domains_are_text(tmp_path):
+    from tests.test_token_runs import rows_token_folder, write_data
+    from titan_lite.job.plan import check_training_data
+
+    text = write_data(tmp_path)[1]
+    rows = rows_token_folder(tmp_path)
+    cfg = parse_args(["--data_mixture.enable", "--data_mixture.dataset_paths", f"{text},{rows}"])
+    with pytest.raises(ConfigError, match=r"^'data_mixture.dataset_paths\[1\]' = '.*rows_tokens' holds instruct token "
+                                          r"files, but a data mixture's domains are pre-training text: tokenize that "
+                                          r"data with --kind text, or train on its rows alone \(training.dataset = "
+                                          r"'instruct', no data_mixture\)$"):
+        check_training_data(cfg)

@@ -219,3 +219,14 @@ def test_the_front_door_fine_tunes_a_downloaded_model():
     assert cfg.model.converters == ["lora"] and cfg.checkpoint.last_save_in_hf and cfg.checkpoint.enable
     assert text.index("## Fine-tune a Hugging Face model") < text.index("## What works")
     assert "hf download allenai/c4 en/c4-train.00000-of-01024.json.gz --repo-type dataset --local-dir /data/c4" in text
+
+
+def test_run_tests_runs_only_the_paths_it_is_given():
+    import subprocess
+
+    env = dict(os.environ, TITAN_LITE_TEST_WORKERS="1")
+    out = subprocess.run([str(REPO / "scripts" / "run_tests.sh"), "tests/test_docs_links.py", "--collect-only"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    collected = [line for line in out.stdout.splitlines() if "::" in line]
+    assert out.returncode == 0 and collected, out.stdout + out.stderr
+    assert all(line.startswith("tests/test_docs_links.py::") for line in collected), collected[:5]

@@ -494,3 +494,11 @@ def test_a_data_mixture_reads_its_token_folder_domains_by_index(tmp_path, tok):
         assert all(torch.equal(a, b) for a, b in zip(tensors, windows[taken[domain]], strict=True))
         taken[domain] += 1
     assert min(taken) >= 10  # both domains drawn, each its windows in order (the same data)
+
+
+def test_a_missing_input_is_refused_before_tokenizing_starts(tmp_path, capsys):
+    missing = tmp_path / "c4" / "en"
+    code = TOKENIZE.main(["--hf_assets_path", str(ROOT / "assets" / "tokenizer"), "--data", str(missing),
+                          "--output_dir", str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err == f"error: --data '{missing}' does not exist\n"

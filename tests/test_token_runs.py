@@ -12,10 +12,14 @@ import torch.distributed as dist
 
 from tests.helpers import spawn_gloo
 from titan_lite.config import parse_args
+from titan_lite.config.schema import Instruct
+from titan_lite.data.dataloader import pretraining_source
 from titan_lite.data.datasets import BUNDLED_DATASETS
+from titan_lite.data.indexed import token_windows
 from titan_lite.data.token_chunks import RecordEncoder
 from titan_lite.data.token_writer import write_token_folder
 from titan_lite.data.tokenizer import build_tokenizer
+from titan_lite.errors import ConfigError
 from titan_lite.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +43,17 @@ def write_data(folder: Path) -> tuple[Path, Path, Path, Path]:
         write_token_folder(folder / f"{path.stem}_tokens", [str(path)], RecordEncoder("text", tok),
                            report=lambda line: None)
     return raw, folder / "raw_tokens", held, folder / "held_tokens"
+
+
+def rows_token_folder(folder: Path, count: int = 40) -> Path:
+    """Token files of GSM8K-shaped instruction rows (question, answer): they keep the rows' tokens, not their text."""
+    rows = folder / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n"
+                            for i in range(count)))
+    tok = build_tokenizer(str(ROOT / "assets" / "tokenizer"))
+    write_token_folder(folder / "rows_tokens", [str(rows)], RecordEncoder("instruct", tok, Instruct()),
+                       report=lambda line: None)
+    return folder / "rows_tokens"
 
 
 def run(folder: Path, data: Path, steps: int, *overrides: str) -> dict[int, float]:
@@ -109,3 +124,25 @@ def test_fsdp_on_two_ranks_and_a_resume_on_another_degree_equal_one_process(resu
     shuffled, two = results["shuffled"], results["two"]
     assert {int(k): v for k, v in two["fresh"].items()} == pytest.approx(shuffled, abs=1e-5)
     assert {int(k): v for k, v in two["resumed"].items()} == pytest.approx({3: shuffled[3], 4: shuffled[4]}, abs=1e-5)
+
+
+def test_resuming_a_token_folders_position_on_raw_text_says_what_saved_it(tmp_path):
+    raw, tokens, _, _ = write_data(tmp_path)
+    tok = build_tokenizer(str(ROOT / "assets" / "tokenizer"))
+    _, state = next(token_windows("text", str(tokens), tok, 32, True, "training.dataset_path").samples())
+    with pytest.raises(ConfigError, match=r"^the checkpoint's data position is one read by index \(token files, or "
+                                          r"shuffled rows\), but this run reads dataset 'text' as raw text, in order: "
+                                          r"point 'training.dataset_path' at the token folder"):
+        next(pretraining_source("text", str(raw), tok, 32).samples(state))
+
+
+def test_answer_accuracy_on_a_token_folder_of_rows_names_the_setting(tmp_path, monkeypatch, capsys):
+    from tests.test_bad_inputs import Case, test_bad_input_is_one_line_exit_2
+
+    folder = rows_token_folder(tmp_path)
+    argv = ["--training.dataset", "instruct", "--training.dataset_path", str(folder), "--validation.enable",
+            "--validation.dataset", "instruct", "--validation.local_batch_size", "1", "--validation.answer_problems",
+            "2"]
+    test_bad_input_is_one_line_exit_2(Case("answer problems from token files", "'validation.answer_problems' "
+                                           "generates answers to the rows' problems, but 'training.dataset_path' = "
+                                           f"'{folder}' holds token files", argv), tmp_path, monkeypatch, capsys)

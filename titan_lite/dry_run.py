@@ -294,7 +294,8 @@ def dry_run(cfg: JobConfig) -> int:
         check_pass_fits(pass_plan, capacity)
     check_fits(worst, capacity)
     peak = worst.estimate.total / me.GIB
-    print(f"dry run OK: {plan.parallel_dims.world_size} ranks; largest peak {peak:.2f} GiB on rank {worst.rank}, "
+    ranks = plan.parallel_dims.world_size
+    print(f"dry run OK: {ranks} rank{'' if ranks == 1 else 's'}; largest peak {peak:.2f} GiB on rank {worst.rank}, "
           f"head-room {capacity - peak:.2f} GiB of {capacity:.2f} GiB", flush=True)
     if missing:
         print(f"the real run cannot start yet: {len(missing)} file(s) of the checklist above are missing "

@@ -432,12 +432,30 @@ class PackedSource:
 
     def _checked(self, state: dict[str, Any]) -> dict[str, Any]:
         if "num_shards" not in state:
-            raise ConfigError(f"the checkpoint's data position is not one of a single dataset (a data mixture's?), "
-                              f"this run reads dataset '{self.name}'; enable the same 'data_mixture' to continue")
+            raise ConfigError(f"the checkpoint's data position is {saved_source(state)}, but this run reads dataset "
+                              f"'{self.name}' as raw text, in order: {resume_hint(state)}")
         if state["num_shards"] != len(self.stream.shards):
             raise ConfigError(f"data position of dataset '{self.name}' was saved with {state['num_shards']} shards, "
                               f"now there are {len(self.stream.shards)}; the data changed")
         return state
+
+
+def saved_source(state: dict[str, Any]) -> str:
+    """What kind of source saved a data position, for the line refusing it elsewhere."""
+    if "domains" in state:
+        return "a data mixture's"
+    if "next" in state:
+        return "one read by index (token files, or shuffled rows)"
+    return "another kind of source's"
+
+
+def resume_hint(state: dict[str, Any]) -> str:
+    if "domains" in state:
+        return "enable the same 'data_mixture' to continue, or start a new run (job.dump_folder)"
+    if "next" in state:
+        return ("point 'training.dataset_path' at the token folder the run was started on to continue, or start a new "
+                "run (job.dump_folder)")
+    return "read the data as that run did, or start a new run (job.dump_folder)"
 
 
 def _take_documents(lengths: list[int], window: int) -> tuple[list[int], list[int]]:

@@ -282,8 +282,11 @@ class StoredRecords:
         self.table, self.cfg, self.key, self.path = table, cfg, key, table.folder
 
     def examples(self, start: int = 0) -> Iterator[tuple[int, Record]]:
-        raise ConfigError(f"'{self.key}' = '{self.path}' holds token files: the rows' text is not kept there; point "
-                          f"'{self.key}' at the rows themselves (a .jsonl, .json or .parquet file) for this")
+        """Only answer accuracy reads a row's text from a token folder's rows (it generates from the problems)."""
+        raise ConfigError(f"'validation.answer_problems' generates answers to the rows' problems, but '{self.key}' = "
+                          f"'{self.path}' holds token files, which keep the rows' tokens, not their text: set "
+                          "'validation.answer_problems' = 0, or point 'validation.dataset_path' at rows of held-out "
+                          "problems (a .jsonl, .json or .parquet file)")
 
 
 def split_mask(rows: np.ndarray, split: str, fraction: float) -> np.ndarray:

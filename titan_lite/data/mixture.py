@@ -22,7 +22,7 @@ from titan_lite.data.datasets import (
     shards_at,
 )
 from titan_lite.data.indexed import IndexedSource, TokenWindows, token_windows
-from titan_lite.data.token_files import check_kind, is_token_folder, open_token_folder
+from titan_lite.data.token_files import TokenTable, is_token_folder, open_token_folder, quote_path
 from titan_lite.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -192,14 +192,23 @@ def domain_sources(cfg: DataMixture, tokenizer: TokenizerLike | None, seq_len: i
     return sources
 
 
+def check_domain_kind(table: TokenTable, key: str) -> None:
+    """A mixture's domains are pre-training text: token files of rows (chat, instruct, preference) are not one."""
+    if table.kind != "text":
+        dataset = "preference" if table.kind == "preference" else "instruct"
+        raise ConfigError(f"'{key}' = {quote_path(table.folder)} holds {table.kind} token files, but a data "
+                          "mixture's domains are pre-training text: tokenize that data with --kind text, or train on "
+                          f"its rows alone (training.dataset = '{dataset}', no data_mixture)")
+
+
 def check_mixture_data(cfg: DataMixture, shuffle: bool | None = None) -> None:
     """Every domain path holds shards whose first document reads (as check_dataset for training.dataset_path), or
     checked token files."""
-    names = domain_names(cfg)
+    domain_names(cfg)  # names that repeat are one line
     for i, path in enumerate(cfg.dataset_paths):
         key = f"data_mixture.dataset_paths[{i}]"
         if is_token_folder(path):
-            check_kind(open_token_folder(path, key), names[i], key, "data_mixture")
+            check_domain_kind(open_token_folder(path, key), key)
         else:
             check_has_documents(shards_at(Path(path), key), path, key)
     domain_sources(cfg, None, 1, 0, shuffle)

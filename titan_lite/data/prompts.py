@@ -20,6 +20,8 @@ from titan_lite.data.instruct import (
     prompt_text,
 )
 from titan_lite.data.order import Epochs, data_order
+from titan_lite.data.preference import field_problem
+from titan_lite.data.token_files import is_token_folder
 from titan_lite.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,10 @@ class PromptRow:
     @property
     def conversational(self) -> bool:
         return not isinstance(self.prompt, str)
+
+    def question(self) -> str:
+        """What the policy answers: the string, or the last (user) turn's content."""
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[-1][1]
 
     def as_reward_input(self) -> str | list[dict[str, str]]:
         """The prompt as TRL hands it to reward functions: the string, or the list of messages."""
@@ -75,11 +81,15 @@ class PromptFile(InstructionFile):
         prompt = record.get(name)
         fields = {k: v for k, v in record.items() if k != name}
         if isinstance(prompt, str):
-            return PromptRow(prompt, fields, where)
-        if isinstance(prompt, list):
-            return PromptRow(prompt_turns(openai_turns(prompt, where, name), where, name), fields, where)
-        found = ", ".join(sorted(record)) or "none"
-        raise ConfigError(f"{where}: no '{name}' string or message list ('grpo.prompt_field'; fields found: {found})")
+            row = PromptRow(prompt, fields, where)
+        elif isinstance(prompt, list):
+            row = PromptRow(prompt_turns(openai_turns(prompt, where, name), where, name), fields, where)
+        else:
+            raise ConfigError(field_problem(record, name, "grpo.prompt_field", where))
+        if not row.question().strip():
+            raise ConfigError(f"{where}: '{name}' is empty{' (its last user turn)' if row.conversational else ''}: "
+                              "there is no problem to answer; drop the row or fill it in ('grpo.prompt_field')")
+        return row
 
 
 def prompt_turns(turns: list[tuple[Any, Any]], where: str, name: str) -> Turns:
@@ -179,7 +189,15 @@ class PromptSource:
 
 
 def prompt_file_and_split(cfg: JobConfig, section: str) -> tuple[PromptFile, str]:
-    """The file and split that [training] or [validation] reads."""
+    """The file and split that [training] or [validation] reads (rows with their text: not token files)."""
+    own = section == "validation" and cfg.validation.dataset_path is not None
+    key = f"{'validation' if own else 'training'}.dataset_path"
+    path = cfg.validation.dataset_path if own else cfg.training.dataset_path
+    if is_token_folder(path):
+        raise ConfigError(f"'{key}' = '{path}' holds token files, which keep tokens but not the rows' text and "
+                          "fields: GRPO renders each prompt itself and hands the other fields to the reward "
+                          f"functions; point '{key}' at the rows (a .jsonl, .json or .parquet file, or a saved "
+                          "datasets folder)")
     return instruction_file_and_split(cfg, section, PromptFile, cfg.grpo)
 
 
@@ -194,24 +212,26 @@ def build_prompt_source(cfg: JobConfig, section: str, tokenizer, infinite: bool)
     return PromptSource(file.DATASET, file, prompt_encoder(cfg, tokenizer), split, infinite, seed, shuffle)
 
 
-def check_prompt_data(cfg: JobConfig, section: str, tokenizer=None) -> PromptRow:
-    """Config-time: the file is there and its first prompt of the split reads (fields, JSON, roles); with a tokenizer
-    it is rendered and must leave room for a completion of grpo.max_completion_length tokens within seq_len. Returns
-    that row (the reward functions' fields are checked against it)."""
+def check_prompt_data(cfg: JobConfig, section: str, tokenizer=None) -> list[PromptRow]:
+    """Config-time: every prompt of the split reads (fields, JSON, roles, not empty); with a tokenizer each is
+    rendered and must leave room for a completion of grpo.max_completion_length tokens within seq_len (a row that
+    does not is found now, not when a step reaches it). Returns the rows (the reward functions check them)."""
     file, split = prompt_file_and_split(cfg, section)
     source = PromptSource(file.DATASET, file, prompt_encoder(cfg, tokenizer), split, infinite=False)
-    index, row = next(source.rows(), (None, None))
-    if row is None:
+    rows = list(source.rows())
+    if not rows:
         raise ConfigError(f"'{file.key}' = '{file.path}' holds no prompts for the {split} split"
                           + (" (raise 'grpo.validation_fraction')" if split == "heldout" else ""))
     if tokenizer is None:
-        if row.conversational and not cfg.grpo.chat_template:
-            source.encoder.encode(row)  # its one-line error
-        return row
-    text, ids = source.encoder.encode(row)
-    check_prompt_fits(Prompt(index, row, text, tuple(ids)), cfg.grpo.max_completion_length,
-                      getattr(cfg, section).seq_len, section)
-    return row
+        conversational = next((row for _, row in rows if row.conversational), None)
+        if conversational is not None and not cfg.grpo.chat_template:
+            source.encoder.encode(conversational)  # its one-line error
+        return [row for _, row in rows]
+    seq_len = getattr(cfg, section).seq_len
+    for index, row in rows:
+        text, ids = source.encoder.encode(row)
+        check_prompt_fits(Prompt(index, row, text, tuple(ids)), cfg.grpo.max_completion_length, seq_len, section)
+    return [row for _, row in rows]
 
 
 def check_prompt_fits(prompt: Prompt, max_completion_length: int, seq_len: int, section: str = "training") -> None:

@@ -267,7 +267,7 @@ def check_section_data(cfg: JobConfig, section: str, tokenizer: Tokenizer | None
     elif s.dataset == "preference":
         check_preference_data(cfg, section, tokenizer)
     elif s.dataset == "prompts":
-        Rewards(cfg.grpo).check_fields([check_prompt_data(cfg, section, tokenizer)])
+        Rewards(cfg.grpo).check_rows(check_prompt_data(cfg, section, tokenizer))
     elif is_token_folder(s.dataset_path):
         build_section_source(cfg, section, tokenizer)  # opening the files checks them, and the tokenizer
     else:

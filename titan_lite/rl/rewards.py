@@ -1,11 +1,15 @@
 """Reward functions: the built-ins (answer_match, format, length_penalty) and users' own as 'module.path:function'
 with TRL's signature, f(prompts, completions, completion_ids, **fields) -> one float (or None) per completion, the
 row's other fields passed as lists; their weighted scores of a batch of completions. A function that is missing,
-needs a field a row lacks, raises, or returns the wrong count is one line naming it and the row."""
+lacks TRL's signature, needs a field a row lacks, raises, or returns the wrong count or a non-finite reward is one
+line naming it and the row."""
 
 import importlib
 import inspect
+import json
+import logging
 import math
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,7 +20,9 @@ import torch
 from titan_lite.config.schema import Grpo
 from titan_lite.data.prompts import PromptRow
 from titan_lite.errors import ConfigError
-from titan_lite.rl.answers import same_answer
+from titan_lite.rl.answers import extract_answer, same_answer
+
+logger = logging.getLogger(__name__)
 
 # What every reward function receives besides the rows' fields (TRL's names).
 STANDARD = ("prompts", "completions", "completion_ids")
@@ -99,12 +105,42 @@ def load_user_function(setting: str) -> Callable:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"reward function '{setting}': module '{module_name}' cannot be imported ({exc}); put it "
-                          "on PYTHONPATH") from None
+        raise ConfigError(f"reward function '{setting}': module '{module_name}' cannot be imported ({exc}); a "
+                          f"reward module is imported from the folder the run starts in ({os.getcwd()}) or from "
+                          "PYTHONPATH") from None
     fn = getattr(module, attribute, None)
     if not callable(fn):
         raise ConfigError(f"reward function '{setting}': module '{module_name}' has no function '{attribute}'")
+    check_signature(setting, fn)
     return fn
+
+
+def check_signature(setting: str, fn: Callable) -> None:
+    """A user function takes TRL's keyword arguments (by name, or through **kwargs): a function of other
+    parameters is refused at launch, not reported later as a row lacking a field of that name."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    parameters = signature.parameters.values()
+    by_name = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    has_kwargs = any(p.kind is p.VAR_KEYWORD for p in parameters)
+    unreachable = [p.name for p in parameters if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+    if unreachable or not (has_kwargs or set(STANDARD) <= by_name):
+        raise ConfigError(f"reward function '{setting}' takes {signature}, but reward functions are called by "
+                          "keyword as TRL calls them, f(prompts=..., completions=..., completion_ids=..., "
+                          "**fields) with each row's other fields by name: give it those parameters or **kwargs")
+
+
+def accepted_fields(fn: Callable) -> frozenset[str] | None:
+    """The row fields a function can be passed: None (any: it takes **kwargs), else its parameters' names."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return None
+    return frozenset(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
 def needed_fields(fn: Callable) -> tuple[str, ...]:
@@ -138,8 +174,10 @@ class Rewards:
         return [f.name for f in self.functions]
 
     def check_fields(self, rows: Sequence[PromptRow]) -> None:
-        """Every row holds the fields every function needs: one line naming the function, the field and the row."""
+        """Every row holds the fields every function needs, and none a function cannot be passed: one line naming
+        the function, the field and the row."""
         for f in self.functions:
+            accepted = accepted_fields(f.fn) if f.setting not in BUILTIN else None
             for row in rows:
                 missing = [name for name in f.needs if name not in row.fields]
                 if missing:
@@ -147,6 +185,19 @@ class Rewards:
                     hint = " ('grpo.answer_field')" if f.setting == "answer_match" else ""
                     raise ConfigError(f"{row.where}: reward function '{f.setting}' needs the field '{missing[0]}'"
                                       f"{hint}, which this row lacks (fields: {found})")
+                extra = sorted(name for name in row.fields if name not in STANDARD) if accepted is not None else []
+                extra = [name for name in extra if name not in accepted]
+                if extra:
+                    raise ConfigError(f"{row.where}: reward function '{f.setting}' is passed this row's field "
+                                      f"'{extra[0]}' by name (as TRL passes every field), but has no such parameter "
+                                      "and no **kwargs: add **kwargs to it")
+
+    def check_rows(self, rows: Sequence[PromptRow]) -> None:
+        """Launch-time, every row of the data: the fields (check_fields), and answers answer_match can read."""
+        self.check_fields(rows)
+        for f in self.functions:
+            if isinstance(f.fn, AnswerMatch):
+                check_answers(rows, f.fn.field)
 
     def score(self, rows: Sequence[PromptRow], completions: Sequence[str], completion_ids: Sequence[list[int]]
               ) -> torch.Tensor:
@@ -186,14 +237,34 @@ class Rewards:
         return f"reward function '{f.setting}' raised {type(exc).__name__}: {exc} (on the completion of {where})"
 
 
+def check_answers(rows: Sequence[PromptRow], field: str) -> None:
+    """answer_match compares final numbers: rows whose reference holds none score 0 whatever the policy answers.
+    None of them readable is one line; some are a warning with their count and the first."""
+    unreadable = [row for row in rows if extract_answer(str(row.fields[field])) is None]
+    if not unreadable:
+        return
+    first = unreadable[0]
+    shown = json.dumps(first.fields[field])[:40]
+    if len(unreadable) == len(rows):
+        raise ConfigError(f"{first.where}: reward function 'answer_match' finds no number in the row's '{field}' "
+                          f"({shown}), nor in any other row's: every reward would be 0; point 'grpo.answer_field' at "
+                          "the field holding the answer (e.g. '#### 72') or use another reward function")
+    logger.warning(f"{len(unreadable)} of {len(rows)} rows' '{field}' hold no number answer_match can read (the "
+                   f"first: {first.where}, {shown}): their completions score 0 whatever they answer")
+
+
 def as_reward(value: Any, f: RewardFunction, row: PromptRow) -> float:
     if value is None:
         return math.nan
     try:
-        return float(value)
+        reward = float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"reward function '{f.setting}' returned {value!r} for the completion of {row.where}; "
                           "expected a float or None") from None
+    if not math.isfinite(reward):
+        raise ConfigError(f"reward function '{f.setting}' returned {reward} for the completion of {row.where}: a "
+                          "reward must be finite (return None for a missing score)")
+    return reward
 
 
 def reward_arguments(rows: Sequence[PromptRow], completions: Sequence[str],

@@ -33,7 +33,7 @@ from titan_lite.generate import Decoded, GenerationConfig
 from titan_lite.metrics.logger import Progress
 from titan_lite.parallel.context_parallel import chunks_per_sequence
 from titan_lite.parallel.parallel_dims import ParallelDims
-from titan_lite.rl.advantages import group_advantages, reward_metrics
+from titan_lite.rl.advantages import ZeroSpreadWatch, group_advantages, reward_metrics
 from titan_lite.rl.policy import Policy
 from titan_lite.rl.rewards import Rewards
 
@@ -188,6 +188,7 @@ class RolloutSource:
         self.rollouts = 0
         self.current: Rollout | None = None
         self.members = self._members()
+        self.spread = ZeroSpreadWatch()
 
     def _members(self) -> list[list[int]]:
         """This rank's completions of a step by microbatch, each in its place order (global indices)."""
@@ -275,6 +276,7 @@ class RolloutSource:
                    "completions/max_length": lengths.max().item(),
                    "completions/clipped_ratio": (~stopped).float().mean().item()}
         metrics |= reward_metrics(scores, totals, self.rewards.names, zero_std)
+        self.spread.update(metrics["frac_reward_zero_std"])
         return Rollout([list(p.ids) for p in prompts], [r[1] for r in records], [r[2] for r in records],
                        advantages.tolist(), metrics=metrics)
 
