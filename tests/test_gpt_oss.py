@@ -21,6 +21,7 @@ from titan_lite.models.decoder import Llama  # noqa: E402
 from titan_lite.models.flavors import flavor_args  # noqa: E402
 from titan_lite.models.hf.config import args_from_hf_config, args_to_hf_config  # noqa: E402
 from titan_lite.models.parts.sdpa import sink_attention  # noqa: E402
+from titan_lite.parallel.memory_estimate import ActivationShape, layer_activation_bytes  # noqa: E402
 from titan_lite.parallel.parallelize import refuse_hybrid_layouts  # noqa: E402
 from titan_lite.transforms.base import Transforms  # noqa: E402
 
@@ -247,6 +248,8 @@ def test_what_phase_one_does_not_run_is_refused_in_one_line(saved):
             refuse_hybrid_layouts(load_titan(saved), dims)
     with pytest.raises(ConfigError, match=r"^'model.converters' = \['lora'\] is not supported yet for gpt-oss"):
         Transforms([SimpleNamespace(name="lora")]).check(args, None)
+    with pytest.raises(ConfigError, match="^DRY_RUN's memory plan is not supported yet for gpt-oss"):
+        layer_activation_bytes(args, 0, ActivationShape(tokens=64, compute_bytes=4), "none")
     with pytest.raises(ConfigError, match="^model args: attn_type 'flex' does not take attention sinks"):
         Llama(replace(args, attn_type="flex"))
     llama = replace(flavor_args("debugmodel"), attn_sinks=True)
