@@ -144,11 +144,31 @@ def _expert_sources(name: str, args: LlamaArgs, files: dict[str, Path], reader: 
     return out
 
 
+def _locate_fused(name: str, held: tuple, files: dict[str, Path], reader: SafetensorsReader, folder: str | Path,
+                  expected_shape: torch.Size | list[int]) -> tuple[str, Path]:
+    """(HF name, file) of the fused HF tensor holding a parameter (gpt-oss's gate_up_proj), checked for presence and
+    for the shape the parameter's part implies; reads no tensor data."""
+    source, index, fused = held
+    if source not in files:
+        raise ConfigError(f"{folder}: tensor '{source}' (titan_lite '{name}') is missing from the checkpoint")
+    parts = [torch.empty(expected_shape, device="meta") for _ in fused.parts]
+    expected = list(fused.join(parts).shape)
+    shape = list(reader.shape(files[source], source))
+    if shape != expected:
+        raise ConfigError(f"{files[source]}: tensor '{source}' has shape {shape}, expected {expected} "
+                          f"(holding titan_lite '{name}')")
+    return source, files[source]
+
+
 def read_titan_tensor(name: str, args: LlamaArgs, files: dict[str, Path], reader: SafetensorsReader,
                       folder: str | Path, expected_shape: torch.Size | list[int],
                       names: HFNames = LLAMA_NAMES) -> Tensor:
     """One parameter in titan_lite layout, read from the HF folder and checked for presence and shape (a grouped
-    expert weight stacked from its experts' tensors)."""
+    expert weight stacked from its experts' tensors, a fused one split out of its HF tensor)."""
+    held = names.for_family(args.family).fused_of(name)
+    if held is not None:
+        source, path = _locate_fused(name, held, files, reader, folder, expected_shape)
+        return held[2].split(reader.tensor(path, source))[held[1]]
     if names.is_grouped(name):
         sources = _expert_sources(name, args, files, reader, folder, expected_shape, names)
         return torch.stack([reader.tensor(path, source) for source, path in sources])
@@ -164,6 +184,9 @@ def check_no_unexpected_tensors(files: dict[str, Path], args: LlamaArgs, folder:
     known.update(multimodal_names(sorted(known), args.family))
     skipped: dict[str, int] = {}
     for name in sorted(files):
+        if name.endswith(("_blocks", "_scales")) and args.family == "gpt_oss":
+            raise ConfigError(f"{files[name]}: tensor '{name}' is in gpt-oss's MXFP4 format, not supported yet "
+                              "(phase 2); give a bf16 checkpoint")
         what = skipped_tensor(name, args.family)
         if what is not None:
             skipped[what] = skipped.get(what, 0) + 1
@@ -197,7 +220,10 @@ def check_hf_folder(folder: str, args: LlamaArgs) -> None:
     check_no_unexpected_tensors(files, args, folder)
     with SafetensorsReader() as reader:
         for name, shape in expected_shapes(args).items():
-            if LLAMA_NAMES.is_grouped(name):
+            held = LLAMA_NAMES.for_family(args.family).fused_of(name)
+            if held is not None:
+                _locate_fused(name, held, files, reader, folder, shape)
+            elif LLAMA_NAMES.for_family(args.family).is_grouped(name):
                 _expert_sources(name, args, files, reader, folder, shape, LLAMA_NAMES)
             else:
                 _locate_checked(name, args, files, reader, folder, shape)

@@ -9,7 +9,7 @@ import torch
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.parts.masks import within_window
 from titan_lite.models.parts.rope import rope_cache, rotate_channels
-from titan_lite.models.parts.sdpa import grouped_attention
+from titan_lite.models.parts.sdpa import grouped_attention, sink_attention
 
 
 class KVCache:
@@ -71,7 +71,8 @@ class LayerView:
     cache: KVCache
     layer_id: int
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         c = self.cache
         q = rotate_channels(q, c.rows, c.rotary_dim).transpose(1, 2)
         k = rotate_channels(k, c.rows, c.rotary_dim).transpose(1, 2)
@@ -83,6 +84,8 @@ class LayerView:
         keys, values = c.keys[self.layer_id], c.values[self.layer_id]
         keys[:, :, c.start:c.end], values[:, :, c.start:c.end] = k, v
         mask = c.masks[c.windows[self.layer_id]]
+        if sinks is not None:
+            return sink_attention(q, keys[:, :, :c.end], values[:, :, :c.end], sinks, attn_mask=mask)
         return grouped_attention(q, keys[:, :, :c.end], values[:, :, :c.end], attn_mask=mask)
 
     @property

@@ -82,6 +82,19 @@ class LlamaArgs:
     moe_sparse_step: int = 1
     moe_dense_layers: list[int] | None = None
     router_aux_loss_coef: float = 0.0
+    # gpt-oss's parts: a learned logit per head in each softmax's denominator (attn_sinks, attention.sinks), a bias on
+    # wo as well as on q/k/v (attn_out_bias), the router kind ("softmax_topk": softmax over every logit then the top
+    # k; "topk_softmax": the top k logits, then a softmax over them alone), a bias on the router's logits
+    # (moe_router_bias), and the experts' activation ("swiglu", or "clamped_swiglu": gate clamped to <= limit, up to
+    # [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)) with biases on w1/w3/w2 (expert_bias).
+    attn_sinks: bool = False
+    attn_out_bias: bool = False
+    moe_router: str = "softmax_topk"
+    moe_router_bias: bool = False
+    expert_act: str = "swiglu"
+    expert_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     @property
     def kv_heads(self) -> int:
@@ -141,9 +154,11 @@ class LlamaArgs:
 
     def inactive_param_count(self) -> int:
         """Parameters a token does not use: the experts outside its top-k in every MoE layer."""
-        per_expert = 3 * self.dim * self.moe_ffn_dim
+        per_expert = 3 * self.dim * self.moe_ffn_dim + (2 * self.moe_ffn_dim + self.dim if self.expert_bias else 0)
         return len(self.moe_layers) * (self.n_experts - self.moe_top_k) * per_expert
 
 
 # The rope types a model can train with; transformers' "dynamic" is refused where it is read (hf/rope.py, the config).
 ROPE_SCALING_TYPES = ("llama3", "yarn", "linear")
+ROUTER_KINDS = ("softmax_topk", "topk_softmax")
+EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")

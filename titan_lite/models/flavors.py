@@ -15,6 +15,11 @@ _QWEN3_MOE = dict(_QWEN3, family="qwen3_moe", n_experts=128, moe_top_k=8, moe_no
 _QWEN3_5 = dict(family="qwen3_5", qk_norm=True, attn_output_gate=True, norm_unit_offset=True,
                 rope_partial_factor=0.25, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
                 linear_n_key_heads=4, linear_n_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32)
+# gpt-oss's parts (openai/gpt-oss-20b's config.json, bf16): sinks, all four attention biases, the biased top-k-then-
+# softmax router, clamped SwiGLU experts with biases, sliding (even layers) and full attention, YaRN without truncation
+_GPT_OSS = dict(family="gpt_oss", qkv_bias=True, attn_sinks=True, attn_out_bias=True, moe_router="topk_softmax",
+                moe_router_bias=True, expert_act="clamped_swiglu", expert_bias=True, rope_theta=150000.0,
+                rope_scaling_type="yarn", rope_truncate=False)
 _MISTRAL = dict(family="mistral", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336)
 _LLAMA31_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=8.0, rope_original_max_seq_len=8192)
 _LLAMA32_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=32.0, rope_original_max_seq_len=8192)
@@ -113,6 +118,11 @@ FLAVORS: dict[str, LlamaArgs] = {
     # Qwen3.5 dense for the CPU (not a published size): three Gated DeltaNet layers before each gated attention
     "debugmodel_qwen3_5": LlamaArgs(dim=256, n_layers=8, n_heads=4, n_kv_heads=2, vocab_size=2048, ffn_dim=768,
                                     explicit_head_dim=64, rope_theta=10000000.0, norm_eps=1e-6, **_QWEN3_5),
+    # gpt-oss for the CPU (not a published size): 8 experts, top 2, a 64-token window in the even layers
+    "debugmodel_gpt_oss": LlamaArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=2, vocab_size=2048, ffn_dim=256,
+                                    n_experts=8, moe_top_k=2, moe_ffn_dim=256, router_aux_loss_coef=0.001,
+                                    sliding_window=64, layer_types=["sliding_attention", "full_attention"] * 2,
+                                    rope_scaling_factor=4.0, rope_original_max_seq_len=512, **_GPT_OSS),
 }
 
 

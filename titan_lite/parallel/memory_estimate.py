@@ -109,6 +109,9 @@ def layer_activation_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape, p
     if args.layer_type(layer_id) == "linear_attention":
         raise ConfigError("DRY_RUN's memory plan is not supported yet for Qwen3.5: it does not yet count the "
                           "activations and states of the linear_attention (Gated DeltaNet) layers")
+    if args.attn_sinks:
+        raise ConfigError("DRY_RUN's memory plan is not supported yet for gpt-oss: its sink attention's eager "
+                          "score matrices are not counted yet (phase 2)")
     c, dim, tokens = s.compute_bytes, args.dim, s.tokens
     seq_shard = tokens // s.tp
     ffn = args.ffn_dim_of(layer_id) // s.tp

@@ -281,6 +281,10 @@ class Transforms:
             names = [t.name for t in self.items]
             raise ConfigError(f"'model.converters' = {names} is not supported yet for Qwen3.5 (its linear_attention "
                               "layers): no transform has been checked on the Gated DeltaNet yet")
+        if self.items and (model_args.attn_sinks or model_args.expert_bias):
+            names = [t.name for t in self.items]
+            raise ConfigError(f"'model.converters' = {names} is not supported yet for gpt-oss (phase 1): no "
+                              "transform has been checked on its sinks, biases or clamped experts yet")
         for t in self.items:
             t.check(model_args, parallel_dims)
 

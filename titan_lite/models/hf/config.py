@@ -37,7 +37,11 @@ def check_family_options(args: LlamaArgs, source: str = "model args") -> None:
         raise ConfigError(f"{source}: family '{args.family}' is not one of {', '.join(ARCHITECTURES)}")
     family = FAMILIES[args.family]
     expected = {"qkv_bias": family.qkv_bias, "qk_norm": family.qk_norm,
-                **{option: family.fixed.get(option, False) for option in ("attn_output_gate", "norm_unit_offset")}}
+                **{option: family.fixed.get(option, False) for option in ("attn_output_gate", "norm_unit_offset",
+                                                                          "attn_sinks", "attn_out_bias",
+                                                                          "moe_router_bias", "expert_bias")},
+                "moe_router": family.fixed.get("moe_router", "softmax_topk"),
+                "expert_act": family.fixed.get("expert_act", "swiglu")}
     if not family.hybrid:
         expected["rope_partial_factor"] = 1.0
     for option, value in expected.items():
@@ -147,7 +151,8 @@ _CHECKED_FIELDS = ("family", "dim", "n_layers", "n_heads", "kv_heads", "head_dim
                    "layer_ffn_dims", "qkv_bias", "qk_norm", "sliding_window", "schedule", "n_experts", "moe_top_k",
                    "moe_ffn_dim", "moe_norm_topk_prob", "moe_layers", "attn_output_gate", "norm_unit_offset",
                    "rope_partial_factor", "linear_n_key_heads", "linear_n_value_heads", "linear_key_head_dim",
-                   "linear_value_head_dim", "linear_conv_kernel")
+                   "linear_value_head_dim", "linear_conv_kernel", "attn_sinks", "attn_out_bias", "moe_router",
+                   "moe_router_bias", "expert_act", "expert_bias", "swiglu_alpha", "swiglu_limit")
 _SCALING_FIELDS = ROPE_FIELDS[2:]
 
 

@@ -5,8 +5,21 @@ each direction, and how its files spell the layer names apart from Qwen3-MoE's (
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+from torch import Tensor
+
 from titan_lite.errors import ConfigError
 from titan_lite.models.args import LlamaArgs
+
+
+@dataclass(frozen=True)
+class Fused:
+    """One HF layer tensor holding several titan_lite ones (gpt-oss's experts: gate_up_proj interleaves w1 and w3):
+    `parts` the titan_lite layer suffixes it holds, `split` the HF tensor -> those tensors, `join` back."""
+
+    parts: tuple[str, ...]
+    split: Callable[[Tensor], list[Tensor]]
+    join: Callable[[list[Tensor]], Tensor]
 
 
 @dataclass(frozen=True)
@@ -27,6 +40,8 @@ class Family:
     text_prefix: str | None = None
     # HF tensor-name prefixes of parts titan_lite does not build, skipped on load (and said) -> what they are
     skipped: dict[str, str] = field(default_factory=dict)
+    fused: dict[str, Fused] = field(default_factory=dict)  # HF layer suffix -> the titan_lite tensors it holds
+    layer_names: dict[str, str] = field(default_factory=dict)  # titan_lite -> HF layer suffixes only it has
 
 
 def require_key(cfg: dict, key: str, source: str):
@@ -174,6 +189,51 @@ def _qwen3_5_check(args: LlamaArgs, source: str) -> None:
                               "it has 'linear_attention' and 'full_attention' layers only")
 
 
+def _gpt_oss_options(cfg: dict, source: str) -> dict:
+    """gpt-oss: every layer routed (experts of intermediate_size, the clamped SwiGLU's alpha and limit), sliding and
+    full attention by layer_types (alternating from a sliding layer 0 unless said), all four attention biases. The
+    released MXFP4 checkpoints are phase 2."""
+    quantization = cfg.get("quantization_config") or {}
+    if quantization:
+        raise ConfigError(f"{source}: 'quantization_config' is {quantization.get('quant_method', quantization)!r}: "
+                          "gpt-oss's MXFP4 weights (*_blocks/*_scales) are not supported yet (phase 2); give a bf16 "
+                          "checkpoint (transformers' dequantized save)")
+    expect_value(cfg, "attention_bias", (True,), source)
+    n_experts = int(require_key(cfg, "num_local_experts", source))
+    top_k = int(require_key(cfg, "num_experts_per_tok", source))
+    if not 0 < top_k <= n_experts:
+        raise ConfigError(f"{source}: 'num_experts_per_tok' is {top_k}; expected 1 to num_local_experts = "
+                          f"{n_experts}")
+    n_layers = int(require_key(cfg, "num_hidden_layers", source))
+    layer_types = list(cfg.get("layer_types") or
+                       ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)])
+    window = cfg.get("sliding_window")
+    swiglu = {}
+    for name, key, default in (("swiglu_alpha", "swiglu_alpha", 1.702), ("swiglu_limit", "swiglu_limit", 7.0)):
+        value = cfg.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"{source}: '{key}' is {value!r}; expected a positive number")
+        swiglu[name] = float(value)
+    return {"layer_types": layer_types, "sliding_window": int(window) if window is not None else None,
+            "n_experts": n_experts, "moe_top_k": top_k,
+            "moe_ffn_dim": int(require_key(cfg, "intermediate_size", source)),
+            "router_aux_loss_coef": float(cfg.get("router_aux_loss_coef", 0.001)), **swiglu}
+
+
+def _gpt_oss_check(args: LlamaArgs, source: str) -> None:
+    """GptOssForCausalLM: every layer MoE of one width, sliding or full attention, whole-head RoPE."""
+    for layer, kind in enumerate(args.schedule):
+        if kind not in ("sliding_attention", "full_attention"):
+            raise ConfigError(f"{source}: layer_types[{layer}] is {kind!r}, which a GptOssForCausalLM cannot write: "
+                              "it has 'sliding_attention' and 'full_attention' layers only")
+    differs = {"MoE layers": (args.moe_layers, list(range(args.n_layers))),
+               "moe_ffn_dim": (args.moe_ffn_dim, args.ffn_dim), "rope_partial_factor": (args.rope_partial_factor, 1.0)}
+    for option, (ours, gpt_oss) in differs.items():
+        if ours != gpt_oss:
+            raise ConfigError(f"{source}: {option} = {ours} cannot be written as a GptOssForCausalLM, which has "
+                              f"{gpt_oss}")
+
+
 # ------------------------------------------------------------------------------------- args -> config.json
 
 
@@ -216,6 +276,35 @@ def _qwen3_5_keys(args: LlamaArgs) -> dict:
     return {**keys, **linear, "mamba_ssm_dtype": "float32"}
 
 
+def _gpt_oss_keys(args: LlamaArgs) -> dict:
+    return {"attention_bias": True, "sliding_window": args.sliding_window, "layer_types": list(args.schedule),
+            "intermediate_size": args.moe_ffn_dim, "num_local_experts": args.n_experts,
+            "num_experts_per_tok": args.moe_top_k, "swiglu_alpha": args.swiglu_alpha,
+            "swiglu_limit": args.swiglu_limit, "router_aux_loss_coef": args.router_aux_loss_coef,
+            "output_router_logits": False}
+
+
+def _interleave(tensors: list[Tensor]) -> Tensor:
+    """[..., n] tensors -> [..., 2n] with the first's columns at the even places, the second's at the odd."""
+    return torch.stack(tensors, dim=-1).flatten(-2)
+
+
+# gpt-oss's experts: gate_up_proj [E, dim, 2 hidden] (x @ W, gate and up columns interleaved), down_proj
+# [E, hidden, dim], their biases; titan_lite's w1/w3 [E, hidden, dim], w2 [E, dim, hidden], b1/b3, b2.
+_GPT_OSS_FUSED = {
+    "mlp.experts.gate_up_proj": Fused(("moe.experts.w1", "moe.experts.w3"),
+                                      lambda t: [t[..., ::2].transpose(1, 2), t[..., 1::2].transpose(1, 2)],
+                                      lambda ts: _interleave([t.transpose(1, 2) for t in ts])),
+    "mlp.experts.gate_up_proj_bias": Fused(("moe.experts.b1", "moe.experts.b3"),
+                                           lambda t: [t[..., ::2], t[..., 1::2]], _interleave),
+    "mlp.experts.down_proj": Fused(("moe.experts.w2",), lambda t: [t.transpose(1, 2)],
+                                   lambda ts: ts[0].transpose(1, 2)),
+    "mlp.experts.down_proj_bias": Fused(("moe.experts.b2",), lambda t: [t], lambda ts: ts[0]),
+}
+_GPT_OSS_NAMES = {"mlp.gate.weight": "mlp.router.weight"}
+_GPT_OSS_LAYER_NAMES = {"moe.router.gate.bias": "mlp.router.bias", "attention.wo.bias": "self_attn.o_proj.bias",
+                        "attention.sinks": "self_attn.sinks"}
+
 # Mixtral's layer suffixes for Qwen3-MoE's (names.py's table).
 _MIXTRAL_NAMES = {"mlp.gate.weight": "block_sparse_moe.gate.weight",
                   "mlp.experts.{j}.gate_proj.weight": "block_sparse_moe.experts.{j}.w1.weight",
@@ -239,6 +328,12 @@ FAMILIES: dict[str, Family] = {
                       fixed={"attn_output_gate": True, "norm_unit_offset": True}, hybrid=True,
                       model_type="qwen3_5_text", text_prefix="model.language_model.",
                       skipped={"model.visual.": "vision encoder", "mtp.": "multi-token prediction head"}),
+    # gpt-oss in bf16 (MXFP4 refused): sinks, biased router, clamped SwiGLU experts with biases, sliding/full layers
+    "gpt_oss": Family("GptOssForCausalLM", _gpt_oss_options, _gpt_oss_keys, qkv_bias=True, moe=True, window=True,
+                      renames=_GPT_OSS_NAMES, check=_gpt_oss_check, hybrid=True, fused=_GPT_OSS_FUSED,
+                      layer_names=_GPT_OSS_LAYER_NAMES,
+                      fixed={"attn_sinks": True, "attn_out_bias": True, "moe_router": "topk_softmax",
+                             "moe_router_bias": True, "expert_act": "clamped_swiglu", "expert_bias": True}),
 }
 # model_type values read as another row's
 MODEL_TYPE_ALIASES = {"qwen3_5_text": "qwen3_5"}

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from titan_lite.models.args import LlamaArgs
-from titan_lite.models.hf.families import FAMILIES
+from titan_lite.models.hf.families import FAMILIES, Fused
 
 # titan_lite name (with {i} for the layer) -> HF name.
 _LAYER_NAMES = {
@@ -54,6 +54,7 @@ class HFNames:
     top: dict[str, str] = field(default_factory=lambda: dict(_TOP_NAMES))
     not_in_hf: list[re.Pattern] = field(default_factory=list)
     experts: dict[str, str] = field(default_factory=lambda: dict(_EXPERT_NAMES))
+    fused: dict[str, Fused] = field(default_factory=dict)  # HF layer suffix -> the titan_lite tensors it holds
 
     def add_layer_name(self, titan_suffix: str, hf_suffix: str) -> None:
         """Map `layers.{i}.<titan_suffix>` to `model.layers.{i}.<hf_suffix>` both ways."""
@@ -86,6 +87,22 @@ class HFNames:
             return f"layers.{match.group(1)}.{layer[match.group(2)]}"
         raise KeyError(f"'{name}' is not a LlamaForCausalLM parameter name")
 
+    def fused_of(self, name: str) -> tuple[str, int, Fused] | None:
+        """(HF name, index among its parts, Fused) of a titan_lite name held inside a fused HF tensor; else None."""
+        match = _TITAN_LAYER.fullmatch(name)
+        for hf, fused in self.fused.items() if match else ():
+            if match.group(2) in fused.parts:
+                return f"model.layers.{match.group(1)}.{hf}", fused.parts.index(match.group(2)), fused
+        return None
+
+    def fused_parts_of_hf(self, name: str) -> tuple[list[str], Fused] | None:
+        """(titan_lite names, Fused) of a fused HF tensor's name; else None."""
+        match = _HF_LAYER.fullmatch(name)
+        if not match or match.group(2) not in self.fused:
+            return None
+        fused = self.fused[match.group(2)]
+        return [f"layers.{match.group(1)}.{part}" for part in fused.parts], fused
+
     def is_grouped(self, name: str) -> bool:
         """Whether a titan_lite name is a grouped expert weight [E, ...], held by HF folders as E tensors."""
         match = _TITAN_LAYER.fullmatch(name)
@@ -109,15 +126,23 @@ class HFNames:
 
     def hf_names_of(self, name: str, n_experts: int) -> list[str]:
         """Every HF name a titan_lite parameter is written as: one, or one per expert."""
+        fused = self.fused_of(name)
+        if fused is not None:
+            return [fused[0]]
         return self.to_hf_experts(name, n_experts) if self.is_grouped(name) else [self.to_hf(name)]
 
     def for_family(self, family: str) -> "HFNames":
         """These names as a family's files spell them (Mixtral: block_sparse_moe.experts.{j}.w1, ...)."""
         renamed = FAMILIES[family].renames if family in FAMILIES else {}
-        if not renamed:
+        fused = FAMILIES[family].fused if family in FAMILIES else {}
+        own = FAMILIES[family].layer_names if family in FAMILIES else {}
+        if not renamed and not fused and not own:
             return self
-        return replace(self, layer={t: renamed.get(h, h) for t, h in self.layer.items()},
-                       experts={t: renamed.get(h, h) for t, h in self.experts.items()})
+        held = {part for f in fused.values() for part in f.parts}
+        layer = {**self.layer, **own}
+        return replace(self, layer={t: renamed.get(h, h) for t, h in layer.items()},
+                       experts={t: renamed.get(h, h) for t, h in self.experts.items() if t not in held},
+                       fused=dict(fused))
 
 
 LLAMA_NAMES = HFNames()  # the plain Llama's names; extend a copy (HFNames()), never this one

@@ -60,9 +60,15 @@ def _converted_name(convert, name: str) -> str:
 def to_hf_state_dict(sd: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tensor]:
     """titan_lite names and layout -> HF; lm_head.weight is omitted when the embeddings are tied; grouped expert
     weights become one tensor per expert."""
-    out, names = {}, LLAMA_NAMES.for_family(args.family)
+    out, names, fused = {}, LLAMA_NAMES.for_family(args.family), {}
     for name, tensor in sd.items():
         if name == "output.weight" and args.tie_word_embeddings:
+            continue
+        held = names.fused_of(name)
+        if held is not None:
+            fused.setdefault(held[0], {})[held[1]] = tensor
+            if len(fused[held[0]]) == len(held[2].parts):
+                out[held[0]] = held[2].join([fused[held[0]][i] for i in range(len(held[2].parts))])
             continue
         if names.is_grouped(name):
             out.update(zip(names.to_hf_experts(name, tensor.shape[0]), tensor.unbind(0), strict=True))
@@ -77,6 +83,10 @@ def from_hf_state_dict(sd: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tens
     out, experts, names = {}, {}, LLAMA_NAMES.for_family(args.family)
     for name, tensor in sd.items():
         if name.endswith("rotary_emb.inv_freq"):  # a buffer some older checkpoints saved
+            continue
+        fused = names.fused_parts_of_hf(name)
+        if fused is not None:
+            out.update(zip(fused[0], fused[1].split(tensor), strict=True))
             continue
         expert = names.expert_of_hf(name)
         if expert is not None:

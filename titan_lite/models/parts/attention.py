@@ -1,11 +1,13 @@
 """The attention mixer (attention.wq/wk/wv/wo): GQA, q/k/v biases (Qwen2/2.5), q/k RMSNorms over head_dim (Qwen3,
 attention.q_norm/k_norm), a sliding window (Mistral, the "sliding_attention" layers), RoPE on q and k (on the first
-rotary_dim channels of each head only, Qwen3.5), a sigmoid output gate from a doubled wq (Qwen3.5). It declares
+rotary_dim channels of each head only, Qwen3.5), a sigmoid output gate from a doubled wq (Qwen3.5), a learned sink
+logit per head and a bias on wo (gpt-oss, attention.sinks, attention.wo.bias). It declares
 what packed documents need (`document_mask`, shared by the mixers of one `mask_key`) and its window."""
 
 import torch
 from torch import nn
 
+from titan_lite.errors import ConfigError
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.parts.cache import LayerCache
 from titan_lite.models.parts.causal import CausalAttention
@@ -29,7 +31,11 @@ class Attention(nn.Module):
         self.wq = nn.Linear(args.dim, q_width, bias=args.qkv_bias)
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=args.attn_out_bias)
+        if args.attn_sinks and args.attn_type == "flex":
+            raise ConfigError("model args: attn_type 'flex' does not take attention sinks (gpt-oss) yet; use "
+                              "attn_type 'sdpa'")
+        self.sinks = nn.Parameter(torch.empty(self.n_heads)) if args.attn_sinks else None
         # Qwen3: one RMSNorm over head_dim, shared by every head, on q and on k.
         self.q_norm = make_norm(self.head_dim, args) if args.qk_norm else None
         self.k_norm = make_norm(self.head_dim, args) if args.qk_norm else None
@@ -55,13 +61,15 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if cache is not None:
-            out = cache.attend(q, k, v)
+            out = cache.attend(q, k, v) if self.sinks is None else cache.attend(q, k, v, sinks=self.sinks)
         else:
             rows = rope if rope.dim() == 4 else rope[:seq]
             q, k = rotate_channels(q, rows, self.rotary_dim), rotate_channels(k, rows, self.rotary_dim)
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             # K/V keep their n_kv_heads: the inner attention expands them, after any gather (context parallel).
-            out = self.inner_attention(q, k, v) if mask is None else self.inner_attention(q, k, v, mask)
+            sinks = {} if self.sinks is None else {"sinks": self.sinks}
+            out = self.inner_attention(q, k, v, **sinks) if mask is None else self.inner_attention(q, k, v, mask,
+                                                                                                   **sinks)
         out = out.transpose(1, 2)
         return out if gate is None else out * torch.sigmoid(gate)
 

@@ -9,9 +9,10 @@ import torch
 class LayerCache(Protocol):
     """One layer's view of a generation KV cache (titan_lite.generate): rotates q and k at the cached
     sequence's positions, appends k and v, and attends q [batch, seq, heads, head_dim] to every cached key;
-    returns [batch, heads, seq, head_dim]."""
+    returns [batch, heads, seq, head_dim]; sinks [heads]: gpt-oss's sink logits."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class RecurrentCache(Protocol):

@@ -1,5 +1,5 @@
-"""Grouped experts of a mixture-of-experts layer: E SwiGLU experts held as [E, ...] weights (moe.experts.w1/w2/w3)
-and the grouped matrix product over rows sorted by expert."""
+"""Grouped experts of a mixture-of-experts layer: E SwiGLU experts held as [E, ...] weights (moe.experts.w1/w2/w3,
+gpt-oss's biases b1/b2/b3 and clamped SwiGLU) and the grouped matrix product over rows sorted by expert."""
 
 import torch
 import torch.nn.functional as F
@@ -44,19 +44,34 @@ class GroupedExperts(nn.Module):
     moves the rows to their experts' ranks (all-to-all) before this call and back after it. A transform that adapts
     the experts (LoRA) overrides `project`, which applies one projection to the grouped rows."""
 
-    def __init__(self, dim: int, hidden: int, n_experts: int):
+    def __init__(self, dim: int, hidden: int, n_experts: int, activation: str = "swiglu", bias: bool = False,
+                 alpha: float = 1.702, limit: float = 7.0):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        # gpt-oss: a bias per expert on each projection (b1, b3 [E, hidden], b2 [E, dim])
+        self.b1 = nn.Parameter(torch.empty(n_experts, hidden)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(n_experts, dim)) if bias else None
+        self.b3 = nn.Parameter(torch.empty(n_experts, hidden)) if bias else None
+        self.activation, self.alpha, self.limit = activation, alpha, limit
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        h = F.silu(self.project("w1", x, counts)) * self.project("w3", x, counts)
+        gate, up = self.project("w1", x, counts), self.project("w3", x, counts)
+        if self.activation == "clamped_swiglu":
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            h = gate * torch.sigmoid(gate * self.alpha) * (up + 1)
+        else:
+            h = F.silu(gate) * up
         return self.project("w2", h, counts)
 
     def project(self, name: str, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Projection `name` (w1, w2 or w3) of each group of rows by its expert's weight."""
-        return grouped_mm(x, local_tensor(getattr(self, name)), counts)
+        """Projection `name` (w1, w2 or w3) of each group of rows by its expert's weight (and bias, when held)."""
+        out = grouped_mm(x, local_tensor(getattr(self, name)), counts)
+        bias = getattr(self, "b" + name[1:])
+        if bias is None:
+            return out
+        return out + local_tensor(bias).repeat_interleave(counts, dim=0, output_size=x.shape[0])
 
     def extra_repr(self) -> str:
         n_experts, hidden, dim = self.w1.shape

@@ -35,8 +35,10 @@ class MoE(nn.Module):
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
-        self.router = Router(args.dim, args.n_experts, args.moe_top_k, args.moe_norm_topk_prob)
-        self.experts = GroupedExperts(args.dim, args.moe_ffn_dim, args.n_experts)
+        self.router = Router(args.dim, args.n_experts, args.moe_top_k, args.moe_norm_topk_prob, args.moe_router,
+                             args.moe_router_bias)
+        self.experts = GroupedExperts(args.dim, args.moe_ffn_dim, args.n_experts, args.expert_act, args.expert_bias,
+                                      args.swiglu_alpha, args.swiglu_limit)
         self.aux_loss_scale = 0.0
         self.cp_group = None
         self._without_first: tuple[torch.Tensor, torch.Tensor] | None = None  # the step's sums but its first forward

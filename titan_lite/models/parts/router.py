@@ -8,19 +8,25 @@ from torch import nn
 
 
 class Router(nn.Module):
-    """Token-choice top-k routing (Qwen3-MoE, Mixtral): a linear to E logits, softmax in float32, the k most
-    probable experts, their probabilities renormalised to sum 1 when norm_topk_prob."""
+    """Token-choice top-k routing: a linear to E logits (biased when `bias`, gpt-oss), then by `kind`:
+    "softmax_topk" (Qwen3-MoE, Mixtral): softmax in float32, the k most probable experts, their probabilities
+    renormalised to sum 1 when norm_topk_prob; "topk_softmax" (gpt-oss): the k largest logits, a softmax over those
+    alone. The probabilities the load-balancing loss reads are the softmax over every logit either way."""
 
-    def __init__(self, dim: int, n_experts: int, top_k: int, norm_topk_prob: bool):
+    def __init__(self, dim: int, n_experts: int, top_k: int, norm_topk_prob: bool, kind: str = "softmax_topk",
+                 bias: bool = False):
         super().__init__()
-        self.gate = nn.Linear(dim, n_experts, bias=False)
-        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = nn.Linear(dim, n_experts, bias=bias)
+        self.top_k, self.norm_topk_prob, self.kind = top_k, norm_topk_prob, kind
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [tokens, dim] -> (probabilities [tokens, E] float32, top-k weights [tokens, k] in x's dtype, top-k
         expert ids [tokens, k])."""
         logits = self.gate(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        if self.kind == "topk_softmax":
+            top, experts = logits.topk(self.top_k, dim=-1)
+            return probs, torch.softmax(top, dim=-1), experts
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -34,3 +34,26 @@ def _fused_kernel_takes_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a
     return any(can_use(params) for can_use in (torch.backends.cuda.can_use_flash_attention,
                                                 torch.backends.cuda.can_use_efficient_attention,
                                                 torch.backends.cuda.can_use_cudnn_attention))
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                   attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+    """Attention with a learned sink logit per head (gpt-oss) in each softmax's denominator: softmax over
+    [QK^T / sqrt(d) | sink], the sink's column dropped before the product with V. Eager math (no fused kernel takes
+    a sink), as transformers' eager gpt-oss attention; attn_mask boolean (True: attend) or additive; sinks [heads]."""
+    repeats = q.shape[1] // k.shape[1]
+    if repeats > 1:
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if is_causal:
+        attn_mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    elif attn_mask is not None:
+        scores = scores + attn_mask
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    # the max subtracted keeps half-precision exp in range (transformers does the same)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
