@@ -19,8 +19,9 @@ SEQ_LEN = 64
 STEPS = 4
 TOY = ["--model.converters", "toy_gate", "--experimental.custom_import", "tests.toy_transform"]
 HOOK_LINE = re.compile(r"\[rank(\d)\]:.*toy hook: (\w+)(.*)")
-# The order a training rank first calls the hooks (tp_plan comes between convert and after_load under TP).
-ORDER = ["check", "hf_names", "convert", "after_load", "param_groups", "state", "before_step", "extra_loss",
+# The order a training rank first calls the hooks (tp_plan comes between convert and hf_names under TP): hf_names
+# when the load plan's initial HF weights are read into the materialised model.
+ORDER = ["check", "convert", "hf_names", "after_load", "param_groups", "state", "before_step", "extra_loss",
          "after_optimizer_step", "metrics", "export_state_dict", "export"]
 
 
