@@ -92,6 +92,7 @@ class InstructionFile:
     example."""
 
     DATASET, WHAT, ROWS = "instruct", "instruction data", ""  # for error lines (a subclass reads preference pairs)
+    DOCUMENTS = False  # whether its rows train as packed documents (block_causal unless the config says otherwise)
 
     def __init__(self, path: Path, cfg: Instruct, key: str):
         self.path = path

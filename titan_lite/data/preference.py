@@ -81,6 +81,7 @@ class PreferenceFile(InstructionFile):
     """The pairs of one file (or saved `datasets` folder), in order, read with the instruction files' readers."""
 
     DATASET, WHAT, ROWS = "preference", "preference data", " of chosen/rejected pairs"
+    DOCUMENTS = True
 
     def __init__(self, path: Path, cfg: Preference, key: str):
         super().__init__(path, cfg, key)

@@ -66,6 +66,7 @@ class PromptFile(InstructionFile):
     every column is kept (reward functions may read any)."""
 
     DATASET, WHAT, ROWS = "prompts", "prompt data", " of prompts"
+    DOCUMENTS = True  # prompt + completion sequences
 
     def __init__(self, path: Path, cfg: Grpo, key: str):
         super().__init__(path, cfg, key)

@@ -19,11 +19,11 @@ from titan_lite.config.validate import validate
 from titan_lite.data.dataloader import build_section_source, samples_per_epoch
 from titan_lite.data.datasets import check_dataset, check_enough_tokens, resolve_shards
 from titan_lite.data.indexed import check_enough_windows
-from titan_lite.data.instruct import check_instruction_data, count_split_examples
+from titan_lite.data.instruct import InstructionFile, check_instruction_data, count_split_examples
 from titan_lite.data.mixture import check_mixture_data
 from titan_lite.data.order import data_order
-from titan_lite.data.preference import check_preference_data
-from titan_lite.data.prompts import check_prompt_data
+from titan_lite.data.preference import PreferenceFile, check_preference_data
+from titan_lite.data.prompts import PromptFile, check_prompt_data
 from titan_lite.data.token_files import is_token_folder
 from titan_lite.data.tokenizer import Tokenizer, build_tokenizer
 from titan_lite.distributed import choose_backend, device_type
@@ -153,7 +153,8 @@ def build_model_args(cfg: JobConfig, vocab_size: int | None, transforms: Transfo
     args.attn_type = cfg.model.attn_type or args.attn_type
     # preference pairs and RL's prompt + completion sequences are documents: block_causal unless the config says
     # otherwise (validation refuses causal)
-    pairs = "block_causal" if cfg.training.dataset in ("preference", "prompts") else None
+    row_file = ROW_FILES.get(cfg.training.dataset)
+    pairs = "block_causal" if row_file is not None and row_file.DOCUMENTS else None
     args.attn_mask_type = cfg.model.attn_mask_type or pairs or args.attn_mask_type
     if cfg.model.router_aux_loss_coef is not None:
         args.router_aux_loss_coef = checked_aux_loss_coef(cfg.model.router_aux_loss_coef, args, cfg.model.flavor)
@@ -220,7 +221,7 @@ def plan_with_tokenizer(cfg: JobConfig, world_size: int, tokenizer: Tokenizer | 
     check_cpu_offload(cfg, dims)
     check_seed_checkpoint_layout(cfg, dims)
     grad_accum = gradient_accumulation_steps(cfg, dims.dp_degree)
-    if cfg.training.dataset == "prompts":
+    if cfg.training.dataset == PromptFile.DATASET:
         check_rollout_batch(cfg, cfg.training.local_batch_size * dims.dp_degree * grad_accum, dims)
     epochs_counted = cfg.training.epochs is not None and count_epochs and tokenizer is not None
     if epochs_counted:
@@ -258,16 +259,23 @@ def check_seed_checkpoint_layout(cfg: JobConfig, dims: ParallelDims) -> None:
                           f"got {dims.describe()}")
 
 
+def check_prompt_rows(cfg: JobConfig, section: str, tokenizer: Tokenizer | None = None) -> None:
+    """Every prompt of the split reads and fits, and every reward function can score its rows."""
+    Rewards(cfg.grpo).check_rows(check_prompt_data(cfg, section, tokenizer))
+
+
+# The datasets of rows, by name (each file class names its own), and the check each runs before launch.
+ROW_FILES = {f.DATASET: f for f in (InstructionFile, PreferenceFile, PromptFile)}
+ROW_CHECKS = {InstructionFile.DATASET: check_instruction_data, PreferenceFile.DATASET: check_preference_data,
+              PromptFile.DATASET: check_prompt_rows}
+
+
 def check_section_data(cfg: JobConfig, section: str, tokenizer: Tokenizer | None = None) -> None:
     """The data of [training] or [validation] is there and its first document or example reads (and renders with
     the chat template, which sees the tokenizer's special tokens)."""
     s = getattr(cfg, section)
-    if s.dataset == "instruct":
-        check_instruction_data(cfg, section, tokenizer)
-    elif s.dataset == "preference":
-        check_preference_data(cfg, section, tokenizer)
-    elif s.dataset == "prompts":
-        Rewards(cfg.grpo).check_rows(check_prompt_data(cfg, section, tokenizer))
+    if s.dataset in ROW_CHECKS:
+        ROW_CHECKS[s.dataset](cfg, section, tokenizer)
     elif is_token_folder(s.dataset_path):
         build_section_source(cfg, section, tokenizer)  # opening the files checks them, and the tokenizer
     else:
@@ -311,7 +319,7 @@ def check_data_volume(cfg: JobConfig, plan: "JobPlan") -> None:
         s = getattr(cfg, section)
         if section == "validation" and s.dataset in ("instruct", "preference"):
             check_validation_examples(cfg, plan)
-        if s.dataset in ("instruct", "preference", "prompts") or (section == "training" and cfg.data_mixture.enable):
+        if s.dataset in ROW_FILES or (section == "training" and cfg.data_mixture.enable):
             continue
         where = s.dataset_path if s.dataset_path is not None else s.dataset
         if is_token_folder(s.dataset_path):
