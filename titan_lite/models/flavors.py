@@ -15,6 +15,10 @@ _QWEN3_MOE = dict(_QWEN3, family="qwen3_moe", n_experts=128, moe_top_k=8, moe_no
 _QWEN3_5 = dict(family="qwen3_5", qk_norm=True, attn_output_gate=True, norm_unit_offset=True,
                 rope_partial_factor=0.25, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
                 linear_n_key_heads=4, linear_n_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32)
+# Gemma 3 (text): five sliding layers to one full, a rope base per layer type, GeGLU, sandwich (1 + w) norms
+_GEMMA3 = dict(family="gemma3_text", qk_norm=True, norm_unit_offset=True, sandwich_norms=True, embed_scale=True,
+               ffn_activation="gelu_tanh", tie_word_embeddings=True, norm_eps=1e-6, rope_theta=1000000.0,
+               rope_local_theta=10000.0, layer_types=["sliding_attention"] * 5 + ["full_attention"])
 _MISTRAL = dict(family="mistral", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336)
 _LLAMA31_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=8.0, rope_original_max_seq_len=8192)
 _LLAMA32_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=32.0, rope_original_max_seq_len=8192)
@@ -113,6 +117,9 @@ FLAVORS: dict[str, LlamaArgs] = {
     # Qwen3.5 dense for the CPU (not a published size): three Gated DeltaNet layers before each gated attention
     "debugmodel_qwen3_5": LlamaArgs(dim=256, n_layers=8, n_heads=4, n_kv_heads=2, vocab_size=2048, ffn_dim=768,
                                     explicit_head_dim=64, rope_theta=10000000.0, norm_eps=1e-6, **_QWEN3_5),
+    # Gemma 3 (text) for the CPU (not a published size): a 64-token window under 256-token sequences
+    "debugmodel_gemma3": LlamaArgs(dim=256, n_layers=6, n_heads=4, n_kv_heads=1, vocab_size=2048, ffn_dim=768,
+                                   explicit_head_dim=64, sliding_window=64, query_pre_attn_scalar=64.0, **_GEMMA3),
 }
 
 

@@ -47,14 +47,16 @@ def refuse_hybrid_layouts(model: nn.Module, parallel_dims: ParallelDims) -> None
     """A ConfigError in one line for the layouts a model with Gated DeltaNet layers (Qwen3.5) cannot run yet: its
     recurrent state runs in time order over whole heads."""
     args = getattr(model, "args", None)
-    if args is None or not args.is_hybrid:
+    if args is None or not (args.is_hybrid or args.rope_local_theta is not None):
         return
+    model_name = "Qwen3.5 (its linear_attention layers)" if args.is_hybrid else \
+        "Gemma 3 (its rope per layer type, sandwich norms and scaled embedding are unchecked there)"
     layouts = {"tensor_parallel_degree": parallel_dims.tp_enabled, "context_parallel_degree": parallel_dims.cp_enabled,
                "pipeline_parallel_degree": parallel_dims.pp_enabled}
     for setting, enabled in layouts.items():
         if enabled:
-            raise ConfigError(f"parallelism.{setting} > 1 is not supported yet for Qwen3.5 (its linear_attention "
-                              "layers); use data parallel (FSDP/HSDP) only")
+            raise ConfigError(f"parallelism.{setting} > 1 is not supported yet for {model_name}; use data "
+                              "parallel (FSDP/HSDP) only")
 
 
 class frozen_parameters_kept:

@@ -27,6 +27,11 @@ class Family:
     text_prefix: str | None = None
     # HF tensor-name prefixes of parts titan_lite does not build, skipped on load (and said) -> what they are
     skipped: dict[str, str] = field(default_factory=dict)
+    # titan_lite layer suffixes only this family has -> its HF suffixes (Gemma 3's sandwich norms)
+    layer_names: dict[str, str] = field(default_factory=dict)
+    # LlamaArgs options (default None) its config.json may set, which other families must leave unset
+    options: tuple[str, ...] = ()
+    hidden_act: str = "silu"  # the feed-forward's activation as config.json names it
 
 
 def require_key(cfg: dict, key: str, source: str):
@@ -174,6 +179,62 @@ def _qwen3_5_check(args: LlamaArgs, source: str) -> None:
                               "it has 'linear_attention' and 'full_attention' layers only")
 
 
+def _gemma3_schedule(cfg: dict, source: str) -> list[str]:
+    """Gemma 3's layer_types, given or from sliding_window_pattern (layer i is full attention when (i + 1) % pattern
+    is 0; default 6: five sliding layers to one full)."""
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    pattern = cfg.get("sliding_window_pattern", 6)
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise ConfigError(f"{source}: 'sliding_window_pattern' is {pattern!r}; expected a positive integer")
+    n_layers = int(require_key(cfg, "num_hidden_layers", source))
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
+
+
+def _gemma3_local_theta(cfg: dict, source: str) -> float:
+    """The sliding layers' rope base: rope_parameters' "sliding_attention" entry (transformers 5), else
+    rope_local_base_freq (default 10000); it must be plain RoPE."""
+    local = (cfg.get("rope_parameters") or {}).get("sliding_attention")
+    if isinstance(local, dict):
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(f"{source}: rope_parameters.sliding_attention's rope_type is {local['rope_type']!r}; "
+                              "titan_lite's Gemma3ForCausalLM supports only 'default' for the sliding layers")
+        return float(local.get("rope_theta", 10000.0))
+    return float(cfg.get("rope_local_base_freq", 10000.0))
+
+
+def _gemma3_options(cfg: dict, source: str) -> dict:
+    """Gemma 3 (text): sliding and full layers by layer_types, a rope per layer type, query_pre_attn_scalar; a
+    multimodal folder's config without a text_config, softcapping or bidirectional attention refused in one line."""
+    if cfg.get("model_type") == "gemma3":
+        raise ConfigError(f"{source}: model_type 'gemma3' (Gemma 3 with a vision tower) has no 'text_config'; "
+                          "titan_lite reads the text model from a 'text_config' object or a 'gemma3_text' config")
+    expect_value(cfg, "hidden_activation", ("gelu_pytorch_tanh",), source)
+    expect_value(cfg, "attention_bias", (False,), source)
+    expect_value(cfg, "use_bidirectional_attention", (False, None), source)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ConfigError(f"{source}: '{key}' is {cfg[key]!r}; titan_lite's Gemma3ForCausalLM supports only "
+                              "null (no softcapping)")
+    scalar = cfg.get("query_pre_attn_scalar", 256)
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or not scalar > 0:
+        raise ConfigError(f"{source}: 'query_pre_attn_scalar' is {scalar!r}; expected a positive number")
+    layer_types = _gemma3_schedule(cfg, source)
+    window = cfg.get("sliding_window", 4096) if "sliding_attention" in layer_types else cfg.get("sliding_window")
+    return {"layer_types": layer_types, "sliding_window": None if window is None else int(window),
+            "query_pre_attn_scalar": float(scalar), "rope_local_theta": _gemma3_local_theta(cfg, source)}
+
+
+def _gemma3_check(args: LlamaArgs, source: str) -> None:
+    """Gemma3ForCausalLM: sliding and full attention layers, a local rope base."""
+    for layer, kind in enumerate(args.schedule):
+        if kind not in ("sliding_attention", "full_attention"):
+            raise ConfigError(f"{source}: layer_types[{layer}] is {kind!r}, which a Gemma3ForCausalLM cannot write: "
+                              "it has 'sliding_attention' and 'full_attention' layers only")
+    if args.rope_local_theta is None or args.query_pre_attn_scalar is None:
+        raise ConfigError(f"{source}: a Gemma3ForCausalLM needs rope_local_theta and query_pre_attn_scalar set")
+
+
 # ------------------------------------------------------------------------------------- args -> config.json
 
 
@@ -216,6 +277,19 @@ def _qwen3_5_keys(args: LlamaArgs) -> dict:
     return {**keys, **linear, "mamba_ssm_dtype": "float32"}
 
 
+def _gemma3_keys(args: LlamaArgs) -> dict:
+    scalar = args.query_pre_attn_scalar  # transformers' config takes an int only
+    return {"attention_bias": False, "layer_types": list(args.schedule), "sliding_window": args.sliding_window,
+            "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,
+            "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": None, "final_logit_softcapping": None,
+            "use_bidirectional_attention": False}
+
+
+# Gemma 3's sandwich norms: ffn_norm is its pre_feedforward_layernorm, post_attention_layernorm the mixer's output's.
+_GEMMA3_RENAMES = {"post_attention_layernorm.weight": "pre_feedforward_layernorm.weight"}
+_GEMMA3_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                 "post_ffn_norm.weight": "post_feedforward_layernorm.weight"}
+
 # Mixtral's layer suffixes for Qwen3-MoE's (names.py's table).
 _MIXTRAL_NAMES = {"mlp.gate.weight": "block_sparse_moe.gate.weight",
                   "mlp.experts.{j}.gate_proj.weight": "block_sparse_moe.experts.{j}.w1.weight",
@@ -239,9 +313,22 @@ FAMILIES: dict[str, Family] = {
                       fixed={"attn_output_gate": True, "norm_unit_offset": True}, hybrid=True,
                       model_type="qwen3_5_text", text_prefix="model.language_model.",
                       skipped={"model.visual.": "vision encoder", "mtp.": "multi-token prediction head"}),
+    # Gemma 3's text model (Gemma3ForCausalLM, "gemma3_text"); a "gemma3" folder's text_config read, its vision
+    # tower and projector skipped
+    "gemma3_text": Family("Gemma3ForCausalLM", _gemma3_options, _gemma3_keys, qk_norm=True, window=True,
+                          check=_gemma3_check, hybrid=True, renames=_GEMMA3_RENAMES, layer_names=_GEMMA3_NAMES,
+                          fixed={"norm_unit_offset": True, "sandwich_norms": True, "embed_scale": True,
+                                 "ffn_activation": "gelu_tanh"},
+                          options=("query_pre_attn_scalar", "rope_local_theta"), hidden_act="gelu_pytorch_tanh",
+                          text_prefix="model.language_model.",
+                          skipped={"model.vision_tower.": "vision tower",
+                                   "model.multi_modal_projector.": "multimodal projector"}),
 }
 # model_type values read as another row's
-MODEL_TYPE_ALIASES = {"qwen3_5_text": "qwen3_5"}
+MODEL_TYPE_ALIASES = {"qwen3_5_text": "qwen3_5", "gemma3": "gemma3_text"}
+# The options a family fixes, at the values every other family has
+FIXED_DEFAULTS = {"attn_output_gate": False, "norm_unit_offset": False, "sandwich_norms": False,
+                  "embed_scale": False, "ffn_activation": "silu"}
 ARCHITECTURES = {model_type: family.architecture for model_type, family in FAMILIES.items()}
 MOE_FAMILIES = tuple(model_type for model_type, family in FAMILIES.items() if family.moe)
 WINDOW_FAMILIES = tuple(model_type for model_type, family in FAMILIES.items() if family.window)

@@ -114,9 +114,10 @@ class HFNames:
     def for_family(self, family: str) -> "HFNames":
         """These names as a family's files spell them (Mixtral: block_sparse_moe.experts.{j}.w1, ...)."""
         renamed = FAMILIES[family].renames if family in FAMILIES else {}
-        if not renamed:
+        own = FAMILIES[family].layer_names if family in FAMILIES else {}
+        if not renamed and not own:
             return self
-        return replace(self, layer={t: renamed.get(h, h) for t, h in self.layer.items()},
+        return replace(self, layer={**{t: renamed.get(h, h) for t, h in self.layer.items()}, **own},
                        experts={t: renamed.get(h, h) for t, h in self.experts.items()})
 
 
