@@ -160,6 +160,20 @@ def test_the_sliding_window_pattern_gives_the_schedule(saved):
     assert args_from_hf_config(cfg).schedule == ["sliding_attention", "sliding_attention", "full_attention"] * 2
 
 
+def test_a_release_text_config_reads_transformers_defaults():
+    """A release's text_config names only what differs from Gemma3TextConfig's defaults (gemma-3-4b's keys): read
+    as transformers fills it in."""
+    release = {"model_type": "gemma3", "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                                                       "num_hidden_layers": 34, "sliding_window": 1024,
+                                                       "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}}
+    filled = Gemma3TextConfig(**release["text_config"]).to_dict()
+    ours = args_from_hf_config(release)
+    assert ours == args_from_hf_config(filled)
+    assert (ours.vocab_size, ours.head_dim, ours.n_heads, ours.kv_heads, ours.rope_theta, ours.rope_local_theta,
+            ours.query_pre_attn_scalar, ours.tie_word_embeddings) == (262208, 256, 8, 4, 1e6, 1e4, 256.0, True)
+    assert ours.schedule == (["sliding_attention"] * 5 + ["full_attention"]) * 5 + ["sliding_attention"] * 4
+
+
 def test_greedy_generation_equals_transformers_past_the_window(saved):
     prompts = tokens(2, 20, seed=4)
     new = 12

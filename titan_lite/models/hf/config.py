@@ -116,6 +116,7 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> LlamaArgs:
     model_type = MODEL_TYPE_ALIASES.get(model_type, model_type)
     if model_type not in ARCHITECTURES:
         raise ConfigError(f"{source}: model_type is '{model_type}'; expected one of {', '.join(ARCHITECTURES)}")
+    cfg = {**FAMILIES[model_type].config_defaults, **cfg}
     expect_value(cfg, "hidden_act", (FAMILIES[model_type].hidden_act,), source)
     dim, n_heads = int(require_key(cfg, "hidden_size", source)), int(require_key(cfg, "num_attention_heads", source))
     head_dim = int(cfg.get("head_dim") or dim // n_heads)

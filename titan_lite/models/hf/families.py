@@ -32,6 +32,8 @@ class Family:
     # LlamaArgs options (default None) its config.json may set, which other families must leave unset
     options: tuple[str, ...] = ()
     hidden_act: str = "silu"  # the feed-forward's activation as config.json names it
+    # transformers' defaults of the family's config class, for the keys a release's config.json leaves out
+    config_defaults: dict = field(default_factory=dict)
 
 
 def require_key(cfg: dict, key: str, source: str):
@@ -125,11 +127,17 @@ def _mixtral_options(cfg: dict, source: str) -> dict:
 
 def text_config_of(cfg: dict) -> dict:
     """A multimodal config.json's text part (Qwen3.5's `text_config`, tie_word_embeddings from the top when the text
-    part lacks it), or the config itself."""
+    part lacks it, the text model_type where it lacks one), or the config itself."""
     text = cfg.get("text_config")
     if not isinstance(text, dict):
         return cfg
-    return {**({"tie_word_embeddings": cfg["tie_word_embeddings"]} if "tie_word_embeddings" in cfg else {}), **text}
+    model_type = _TEXT_MODEL_TYPES.get(cfg.get("model_type"))  # where the text part does not say its own
+    return {**({"model_type": model_type} if model_type else {}),
+            **({"tie_word_embeddings": cfg["tie_word_embeddings"]} if "tie_word_embeddings" in cfg else {}), **text}
+
+
+# a multimodal model_type -> its text model's
+_TEXT_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "gemma3": "gemma3_text"}
 
 
 def _qwen3_5_schedule(cfg: dict, source: str) -> list[str]:
@@ -290,6 +298,12 @@ _GEMMA3_RENAMES = {"post_attention_layernorm.weight": "pre_feedforward_layernorm
 _GEMMA3_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.weight",
                  "post_ffn_norm.weight": "post_feedforward_layernorm.weight"}
 
+# Gemma3TextConfig's defaults (transformers 5.24): the release folders' text_config leaves most of them out
+_GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+                    "max_position_embeddings": 131072, "tie_word_embeddings": True, "rope_theta": 1000000.0,
+                    "query_pre_attn_scalar": 256, "sliding_window": 4096}
+
 # Mixtral's layer suffixes for Qwen3-MoE's (names.py's table).
 _MIXTRAL_NAMES = {"mlp.gate.weight": "block_sparse_moe.gate.weight",
                   "mlp.experts.{j}.gate_proj.weight": "block_sparse_moe.experts.{j}.w1.weight",
@@ -320,6 +334,7 @@ FAMILIES: dict[str, Family] = {
                           fixed={"norm_unit_offset": True, "sandwich_norms": True, "embed_scale": True,
                                  "ffn_activation": "gelu_tanh"},
                           options=("query_pre_attn_scalar", "rope_local_theta"), hidden_act="gelu_pytorch_tanh",
+                          config_defaults=_GEMMA3_DEFAULTS,
                           text_prefix="model.language_model.",
                           skipped={"model.vision_tower.": "vision tower",
                                    "model.multi_modal_projector.": "multimodal projector"}),
