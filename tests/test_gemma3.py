@@ -18,7 +18,7 @@ from titan_lite.errors import ConfigError  # noqa: E402
 from titan_lite.generate.decode import GenerationConfig, generate  # noqa: E402
 from titan_lite.models.decoder import Llama  # noqa: E402
 from titan_lite.models.flavors import flavor_args  # noqa: E402
-from titan_lite.models.hf.config import args_from_hf_config  # noqa: E402
+from titan_lite.models.hf.config import args_from_hf_config, args_to_hf_config  # noqa: E402
 from titan_lite.parallel.parallelize import refuse_hybrid_layouts  # noqa: E402
 from titan_lite.transforms.base import Transforms  # noqa: E402
 
@@ -147,6 +147,10 @@ def test_a_multimodal_folder_loads_its_text_model_and_skips_vision(saved, tmp_pa
     ({"model_type": "gemma3"}, "model_type 'gemma3' (Gemma 3 with a vision tower) has no 'text_config'"),
     ({"query_pre_attn_scalar": 0}, "'query_pre_attn_scalar' is 0; expected a positive number"),
     ({"layer_types": None, "sliding_window_pattern": 0}, "'sliding_window_pattern' is 0"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     "rope_parameters.sliding_attention's rope_type is 'linear'"),
+    ({"layer_types": ["sliding_attention"] * 5 + ["linear_attention"]}, "layer_types[5] is 'linear_attention'"),
 ])
 def test_bad_config_is_one_line(saved, overrides, message):
     cfg = {**json.loads((saved / "config.json").read_text()), **overrides}
@@ -193,6 +197,9 @@ def test_what_phase_one_does_not_run_is_refused_in_one_line(saved):
             refuse_hybrid_layouts(load_titan(saved), dims)
     with pytest.raises(ConfigError, match=r"^'model.converters' = \['lora'\] is not supported yet for Gemma 3"):
         Transforms([SimpleNamespace(name="lora")]).check(args, None)
+    with pytest.raises(ConfigError, match="^model args: rope_local_theta = 10000.0 cannot be written as a "
+                                          "LlamaForCausalLM, which has none$"):
+        args_to_hf_config(replace(flavor_args("debugmodel"), rope_local_theta=10000.0), torch.float32)
 
 
 def test_the_debug_flavor_initialises_and_exports_to_transformers(tmp_path):

@@ -1,10 +1,10 @@
 """The decoder: embeddings, the blocks the args' schedule composes (models/parts/), the final norm and the output
 head; its layout-independent initialisation (every parameter seeded by its name).
 
-Llama, Qwen3, Qwen3-MoE, Qwen2.5, Mistral and Mixtral are compositions of the same parts (their config.json
-mapping and state-dict names: models/hf/). Module names follow Meta's checkpoints and torchtitan: tok_embeddings,
-layers.{i} (attention.wq/wk/wv/wo, attention.q_norm/k_norm, feed_forward.w1/w2/w3, moe.router.gate,
-moe.experts.w1/w2/w3, attention_norm, ffn_norm), norm, output.
+Llama, Qwen3, Qwen3-MoE, Qwen2.5, Mistral, Mixtral, Qwen3.5 and Gemma 3 are compositions of the same parts (their
+config.json mapping and state-dict names: models/hf/). Module names follow Meta's checkpoints and torchtitan:
+tok_embeddings, layers.{i} (attention.wq/wk/wv/wo, attention.q_norm/k_norm, feed_forward.w1/w2/w3, moe.router.gate,
+moe.experts.w1/w2/w3, attention_norm, ffn_norm, Gemma 3's post_attention_norm and post_ffn_norm), norm, output.
 """
 
 import zlib

@@ -44,8 +44,8 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, cfg: JobCon
 
 
 def refuse_hybrid_layouts(model: nn.Module, parallel_dims: ParallelDims) -> None:
-    """A ConfigError in one line for the layouts a model with Gated DeltaNet layers (Qwen3.5) cannot run yet: its
-    recurrent state runs in time order over whole heads."""
+    """A ConfigError in one line for the layouts a model with Gated DeltaNet layers (Qwen3.5) cannot run yet (its
+    recurrent state runs in time order over whole heads), nor Gemma 3 (a rope per layer type: not checked there)."""
     args = getattr(model, "args", None)
     if args is None or not (args.is_hybrid or args.rope_local_theta is not None):
         return

@@ -21,7 +21,7 @@ class Family:
     renames: dict[str, str] = field(default_factory=dict)  # HF layer suffixes spelled apart from Qwen3-MoE's
     check: Callable[[LlamaArgs, str], None] | None = None  # refuses args the family's class cannot hold
     fixed: dict = field(default_factory=dict)  # further LlamaArgs options the family always has (Qwen3.5's gate)
-    hybrid: bool = False  # may mix mixers across layers (Qwen3.5: Gated DeltaNet and attention)
+    hybrid: bool = False  # may mix mixers across layers (Qwen3.5: Gated DeltaNet and attention; Gemma 3: windows)
     model_type: str | None = None  # the model_type its config.json is written with, where not the row's key
     # where a multimodal folder holds the text model's "model." tensors (Qwen3.5: model.language_model.)
     text_prefix: str | None = None
@@ -228,6 +228,10 @@ def _gemma3_options(cfg: dict, source: str) -> dict:
     if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or not scalar > 0:
         raise ConfigError(f"{source}: 'query_pre_attn_scalar' is {scalar!r}; expected a positive number")
     layer_types = _gemma3_schedule(cfg, source)
+    for layer, kind in enumerate(layer_types):
+        if kind not in ("sliding_attention", "full_attention"):
+            raise ConfigError(f"{source}: layer_types[{layer}] is {kind!r}; titan_lite's Gemma3ForCausalLM has "
+                              "'sliding_attention' and 'full_attention' layers only")
     window = cfg.get("sliding_window", 4096) if "sliding_attention" in layer_types else cfg.get("sliding_window")
     return {"layer_types": layer_types, "sliding_window": None if window is None else int(window),
             "query_pre_attn_scalar": float(scalar), "rope_local_theta": _gemma3_local_theta(cfg, source)}
