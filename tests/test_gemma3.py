@@ -95,10 +95,40 @@ def test_packed_documents_equal_one_document_per_row(saved):
     packed = torch.cat(docs)[None]
     documents = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    loss_fn = torch.nn.functional.cross_entropy
+    spans = [(sum(lengths[:i]), sum(lengths[:i + 1])) for i in range(len(lengths))]
+    model.zero_grad()
+    logits = model(packed, positions=positions, documents=documents)
+    packed_loss = sum(loss_fn(logits[0, s:e - 1], packed[0, s + 1:e], reduction="sum") for s, e in spans)
+    packed_loss.backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    alone = [model(doc[None]) for doc in docs]
+    alone_loss = sum(loss_fn(out[0, :-1], doc[1:], reduction="sum") for out, doc in zip(alone, docs, strict=True))
+    alone_loss.backward()
+    torch.testing.assert_close(logits, torch.cat(alone, dim=1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed_loss, alone_loss, rtol=1e-6, atol=0)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(packed_grads[name], param.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bfloat16_embedding_scale_and_norms_match_transformers(saved):
+    """In bfloat16 the sqrt(dim) factor is rounded to bfloat16 before the product (8.0 stays exact, so a hidden size
+    of 48 is used: sqrt 6.93 rounds) and the norms compute in float32: equal embeddings and norms."""
+    from transformers import Gemma3TextConfig as Config
+
+    torch.manual_seed(0)
+    hf = widened(Gemma3ForCausalLM(Config(**{**SMALL, "hidden_size": 48})).eval())
+    folder = saved.parent / "gemma3_bf16"
+    hf.save_pretrained(folder)
+    ours = load_titan(folder).to(torch.bfloat16)
+    hf = hf.to(torch.bfloat16)
+    ids = tokens()
     with torch.no_grad():
-        logits = model(packed, positions=positions, documents=documents)
-        alone = torch.cat([model(doc[None]) for doc in docs], dim=1)
-    torch.testing.assert_close(logits, alone, rtol=0, atol=1e-5)
+        assert torch.equal(ours.embed(ids), hf.model.embed_tokens(ids))
+        norm = ours.layers["0"].attention_norm
+        x = torch.randn(2, 5, 48).to(torch.bfloat16)
+        assert torch.equal(norm(x), hf.model.layers[0].input_layernorm(x))
 
 
 def test_hf_round_trip_loads_in_transformers_with_equal_logits(saved, tmp_path):
