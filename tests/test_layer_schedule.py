@@ -41,6 +41,9 @@ def test_every_flavor_derives_a_uniform_schedule_from_its_options():
         if args.family == "gpt_oss":  # sliding and full attention in turn
             assert args.schedule == ["sliding_attention", "full_attention"] * (args.n_layers // 2), name
             continue
+        if args.family == "gemma3_text":  # five sliding layers, then one full
+            assert args.schedule == (["sliding_attention"] * 5 + ["full_attention"]) * (args.n_layers // 6), name
+            continue
         expected = "full_attention" if args.sliding_window is None else "sliding_attention"
         assert args.layer_types is None and args.schedule == [expected] * args.n_layers, name
     assert windows(model_of(flavor_args("tiny_mistral"))) == [8, 8, 8, 8]

@@ -8,7 +8,7 @@ import torch
 
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.parts.masks import within_window
-from titan_lite.models.parts.rope import rope_cache, rotate_channels
+from titan_lite.models.parts.rope import local_rope_cache, rope_cache, rotate_channels
 from titan_lite.models.parts.sdpa import grouped_attention, sink_attention
 
 
@@ -24,6 +24,8 @@ class KVCache:
 
     def __init__(self, args: LlamaArgs, batch: int, capacity: int, device: torch.device, last_only: bool = True):
         self.rope = rope_cache(replace(args, max_seq_len=capacity), device)
+        self.local_rope = local_rope_cache(replace(args, max_seq_len=capacity), device)  # Gemma 3's sliding layers'
+        self.ropes = [args.rope_of(layer) for layer in range(args.n_layers)]
         self.capacity = capacity
         self.windows = [args.window_of(layer) for layer in range(args.n_layers)]  # each layer's mixer's window
         self.last_only = last_only
@@ -37,7 +39,7 @@ class KVCache:
         self.conv_windows: dict[int, torch.Tensor] = {}
         self.recurrent_states: dict[int, torch.Tensor] = {}
         self.start = self.end = 0
-        self.rows, self.masks = None, {}
+        self.rows, self.local_rows, self.masks = None, None, {}
 
     def step(self, real: torch.Tensor, positions: torch.Tensor) -> "KVCache":
         """Open slots for a [batch, seq] forward: `real` marks real tokens, `positions` their rotary positions."""
@@ -48,6 +50,7 @@ class KVCache:
         self.real[:, self.start:self.end] = real
         self.positions[:, self.start:self.end] = positions
         self.rows = self.rope[positions]
+        self.local_rows = None if self.local_rope is None else self.local_rope[positions]
         self.masks = {window: self.visible(positions, window) for window in set(self.windows)}
         return self
 
@@ -74,8 +77,9 @@ class LayerView:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         c = self.cache
-        q = rotate_channels(q, c.rows, c.rotary_dim).transpose(1, 2)
-        k = rotate_channels(k, c.rows, c.rotary_dim).transpose(1, 2)
+        rows = c.local_rows if c.ropes[self.layer_id] == "local" else c.rows
+        q = rotate_channels(q, rows, c.rotary_dim).transpose(1, 2)
+        k = rotate_channels(k, rows, c.rotary_dim).transpose(1, 2)
         v = v.transpose(1, 2)
         if self.layer_id not in c.keys:
             shape = (k.shape[0], k.shape[1], c.capacity, k.shape[3])

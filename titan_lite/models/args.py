@@ -56,6 +56,16 @@ class LlamaArgs:
     attn_output_gate: bool = False
     rope_partial_factor: float = 1.0
     norm_unit_offset: bool = False
+    # Gemma 3: four norms a block (sandwich_norms: the mixer's and the feed-forward's outputs normed too, before each
+    # residual add), the embedding times sqrt(dim) rounded to its dtype (embed_scale), the softmax scale
+    # query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5), the dense feed-forward's gate activation ("silu":
+    # SwiGLU; "gelu_tanh": GeGLU) and the sliding layers' own rope base (rope_local_theta, unscaled; None: every layer
+    # the rope above).
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    query_pre_attn_scalar: float | None = None
+    ffn_activation: str = "silu"
+    rope_local_theta: float | None = None
     # The Gated DeltaNet mixer of the "linear_attention" layers (parts/gated_deltanet.py): key and value heads (each
     # key head serves linear_n_value_heads / linear_n_key_heads consecutive value heads), their widths, the causal
     # conv's kernel and the chunk length of the chunked delta rule.
@@ -139,6 +149,11 @@ class LlamaArgs:
     def window_of(self, layer: int) -> int | None:
         """The sliding window one layer attends within (None: the whole causal past)."""
         return self.sliding_window if self.layer_type(layer) == "sliding_attention" else None
+
+    def rope_of(self, layer: int) -> str:
+        """Which rope cache a layer rotates with: "local" (a sliding layer with a base of its own) or "global"."""
+        local = self.rope_local_theta is not None and self.layer_type(layer) == "sliding_attention"
+        return "local" if local else "global"
 
     def ffn_dim_of(self, layer: int) -> int:
         return self.layer_ffn_dims[layer] if self.layer_ffn_dims else self.ffn_dim

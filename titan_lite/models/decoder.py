@@ -1,10 +1,10 @@
 """The decoder: embeddings, the blocks the args' schedule composes (models/parts/), the final norm and the output
 head; its layout-independent initialisation (every parameter seeded by its name).
 
-Llama, Qwen3, Qwen3-MoE, Qwen2.5, Mistral and Mixtral are compositions of the same parts (their config.json
-mapping and state-dict names: models/hf/). Module names follow Meta's checkpoints and torchtitan: tok_embeddings,
-layers.{i} (attention.wq/wk/wv/wo, attention.q_norm/k_norm, feed_forward.w1/w2/w3, moe.router.gate,
-moe.experts.w1/w2/w3, attention_norm, ffn_norm), norm, output.
+Llama, Qwen3, Qwen3-MoE, Qwen2.5, Mistral, Mixtral, Qwen3.5 and Gemma 3 are compositions of the same parts (their
+config.json mapping and state-dict names: models/hf/). Module names follow Meta's checkpoints and torchtitan:
+tok_embeddings, layers.{i} (attention.wq/wk/wv/wo, attention.q_norm/k_norm, feed_forward.w1/w2/w3, moe.router.gate,
+moe.experts.w1/w2/w3, attention_norm, ffn_norm, Gemma 3's post_attention_norm and post_ffn_norm), norm, output.
 """
 
 import zlib
@@ -20,7 +20,7 @@ from titan_lite.models.parts.cache import KVCache
 from titan_lite.models.parts.mixers import check_layer_types
 from titan_lite.models.parts.moe import MoE
 from titan_lite.models.parts.norms import make_norm
-from titan_lite.models.parts.rope import rope_cache
+from titan_lite.models.parts.rope import local_rope_cache, rope_cache
 
 
 class Llama(nn.Module):
@@ -38,6 +38,8 @@ class Llama(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_embeddings()
         self.register_buffer("rope_cache", rope_cache(args), persistent=False)
+        # Gemma 3: the sliding layers' own rope (None: every layer rotates with rope_cache)
+        self.register_buffer("rope_cache_local", local_rope_cache(args), persistent=False)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *, positions: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,19 +53,28 @@ class Llama(nn.Module):
         context parallel); each token attends only within its document. Each mask is built once, for every layer
         whose mixer takes it.
         """
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope, masks = self.rope_cache, None
+        h = self.embed(tokens) if self.tok_embeddings is not None else tokens
+        ropes, masks = {"global": self.rope_cache, "local": self.rope_cache_local}, None
         if documents is not None:
-            rope, masks = self.rope_cache[positions], self.document_masks(documents, h)
+            ropes = {kind: None if rows is None else rows[positions] for kind, rows in ropes.items()}
+            masks = self.document_masks(documents, h)
         for key, layer in self.layers.items():
             if cache is not None:
                 h = layer(h, None, cache.layer(int(key)))
-            else:
-                h = layer(h, rope) if masks is None else layer(h, rope, mask=masks[layer.attention.mask_key])
+                continue
+            rope = ropes[self.args.rope_of(int(key))]
+            h = layer(h, rope) if masks is None else layer(h, rope, mask=masks[layer.attention.mask_key])
         if cache is not None and cache.last_only:
             h = h[:, -1:]
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The token embeddings; Gemma 3 (embed_scale) multiplies them by sqrt(dim) rounded to their dtype first."""
+        h = self.tok_embeddings(tokens)
+        if not self.args.embed_scale:
+            return h
+        return h * torch.tensor(self.args.dim ** 0.5, device=h.device).to(h.dtype)
 
     def document_masks(self, documents: torch.Tensor, h: torch.Tensor) -> dict:
         """The masks of documents the layers' mixers take (plain or context parallel), by their mask_key, in the
@@ -93,6 +104,7 @@ class Llama(nn.Module):
         """
         device = buffer_device or self.rope_cache.device
         self.rope_cache = rope_cache(self.args, device)
+        self.rope_cache_local = local_rope_cache(self.args, device)
         for module in self.modules():
             if isinstance(module, MoE):
                 module.reset_stats()

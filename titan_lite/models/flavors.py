@@ -20,6 +20,10 @@ _QWEN3_5 = dict(family="qwen3_5", qk_norm=True, attn_output_gate=True, norm_unit
 _GPT_OSS = dict(family="gpt_oss", qkv_bias=True, attn_sinks=True, attn_out_bias=True, moe_router="topk_softmax",
                 moe_router_bias=True, expert_act="clamped_swiglu", expert_bias=True, rope_theta=150000.0,
                 rope_scaling_type="yarn", rope_truncate=False)
+# Gemma 3 (text): five sliding layers to one full, a rope base per layer type, GeGLU, sandwich (1 + w) norms
+_GEMMA3 = dict(family="gemma3_text", qk_norm=True, norm_unit_offset=True, sandwich_norms=True, embed_scale=True,
+               ffn_activation="gelu_tanh", tie_word_embeddings=True, norm_eps=1e-6, rope_theta=1000000.0,
+               rope_local_theta=10000.0, layer_types=["sliding_attention"] * 5 + ["full_attention"])
 _MISTRAL = dict(family="mistral", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336)
 _LLAMA31_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=8.0, rope_original_max_seq_len=8192)
 _LLAMA32_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=32.0, rope_original_max_seq_len=8192)
@@ -123,6 +127,9 @@ FLAVORS: dict[str, LlamaArgs] = {
                                     n_experts=8, moe_top_k=2, moe_ffn_dim=256, router_aux_loss_coef=0.001,
                                     sliding_window=64, layer_types=["sliding_attention", "full_attention"] * 2,
                                     rope_scaling_factor=4.0, rope_original_max_seq_len=512, **_GPT_OSS),
+    # Gemma 3 (text) for the CPU (not a published size): a 64-token window under 256-token sequences
+    "debugmodel_gemma3": LlamaArgs(dim=256, n_layers=6, n_heads=4, n_kv_heads=1, vocab_size=2048, ffn_dim=768,
+                                   explicit_head_dim=64, sliding_window=64, query_pre_attn_scalar=64.0, **_GEMMA3),
 }
 
 

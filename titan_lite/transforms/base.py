@@ -285,6 +285,9 @@ class Transforms:
             names = [t.name for t in self.items]
             raise ConfigError(f"'model.converters' = {names} is not supported yet for gpt-oss (phase 1): no "
                               "transform has been checked on its sinks, biases or clamped experts yet")
+        if self.items and model_args.rope_local_theta is not None:
+            raise ConfigError(f"'model.converters' = {[t.name for t in self.items]} is not supported yet for Gemma 3: "
+                              "no transform has been checked on its per-layer-type rope and sandwich norms yet")
         for t in self.items:
             t.check(model_args, parallel_dims)
 

@@ -15,6 +15,7 @@ from titan_lite.models.flavors import FLAVORS
 from titan_lite.models.hf.families import (
     ARCHITECTURES,
     FAMILIES,
+    FIXED_DEFAULTS,
     MODEL_TYPE_ALIASES,
     MOE_FAMILIES,
     WINDOW_FAMILIES,
@@ -22,7 +23,7 @@ from titan_lite.models.hf.families import (
     require_key,
     text_config_of,
 )
-from titan_lite.models.hf.rope import ROPE_FIELDS, rope_entries, rope_fields
+from titan_lite.models.hf.rope import ROPE_FIELDS, layer_type_rope_entries, rope_fields
 from titan_lite.models.parts.mixers import MIXERS, check_layer_types
 
 
@@ -37,17 +38,17 @@ def check_family_options(args: LlamaArgs, source: str = "model args") -> None:
         raise ConfigError(f"{source}: family '{args.family}' is not one of {', '.join(ARCHITECTURES)}")
     family = FAMILIES[args.family]
     expected = {"qkv_bias": family.qkv_bias, "qk_norm": family.qk_norm,
-                **{option: family.fixed.get(option, False) for option in ("attn_output_gate", "norm_unit_offset",
-                                                                          "attn_sinks", "attn_out_bias",
-                                                                          "moe_router_bias", "expert_bias")},
-                "moe_router": family.fixed.get("moe_router", "softmax_topk"),
-                "expert_act": family.fixed.get("expert_act", "swiglu")}
+                **{option: family.fixed.get(option, value) for option, value in FIXED_DEFAULTS.items()}}
     if not family.hybrid:
         expected["rope_partial_factor"] = 1.0
     for option, value in expected.items():
         if getattr(args, option) != value:
             raise ConfigError(f"{source}: {option} = {getattr(args, option)} cannot be written as a "
                               f"{ARCHITECTURES[args.family]}, which has {option} = {value}")
+    for option in ("query_pre_attn_scalar", "rope_local_theta"):
+        if getattr(args, option) is not None and option not in family.options:
+            raise ConfigError(f"{source}: {option} = {getattr(args, option)} cannot be written as a "
+                              f"{ARCHITECTURES[args.family]}, which has none")
     if args.n_experts and not family.moe:
         raise ConfigError(f"{source}: {args.n_experts} experts cannot be written as a {ARCHITECTURES[args.family]}, "
                           f"which has none; MoE families: {', '.join(MOE_FAMILIES)}")
@@ -78,10 +79,10 @@ def args_to_hf_config(args: LlamaArgs, dtype: torch.dtype, rope_form: str = "rop
         "head_dim": args.head_dim,
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
-        **rope_entries(args, rope_form),
+        **layer_type_rope_entries(args, rope_form),
         "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_word_embeddings,
-        "hidden_act": "silu",
+        "hidden_act": FAMILIES[args.family].hidden_act,
         **FAMILIES[args.family].write(args),
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
@@ -115,7 +116,8 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> LlamaArgs:
     model_type = MODEL_TYPE_ALIASES.get(model_type, model_type)
     if model_type not in ARCHITECTURES:
         raise ConfigError(f"{source}: model_type is '{model_type}'; expected one of {', '.join(ARCHITECTURES)}")
-    expect_value(cfg, "hidden_act", ("silu",), source)
+    cfg = {**FAMILIES[model_type].config_defaults, **cfg}
+    expect_value(cfg, "hidden_act", (FAMILIES[model_type].hidden_act,), source)
     dim, n_heads = int(require_key(cfg, "hidden_size", source)), int(require_key(cfg, "num_attention_heads", source))
     head_dim = int(cfg.get("head_dim") or dim // n_heads)
     if head_dim % 2:
@@ -152,7 +154,8 @@ _CHECKED_FIELDS = ("family", "dim", "n_layers", "n_heads", "kv_heads", "head_dim
                    "moe_ffn_dim", "moe_norm_topk_prob", "moe_layers", "attn_output_gate", "norm_unit_offset",
                    "rope_partial_factor", "linear_n_key_heads", "linear_n_value_heads", "linear_key_head_dim",
                    "linear_value_head_dim", "linear_conv_kernel", "attn_sinks", "attn_out_bias", "moe_router",
-                   "moe_router_bias", "expert_act", "expert_bias", "swiglu_alpha", "swiglu_limit")
+                   "moe_router_bias", "expert_act", "expert_bias", "swiglu_alpha", "swiglu_limit", "sandwich_norms",
+                   "embed_scale", "ffn_activation", "query_pre_attn_scalar", "rope_local_theta")
 _SCALING_FIELDS = ROPE_FIELDS[2:]
 
 

@@ -34,14 +34,21 @@ class Family:
     renames: dict[str, str] = field(default_factory=dict)  # HF layer suffixes spelled apart from Qwen3-MoE's
     check: Callable[[LlamaArgs, str], None] | None = None  # refuses args the family's class cannot hold
     fixed: dict = field(default_factory=dict)  # further LlamaArgs options the family always has (Qwen3.5's gate)
-    hybrid: bool = False  # may mix mixers across layers (Qwen3.5: Gated DeltaNet and attention)
+    hybrid: bool = False  # may mix mixers across layers (Qwen3.5: Gated DeltaNet and attention; Gemma 3: windows)
     model_type: str | None = None  # the model_type its config.json is written with, where not the row's key
     # where a multimodal folder holds the text model's "model." tensors (Qwen3.5: model.language_model.)
     text_prefix: str | None = None
     # HF tensor-name prefixes of parts titan_lite does not build, skipped on load (and said) -> what they are
     skipped: dict[str, str] = field(default_factory=dict)
     fused: dict[str, Fused] = field(default_factory=dict)  # HF layer suffix -> the titan_lite tensors it holds
-    layer_names: dict[str, str] = field(default_factory=dict)  # titan_lite -> HF layer suffixes only it has
+    # titan_lite layer suffixes only this family has -> its HF suffixes (gpt-oss's sinks and biases, Gemma 3's
+    # sandwich norms); the family's renames do not apply to them
+    layer_names: dict[str, str] = field(default_factory=dict)
+    # LlamaArgs options (default None) its config.json may set, which other families must leave unset
+    options: tuple[str, ...] = ()
+    hidden_act: str = "silu"  # the feed-forward's activation as config.json names it
+    # transformers' defaults of the family's config class, for the keys a release's config.json leaves out
+    config_defaults: dict = field(default_factory=dict)
 
 
 def require_key(cfg: dict, key: str, source: str):
@@ -135,11 +142,17 @@ def _mixtral_options(cfg: dict, source: str) -> dict:
 
 def text_config_of(cfg: dict) -> dict:
     """A multimodal config.json's text part (Qwen3.5's `text_config`, tie_word_embeddings from the top when the text
-    part lacks it), or the config itself."""
+    part lacks it, the text model_type where it lacks one), or the config itself."""
     text = cfg.get("text_config")
     if not isinstance(text, dict):
         return cfg
-    return {**({"tie_word_embeddings": cfg["tie_word_embeddings"]} if "tie_word_embeddings" in cfg else {}), **text}
+    model_type = _TEXT_MODEL_TYPES.get(cfg.get("model_type"))  # where the text part does not say its own
+    return {**({"model_type": model_type} if model_type else {}),
+            **({"tie_word_embeddings": cfg["tie_word_embeddings"]} if "tie_word_embeddings" in cfg else {}), **text}
+
+
+# a multimodal model_type -> its text model's
+_TEXT_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "gemma3": "gemma3_text"}
 
 
 def _qwen3_5_schedule(cfg: dict, source: str) -> list[str]:
@@ -234,6 +247,66 @@ def _gpt_oss_check(args: LlamaArgs, source: str) -> None:
                               f"{gpt_oss}")
 
 
+def _gemma3_schedule(cfg: dict, source: str) -> list[str]:
+    """Gemma 3's layer_types, given or from sliding_window_pattern (layer i is full attention when (i + 1) % pattern
+    is 0; default 6: five sliding layers to one full)."""
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    pattern = cfg.get("sliding_window_pattern", 6)
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise ConfigError(f"{source}: 'sliding_window_pattern' is {pattern!r}; expected a positive integer")
+    n_layers = int(require_key(cfg, "num_hidden_layers", source))
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
+
+
+def _gemma3_local_theta(cfg: dict, source: str) -> float:
+    """The sliding layers' rope base: rope_parameters' "sliding_attention" entry (transformers 5), else
+    rope_local_base_freq (default 10000); it must be plain RoPE."""
+    local = (cfg.get("rope_parameters") or {}).get("sliding_attention")
+    if isinstance(local, dict):
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(f"{source}: rope_parameters.sliding_attention's rope_type is {local['rope_type']!r}; "
+                              "titan_lite's Gemma3ForCausalLM supports only 'default' for the sliding layers")
+        return float(local.get("rope_theta", 10000.0))
+    return float(cfg.get("rope_local_base_freq", 10000.0))
+
+
+def _gemma3_options(cfg: dict, source: str) -> dict:
+    """Gemma 3 (text): sliding and full layers by layer_types, a rope per layer type, query_pre_attn_scalar; a
+    multimodal folder's config without a text_config, softcapping or bidirectional attention refused in one line."""
+    if cfg.get("model_type") == "gemma3":
+        raise ConfigError(f"{source}: model_type 'gemma3' (Gemma 3 with a vision tower) has no 'text_config'; "
+                          "titan_lite reads the text model from a 'text_config' object or a 'gemma3_text' config")
+    expect_value(cfg, "hidden_activation", ("gelu_pytorch_tanh",), source)
+    expect_value(cfg, "attention_bias", (False,), source)
+    expect_value(cfg, "use_bidirectional_attention", (False, None), source)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ConfigError(f"{source}: '{key}' is {cfg[key]!r}; titan_lite's Gemma3ForCausalLM supports only "
+                              "null (no softcapping)")
+    scalar = cfg.get("query_pre_attn_scalar", 256)
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or not scalar > 0:
+        raise ConfigError(f"{source}: 'query_pre_attn_scalar' is {scalar!r}; expected a positive number")
+    layer_types = _gemma3_schedule(cfg, source)
+    for layer, kind in enumerate(layer_types):
+        if kind not in ("sliding_attention", "full_attention"):
+            raise ConfigError(f"{source}: layer_types[{layer}] is {kind!r}; titan_lite's Gemma3ForCausalLM has "
+                              "'sliding_attention' and 'full_attention' layers only")
+    window = cfg.get("sliding_window", 4096) if "sliding_attention" in layer_types else cfg.get("sliding_window")
+    return {"layer_types": layer_types, "sliding_window": None if window is None else int(window),
+            "query_pre_attn_scalar": float(scalar), "rope_local_theta": _gemma3_local_theta(cfg, source)}
+
+
+def _gemma3_check(args: LlamaArgs, source: str) -> None:
+    """Gemma3ForCausalLM: sliding and full attention layers, a local rope base."""
+    for layer, kind in enumerate(args.schedule):
+        if kind not in ("sliding_attention", "full_attention"):
+            raise ConfigError(f"{source}: layer_types[{layer}] is {kind!r}, which a Gemma3ForCausalLM cannot write: "
+                              "it has 'sliding_attention' and 'full_attention' layers only")
+    if args.rope_local_theta is None or args.query_pre_attn_scalar is None:
+        raise ConfigError(f"{source}: a Gemma3ForCausalLM needs rope_local_theta and query_pre_attn_scalar set")
+
+
 # ------------------------------------------------------------------------------------- args -> config.json
 
 
@@ -305,6 +378,26 @@ _GPT_OSS_NAMES = {"mlp.gate.weight": "mlp.router.weight"}
 _GPT_OSS_LAYER_NAMES = {"moe.router.gate.bias": "mlp.router.bias", "attention.wo.bias": "self_attn.o_proj.bias",
                         "attention.sinks": "self_attn.sinks"}
 
+
+def _gemma3_keys(args: LlamaArgs) -> dict:
+    scalar = args.query_pre_attn_scalar  # transformers' config takes an int only
+    return {"attention_bias": False, "layer_types": list(args.schedule), "sliding_window": args.sliding_window,
+            "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,
+            "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": None, "final_logit_softcapping": None,
+            "use_bidirectional_attention": False}
+
+
+# Gemma 3's sandwich norms: ffn_norm is its pre_feedforward_layernorm, post_attention_layernorm the mixer's output's.
+_GEMMA3_RENAMES = {"post_attention_layernorm.weight": "pre_feedforward_layernorm.weight"}
+_GEMMA3_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                 "post_ffn_norm.weight": "post_feedforward_layernorm.weight"}
+
+# Gemma3TextConfig's defaults (transformers 5.24): the release folders' text_config leaves most of them out
+_GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+                    "max_position_embeddings": 131072, "tie_word_embeddings": True, "rope_theta": 1000000.0,
+                    "query_pre_attn_scalar": 256, "sliding_window": 4096}
+
 # Mixtral's layer suffixes for Qwen3-MoE's (names.py's table).
 _MIXTRAL_NAMES = {"mlp.gate.weight": "block_sparse_moe.gate.weight",
                   "mlp.experts.{j}.gate_proj.weight": "block_sparse_moe.experts.{j}.w1.weight",
@@ -334,9 +427,25 @@ FAMILIES: dict[str, Family] = {
                       layer_names=_GPT_OSS_LAYER_NAMES,
                       fixed={"attn_sinks": True, "attn_out_bias": True, "moe_router": "topk_softmax",
                              "moe_router_bias": True, "expert_act": "clamped_swiglu", "expert_bias": True}),
+    # Gemma 3's text model (Gemma3ForCausalLM, "gemma3_text"); a "gemma3" folder's text_config read, its vision
+    # tower and projector skipped
+    "gemma3_text": Family("Gemma3ForCausalLM", _gemma3_options, _gemma3_keys, qk_norm=True, window=True,
+                          check=_gemma3_check, hybrid=True, renames=_GEMMA3_RENAMES, layer_names=_GEMMA3_NAMES,
+                          fixed={"norm_unit_offset": True, "sandwich_norms": True, "embed_scale": True,
+                                 "ffn_activation": "gelu_tanh"},
+                          options=("query_pre_attn_scalar", "rope_local_theta"), hidden_act="gelu_pytorch_tanh",
+                          config_defaults=_GEMMA3_DEFAULTS,
+                          text_prefix="model.language_model.",
+                          skipped={"model.vision_tower.": "vision tower",
+                                   "model.multi_modal_projector.": "multimodal projector"}),
 }
 # model_type values read as another row's
-MODEL_TYPE_ALIASES = {"qwen3_5_text": "qwen3_5"}
+MODEL_TYPE_ALIASES = {"qwen3_5_text": "qwen3_5", "gemma3": "gemma3_text"}
+# The options a family fixes, at the values every other family has
+FIXED_DEFAULTS = {"attn_output_gate": False, "norm_unit_offset": False, "sandwich_norms": False,
+                  "embed_scale": False, "ffn_activation": "silu", "attn_sinks": False, "attn_out_bias": False,
+                  "moe_router_bias": False, "expert_bias": False, "moe_router": "softmax_topk",
+                  "expert_act": "swiglu"}
 ARCHITECTURES = {model_type: family.architecture for model_type, family in FAMILIES.items()}
 MOE_FAMILIES = tuple(model_type for model_type, family in FAMILIES.items() if family.moe)
 WINDOW_FAMILIES = tuple(model_type for model_type, family in FAMILIES.items() if family.window)

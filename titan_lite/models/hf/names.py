@@ -139,8 +139,7 @@ class HFNames:
         if not renamed and not fused and not own:
             return self
         held = {part for f in fused.values() for part in f.parts}
-        layer = {**self.layer, **own}
-        return replace(self, layer={t: renamed.get(h, h) for t, h in layer.items()},
+        return replace(self, layer={**{t: renamed.get(h, h) for t, h in self.layer.items()}, **own},
                        experts={t: renamed.get(h, h) for t, h in self.experts.items() if t not in held},
                        fused=dict(fused))
 

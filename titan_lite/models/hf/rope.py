@@ -57,6 +57,19 @@ def rope_entries(args: LlamaArgs, form: str) -> dict:
     return {"rope_theta": float(args.rope_theta), "rope_scaling": scaling, **partial}
 
 
+def layer_type_rope_entries(args: LlamaArgs, form: str) -> dict:
+    """rope_entries, with the sliding layers' own base where they have one (Gemma 3): rope_local_base_freq beside
+    the rope_scaling form, or rope_parameters per layer type ("full_attention", "sliding_attention")."""
+    entries = rope_entries(args, form)
+    if args.rope_local_theta is None:
+        return entries
+    local = float(args.rope_local_theta)
+    if form == "rope_scaling":
+        return {**entries, "rope_local_base_freq": local}
+    return {"rope_parameters": {"full_attention": entries["rope_parameters"],
+                                "sliding_attention": {"rope_type": "default", "rope_theta": local}}}
+
+
 _DYNAMIC_REFUSED = ("its frequencies follow the longest sequence seen so far (transformers recomputes them whenever a "
                     "longer one arrives), so a trained model has no fixed rotation per position; use 'yarn' or "
                     "'linear'")
@@ -95,6 +108,10 @@ def rope_fields(cfg: dict, source: str) -> dict:
     """The LlamaArgs rope fields of a config.json, from transformers 4 (rope_theta + rope_scaling) or 5
     (rope_parameters, rope_theta inside) configs; a rope type titan_lite cannot compute, or a value transformers
     would refuse, is a ConfigError naming the file and its key."""
+    per_type = cfg.get("rope_parameters")
+    if isinstance(per_type, dict) and isinstance(per_type.get("full_attention"), dict):
+        # rope_parameters per layer type (Gemma 3): the full layers' here, the sliding layers' read by the family
+        cfg = {**cfg, "rope_parameters": per_type["full_attention"]}
     key, scaling = _rope_entry(cfg, source)
     where = f"{source}: '{key}'"
     theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))

@@ -1,7 +1,8 @@
 """The attention mixer (attention.wq/wk/wv/wo): GQA, q/k/v biases (Qwen2/2.5), q/k RMSNorms over head_dim (Qwen3,
 attention.q_norm/k_norm), a sliding window (Mistral, the "sliding_attention" layers), RoPE on q and k (on the first
 rotary_dim channels of each head only, Qwen3.5), a sigmoid output gate from a doubled wq (Qwen3.5), a learned sink
-logit per head and a bias on wo (gpt-oss, attention.sinks, attention.wo.bias). It declares
+logit per head and a bias on wo (gpt-oss, attention.sinks, attention.wo.bias), a softmax scale of
+query_pre_attn_scalar ** -0.5 (Gemma 3). It declares
 what packed documents need (`document_mask`, shared by the mixers of one `mask_key`) and its window."""
 
 import torch
@@ -39,6 +40,10 @@ class Attention(nn.Module):
         # Qwen3: one RMSNorm over head_dim, shared by every head, on q and on k.
         self.q_norm = make_norm(self.head_dim, args) if args.qk_norm else None
         self.k_norm = make_norm(self.head_dim, args) if args.qk_norm else None
+        # Gemma 3's softmax scale, query_pre_attn_scalar ** -0.5 for head_dim ** -0.5: folded into q (after its norm)
+        # so every kernel (SDPA, flex, context parallel's, the generation cache's) keeps its default scale.
+        scalar = args.query_pre_attn_scalar
+        self.q_scale = None if scalar is None else (self.head_dim / scalar) ** 0.5
         self.inner_attention = CausalAttention(window, flex=args.attn_type == "flex")
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None,
@@ -60,6 +65,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_scale is not None:
+            q = q * self.q_scale
         if cache is not None:
             out = cache.attend(q, k, v) if self.sinks is None else cache.attend(q, k, v, sinks=self.sinks)
         else:

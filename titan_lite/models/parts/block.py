@@ -1,5 +1,6 @@
 """A decoder block: pre-norm residuals around the layer's mixer and its feed-forward, dense (feed_forward) or, in
-the MoE layers of an MoE model, routed (moe)."""
+the MoE layers of an MoE model, routed (moe); with sandwich norms (Gemma 3) each output is normed again before its
+residual add (post_attention_norm, post_ffn_norm)."""
 
 import torch
 from torch import nn
@@ -13,7 +14,8 @@ from titan_lite.models.parts.norms import make_norm
 
 
 class TransformerBlock(nn.Module):
-    """x + mixer(norm(x)), then h + feed-forward(norm(h)); parts chosen by the args' schedule for this layer."""
+    """x + mixer(norm(x)), then h + feed-forward(norm(h)) (sandwich: x + post_norm(mixer(norm(x))), likewise the
+    feed-forward); parts chosen by the args' schedule for this layer."""
 
     def __init__(self, args: LlamaArgs, layer_id: int):
         super().__init__()
@@ -25,10 +27,14 @@ class TransformerBlock(nn.Module):
         if self.moe_enabled:
             self.moe = MoE(args)
         else:
-            self.feed_forward = FeedForward(args.dim, args.ffn_dim_of(layer_id))
+            self.feed_forward = FeedForward(args.dim, args.ffn_dim_of(layer_id), args.ffn_activation)
+        self.post_attention_norm = make_norm(args.dim, args) if args.sandwich_norms else None
+        self.post_ffn_norm = make_norm(args.dim, args) if args.sandwich_norms else None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None,
                 mask=None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, cache=cache, mask=mask)
+        mixed = self.attention(self.attention_norm(x), rope, cache=cache, mask=mask)
+        h = x + (mixed if self.post_attention_norm is None else self.post_attention_norm(mixed))
         mlp = self.moe if self.moe_enabled else self.feed_forward
-        return h + mlp(self.ffn_norm(h))
+        fed = mlp(self.ffn_norm(h))
+        return h + (fed if self.post_ffn_norm is None else self.post_ffn_norm(fed))

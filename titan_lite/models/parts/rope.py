@@ -4,6 +4,7 @@ pairs (x0, x1), (x2, x3), ... (Meta's and torchtitan's layout; HF checkpoints us
 permuted on import and export, models/hf/state_dict.py)."""
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -114,3 +115,11 @@ def rotate_channels(x: torch.Tensor, cache: torch.Tensor, rotary_dim: int) -> to
     if rotary_dim == x.shape[-1]:
         return apply_rope(x, cache)
     return torch.cat([apply_rope(x[..., :rotary_dim], cache), x[..., rotary_dim:]], dim=-1)
+
+
+def local_rope_cache(args: LlamaArgs, device: torch.device | None = None) -> torch.Tensor | None:
+    """The sliding layers' own cache (Gemma 3: base rope_local_theta, no scaling), or None where every layer shares
+    rope_cache."""
+    if args.rope_local_theta is None:
+        return None
+    return rope_cache(replace(args, rope_theta=args.rope_local_theta, rope_scaling_factor=None), device)

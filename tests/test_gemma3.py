@@ -1,0 +1,244 @@
+"""Gemma 3 (text) on the decoder in parts, against transformers' Gemma3ForCausalLM on random small models with wide
+weights and sequences longer than the sliding window: equal logits, the HF round trip, a multimodal folder's text
+model, packed documents equal to one document per row, greedy generation, and bad input refused in one line."""
+
+import json
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig  # noqa: E402
+
+from titan_lite.checkpoint.hf import load_hf_weights, write_hf_folder  # noqa: E402
+from titan_lite.errors import ConfigError  # noqa: E402
+from titan_lite.generate.decode import GenerationConfig, generate  # noqa: E402
+from titan_lite.models.decoder import Llama  # noqa: E402
+from titan_lite.models.flavors import flavor_args  # noqa: E402
+from titan_lite.models.hf.config import args_from_hf_config, args_to_hf_config  # noqa: E402
+from titan_lite.parallel.parallelize import refuse_hybrid_layouts  # noqa: E402
+from titan_lite.transforms.base import Transforms  # noqa: E402
+
+VOCAB = 512
+WINDOW = 16
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, max_position_embeddings=256,
+             sliding_window=WINDOW, query_pre_attn_scalar=24, tie_word_embeddings=True,
+             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+
+
+def widened(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every norm weight drawn far from its default (0 of the (1 + w) form), so a wrong norm or placement shows."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    return model
+
+
+def hf_model(**overrides) -> Gemma3ForCausalLM:
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(**{**SMALL, **overrides})
+    config._attn_implementation = "eager"
+    return widened(Gemma3ForCausalLM(config).eval().float())
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemma3")
+    hf_model().save_pretrained(folder)
+    return folder
+
+
+def load_titan(folder, **overrides) -> Llama:
+    args = replace(args_from_hf_config(json.loads((folder / "config.json").read_text())), **overrides)
+    model = Llama(args)
+    load_hf_weights([model], str(folder), args)
+    return model.eval()
+
+
+def reference(folder) -> Gemma3ForCausalLM:
+    return Gemma3ForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+
+
+def tokens(batch: int = 2, seq: int = 45, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_options_are_read_from_config_json(saved):
+    args = args_from_hf_config(json.loads((saved / "config.json").read_text()))
+    assert args.family == "gemma3_text" and args.schedule == ["sliding_attention"] * 5 + ["full_attention"]
+    assert (args.sandwich_norms, args.embed_scale, args.norm_unit_offset, args.qk_norm, args.ffn_activation) == \
+        (True, True, True, True, "gelu_tanh")
+    assert (args.sliding_window, args.query_pre_attn_scalar, args.rope_theta, args.rope_local_theta) == \
+        (WINDOW, 24.0, 1000000.0, 10000.0)
+    assert (args.rope_scaling_type, args.rope_scaling_factor, args.tie_word_embeddings) == ("linear", 2.0, True)
+
+
+def test_logits_equal_transformers_past_the_window(saved):
+    ids = tokens()
+    with torch.no_grad():
+        expected = reference(saved)(ids).logits
+        ours = load_titan(saved)(ids)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+
+
+def test_packed_documents_equal_one_document_per_row(saved):
+    model = load_titan(saved, attn_mask_type="block_causal")
+    lengths = [13, 29, 22]
+    docs = [tokens(1, n, seed=10 + i)[0] for i, n in enumerate(lengths)]
+    packed = torch.cat(docs)[None]
+    documents = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    loss_fn = torch.nn.functional.cross_entropy
+    spans = [(sum(lengths[:i]), sum(lengths[:i + 1])) for i in range(len(lengths))]
+    model.zero_grad()
+    logits = model(packed, positions=positions, documents=documents)
+    packed_loss = sum(loss_fn(logits[0, s:e - 1], packed[0, s + 1:e], reduction="sum") for s, e in spans)
+    packed_loss.backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    alone = [model(doc[None]) for doc in docs]
+    alone_loss = sum(loss_fn(out[0, :-1], doc[1:], reduction="sum") for out, doc in zip(alone, docs, strict=True))
+    alone_loss.backward()
+    torch.testing.assert_close(logits, torch.cat(alone, dim=1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed_loss, alone_loss, rtol=1e-6, atol=0)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(packed_grads[name], param.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bfloat16_embedding_scale_and_norms_match_transformers(saved):
+    """In bfloat16 the sqrt(dim) factor is rounded to bfloat16 before the product (8.0 stays exact, so a hidden size
+    of 48 is used: sqrt 6.93 rounds) and the norms compute in float32: equal embeddings and norms."""
+    from transformers import Gemma3TextConfig as Config
+
+    torch.manual_seed(0)
+    hf = widened(Gemma3ForCausalLM(Config(**{**SMALL, "hidden_size": 48})).eval())
+    folder = saved.parent / "gemma3_bf16"
+    hf.save_pretrained(folder)
+    ours = load_titan(folder).to(torch.bfloat16)
+    hf = hf.to(torch.bfloat16)
+    ids = tokens()
+    with torch.no_grad():
+        assert torch.equal(ours.embed(ids), hf.model.embed_tokens(ids))
+        norm = ours.layers["0"].attention_norm
+        x = torch.randn(2, 5, 48).to(torch.bfloat16)
+        assert torch.equal(norm(x), hf.model.layers[0].input_layernorm(x))
+
+
+def test_hf_round_trip_loads_in_transformers_with_equal_logits(saved, tmp_path):
+    model = load_titan(saved)
+    ids = tokens()
+    for form, assets in (("rope_scaling", None), ("rope_parameters", str(saved))):  # as the source wrote it
+        out = tmp_path / form
+        write_hf_folder(model.state_dict(), model.args, str(out), torch.float32, assets_dir=assets)
+        config = json.loads((out / "config.json").read_text())
+        assert (config["model_type"], config["architectures"]) == ("gemma3_text", ["Gemma3ForCausalLM"])
+        assert form in config
+        with torch.no_grad():
+            reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+            assert type(reloaded) is Gemma3ForCausalLM
+            torch.testing.assert_close(reloaded(ids).logits, model(ids), rtol=0, atol=1e-5)
+        assert args_from_hf_config(config) == model.args
+
+
+def test_a_multimodal_folder_loads_its_text_model_and_skips_vision(saved, tmp_path, caplog):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "release"
+    folder.mkdir()
+    text = json.loads((saved / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({"model_type": "gemma3", "architectures":
+                                                    ["Gemma3ForConditionalGeneration"], "text_config": text,
+                                                    "vision_config": {"num_hidden_layers": 2}}))
+    tensors = {name.replace("model.", "model.language_model.", 1): t
+               for name, t in load_file(saved / "model.safetensors").items()}
+    tensors |= {"model.vision_tower.patch.weight": torch.zeros(4, 3),
+                "model.multi_modal_projector.proj.weight": torch.zeros(4, 4)}
+    save_file(tensors, folder / "model.safetensors")
+    ids = tokens()
+    with caplog.at_level("INFO", logger="titan_lite"), torch.no_grad():
+        torch.testing.assert_close(load_titan(folder)(ids), load_titan(saved)(ids), rtol=0, atol=0)
+    assert "skipping 1 tensors of the vision tower" in caplog.text
+    assert "skipping 1 tensors of the multimodal projector" in caplog.text
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"final_logit_softcapping": 30.0}, "'final_logit_softcapping' is 30.0; titan_lite's Gemma3ForCausalLM supports "
+                                        "only null"),
+    ({"attn_logit_softcapping": 50.0}, "'attn_logit_softcapping' is 50.0"),
+    ({"hidden_activation": "gelu"}, "'hidden_activation' is 'gelu'"),
+    ({"use_bidirectional_attention": True}, "'use_bidirectional_attention' is True"),
+    ({"model_type": "gemma3"}, "model_type 'gemma3' (Gemma 3 with a vision tower) has no 'text_config'"),
+    ({"query_pre_attn_scalar": 0}, "'query_pre_attn_scalar' is 0; expected a positive number"),
+    ({"layer_types": None, "sliding_window_pattern": 0}, "'sliding_window_pattern' is 0"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     "rope_parameters.sliding_attention's rope_type is 'linear'"),
+    ({"layer_types": ["sliding_attention"] * 5 + ["linear_attention"]}, "layer_types[5] is 'linear_attention'"),
+])
+def test_bad_config_is_one_line(saved, overrides, message):
+    cfg = {**json.loads((saved / "config.json").read_text()), **overrides}
+    with pytest.raises(ConfigError, match="^config.json: ") as err:
+        args_from_hf_config(cfg)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_sliding_window_pattern_gives_the_schedule(saved):
+    cfg = {**json.loads((saved / "config.json").read_text()), "layer_types": None, "sliding_window_pattern": 3}
+    assert args_from_hf_config(cfg).schedule == ["sliding_attention", "sliding_attention", "full_attention"] * 2
+
+
+def test_a_release_text_config_reads_transformers_defaults():
+    """A release's text_config names only what differs from Gemma3TextConfig's defaults (gemma-3-4b's keys): read
+    as transformers fills it in."""
+    release = {"model_type": "gemma3", "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                                                       "num_hidden_layers": 34, "sliding_window": 1024,
+                                                       "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}}
+    filled = Gemma3TextConfig(**release["text_config"]).to_dict()
+    ours = args_from_hf_config(release)
+    assert ours == args_from_hf_config(filled)
+    assert (ours.vocab_size, ours.head_dim, ours.n_heads, ours.kv_heads, ours.rope_theta, ours.rope_local_theta,
+            ours.query_pre_attn_scalar, ours.tie_word_embeddings) == (262208, 256, 8, 4, 1e6, 1e4, 256.0, True)
+    assert ours.schedule == (["sliding_attention"] * 5 + ["full_attention"]) * 5 + ["sliding_attention"] * 4
+
+
+def test_greedy_generation_equals_transformers_past_the_window(saved):
+    prompts = tokens(2, 20, seed=4)
+    new = 12
+    with torch.no_grad():
+        expected = reference(saved).generate(
+            prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+            pad_token_id=0)[:, 20:].tolist()
+    got = generate(load_titan(saved), prompts.tolist(), GenerationConfig(max_new_tokens=new), torch.device("cpu"))
+    assert got == expected and got[0] != got[1]
+
+
+def test_what_phase_one_does_not_run_is_refused_in_one_line(saved):
+    args = load_titan(saved).args
+    for setting in ("tp", "cp", "pp"):
+        dims = SimpleNamespace(**{f"{name}_enabled": name == setting for name in ("tp", "cp", "pp")})
+        with pytest.raises(ConfigError, match=r"^parallelism\.\w+_parallel_degree > 1 is not supported yet for Gemma"):
+            refuse_hybrid_layouts(load_titan(saved), dims)
+    with pytest.raises(ConfigError, match=r"^'model.converters' = \['lora'\] is not supported yet for Gemma 3"):
+        Transforms([SimpleNamespace(name="lora")]).check(args, None)
+    with pytest.raises(ConfigError, match="^model args: rope_local_theta = 10000.0 cannot be written as a "
+                                          "LlamaForCausalLM, which has none$"):
+        args_to_hf_config(replace(flavor_args("debugmodel"), rope_local_theta=10000.0), torch.float32)
+
+
+def test_the_debug_flavor_initialises_and_exports_to_transformers(tmp_path):
+    args = replace(flavor_args("debugmodel_gemma3"), max_seq_len=128)
+    model = Llama(args)
+    model.init_weights(seed=0)
+    assert float(model.layers["0"].post_ffn_norm.weight.detach().abs().max()) == 0.0  # (1 + w): w starts at 0
+    write_hf_folder(model.state_dict(), args, str(tmp_path / "hf"), torch.float32)
+    ids = torch.randint(0, args.vocab_size, (1, 90), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = reference(tmp_path / "hf")(ids).logits
+        torch.testing.assert_close(model.eval()(ids), theirs, rtol=0, atol=1e-5)
