@@ -20,6 +20,7 @@ from titan_lite.config.schema import Grpo
 from titan_lite.data.datasets import document_positions
 from titan_lite.data.prompts import PromptFile, PromptRow
 from titan_lite.errors import ConfigError
+from titan_lite.generate import Sampling
 from titan_lite.objective.frozen import FrozenForward
 from titan_lite.objective.grpo import GRPOLoss, GRPOObjective, completion_units
 from titan_lite.rl.advantages import group_advantages, reward_metrics
@@ -207,6 +208,44 @@ def test_padded_equals_packed():
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("logprobs", ["sampled", "full"])
+def test_training_scores_the_rollouts_distribution(logprobs):
+    """A tiny GRPO step on the policy's own samples (temperature 0.7, top k 40, top p 0.8): the training forward's
+    log-probabilities equal the rollout's within 1e-5 for both choices, so the first iteration's ratio is 1 (no token
+    clipped); "sampled" scores the truncated distribution, above the full one's, and gets a gradient of the same
+    magnitude order."""
+    from titan_lite.generate import GenerationConfig, sample
+    from titan_lite.objective.logps import tempered_logps
+
+    model = perturbed(3)
+    prompts, _ = fixed_ids(2)
+    cfg = GenerationConfig(max_new_tokens=6, temperature=TEMPERATURE, top_k=40, top_p=0.8, keep_stop=True,
+                           logprobs=logprobs)
+    uniforms = torch.rand(4, 6, generator=torch.Generator().manual_seed(7))
+    decoded = sample(model, [p for p in prompts for _ in range(2)], cfg, torch.device("cpu"), uniforms)
+    rollout = Rollout(prompts, [d.tokens for d in decoded], [d.logps for d in decoded], [0.5, -1.0, 0.2, 0.3])
+    batch = microbatch([Document.of(rollout, i, 2) for i in range(4)], 30, True, pad_id=0)
+    inputs, labels, docs = batch.inputs, batch.labels, batch.documents
+    sampled = Sampling(TEMPERATURE, 40, 0.8, logprobs) if logprobs == "sampled" else None
+    spec = GRPOLoss("dapo", 0.2, 0.2, 0.0, TEMPERATURE, 6, sampled=sampled)
+    objective = GRPOObjective(None, spec, None)
+    prepared = objective.prepare(batch, lambda *t: t)
+    logits = model(inputs, positions=document_positions(docs), documents=docs)
+    trained = labels != -100
+    logps, _ = tempered_logps(logits, labels, TEMPERATURE, keep=spec.keep())
+    torch.testing.assert_close(logps[trained], prepared.old_logps[trained], atol=1e-5, rtol=0)
+    full, _ = tempered_logps(logits, labels, TEMPERATURE)
+    if sampled is None:
+        assert torch.equal(logps, full)
+    else:
+        assert (logps[trained] >= full[trained]).all() and (logps[trained] > full[trained] + 1e-3).any()
+    loss = objective.loss_sum(logits, labels, None, prepared)
+    loss.backward()
+    sums = objective.metrics(objective.sums)
+    assert sums["clip_ratio/region_mean"] == 0
+    assert model.output.weight.grad.abs().sum() > 0
+
+
 # ------------------------------------------------------------------------------------------ rewards and prompts
 
 
@@ -341,6 +380,11 @@ BAD_INPUTS = [
      QUESTION),
     ("a reference without a KL term", "'grpo.reference' = '/somewhere' has no effect: 'grpo.beta' = 0 has no KL term",
      ["--grpo.reference", "/somewhere"], QUESTION),
+    ("logprobs neither full nor sampled", "'grpo.logprobs' = 'exact' is not one of: full, sampled",
+     ["--grpo.logprobs", "exact"], QUESTION),
+    ("sampled logprobs with nothing truncated", "'grpo.logprobs' = 'sampled' has no effect: with 'grpo.top_p' = 1 and "
+     "'grpo.top_k' = 0 the sampled distribution is the full one; set top_p < 1 or top_k, or logprobs = 'full'",
+     ["--grpo.logprobs", "sampled"], QUESTION),
     ("pipeline parallelism", "'training.dataset' = 'prompts' does not run under pipeline parallelism",
      ["--parallelism.pipeline_parallel_degree", "2"], QUESTION),
     ("grpo settings without prompts", "'grpo.beta' = 0.1 has no effect: [grpo] is read only when 'training.dataset' or "

@@ -767,6 +767,11 @@ class Grpo:
                                   "are of the same tempered distribution, as TRL's.")
     top_p: float = opt(1.0, "Sample among the most likely tokens holding this much probability (1 = all).")
     top_k: int = opt(0, "Sample among the k most likely tokens (0 = all).")
+    logprobs: Literal["full", "sampled"] = opt(
+        "full", "The policy's distribution whose log-probabilities the rollout records and training computes: full = "
+        "softmax(logits / temperature) over the whole vocabulary (TRL's default); sampled = the one the tokens are "
+        "drawn from, truncated by top_k / top_p and renormalised (the importance ratio is exactly on-policy; needs "
+        "top_p < 1 or top_k). The KL term's reference keeps its full tempered distribution.")
     generation_batch_size: int = opt(
         0, "Completions a rank decodes together (their KV cache is held at once); 0 = all of its completions of the "
         "step (local_batch_size x gradient accumulation).")

@@ -432,6 +432,9 @@ def check_grpo(cfg: JobConfig) -> None:
     _require(math.isfinite(g.temperature) and g.temperature > 0,
              f"'grpo.temperature' must be positive (rollouts sample), got {g.temperature}")
     _require(0 < g.top_p <= 1, f"'grpo.top_p' must be in (0, 1], got {g.top_p}")
+    _require(g.logprobs != "sampled" or g.top_p < 1 or g.top_k > 0,
+             "'grpo.logprobs' = 'sampled' has no effect: with 'grpo.top_p' = 1 and 'grpo.top_k' = 0 the sampled "
+             "distribution is the full one; set top_p < 1 or top_k, or logprobs = 'full'")
     for key in ("top_k", "generation_batch_size", "length_penalty_buffer"):
         _at_least(cfg, f"grpo.{key}", 0)
     _at_least(cfg, "grpo.num_iterations", 1)

@@ -19,7 +19,7 @@ from torch import nn
 
 from titan_lite.dtensor import full_tensor
 from titan_lite.generate.cache import KVCache
-from titan_lite.generate.sampling import Sampling, choose, chosen_logps
+from titan_lite.generate.sampling import Sampling, choose_with, chosen_logps
 
 
 @dataclass
@@ -32,10 +32,11 @@ class GenerationConfig:
     pad_id: int = 0
     seed: int = 0  # of the uniform numbers the samples are drawn with, unless they are given
     keep_stop: bool = False  # the stop token ends the row's tokens (RL trains on it); else it is not returned
+    logprobs: str = "full"  # the returned log-probabilities' distribution: full tempered, or "sampled" (truncated)
 
     @property
     def sampling(self) -> Sampling:
-        return Sampling(self.temperature, self.top_k, self.top_p)
+        return Sampling(self.temperature, self.top_k, self.top_p, self.logprobs)
 
 
 @dataclass
@@ -130,8 +131,8 @@ def _decode(model: nn.Module, prompts: Sequence[Sequence[int]], cfg: GenerationC
     lead = torch.zeros(batch, m - 1, dtype=torch.long, device=device)
     for step in range(cfg.max_new_tokens):
         last = full_tensor(logits)[:, -1]
-        chosen = choose(last, cfg.sampling, None if uniforms is None else uniforms[:, step])
-        logps = chosen_logps(last, chosen, cfg.sampling).tolist()
+        chosen, probs = choose_with(last, cfg.sampling, None if uniforms is None else uniforms[:, step])
+        logps = chosen_logps(last, chosen, cfg.sampling, probs).tolist()
         finished = torch.isin(chosen, stop)
         keep = ~done & (~finished | cfg.keep_stop)
         for i in keep.nonzero().flatten().tolist():

@@ -1,7 +1,8 @@
 """GRPO as the training objective ([grpo], training.dataset = "prompts"), with TRL's loss types: on a microbatch of
 rollouts (rl/rollout.py: prompt + completion documents, each label's sampling log-probability and its completion's
 advantage) the policy's log-probabilities at the sampling temperature (chunked, float32, vocab-sharded under TP:
-objective/logps.py) give the clipped importance-weighted advantage of every completion token, plus beta x the k3 KL
+objective/logps.py; with logprobs "sampled", of the truncated distribution the rollout drew from) give the clipped
+importance-weighted advantage of every completion token, plus beta x the k3 KL
 to the reference (the policy with its adapters off, or a frozen model: objective/frozen.py, as preference tuning's).
 The token losses are summed; the trainer divides by the step's global units: completion tokens (dapo), completions
 (grpo, each completion's tokens weighted by 1 / its length first) or completions x max_completion_length (dr_grpo),
@@ -18,6 +19,7 @@ from torch import nn
 
 from titan_lite.config.schema import JobConfig
 from titan_lite.data.batch import Batch
+from titan_lite.generate import Sampling, kept_tokens
 from titan_lite.job.assembly import BuiltModel
 from titan_lite.job.plan import JobPlan
 from titan_lite.loss import IGNORE_INDEX
@@ -40,17 +42,25 @@ class GRPOLoss:
     temperature: float = 1.0
     max_completion_length: int = 512
     kl_ratio: bool = True  # the KL weighted by the importance ratio (use_bias_correction_kl)
+    sampled: Sampling | None = None  # logprobs "sampled": the policy's truncated distribution (the rollout's)
 
     def describe(self) -> str:
         clip = f"clip [1 - {self.epsilon:g}, 1 + {self.epsilon_high:g}]"
         kl = f", beta {self.beta:g} x k3 KL" if self.beta else " (no KL term)"
-        return f"loss {self.loss_type}, {clip}{kl}, temperature {self.temperature:g}"
+        where = " (top k / top p, renormalised)" if self.sampled is not None else ""
+        return f"loss {self.loss_type}, {clip}{kl}, temperature {self.temperature:g}{where}"
+
+    def keep(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The policy's tokens in its distribution (logps.Keep), or None: all of them."""
+        return None if self.sampled is None else lambda block: kept_tokens(block, self.sampled)
 
 
 def loss_spec(cfg: JobConfig) -> GRPOLoss:
     g = cfg.grpo
+    sampling = Sampling(g.temperature, g.top_k or None, g.top_p, g.logprobs)
     return GRPOLoss(g.loss_type, g.epsilon, g.epsilon if g.epsilon_high is None else g.epsilon_high, g.beta,
-                    g.temperature, g.max_completion_length, g.use_bias_correction_kl)
+                    g.temperature, g.max_completion_length, g.use_bias_correction_kl,
+                    sampling if sampling.sampled else None)
 
 
 def reference_spec(cfg: JobConfig) -> FrozenSpec:
@@ -146,7 +156,9 @@ class GRPOObjective(Objective):
     @torch.no_grad()
     def reference(self, forward: Callable[[nn.Module], torch.Tensor],
                   prepared: CompletionBatch = None) -> torch.Tensor | None:
-        """The reference's per-token log-probabilities at the temperature (None without a KL term)."""
+        """The reference's per-token log-probabilities at the temperature (None without a KL term): of its full
+        tempered distribution, also with logprobs "sampled" (k3 then estimates KL(truncated policy || reference) from
+        the policy's own samples; truncated by its own top p the reference could give a sampled token -inf)."""
         if not self.spec.beta:
             return None
         logits = self.frozen(forward)
@@ -156,7 +168,8 @@ class GRPOObjective(Objective):
     def loss_and_sums(self, logits: torch.Tensor, batch: CompletionBatch,
                       reference: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the microbatch's weighted sum of token losses, its TOKEN_SUMS)."""
-        logps, entropy = tempered_logps(logits, batch.labels, self.spec.temperature, entropy=True)
+        logps, entropy = tempered_logps(logits, batch.labels, self.spec.temperature, entropy=True,
+                                        keep=self.spec.keep())
         per_token, kl, low, high = token_terms(logps, batch, reference, self.spec)
         valid = (batch.labels != IGNORE_INDEX).double()
         loss = (per_token * batch.weights).sum()

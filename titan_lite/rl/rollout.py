@@ -58,7 +58,8 @@ def generation_config(cfg: JobConfig, stop_ids: tuple[int, ...], pad_id: int, gr
     """[grpo]'s sampling settings (greedy for validation); the end token is kept: it is trained like TRL's."""
     g = cfg.grpo
     return GenerationConfig(max_new_tokens=g.max_completion_length, temperature=0.0 if greedy else g.temperature,
-                            top_k=g.top_k or None, top_p=g.top_p, stop_ids=stop_ids, pad_id=pad_id, keep_stop=True)
+                            top_k=g.top_k or None, top_p=g.top_p, stop_ids=stop_ids, pad_id=pad_id, keep_stop=True,
+                            logprobs=g.logprobs)
 
 
 def length_multiple(cfg: JobConfig) -> int:
