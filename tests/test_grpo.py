@@ -246,6 +246,33 @@ def test_training_scores_the_rollouts_distribution(logprobs):
     assert model.output.weight.grad.abs().sum() > 0
 
 
+def test_truncated_logps_and_gradient_equal_autograd_of_the_masked_softmax(monkeypatch):
+    """tempered_logps with the sampler's mask (top k 7, top p 0.7): log p and d/dlogits equal autograd through
+    log_softmax of logits / T with the left-out tokens at -inf (the label kept), in blocks of a few rows."""
+    from titan_lite.generate import kept_tokens
+    from titan_lite.objective import vocab
+    from titan_lite.objective.logps import tempered_logps
+
+    g = torch.Generator().manual_seed(9)
+    logits = (3 * torch.randn(2, 9, 50, generator=g)).requires_grad_()
+    labels = torch.randint(0, 50, (2, 9), generator=g)
+    labels[0, :3] = -100
+    weights = torch.randn(2, 9, generator=g)
+    s = Sampling(0.7, 7, 0.7, "sampled")
+    monkeypatch.setattr(vocab, "CHUNK_ELEMENTS", 4 * 50)
+    logps, _ = tempered_logps(logits, labels, 0.7, keep=lambda block: kept_tokens(block, s))
+    (grad,) = torch.autograd.grad((logps * weights).sum(), logits)
+    x = logits.detach().flatten(0, 1).requires_grad_()
+    valid = labels.flatten() != -100
+    kept = kept_tokens(x.detach(), s).scatter_(1, labels.flatten().clamp(min=0)[:, None], True)
+    direct = torch.log_softmax(x.masked_fill(~kept, float("-inf")) / 0.7, dim=-1)
+    direct = direct.gather(1, labels.flatten().clamp(min=0)[:, None]).squeeze(1) * valid
+    (direct_grad,) = torch.autograd.grad((direct * weights.flatten()).sum(), x)
+    torch.testing.assert_close(logps.flatten(), direct, atol=1e-6, rtol=0)
+    torch.testing.assert_close(grad.flatten(0, 1), direct_grad, atol=1e-6, rtol=0)
+    assert (kept.sum(dim=1) < 50).all()
+
+
 # ------------------------------------------------------------------------------------------ rewards and prompts
 
 
