@@ -104,6 +104,28 @@ def test_sampled_logps_are_the_training_forwards_and_iterations_reuse_the_rollou
     assert results["answer_accuracy"] == results["rewards/answer_match/mean"]
 
 
+def test_sampled_logprobs_train_the_truncated_distribution_the_rollout_drew_from(tmp_path):
+    """grpo.logprobs = "sampled" at top p 0.7, top k 20: the rollout's log-probabilities are the training forward's
+    of the truncated, renormalised distribution (1e-5), above the full one's; the first step clips nothing."""
+    from titan_lite.objective.grpo import loss_spec
+    from titan_lite.train import Trainer
+
+    cfg = config(tmp_path / "run", write_prompts(tmp_path), "--grpo.logprobs", "sampled", "--grpo.top_p", "0.7",
+                 "--grpo.top_k", "20")
+    trainer = Trainer(cfg)
+    model, batch = trainer.model_parts[0], next(iter(trainer.dataloader))
+    full, sampled = forward_logps(model, batch)
+    with torch.no_grad():
+        logits = model(batch.inputs, positions=document_positions(batch.documents), documents=batch.documents)
+        truncated, _ = tempered_logps(logits, batch.labels, TEMPERATURE, keep=loss_spec(cfg).keep())
+    truncated = truncated[batch.labels != IGNORE_INDEX]
+    assert truncated.numel() > 20 and (truncated - sampled).abs().max() <= 1e-5
+    assert (sampled >= full - 1e-5).all() and (sampled - full).max() > 1e-2
+    trainer.dataloader.current = None  # the rollout above is not the run's
+    (_, _, _, objective), = steps_of(trainer, 1)
+    assert objective["clip_ratio/region_mean"] == 0
+
+
 def test_a_run_stopped_between_a_rollouts_passes_resumes_exactly(tmp_path):
     """num_iterations 2: checkpoint step 3 holds the rollout step 4 trains on again (and the prompt stream's position
     and the sampling seed's count); the resumed run's step 4 equals the uninterrupted run's, metrics included."""
