@@ -2,8 +2,8 @@
 rollouts (rl/rollout.py: prompt + completion documents, each label's sampling log-probability and its completion's
 advantage) the policy's log-probabilities at the sampling temperature (chunked, float32, vocab-sharded under TP:
 objective/logps.py; with logprobs "sampled", of the truncated distribution the rollout drew from) give the clipped
-importance-weighted advantage of every completion token, plus beta x the k3 KL
-to the reference (the policy with its adapters off, or a frozen model: objective/frozen.py, as preference tuning's).
+importance-weighted advantage of every completion token, plus beta x the k3 KL to the reference (the policy with its
+adapters off, or a frozen model: objective/frozen.py, as preference tuning's).
 The token losses are summed; the trainer divides by the step's global units: completion tokens (dapo), completions
 (grpo, each completion's tokens weighted by 1 / its length first) or completions x max_completion_length (dr_grpo),
 so accumulation and data parallelism equal one bigger batch. TRL's metrics (kl, entropy, clip ratios) are global
