@@ -14,7 +14,8 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import GptOssConfig, GptOssForCausalLM  # noqa: E402
 
-from titan_lite.checkpoint.hf import load_hf_weights, write_hf_folder  # noqa: E402
+from tests.hf_oracle import load_titan  # noqa: E402
+from titan_lite.checkpoint.hf import write_hf_folder  # noqa: E402
 from titan_lite.errors import ConfigError  # noqa: E402
 from titan_lite.generate.decode import GenerationConfig, generate  # noqa: E402
 from titan_lite.models.decoder import Llama  # noqa: E402
@@ -74,13 +75,6 @@ def saved(tmp_path_factory):
 
 def hf_reloaded(folder) -> GptOssForCausalLM:
     return GptOssForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
-
-
-def load_titan(folder, **overrides) -> Llama:
-    args = replace(args_from_hf_config(json.loads((folder / "config.json").read_text())), **overrides)
-    model = Llama(args)
-    load_hf_weights([model], str(folder), args)
-    return model.eval()
 
 
 def tokens(batch: int = 2, seq: int = 77, seed: int = 1) -> torch.Tensor:

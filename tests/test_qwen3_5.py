@@ -13,7 +13,8 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
 
-from titan_lite.checkpoint.hf import load_hf_weights, write_hf_folder  # noqa: E402
+from tests.hf_oracle import load_titan  # noqa: E402
+from titan_lite.checkpoint.hf import write_hf_folder  # noqa: E402
 from titan_lite.errors import ConfigError  # noqa: E402
 from titan_lite.generate.decode import GenerationConfig, generate  # noqa: E402
 from titan_lite.models.decoder import Llama  # noqa: E402
@@ -57,13 +58,6 @@ def saved(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3_5")
     hf_model().save_pretrained(folder)
     return folder
-
-
-def load_titan(folder, **overrides) -> Llama:
-    args = replace(args_from_hf_config(json.loads((folder / "config.json").read_text())), **overrides)
-    model = Llama(args)
-    load_hf_weights([model], str(folder), args)
-    return model.eval()
 
 
 def tokens(batch: int = 2, seq: int = 77, seed: int = 1) -> torch.Tensor:
