@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig  # noqa: E402
 
-from tests.hf_oracle import load_titan  # noqa: E402
+from tests.hf_oracle import check_packed_equals_alone, load_titan  # noqa: E402
 from titan_lite.checkpoint.hf import write_hf_folder  # noqa: E402
 from titan_lite.errors import ConfigError  # noqa: E402
 from titan_lite.generate.decode import GenerationConfig, generate  # noqa: E402
@@ -84,26 +84,7 @@ def test_logits_equal_transformers_past_the_window(saved):
 
 def test_packed_documents_equal_one_document_per_row(saved):
     model = load_titan(saved, attn_mask_type="block_causal")
-    lengths = [13, 29, 22]
-    docs = [tokens(1, n, seed=10 + i)[0] for i, n in enumerate(lengths)]
-    packed = torch.cat(docs)[None]
-    documents = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    loss_fn = torch.nn.functional.cross_entropy
-    spans = [(sum(lengths[:i]), sum(lengths[:i + 1])) for i in range(len(lengths))]
-    model.zero_grad()
-    logits = model(packed, positions=positions, documents=documents)
-    packed_loss = sum(loss_fn(logits[0, s:e - 1], packed[0, s + 1:e], reduction="sum") for s, e in spans)
-    packed_loss.backward()
-    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    alone = [model(doc[None]) for doc in docs]
-    alone_loss = sum(loss_fn(out[0, :-1], doc[1:], reduction="sum") for out, doc in zip(alone, docs, strict=True))
-    alone_loss.backward()
-    torch.testing.assert_close(logits, torch.cat(alone, dim=1), rtol=0, atol=1e-5)
-    torch.testing.assert_close(packed_loss, alone_loss, rtol=1e-6, atol=0)
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(packed_grads[name], param.grad, rtol=1e-5, atol=1e-6, msg=name)
+    check_packed_equals_alone(model, [tokens(1, n, seed=10 + i)[0] for i, n in enumerate([13, 29, 22])])
 
 
 def test_bfloat16_embedding_scale_and_norms_match_transformers(saved):

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
 
-from tests.hf_oracle import load_titan  # noqa: E402
+from tests.hf_oracle import check_packed_equals_alone, load_titan  # noqa: E402
 from titan_lite.checkpoint.hf import write_hf_folder  # noqa: E402
 from titan_lite.errors import ConfigError  # noqa: E402
 from titan_lite.generate.decode import GenerationConfig, generate  # noqa: E402
@@ -109,34 +109,11 @@ def test_packed_documents_equal_one_document_per_row(saved):
     """Documents of 13, 29 and 22 tokens (none a multiple of the 16-step chunk) packed in one row: the logits, the
     summed loss and every gradient equal running each document alone from a zero state."""
     model = load_titan(saved, linear_chunk_size=16, attn_mask_type="block_causal")
-    lengths = [13, 29, 22]
-    docs = [tokens(1, n, seed=10 + i)[0] for i, n in enumerate(lengths)]
-    packed = torch.cat(docs)[None]
-    documents = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    loss_fn = torch.nn.functional.cross_entropy
-
-    def loss_of(logits, ids):  # next-token loss inside each document
-        return loss_fn(logits[0, :-1], ids[1:], reduction="sum")
-
-    model.zero_grad()
-    logits = model(packed, positions=positions, documents=documents)
-    spans = [(sum(lengths[:i]), sum(lengths[:i + 1])) for i in range(len(lengths))]
-    packed_loss = sum(loss_of(logits[:, s:e], packed[0, s:e]) for s, e in spans)
-    packed_loss.backward()
-    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    model.zero_grad()
-    alone = [model(doc[None]) for doc in docs]
-    alone_loss = sum(loss_of(out, doc) for out, doc in zip(alone, docs, strict=True))
-    alone_loss.backward()
-    torch.testing.assert_close(logits, torch.cat(alone, dim=1), rtol=0, atol=1e-5)
-    torch.testing.assert_close(packed_loss, alone_loss, rtol=1e-6, atol=0)
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(packed_grads[name], param.grad, rtol=1e-5, atol=1e-6, msg=name)
+    docs = [tokens(1, n, seed=10 + i)[0] for i, n in enumerate([13, 29, 22])]
+    row = check_packed_equals_alone(model, docs)
     # and without the reset the first document's state leaks into the next
-    leaked = model(packed)
-    assert (leaked[:, 13:42] - logits[:, 13:42]).abs().max() > 1e-2
+    leaked = model(row.ids)
+    assert (leaked[:, 13:42] - row.logits[:, 13:42]).abs().max() > 1e-2
 
 
 def test_hf_round_trip_loads_in_transformers_with_equal_logits(saved, tmp_path):
