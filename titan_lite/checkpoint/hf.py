@@ -187,7 +187,7 @@ def check_no_unexpected_tensors(files: dict[str, Path], args: LlamaArgs, folder:
         if name.endswith(("_blocks", "_scales")) and args.family == "gpt_oss":
             raise ConfigError(f"{files[name]}: tensor '{name}' is in gpt-oss's MXFP4 format, not supported yet "
                               "(phase 2); give a bf16 checkpoint")
-        what = skipped_tensor(name, args.family)
+        what = skipped_tensor(name, args.family, args.n_layers, args.n_mtp_layers)
         if what is not None:
             skipped[what] = skipped.get(what, 0) + 1
         elif name not in known and not name.endswith("rotary_emb.inv_freq"):

@@ -1,6 +1,7 @@
 """The KV cache of batched generation: every attention layer's keys and values in slots, every Gated DeltaNet
-layer's conv window and recurrent state (Qwen3.5), which slots hold real tokens, their rotary rows and the attention
-mask of the slots a forward opens; and its size, for DRY_RUN's plan."""
+layer's conv window and recurrent state (Qwen3.5), every latent attention layer's latent and rope key (DeepSeek-V3),
+which slots hold real tokens, their rotary rows and the attention mask of the slots a forward opens; and its size,
+for DRY_RUN's plan."""
 
 from dataclasses import dataclass, replace
 
@@ -38,6 +39,10 @@ class KVCache:
         # [batch, value_heads, dk, dv] (float32), absent until the layer's first forward
         self.conv_windows: dict[int, torch.Tensor] = {}
         self.recurrent_states: dict[int, torch.Tensor] = {}
+        # latent attention layers (DeepSeek-V3): the normed latent [batch, capacity, kv_lora_rank] and the rotated
+        # rope key [batch, capacity, 1, qk_rope_head_dim], not the expanded keys and values
+        self.latents: dict[int, torch.Tensor] = {}
+        self.rope_keys: dict[int, torch.Tensor] = {}
         self.start = self.end = 0
         self.rows, self.local_rows, self.masks = None, None, {}
 
@@ -92,6 +97,25 @@ class LayerView:
             return sink_attention(q, keys[:, :, :c.end], values[:, :, :c.end], sinks, attn_mask=mask)
         return grouped_attention(q, keys[:, :, :c.end], values[:, :, :c.end], attn_mask=mask)
 
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """A latent attention layer's rope channels [batch, seq, heads, rope] rotated at the open slots' positions."""
+        return rotate_channels(x, self.cache.rows, x.shape[-1])
+
+    def keep_latent(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the open slots' latent and rotated rope key; every cached slot's (the model expands them)."""
+        c = self.cache
+        if self.layer_id not in c.latents:
+            c.latents[self.layer_id] = latent.new_zeros(latent.shape[0], c.capacity, latent.shape[-1])
+            c.rope_keys[self.layer_id] = k_rope.new_zeros(k_rope.shape[0], c.capacity, *k_rope.shape[2:])
+        latents, rope_keys = c.latents[self.layer_id], c.rope_keys[self.layer_id]
+        latents[:, c.start:c.end], rope_keys[:, c.start:c.end] = latent, k_rope
+        return latents[:, :c.end], rope_keys[:, :c.end]
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """The open slots' mask over every slot so far [batch, 1, seq, end] (this layer's window)."""
+        return self.cache.masks[self.cache.windows[self.layer_id]]
+
     @property
     def real(self) -> torch.Tensor:
         """[batch, seq] which of the open slots hold real tokens (a recurrent layer zeroes the others' inputs)."""
@@ -107,10 +131,11 @@ class LayerView:
 
 def kv_cache_bytes(args: LlamaArgs, rows: int, capacity: int, element_bytes: int, tp: int = 1) -> int:
     """Keys and values of every attention layer for `rows` sequences of `capacity` slots, each rank holding 1/tp of the
-    KV heads (what a KVCache allocates), plus its mask and bookkeeping; each Gated DeltaNet layer's conv window and
-    float32 state, whatever the capacity."""
+    KV heads (what a KVCache allocates; a latent attention layer's latent and rope key, unsharded), plus its mask and
+    bookkeeping; each Gated DeltaNet layer's conv window and float32 state, whatever the capacity."""
     attention = [layer for layer in range(args.n_layers) if args.layer_type(layer) != "linear_attention"]
-    per_slot = sum(2 * args.heads_of(layer)[1] // tp * args.head_dim for layer in attention)
+    per_slot = sum(args.kv_lora_rank + args.qk_rope_head_dim if args.layer_type(layer) == "latent_attention" else
+                   2 * args.heads_of(layer)[1] // tp * args.head_dim for layer in attention)
     key_dim, value_dim = args.linear_n_key_heads * args.linear_key_head_dim, \
         args.linear_n_value_heads * args.linear_value_head_dim
     per_recurrent = (2 * key_dim + value_dim) * (args.linear_conv_kernel - 1) * element_bytes + \

@@ -105,6 +105,26 @@ class LlamaArgs:
     expert_bias: bool = False
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # DeepSeek-V3's multi-head latent attention (the "latent_attention" layers, parts/mla.py): queries through a
+    # rank-q_lora_rank bottleneck (None: one q_proj), keys and values expanded per head from one kv_lora_rank latent,
+    # each head's key [nope part | one rope key shared by every head], the head widths, and the multi-token
+    # prediction layers a release keeps beyond n_layers (num_nextn_predict_layers: skipped on load).
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    n_mtp_layers: int = 0
+    # DeepSeek-V3's router ("sigmoid_group", parts/group_router.py): sigmoid scores, a correction bias used only to
+    # choose experts, the top-k within the moe_topk_group best of moe_n_group expert groups, the weights times
+    # moe_routed_scaling; moe_shared_experts SwiGLUs of moe_ffn_dim each on every token (one fused feed-forward);
+    # training moves the correction bias by moe_load_balance_coeff toward balance each step (torchtitan's
+    # load_balance_coeff, the aux-loss-free rule; 0 = frozen).
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    moe_routed_scaling: float = 1.0
+    moe_shared_experts: int = 0
+    moe_load_balance_coeff: float = 0.0
 
     @property
     def kv_heads(self) -> int:
@@ -116,8 +136,16 @@ class LlamaArgs:
 
     @property
     def rotary_dim(self) -> int:
-        """The channels of each head RoPE rotates (all of them unless the rotation is partial)."""
+        """The channels of each head RoPE rotates (all of them unless the rotation is partial; latent attention: the
+        rope key's)."""
+        if self.is_latent:
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.rope_partial_factor)
+
+    @property
+    def is_latent(self) -> bool:
+        """Whether some layer's mixer is DeepSeek-V3's multi-head latent attention."""
+        return "latent_attention" in self.schedule
 
     @property
     def is_hybrid(self) -> bool:
@@ -175,5 +203,5 @@ class LlamaArgs:
 
 # The rope types a model can train with; transformers' "dynamic" is refused where it is read (hf/rope.py, the config).
 ROPE_SCALING_TYPES = ("llama3", "yarn", "linear")
-ROUTER_KINDS = ("softmax_topk", "topk_softmax")
+ROUTER_KINDS = ("softmax_topk", "topk_softmax", "sigmoid_group")
 EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")

@@ -24,6 +24,13 @@ _GPT_OSS = dict(family="gpt_oss", qkv_bias=True, attn_sinks=True, attn_out_bias=
 _GEMMA3 = dict(family="gemma3_text", qk_norm=True, norm_unit_offset=True, sandwich_norms=True, embed_scale=True,
                ffn_activation="gelu_tanh", tie_word_embeddings=True, norm_eps=1e-6, rope_theta=1000000.0,
                rope_local_theta=10000.0, layer_types=["sliding_attention"] * 5 + ["full_attention"])
+# DeepSeek-V3's parts (deepseek-ai/DeepSeek-V3's config.json): latent attention in every layer (head_dim as
+# transformers' DeepseekV3Config sets it: the rope key's width), the group-limited sigmoid router with its correction
+# bias moved by torchtitan's default load_balance_coeff, the report's sequence-wise aux loss weight (0.0001)
+_DEEPSEEK_V3 = dict(family="deepseek_v3", moe_router="sigmoid_group", moe_norm_topk_prob=True, norm_eps=1e-6,
+                    moe_shared_experts=1, moe_load_balance_coeff=1e-3, router_aux_loss_coef=0.0001)
+_DEEPSEEK_V3_MLA = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                        explicit_head_dim=64)
 _MISTRAL = dict(family="mistral", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336)
 _LLAMA31_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=8.0, rope_original_max_seq_len=8192)
 _LLAMA32_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=32.0, rope_original_max_seq_len=8192)
@@ -130,6 +137,30 @@ FLAVORS: dict[str, LlamaArgs] = {
     # Gemma 3 (text) for the CPU (not a published size): a 64-token window under 256-token sequences
     "debugmodel_gemma3": LlamaArgs(dim=256, n_layers=6, n_heads=4, n_kv_heads=1, vocab_size=2048, ffn_dim=768,
                                    explicit_head_dim=64, sliding_window=64, query_pre_attn_scalar=64.0, **_GEMMA3),
+    # DeepSeek-V3 / R1 (deepseek-ai/DeepSeek-V3's config.json, without its FP8 quantization): 61 layers, the first 3
+    # dense, 256 experts top 8 in 8 groups (4 kept) plus one shared, YaRN x40 with mscale_all_dim 1: 671.03B
+    # parameters, 37.55B active with the embedding and head (the report: 671B / 37B; its MTP layer not counted)
+    "deepseek_v3_671B": LlamaArgs(dim=7168, n_layers=61, n_heads=128, vocab_size=129280, ffn_dim=18432, n_experts=256,
+                                  moe_top_k=8, moe_ffn_dim=2048, moe_dense_layers=[0, 1, 2], moe_n_group=8,
+                                  moe_topk_group=4, moe_routed_scaling=2.5, rope_theta=10000.0,
+                                  rope_scaling_type="yarn", rope_scaling_factor=40.0, rope_original_max_seq_len=4096,
+                                  rope_mscale=1.0, rope_mscale_all_dim=1.0, layer_types=["latent_attention"] * 61,
+                                  **_DEEPSEEK_V3_MLA, **_DEEPSEEK_V3),
+    # Kimi K2 (families_2026.md's shapes: 64 heads, 384 experts top 8 in one group, layer 0 dense, scaling 2.827,
+    # rope_theta 50000; its long-context rope scaling not verified, left out): 1.026T parameters, 32.86B active
+    # (published 1T / 32B)
+    "kimi_k2_1T": LlamaArgs(dim=7168, n_layers=61, n_heads=64, vocab_size=163840, ffn_dim=18432, n_experts=384,
+                            moe_top_k=8, moe_ffn_dim=2048, moe_dense_layers=[0], moe_routed_scaling=2.827,
+                            rope_theta=50000.0, layer_types=["latent_attention"] * 61, **_DEEPSEEK_V3_MLA,
+                            **_DEEPSEEK_V3),
+    # DeepSeek-V3 for the CPU (not a published size): 4 layers (layer 0 dense), 8 experts top 2 in 4 groups (2 kept)
+    # plus one shared, latent rank 64
+    "debugmodel_deepseek_v3": LlamaArgs(dim=256, n_layers=4, n_heads=8, vocab_size=2048, ffn_dim=768, n_experts=8,
+                                        moe_top_k=2, moe_ffn_dim=128, moe_dense_layers=[0], moe_n_group=4,
+                                        moe_topk_group=2, moe_routed_scaling=2.5, rope_theta=10000.0,
+                                        layer_types=["latent_attention"] * 4, q_lora_rank=128, kv_lora_rank=64,
+                                        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, explicit_head_dim=16,
+                                        **_DEEPSEEK_V3),
 }
 
 

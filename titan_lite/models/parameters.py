@@ -35,7 +35,7 @@ def init_parameter(name: str, tensor: torch.Tensor, args: LlamaArgs, generator: 
     if name.endswith("conv1d.weight"):
         nn.init.normal_(tensor, 0.0, tensor.shape[-1] ** -0.5, generator=generator)
         return
-    if name.endswith((".bias", "experts.b1", "experts.b2", "experts.b3", "attention.sinks")):
+    if name.endswith((".bias", "experts.b1", "experts.b2", "experts.b3", "attention.sinks", "e_score_correction_bias")):
         tensor.zero_()
         return
     if name == "tok_embeddings.weight":

@@ -109,6 +109,9 @@ def layer_activation_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape, p
     if args.layer_type(layer_id) == "linear_attention":
         raise ConfigError("DRY_RUN's memory plan is not supported yet for Qwen3.5: it does not yet count the "
                           "activations and states of the linear_attention (Gated DeltaNet) layers")
+    if args.layer_type(layer_id) == "latent_attention":
+        raise ConfigError("DRY_RUN's memory plan is not supported yet for DeepSeek-V3: it does not yet count the "
+                          "activations of the latent attention layers")
     if args.attn_sinks:
         raise ConfigError("DRY_RUN's memory plan is not supported yet for gpt-oss: its sink attention's eager "
                           "score matrices are not counted yet (phase 2)")

@@ -285,6 +285,10 @@ class Transforms:
             names = [t.name for t in self.items]
             raise ConfigError(f"'model.converters' = {names} is not supported yet for gpt-oss (phase 1): no "
                               "transform has been checked on its sinks, biases or clamped experts yet")
+        if self.items and model_args.is_latent:
+            raise ConfigError(f"'model.converters' = {[t.name for t in self.items]} is not supported yet for "
+                              "DeepSeek-V3: no transform has been checked on its latent attention and shared experts "
+                              "yet")
         if self.items and model_args.rope_local_theta is not None:
             raise ConfigError(f"'model.converters' = {[t.name for t in self.items]} is not supported yet for Gemma 3: "
                               "no transform has been checked on its per-layer-type rope and sandwich norms yet")

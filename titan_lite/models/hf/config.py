@@ -117,6 +117,8 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> LlamaArgs:
     if model_type not in ARCHITECTURES:
         raise ConfigError(f"{source}: model_type is '{model_type}'; expected one of {', '.join(ARCHITECTURES)}")
     cfg = {**FAMILIES[model_type].config_defaults, **cfg}
+    if FAMILIES[model_type].derived is not None:
+        cfg = {**cfg, **FAMILIES[model_type].derived(cfg)}
     expect_value(cfg, "hidden_act", (FAMILIES[model_type].hidden_act,), source)
     dim, n_heads = int(require_key(cfg, "hidden_size", source)), int(require_key(cfg, "num_attention_heads", source))
     head_dim = int(cfg.get("head_dim") or dim // n_heads)
@@ -155,7 +157,9 @@ _CHECKED_FIELDS = ("family", "dim", "n_layers", "n_heads", "kv_heads", "head_dim
                    "rope_partial_factor", "linear_n_key_heads", "linear_n_value_heads", "linear_key_head_dim",
                    "linear_value_head_dim", "linear_conv_kernel", "attn_sinks", "attn_out_bias", "moe_router",
                    "moe_router_bias", "expert_act", "expert_bias", "swiglu_alpha", "swiglu_limit", "sandwich_norms",
-                   "embed_scale", "ffn_activation", "query_pre_attn_scalar", "rope_local_theta")
+                   "embed_scale", "ffn_activation", "query_pre_attn_scalar", "rope_local_theta", "q_lora_rank",
+                   "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "moe_n_group",
+                   "moe_topk_group", "moe_routed_scaling", "moe_shared_experts")
 _SCALING_FIELDS = ROPE_FIELDS[2:]
 
 

@@ -2,6 +2,7 @@
 family fixes (q/k/v biases, q/k norms), whether it may route experts or slide a window, its own config.json keys in
 each direction, and how its files spell the layer names apart from Qwen3-MoE's (models/hf/names.py)."""
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -10,6 +11,9 @@ from torch import Tensor
 
 from titan_lite.errors import ConfigError
 from titan_lite.models.args import LlamaArgs
+from titan_lite.models.parts.group_router import check_groups
+
+logger = logging.getLogger("titan_lite")
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,8 @@ class Family:
     hidden_act: str = "silu"  # the feed-forward's activation as config.json names it
     # transformers' defaults of the family's config class, for the keys a release's config.json leaves out
     config_defaults: dict = field(default_factory=dict)
+    # keys the family's config class derives from others whatever config.json says (DeepSeek-V3: head_dim)
+    derived: Callable[[dict], dict] | None = None
 
 
 def require_key(cfg: dict, key: str, source: str):
@@ -307,6 +313,58 @@ def _gemma3_check(args: LlamaArgs, source: str) -> None:
         raise ConfigError(f"{source}: a Gemma3ForCausalLM needs rope_local_theta and query_pre_attn_scalar set")
 
 
+def _deepseek_v3_options(cfg: dict, source: str) -> dict:
+    """DeepSeek-V3 (Kimi K2, Moonlight): latent attention in every layer (rope_interleave's weights), the first
+    first_k_dense_replace layers dense, the others routed (sigmoid scores with the correction bias, group-limited
+    top-k, shared experts); the optional sequence-wise aux loss from aux_loss_alpha where seq_aux; the multi-token
+    prediction layers beyond num_hidden_layers skipped on load. FP8 weights, attention biases and the rotate-half
+    rope layout are refused in one line."""
+    if cfg.get("model_type") == "kimi_k2":
+        logger.info(f"{source}: model_type 'kimi_k2' read as DeepSeek-V3 (deepseek_v3), whose config keys it has")
+    quantization = cfg.get("quantization_config") or {}
+    if quantization:
+        raise ConfigError(f"{source}: 'quantization_config' is {quantization.get('quant_method', quantization)!r}: "
+                          "DeepSeek-V3's FP8 block weights are not supported yet; give a bf16 checkpoint")
+    expect_value(cfg, "attention_bias", (False,), source)
+    expect_value(cfg, "rope_interleave", (True,), source)
+    expect_value(cfg, "scoring_func", ("sigmoid",), source)
+    expect_value(cfg, "topk_method", ("noaux_tc",), source)
+    heads = int(require_key(cfg, "num_attention_heads", source))
+    if int(cfg.get("num_key_value_heads") or heads) != heads:
+        raise ConfigError(f"{source}: 'num_key_value_heads' is {cfg['num_key_value_heads']}; DeepSeek-V3's latent "
+                          f"attention expands keys and values for every head (num_attention_heads = {heads})")
+    n_layers = int(require_key(cfg, "num_hidden_layers", source))
+    n_experts = int(require_key(cfg, "n_routed_experts", source))
+    top_k = int(require_key(cfg, "num_experts_per_tok", source))
+    n_group, topk_group = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    check_groups(n_experts, top_k, n_group, topk_group, source)
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    q_lora = cfg.get("q_lora_rank")
+    aux = float(cfg.get("aux_loss_alpha", 0.0)) if cfg.get("seq_aux") else 0.0
+    return {"layer_types": ["latent_attention"] * n_layers, "q_lora_rank": None if q_lora is None else int(q_lora),
+            **{key: int(require_key(cfg, key, source))
+               for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
+            "n_mtp_layers": int(cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 0)) or 0),
+            "n_experts": n_experts, "moe_top_k": top_k, "moe_ffn_dim": int(require_key(cfg, "moe_intermediate_size",
+                                                                                         source)),
+            "moe_norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+            "moe_dense_layers": list(range(first_dense)) or None, "moe_n_group": n_group, "moe_topk_group": topk_group,
+            "moe_routed_scaling": float(cfg.get("routed_scaling_factor", 1.0)),
+            "moe_shared_experts": int(cfg.get("n_shared_experts") or 0), "router_aux_loss_coef": aux,
+            "moe_load_balance_coeff": DEEPSEEK_LOAD_BALANCE_COEFF}
+
+
+def _deepseek_v3_check(args: LlamaArgs, source: str) -> None:
+    """DeepseekV3ForCausalLM: latent attention in every layer, dense layers first then routed ones."""
+    if set(args.schedule) != {"latent_attention"}:
+        raise ConfigError(f"{source}: layer_types {sorted(set(args.schedule))} cannot be written as a "
+                          "DeepseekV3ForCausalLM, which has latent attention in every layer")
+    first_moe = args.moe_layers[0] if args.moe_layers else args.n_layers
+    if args.moe_layers != list(range(first_moe, args.n_layers)):
+        raise ConfigError(f"{source}: MoE layers {args.moe_layers} cannot be written as a DeepseekV3ForCausalLM, "
+                          "whose routed layers are all those from first_k_dense_replace on")
+
+
 # ------------------------------------------------------------------------------------- args -> config.json
 
 
@@ -379,6 +437,39 @@ _GPT_OSS_LAYER_NAMES = {"moe.router.gate.bias": "mlp.router.bias", "attention.wo
                         "attention.sinks": "self_attn.sinks"}
 
 
+def _deepseek_v3_keys(args: LlamaArgs) -> dict:
+    first_moe = args.moe_layers[0] if args.moe_layers else args.n_layers
+    return {"attention_bias": False, "rope_interleave": True, "q_lora_rank": args.q_lora_rank,
+            "kv_lora_rank": args.kv_lora_rank, "qk_nope_head_dim": args.qk_nope_head_dim,
+            "qk_rope_head_dim": args.qk_rope_head_dim, "v_head_dim": args.v_head_dim,
+            "n_routed_experts": args.n_experts, "num_experts_per_tok": args.moe_top_k,
+            "moe_intermediate_size": args.moe_ffn_dim, "n_shared_experts": args.moe_shared_experts,
+            "routed_scaling_factor": args.moe_routed_scaling, "n_group": args.moe_n_group,
+            "topk_group": args.moe_topk_group, "norm_topk_prob": args.moe_norm_topk_prob,
+            "first_k_dense_replace": first_moe, "num_nextn_predict_layers": 0, "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc", "seq_aux": args.router_aux_loss_coef > 0,
+            "aux_loss_alpha": args.router_aux_loss_coef, "output_router_logits": False}
+
+
+# DeepSeek-V3's names apart from Qwen3-MoE's: the latent attention's projections, the correction bias, the shared
+# experts
+_DEEPSEEK_V3_NAMES = {
+    **{f"attention.{name}": f"self_attn.{name}"
+       for name in ("q_proj.weight", "q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight",
+                    "kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight")},
+    "moe.router.e_score_correction_bias": "mlp.gate.e_score_correction_bias",
+    **{f"moe.shared_experts.{titan}.weight": f"mlp.shared_experts.{hf}.weight"
+       for titan, hf in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))},
+}
+# torchtitan's MoEArgs.load_balance_coeff: the aux-loss-free bias moves by this each step (transformers: never)
+DEEPSEEK_LOAD_BALANCE_COEFF = 1e-3
+# DeepseekV3Config's defaults (transformers 5.24) for the keys a config.json leaves out
+_DEEPSEEK_V3_DEFAULTS = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                         "v_head_dim": 128, "n_group": 8, "topk_group": 4, "n_shared_experts": 1,
+                         "routed_scaling_factor": 2.5, "first_k_dense_replace": 3, "norm_topk_prob": True,
+                         "rms_norm_eps": 1e-6}
+
+
 def _gemma3_keys(args: LlamaArgs) -> dict:
     scalar = args.query_pre_attn_scalar  # transformers' config takes an int only
     return {"attention_bias": False, "layer_types": list(args.schedule), "sliding_window": args.sliding_window,
@@ -438,9 +529,16 @@ FAMILIES: dict[str, Family] = {
                           text_prefix="model.language_model.",
                           skipped={"model.vision_tower.": "vision tower",
                                    "model.multi_modal_projector.": "multimodal projector"}),
+    # DeepSeek-V3 (Kimi K2 and Moonlight folders alike): latent attention, dense then routed layers with DeepSeek's
+    # router and shared experts; the multi-token prediction layers (beyond num_hidden_layers) skipped on load
+    "deepseek_v3": Family("DeepseekV3ForCausalLM", _deepseek_v3_options, _deepseek_v3_keys, moe=True,
+                          check=_deepseek_v3_check, layer_names=_DEEPSEEK_V3_NAMES,
+                          fixed={"moe_router": "sigmoid_group"},
+                          config_defaults=_DEEPSEEK_V3_DEFAULTS,
+                          derived=lambda cfg: {"head_dim": cfg.get("qk_rope_head_dim")}),
 }
 # model_type values read as another row's
-MODEL_TYPE_ALIASES = {"qwen3_5_text": "qwen3_5", "gemma3": "gemma3_text"}
+MODEL_TYPE_ALIASES = {"qwen3_5_text": "qwen3_5", "gemma3": "gemma3_text", "kimi_k2": "deepseek_v3"}
 # The options a family fixes, at the values every other family has
 FIXED_DEFAULTS = {"attn_output_gate": False, "norm_unit_offset": False, "sandwich_norms": False,
                   "embed_scale": False, "ffn_activation": "silu", "attn_sinks": False, "attn_out_bias": False,

@@ -174,8 +174,12 @@ def multimodal_names(hf_names: list[str], family: str) -> list[str]:
     return [prefix + name.removeprefix("model.") for name in hf_names if name.startswith("model.")]
 
 
-def skipped_tensor(hf: str, family: str) -> str | None:
+def skipped_tensor(hf: str, family: str, n_layers: int | None = None, n_mtp_layers: int = 0) -> str | None:
     """What an HF tensor is when the family's folders hold it for a part titan_lite does not build (Qwen3.5's vision
-    encoder, its multi-token prediction head); None for the model's own tensors."""
+    encoder, its multi-token prediction head; DeepSeek-V3's multi-token prediction layers, numbered from n_layers
+    on); None for the model's own tensors."""
+    match = _HF_LAYER.fullmatch(hf)
+    if match and n_layers is not None and n_layers <= int(match.group(1)) < n_layers + n_mtp_layers:
+        return "multi-token prediction layers"
     skipped = FAMILIES[family].skipped if family in FAMILIES else {}
     return next((what for prefix, what in skipped.items() if hf.startswith(prefix)), None)

@@ -1,5 +1,6 @@
 """The generation cache's interface the mixers call (titan_lite.generate implements it): one layer's view of the
-keys and values (or of a recurrent layer's conv window and state), and the cache of every layer."""
+keys and values (or of a recurrent layer's conv window and state, or of a latent attention layer's latent), and the
+cache of every layer."""
 
 from typing import Protocol
 
@@ -24,6 +25,18 @@ class RecurrentCache(Protocol):
     def states(self) -> tuple[torch.Tensor | None, torch.Tensor | None]: ...
 
     def keep_states(self, conv_window: torch.Tensor, state: torch.Tensor) -> None: ...
+
+
+class LatentCache(Protocol):
+    """One latent attention layer's view of the cache (DeepSeek-V3): rotates rope channels [batch, seq, heads, rope]
+    at the open slots' positions, appends the normed latent [batch, seq, rank] and the rotated rope key [batch, seq,
+    1, rope] and returns every cached slot's; `mask` [batch, 1, seq, slots] says which slots each query sees."""
+
+    mask: torch.Tensor
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def keep_latent(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class KVCache(Protocol):

@@ -1,11 +1,14 @@
-"""The mixture-of-experts feed-forward (Qwen3-MoE, Mixtral): router, grouped experts, the load-balancing loss added
-to the backward wherever the layer runs, and the step's routed load for metrics."""
+"""The mixture-of-experts feed-forward (Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3): router, grouped experts, shared
+experts, the load-balancing loss added to the backward wherever the layer runs, and the step's routed load for
+metrics."""
 
 import torch
 from torch import nn
 
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.parts.experts import GroupedExperts
+from titan_lite.models.parts.feed_forward import FeedForward
+from titan_lite.models.parts.group_router import GroupRouter, check_groups
 from titan_lite.models.parts.router import Router, Routing, load_balancing_loss
 
 
@@ -23,9 +26,19 @@ class _AddAuxLossGrad(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
+def make_router(args: LlamaArgs) -> nn.Module:
+    """The router the args' moe_router names: DeepSeek-V3's group-limited sigmoid one, or Router's kinds."""
+    if args.moe_router == "sigmoid_group":
+        check_groups(args.n_experts, args.moe_top_k, args.moe_n_group, args.moe_topk_group)
+        return GroupRouter(args.dim, args.n_experts, args.moe_top_k, args.moe_norm_topk_prob, args.moe_n_group,
+                           args.moe_topk_group, args.moe_routed_scaling)
+    return Router(args.dim, args.n_experts, args.moe_top_k, args.moe_norm_topk_prob, args.moe_router,
+                  args.moe_router_bias)
+
+
 class MoE(nn.Module):
     """The routed feed-forward of a mixture-of-experts layer: router, then each token's top-k SwiGLU experts, the
-    output their gate-weighted sum (Qwen3-MoE has no shared expert).
+    output their gate-weighted sum, plus the shared experts' output where there are some (DeepSeek-V3).
 
     Training adds transformers' load-balancing loss (load_balancing_loss) per sequence and layer, times
     `aux_loss_scale` (set by the trainer: router_aux_loss_coef over the sequences and MoE layers it averages, 0 = off);
@@ -35,10 +48,14 @@ class MoE(nn.Module):
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
-        self.router = Router(args.dim, args.n_experts, args.moe_top_k, args.moe_norm_topk_prob, args.moe_router,
-                             args.moe_router_bias)
+        self.router = make_router(args)
         self.experts = GroupedExperts(args.dim, args.moe_ffn_dim, args.n_experts, args.expert_act, args.expert_bias,
                                       args.swiglu_alpha, args.swiglu_limit)
+        # DeepSeek-V3: shared experts on every token, unweighted (one SwiGLU of their summed width)
+        self.shared_experts = FeedForward(args.dim, args.moe_ffn_dim * args.moe_shared_experts) \
+            if args.moe_shared_experts else None
+        # DeepSeek-V3's sequence-wise loss is the Switch loss over its normalised sigmoid scores divided by top k
+        self.aux_loss_factor = 1 / args.moe_top_k if args.moe_router == "sigmoid_group" else 1.0
         self.aux_loss_scale = 0.0
         self.cp_group = None
         self._without_first: tuple[torch.Tensor, torch.Tensor] | None = None  # the step's sums but its first forward
@@ -50,6 +67,8 @@ class MoE(nn.Module):
         routing = Routing.of(*self.router(x.reshape(-1, dim)))
         out = routing.combine(self.experts(routing.dispatch(x.reshape(-1, dim)), routing.counts))
         out = out.view(batch, seq, dim)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         if self.training and torch.is_grad_enabled():
             aux = self.sequence_aux_losses(routing, batch) if self.aux_loss_scale else None
             self.record(routing.counts, aux)
@@ -69,7 +88,7 @@ class MoE(nn.Module):
                 torch.distributed.all_reduce(counts, group=self.cp_group)
                 tokens *= torch.distributed.get_world_size(self.cp_group)
         prob_sums = routing.probs.view(batch, -1, n_experts).sum(1)
-        return load_balancing_loss(counts, prob_sums, tokens)
+        return load_balancing_loss(counts, prob_sums, tokens) * self.aux_loss_factor
 
     def reset_stats(self) -> None:
         self.tokens_per_expert.zero_()
