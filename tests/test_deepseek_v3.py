@@ -21,11 +21,13 @@ from titan_lite.checkpoint.hf import write_hf_folder  # noqa: E402
 from titan_lite.errors import ConfigError  # noqa: E402
 from titan_lite.generate.cache import KVCache, kv_cache_bytes  # noqa: E402
 from titan_lite.generate.decode import GenerationConfig, generate  # noqa: E402
+from titan_lite.job.plan import checked_balance_coeff  # noqa: E402
 from titan_lite.models.decoder import Llama  # noqa: E402
 from titan_lite.models.flavors import flavor_args  # noqa: E402
 from titan_lite.models.hf.config import args_from_hf_config  # noqa: E402
 from titan_lite.models.parts.group_router import GroupRouter  # noqa: E402
 from titan_lite.models.parts.mla import latent_softmax_scale  # noqa: E402
+from titan_lite.parallel.memory_estimate import ActivationShape, layer_activation_bytes  # noqa: E402
 from titan_lite.parallel.parallelize import refuse_hybrid_layouts  # noqa: E402
 from titan_lite.transforms.base import Transforms  # noqa: E402
 
@@ -230,15 +232,25 @@ def test_bad_config_is_one_line(saved, overrides, message):
 
 def test_what_is_not_checked_on_latent_attention_is_refused_in_one_line(saved):
     args = load_titan(saved).args
-    for setting in ("tp", "cp", "pp", "ep"):
+    for setting in ("tp", "cp", "pp"):
         dims = SimpleNamespace(**{f"{name}_enabled": name == setting for name in ("tp", "cp", "pp", "ep")})
         with pytest.raises(ConfigError, match=r"^parallelism\.\w+_parallel_degree > 1 is not supported yet for "
                                               "DeepSeek-V3"):
             refuse_hybrid_layouts(load_titan(saved), dims)
+    refuse_hybrid_layouts(load_titan(saved), SimpleNamespace(tp_enabled=False, cp_enabled=False, pp_enabled=False,
+                                                             ep_enabled=True))  # EP runs (integration test)
     with pytest.raises(ConfigError, match=r"^'model.converters' = \['lora'\] is not supported yet for DeepSeek-V3"):
         Transforms([SimpleNamespace(name="lora")]).check(args, None)
     with pytest.raises(ConfigError, match="^model args: attn_type 'flex' does not take latent attention"):
         Llama(replace(args, attn_type="flex"))
+    with pytest.raises(ConfigError, match="^DRY_RUN's memory plan is not supported yet for DeepSeek-V3"):
+        layer_activation_bytes(args, 0, ActivationShape(tokens=64, compute_bytes=4), "none")
+    with pytest.raises(ConfigError, match="^model args: n_group = 3 does not divide n_routed_experts = 8"):
+        Llama(replace(args, moe_n_group=3))
+    with pytest.raises(ConfigError, match="^'model.load_balance_coeff' = 0.01 has no effect: flavor 'tiny_moe'"):
+        checked_balance_coeff(0.01, flavor_args("tiny_moe"), "tiny_moe")
+    with pytest.raises(ConfigError, match="^'model.load_balance_coeff' = -1.0 must be at least 0"):
+        checked_balance_coeff(-1.0, args, "hf")
 
 
 def test_the_published_parameter_counts():

@@ -199,6 +199,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if fault is None:
             self.transforms.after_optimizer_step(self.model_parts, step)
+            self.load_balance.update_biases(lambda sums: self.runner.global_sum(sums, loss_values=False))
         else:
             self.handle_nonfinite(fault)
         if domain_sums is not None:  # a skipped step's losses are not measured, but its window still ends

@@ -166,6 +166,9 @@ class Model:
     router_aux_loss_coef: float | None = opt(
         None, "MoE models: weight of transformers' load-balancing loss (per sequence and MoE layer, averaged) in the "
         "objective; 0 turns it off; None = the flavor's or config.json's (Qwen3-MoE 0.001, Mixtral 0.02).")
+    load_balance_coeff: float | None = opt(
+        None, "DeepSeek-V3's routers: how far each expert's correction bias moves toward balance per step (the "
+        "aux-loss-free rule, torchtitan's key); 0 freezes the biases; None = the flavor's (0.001).")
 
 
 @dataclass

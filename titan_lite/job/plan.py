@@ -158,6 +158,8 @@ def build_model_args(cfg: JobConfig, vocab_size: int | None, transforms: Transfo
     args.attn_mask_type = cfg.model.attn_mask_type or pairs or args.attn_mask_type
     if cfg.model.router_aux_loss_coef is not None:
         args.router_aux_loss_coef = checked_aux_loss_coef(cfg.model.router_aux_loss_coef, args, cfg.model.flavor)
+    if cfg.model.load_balance_coeff is not None:
+        args.moe_load_balance_coeff = checked_balance_coeff(cfg.model.load_balance_coeff, args, cfg.model.flavor)
     args.max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0,
                            transforms.sequence_length() if transforms is not None else 0)
     if vocab_size is not None and vocab_size > args.vocab_size:
@@ -175,6 +177,16 @@ def checked_aux_loss_coef(coef: float, args: LlamaArgs, flavor: str) -> float:
         raise ConfigError(f"'model.router_aux_loss_coef' = {coef} must be at least 0 (0 turns the load-balancing loss "
                           "off)")
     return coef
+
+
+def checked_balance_coeff(coeff: float, args: LlamaArgs, flavor: str) -> float:
+    """[model] load_balance_coeff: non-negative, and only for a model whose routers have a correction bias."""
+    if args.moe_router != "sigmoid_group" or not args.n_experts:
+        raise ConfigError(f"'model.load_balance_coeff' = {coeff} has no effect: flavor '{flavor}' has no routers with "
+                          "a correction bias (DeepSeek-V3's); drop the setting")
+    if coeff < 0:
+        raise ConfigError(f"'model.load_balance_coeff' = {coeff} must be at least 0 (0 freezes the biases)")
+    return coeff
 
 
 def gradient_accumulation_steps(cfg: JobConfig, dp_degree: int) -> int:

@@ -1,5 +1,6 @@
-"""MoE load balancing in training: each MoE layer's share of the aux loss for a step, and the step's aux loss and
-expert load as metrics (moe/aux_loss, moe/load_max_over_mean/layer_{i})."""
+"""MoE load balancing in training: each MoE layer's share of the aux loss for a step, the aux-loss-free update of
+DeepSeek-V3's correction biases after it, and the step's aux loss and expert load as metrics (moe/aux_loss,
+moe/load_max_over_mean/layer_{i})."""
 
 from collections.abc import Callable
 
@@ -8,6 +9,7 @@ from torch import nn
 
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.parameters import canonical_name
+from titan_lite.models.parts.group_router import GroupRouter
 from titan_lite.models.parts.moe import MoE
 
 
@@ -33,6 +35,7 @@ class LoadBalance:
     def __init__(self, model_parts: list[nn.Module], args: LlamaArgs):
         self.layers = moe_layers(model_parts)
         self.coef, self.n_moe_layers, self.n_layers = args.router_aux_loss_coef, len(args.moe_layers), args.n_layers
+        self.bias_coeff = args.moe_load_balance_coeff
 
     @property
     def enabled(self) -> bool:
@@ -45,6 +48,18 @@ class LoadBalance:
         for moe in self.layers.values():
             moe.aux_loss_scale = scale
             moe.reset_stats()
+
+    @torch.no_grad()
+    def update_biases(self, global_sum: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """After the optimizer step: each correction bias (DeepSeek-V3's routers) moves by load_balance_coeff toward
+        balance, from the step's expert loads summed by global_sum over the ranks that split the batch, so every
+        rank moves it alike. Nothing for routers without one, or a coefficient of 0."""
+        routed = {layer: moe for layer, moe in self.layers.items() if isinstance(moe.router, GroupRouter)}
+        if not routed or not self.bias_coeff:
+            return
+        loads = global_sum(torch.stack([moe.tokens_per_expert.float() for moe in routed.values()]))
+        for moe, load in zip(routed.values(), loads, strict=True):
+            moe.router.update_bias(load, self.bias_coeff)
 
     def metrics(self, global_sum: Callable[[torch.Tensor], torch.Tensor], global_sequences: int,
                 device: torch.device) -> tuple[dict[str, float], dict[str, float]]:

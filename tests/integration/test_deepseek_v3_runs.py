@@ -1,0 +1,66 @@
+"""DeepSeek-V3 (debugmodel_deepseek_v3: latent attention, layer 0 dense, 8 experts in 4 groups plus a shared one)
+through run_train.sh: FSDP 2 and EP 2 equal one process over 5 steps (the losses, the sequence-wise aux loss and every
+MoE layer's expert load within 1e-5), with the correction biases moved by the aux-loss-free rule each step (gamma
+0.01, so a bias moved from one rank's loads alone would change the routing); the exported biases of FSDP 2 equal one
+process's, moved off zero and centred. One-window documents: every split of the global batch of 8 reads the same
+sequences (see test_parallel_parity.py)."""
+
+import pytest
+import torch
+
+from tests.integration.harness import one_window_dataset, run_train
+from tests.integration.test_moe_parity import scalars
+
+pytestmark = pytest.mark.slow
+
+SEQ_LEN, GLOBAL_BATCH, STEPS, ATOL = 64, 8, 5, 1e-5
+DEEPSEEK = ["--model.flavor", "debugmodel_deepseek_v3", "--model.router_aux_loss_coef", "0.01",
+            "--model.load_balance_coeff", "0.01"]
+EXPORT = ["--checkpoint.enable", "--checkpoint.interval", str(STEPS), "--checkpoint.last_save_in_hf"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> list[str]:
+    docs = GLOBAL_BATCH * (STEPS + 1)
+    return [*one_window_dataset(tmp_path_factory.mktemp("data"), docs, SEQ_LEN), "--training.steps", str(STEPS),
+            *DEEPSEEK]
+
+
+def biases(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors = load_file(folder / "checkpoint" / f"step-{STEPS}-hf" / "model.safetensors")
+    return {name: t for name, t in tensors.items() if name.endswith("e_score_correction_bias")}
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("one_process")
+    run = run_train([*data, "--training.local_batch_size", "8", *EXPORT], folder, ngpu=1)
+    assert run.returncode == 0, run.output[-3000:]
+    series = scalars(folder)
+    assert {"moe/aux_loss", "moe/load_max_over_mean/layer_1", "moe/load_max_over_mean/layer_3"} <= set(series)
+    assert "moe/load_max_over_mean/layer_0" not in series  # the dense layer
+    return folder, series
+
+
+@pytest.mark.parametrize("name, overrides, layout", [
+    ("fsdp2", EXPORT, "dp_shard 2 x cp 1 x tp 1 x pp 1;"),
+    ("ep2", ["--parallelism.expert_parallel_degree", "2"], "(experts: ep 2 x efsdp 1)"),
+])
+def test_layout_equals_one_process_with_the_bias_updates(name, overrides, layout, data, reference, tmp_path):
+    run = run_train([*data, "--training.local_batch_size", "4", *overrides], tmp_path, ngpu=2)
+    assert run.returncode == 0 and layout in run.output, run.output[-3000:]
+    folder, expected = reference
+    got = scalars(tmp_path)
+    assert sorted(got) == sorted(expected)
+    for series, values in expected.items():
+        for step, value in values.items():
+            assert abs(got[series][step] - value) <= ATOL, f"{series} step {step}: {got[series][step]} vs {value}"
+    if name != "fsdp2":
+        return
+    ours, theirs = biases(tmp_path), biases(folder)
+    assert sorted(ours) == [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2, 3)]
+    for key, bias in theirs.items():
+        torch.testing.assert_close(ours[key], bias, rtol=0, atol=1e-7)
+        assert bias.abs().max() > 0.005 and abs(float(bias.sum())) < 1e-5  # moved, each move centred
