@@ -41,6 +41,9 @@ def test_every_flavor_derives_a_uniform_schedule_from_its_options():
         if args.family == "gpt_oss":  # sliding and full attention in turn
             assert args.schedule == ["sliding_attention", "full_attention"] * (args.n_layers // 2), name
             continue
+        if args.family == "deepseek_v3":  # latent attention in every layer
+            assert args.schedule == ["latent_attention"] * args.n_layers, name
+            continue
         if args.family == "gemma3_text":  # five sliding layers, then one full
             assert args.schedule == (["sliding_attention"] * 5 + ["full_attention"]) * (args.n_layers // 6), name
             continue
@@ -99,7 +102,8 @@ def test_the_kv_cache_keeps_a_mask_per_window():
 
 @pytest.mark.parametrize("change, message", [
     ({"layer_types": ["full_attention", "mamba", "full_attention", "full_attention"]},
-     "model args: layer_types[1] is 'mamba'; known layer types: full_attention, sliding_attention, linear_attention"),
+     "model args: layer_types[1] is 'mamba'; known layer types: full_attention, sliding_attention, linear_attention, "
+         "latent_attention"),
     ({"layer_types": ["full_attention"] * 3},
      "model args: 'layer_types' has 3 entries; expected one per layer (n_layers = 4)"),
     ({"layer_types": MIXED, "sliding_window": None},
