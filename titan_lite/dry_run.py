@@ -203,7 +203,7 @@ def gpu_tokens_per_s(plan: JobPlan, params: int) -> float:
     parameter trained (a frozen base would be a little faster)."""
     a = plan.model_args
     flops = num_flops_per_token(params - a.inactive_param_count(), a.vocab_size * a.dim, a.attention_layers, a.n_heads,
-                                a.head_dim, plan.cfg.training.seq_len)
+                                a.attention_flops_head_dim, plan.cfg.training.seq_len)
     return GPU_MFU * GPU_PEAK_FLOPS / flops
 
 

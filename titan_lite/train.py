@@ -149,8 +149,9 @@ class Trainer:
         a = self.plan.model_args
         # an MoE token runs only its top-k experts: the FLOPs count the active parameters
         active = self.plan.full_param_count() - a.inactive_param_count()
-        flops = num_flops_per_token(active, a.vocab_size * a.dim, a.attention_layers, a.n_heads, a.head_dim,
-                                    self.cfg.training.seq_len, self.plan.frozen_matmul_param_count())
+        flops = num_flops_per_token(active, a.vocab_size * a.dim, a.attention_layers, a.n_heads,
+                                    a.attention_flops_head_dim, self.cfg.training.seq_len,
+                                    self.plan.frozen_matmul_param_count())
         return MetricsProcessor(self.cfg, self.rank, self.device, flops, self.parallel_dims.non_data_parallel_size,
                                 resuming=self.loading.resuming)
 

@@ -143,6 +143,14 @@ class LlamaArgs:
         return int(self.head_dim * self.rope_partial_factor)
 
     @property
+    def attention_flops_head_dim(self) -> int:
+        """The per-head width the FLOPs' attention term counts: head_dim, or latent attention's mean of its score
+        (qk_nope + qk_rope) and value (v_head_dim) widths."""
+        if self.is_latent:
+            return (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim) // 2
+        return self.head_dim
+
+    @property
     def is_latent(self) -> bool:
         """Whether some layer's mixer is DeepSeek-V3's multi-head latent attention."""
         return "latent_attention" in self.schedule
