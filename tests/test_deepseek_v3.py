@@ -98,15 +98,24 @@ def test_the_options_are_read_from_config_json(saved):
                                                                      + 1) ** 2)
 
 
-@pytest.mark.parametrize("q_lora_rank", [24, None])
-def test_logits_equal_transformers(tmp_path, q_lora_rank):
+@pytest.mark.parametrize("q_lora_rank, rope_interleave", [(24, True), (None, True), (24, False)])
+def test_logits_equal_transformers(tmp_path, q_lora_rank, rope_interleave):
+    """The query's low-rank path or one q_proj; the rope channels paired (2i, 2i+1) as released, or rotate-half
+    (permuted on load and back on export)."""
     saved = tmp_path / "hf"
-    hf_model(q_lora_rank=q_lora_rank).save_pretrained(saved)
+    hf_model(q_lora_rank=q_lora_rank, rope_interleave=rope_interleave).save_pretrained(saved)
     ids = tokens()
     with torch.no_grad():
         expected = hf_reloaded(saved)(ids).logits
-        ours = load_titan(saved)(ids)
-    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+        model = load_titan(saved)
+        torch.testing.assert_close(model(ids), expected, rtol=0, atol=1e-5)
+    if rope_interleave:
+        return
+    write_hf_folder(model.state_dict(), model.args, str(tmp_path / "export"), torch.float32)
+    from safetensors.torch import load_file
+    exported, original = load_file(tmp_path / "export" / "model.safetensors"), load_file(saved / "model.safetensors")
+    for name, tensor in original.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0, msg=name)
 
 
 def test_the_correction_bias_chooses_but_does_not_weigh(saved):
@@ -219,7 +228,7 @@ def test_aux_free_bias_update_equals_the_rule_by_hand():
     ({"topk_group": 5}, "topk_group = 5 must be between 1 and n_group = 4"),
     ({"num_experts_per_tok": 5}, "num_experts_per_tok = 5 exceeds the 2 x 2 experts"),
     ({"quantization_config": {"quant_method": "fp8"}}, "'quantization_config' is 'fp8'"),
-    ({"rope_interleave": False}, "'rope_interleave' is False"),
+    ({"rope_interleave": "yes"}, "'rope_interleave' is 'yes'; expected true or false"),
     ({"attention_bias": True}, "'attention_bias' is True"),
     ({"scoring_func": "softmax"}, "'scoring_func' is 'softmax'"),
 ])

@@ -115,6 +115,9 @@ class LlamaArgs:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     n_mtp_layers: int = 0
+    # the checkpoint's layout of the rope channels (transformers' rope_interleave): pairs (2i, 2i+1), titan_lite's
+    # own, or rotate-half pairs (i, i + rope / 2), permuted on import and export
+    rope_interleave: bool = True
     # DeepSeek-V3's router ("sigmoid_group", parts/group_router.py): sigmoid scores, a correction bias used only to
     # choose experts, the top-k within the moe_topk_group best of moe_n_group expert groups, the weights times
     # moe_routed_scaling; moe_shared_experts SwiGLUs of moe_ffn_dim each on every token (one fused feed-forward);

@@ -159,7 +159,7 @@ _CHECKED_FIELDS = ("family", "dim", "n_layers", "n_heads", "kv_heads", "head_dim
                    "moe_router_bias", "expert_act", "expert_bias", "swiglu_alpha", "swiglu_limit", "sandwich_norms",
                    "embed_scale", "ffn_activation", "query_pre_attn_scalar", "rope_local_theta", "q_lora_rank",
                    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "moe_n_group",
-                   "moe_topk_group", "moe_routed_scaling", "moe_shared_experts")
+                   "moe_topk_group", "moe_routed_scaling", "moe_shared_experts", "rope_interleave")
 _SCALING_FIELDS = ROPE_FIELDS[2:]
 
 

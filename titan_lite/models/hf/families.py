@@ -317,8 +317,8 @@ def _deepseek_v3_options(cfg: dict, source: str) -> dict:
     """DeepSeek-V3 (Kimi K2, Moonlight): latent attention in every layer (rope_interleave's weights), the first
     first_k_dense_replace layers dense, the others routed (sigmoid scores with the correction bias, group-limited
     top-k, shared experts); the optional sequence-wise aux loss from aux_loss_alpha where seq_aux; the multi-token
-    prediction layers beyond num_hidden_layers skipped on load. FP8 weights, attention biases and the rotate-half
-    rope layout are refused in one line."""
+    prediction layers beyond num_hidden_layers skipped on load; either rope layout (rope_interleave). FP8 weights and
+    attention biases are refused in one line."""
     if cfg.get("model_type") == "kimi_k2":
         logger.info(f"{source}: model_type 'kimi_k2' read as DeepSeek-V3 (deepseek_v3), whose config keys it has")
     quantization = cfg.get("quantization_config") or {}
@@ -326,7 +326,9 @@ def _deepseek_v3_options(cfg: dict, source: str) -> dict:
         raise ConfigError(f"{source}: 'quantization_config' is {quantization.get('quant_method', quantization)!r}: "
                           "DeepSeek-V3's FP8 block weights are not supported yet; give a bf16 checkpoint")
     expect_value(cfg, "attention_bias", (False,), source)
-    expect_value(cfg, "rope_interleave", (True,), source)
+    interleave = cfg.get("rope_interleave", True)
+    if not isinstance(interleave, bool):
+        raise ConfigError(f"{source}: 'rope_interleave' is {interleave!r}; expected true or false")
     expect_value(cfg, "scoring_func", ("sigmoid",), source)
     expect_value(cfg, "topk_method", ("noaux_tc",), source)
     heads = int(require_key(cfg, "num_attention_heads", source))
@@ -351,7 +353,7 @@ def _deepseek_v3_options(cfg: dict, source: str) -> dict:
             "moe_dense_layers": list(range(first_dense)) or None, "moe_n_group": n_group, "moe_topk_group": topk_group,
             "moe_routed_scaling": float(cfg.get("routed_scaling_factor", 1.0)),
             "moe_shared_experts": int(cfg.get("n_shared_experts") or 0), "router_aux_loss_coef": aux,
-            "moe_load_balance_coeff": DEEPSEEK_LOAD_BALANCE_COEFF}
+            "moe_load_balance_coeff": DEEPSEEK_LOAD_BALANCE_COEFF, "rope_interleave": interleave}
 
 
 def _deepseek_v3_check(args: LlamaArgs, source: str) -> None:
@@ -439,7 +441,7 @@ _GPT_OSS_LAYER_NAMES = {"moe.router.gate.bias": "mlp.router.bias", "attention.wo
 
 def _deepseek_v3_keys(args: LlamaArgs) -> dict:
     first_moe = args.moe_layers[0] if args.moe_layers else args.n_layers
-    return {"attention_bias": False, "rope_interleave": True, "q_lora_rank": args.q_lora_rank,
+    return {"attention_bias": False, "rope_interleave": args.rope_interleave, "q_lora_rank": args.q_lora_rank,
             "kv_lora_rank": args.kv_lora_rank, "qk_nope_head_dim": args.qk_nope_head_dim,
             "qk_rope_head_dim": args.qk_rope_head_dim, "v_head_dim": args.v_head_dim,
             "n_routed_experts": args.n_experts, "num_experts_per_tok": args.moe_top_k,

@@ -40,14 +40,36 @@ def _permute_rotary(name: str, tensor: Tensor, args: LlamaArgs, to_hf: bool) -> 
     return rows[:, order].reshape(tensor.shape)
 
 
+# Latent attention's tensors whose rows end in rope channels: per head (the query's) or once (the rope key's)
+_LATENT_ROPE = ("attention.q_proj.weight", "attention.q_b_proj.weight", "attention.kv_a_proj_with_mqa.weight")
+
+
+def _permute_latent_rope(name: str, tensor: Tensor, args: LlamaArgs, to_hf: bool) -> Tensor:
+    """DeepSeek-V3 with rope_interleave false: each query head's rope rows (after its nope rows) and the rope key's
+    rows (after the latent's) between rotate-half and interleaved pairs."""
+    rope = args.qk_rope_head_dim
+    block = args.qk_nope_head_dim + rope if ".kv_a_proj" not in name else args.kv_lora_rank + rope
+    order = torch.cat([torch.arange(block - rope), block - rope + _rotary_order(rope, rope, to_hf)])
+    return tensor.reshape(-1, block, *tensor.shape[1:])[:, order].reshape(tensor.shape)
+
+
+def _relaid(name: str, tensor: Tensor, args: LlamaArgs, to_hf: bool) -> Tensor:
+    if _is_rotary(name):
+        return _permute_rotary(name, tensor, args, to_hf)
+    if args.is_latent and not args.rope_interleave and name.endswith(_LATENT_ROPE):
+        return _permute_latent_rope(name, tensor, args, to_hf)
+    return tensor
+
+
 def tensor_to_hf(name: str, tensor: Tensor, args: LlamaArgs) -> Tensor:
-    """A titan_lite tensor in HF layout (q/k rows, biases and norm weights permuted; others unchanged)."""
-    return _permute_rotary(name, tensor, args, to_hf=True) if _is_rotary(name) else tensor
+    """A titan_lite tensor in HF layout (q/k rows, biases and norm weights permuted; latent attention's rope rows
+    where the checkpoint pairs them rotate-half; others unchanged)."""
+    return _relaid(name, tensor, args, to_hf=True)
 
 
 def tensor_from_hf(name: str, tensor: Tensor, args: LlamaArgs) -> Tensor:
     """An HF tensor in titan_lite layout; `name` is the titan_lite name."""
-    return _permute_rotary(name, tensor, args, to_hf=False) if _is_rotary(name) else tensor
+    return _relaid(name, tensor, args, to_hf=False)
 
 
 def _converted_name(convert, name: str) -> str:
