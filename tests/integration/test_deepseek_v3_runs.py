@@ -1,9 +1,9 @@
 """DeepSeek-V3 (debugmodel_deepseek_v3: latent attention, layer 0 dense, 8 experts in 4 groups plus a shared one)
-through run_train.sh: FSDP 2 with full AC and EP 2 equal one process over 5 steps (the losses, the sequence-wise aux loss and every
-MoE layer's expert load within 1e-5), with the correction biases moved by the aux-loss-free rule each step (gamma
-0.01, so a bias moved from one rank's loads alone would change the routing); the exported biases of FSDP 2 equal one
-process's, moved off zero and centred. One-window documents: every split of the global batch of 8 reads the same
-sequences (see test_parallel_parity.py)."""
+through run_train.sh: FSDP 2 with full AC and EP 2 equal one process over 5 steps (the losses, the sequence-wise aux
+loss and every MoE layer's expert load within 1e-5), with the correction biases moved by the aux-loss-free rule each
+step (gamma 0.01, so a bias moved from one rank's loads alone would change the routing); the exported biases of FSDP 2
+equal one process's, moved off zero and centred. One-window documents: every split of the global batch of 8 reads the
+same sequences (see test_parallel_parity.py)."""
 
 import pytest
 import torch
