@@ -195,6 +195,16 @@ def test_greedy_generation_of_64_tokens_equals_transformers(saved):
     assert got == expected and got[0] != got[1] and len(set(got[0])) > 4
 
 
+def test_left_padded_prompts_generate_as_each_alone(saved):
+    """Prompts of 20 and 9 tokens in one batch (the shorter left-padded: its pad slots hidden from the latent's
+    attention) continue as each does alone."""
+    model = load_titan(saved)
+    prompts = [tokens(1, 20, seed=5)[0].tolist(), tokens(1, 9, seed=6)[0].tolist()]
+    config, cpu = GenerationConfig(max_new_tokens=12), torch.device("cpu")
+    together = generate(model, prompts, config, cpu)
+    assert together == [generate(model, [prompt], config, cpu)[0] for prompt in prompts]
+
+
 def test_the_cache_holds_the_latent_not_the_expanded_keys(saved):
     model = load_titan(saved)
     args = model.args
