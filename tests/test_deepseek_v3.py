@@ -24,7 +24,7 @@ from titan_lite.generate.decode import GenerationConfig, generate  # noqa: E402
 from titan_lite.job.plan import checked_balance_coeff  # noqa: E402
 from titan_lite.models.decoder import Llama  # noqa: E402
 from titan_lite.models.flavors import flavor_args  # noqa: E402
-from titan_lite.models.hf.config import args_from_hf_config  # noqa: E402
+from titan_lite.models.hf.config import args_from_hf_config, flavor_of_hf_config  # noqa: E402
 from titan_lite.models.parts.group_router import GroupRouter  # noqa: E402
 from titan_lite.models.parts.mla import latent_softmax_scale  # noqa: E402
 from titan_lite.parallel.memory_estimate import ActivationShape, layer_activation_bytes  # noqa: E402
@@ -283,6 +283,29 @@ def test_the_published_parameter_counts():
         counts[flavor] = (round(total / 1e9, 2), round((total - args.inactive_param_count()) / 1e9, 2))
     print(counts)
     assert counts == {"deepseek_v3_671B": (671.03, 37.55), "kimi_k2_1T": (1026.41, 32.86)}
+
+
+# deepseek-ai/DeepSeek-V3's config.json (its FP8 quantization_config left out)
+RELEASE = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
+           "aux_loss_alpha": 0.001, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+           "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+           "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+           "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+           "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+           "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+           "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "original_max_position_embeddings": 4096, "type": "yarn"},
+           "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+           "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "v_head_dim": 128,
+           "vocab_size": 129280}
+
+
+def test_the_release_config_is_the_671B_flavor(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(RELEASE))
+    assert flavor_of_hf_config(tmp_path / "config.json") == "deepseek_v3_671B"
+    args = args_from_hf_config(RELEASE)
+    assert (args.n_mtp_layers, args.router_aux_loss_coef) == (1, 0.001)
+    assert latent_softmax_scale(args) == pytest.approx(0.13523, abs=1e-5)  # 192^-1/2 x 1.3689^2
 
 
 def test_the_debug_flavor_initialises_and_exports_to_transformers(tmp_path):
