@@ -2,8 +2,8 @@
 transformers', so the HF mapping is a rename): the query's low-rank path (q_a_proj, q_a_layernorm, q_b_proj; or one
 q_proj), the compressed key-value latent with the rope key shared by every head (kv_a_proj_with_mqa,
 kv_a_layernorm), its per-head expansion (kv_b_proj) into the keys' nope part and the values, the softmax scale with
-YaRN's mscale, on the causal kernel (packed documents block-causal); generation caches the latent and the rope key
-only, expanded at every step."""
+YaRN's mscale, on the causal kernel (packed documents block-causal; context parallel swaps it for its all-gather of
+the expanded K/V); generation caches the latent and the rope key only, expanded at every step."""
 
 import math
 
@@ -117,7 +117,11 @@ class LatentAttention(nn.Module):
         return None
 
     def document_mask(self, documents: torch.Tensor, dtype: torch.dtype, compiled: bool = False):
-        return self.inner_attention.document_mask(documents, dtype, compiled=compiled)
+        """The packed documents' mask its kernel takes (context parallel's builds its own rows)."""
+        inner = self.inner_attention
+        if isinstance(inner, CausalAttention):
+            return inner.document_mask(documents, dtype, compiled=compiled)
+        return inner.document_mask(documents, dtype)
 
     def extra_repr(self) -> str:
         return f"kv_lora_rank={self.rank}, qk_nope={self.nope}, qk_rope={self.rope_dim}, v={self.v_dim}"
