@@ -1,9 +1,9 @@
 """DeepSeek-V3 (debugmodel_deepseek_v3: latent attention, layer 0 dense, 8 experts in 4 groups plus a shared one)
-through run_train.sh: FSDP 2 with full AC, EP 2, CP 2 and PP 2 equal one process over 5 steps (the losses, the
-sequence-wise aux loss and every MoE layer's expert load within 1e-5), with the correction biases moved by the
-aux-loss-free rule each step (gamma 0.01, so a bias moved from one rank's loads alone would change the routing); the
-exported biases of FSDP 2 equal one process's, moved off zero and centred. One-window documents: every split of the
-global batch of 8 reads the same sequences (see test_parallel_parity.py)."""
+through run_train.sh: FSDP 2 with full AC, EP 2, CP 2, PP 2 and FSDP 2 x TP 2 equal one process over 5 steps (the
+losses, the sequence-wise aux loss and every MoE layer's expert load within 1e-5), with the correction biases moved
+by the aux-loss-free rule each step (gamma 0.01, so a bias moved from one rank's loads alone would change the
+routing); the exported biases of FSDP 2 equal one process's, moved off zero and centred. One-window documents: every
+split of the global batch of 8 reads the same sequences (see test_parallel_parity.py)."""
 
 import pytest
 import torch
@@ -51,9 +51,11 @@ def reference(data, tmp_path_factory):
     # K/V expanded from each rank's latent, all-gathered; the load balancer's head-tail chunks, RoPE at global positions
     ("cp2", 2, ["--parallelism.context_parallel_degree", "2"], "dp_shard 1 x cp 2 x tp 1"),
     ("pp2", 2, ["--parallelism.pipeline_parallel_degree", "2"], "tp 1 x pp 2"),
+    # heads split over TP 2 (the shared rope key's gradient summed over them), FSDP 2 over the replicated parts
+    ("fsdp2_tp2", 4, ["--parallelism.tensor_parallel_degree", "2"], "dp_shard 2 x cp 1 x tp 2"),
 ])
 def test_layout_equals_one_process_with_the_bias_updates(name, ngpu, overrides, layout, data, reference, tmp_path):
-    local_batch = 8 if name in ("cp2", "pp2") else 8 // ngpu
+    local_batch = {"cp2": 8, "pp2": 8, "fsdp2_tp2": 4}.get(name, 8 // ngpu)
     run = run_train([*data, "--training.local_batch_size", str(local_batch), *overrides], tmp_path, ngpu=ngpu)
     assert run.returncode == 0 and layout in run.output, run.output[-3000:]
     folder, expected = reference

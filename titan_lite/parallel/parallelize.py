@@ -55,9 +55,8 @@ def refuse_hybrid_layouts(model: nn.Module, parallel_dims: ParallelDims) -> None
                "pipeline_parallel_degree": parallel_dims.pp_enabled}
     if args.is_hybrid:
         why = "Qwen3.5 (its linear_attention layers)"
-    elif args.is_latent:  # DeepSeek-V3: the latent's head sharding is unchecked; CP, PP and EP run
-        layouts = {"tensor_parallel_degree": parallel_dims.tp_enabled}
-        why = "DeepSeek-V3 (its latent attention has no checked tensor-parallel plan yet)"
+    elif args.is_latent:  # DeepSeek-V3: every layout runs (tensor_parallel.latent_attention_plan)
+        return
     elif args.rope_local_theta is not None:
         why = "Gemma 3 (its rope per layer type, sandwich norms and scaled embedding are unchecked there)"
     else:  # gpt-oss: sinks, o/expert biases and fused experts have no checked parallel plan yet

@@ -2,6 +2,8 @@
 
 from collections.abc import Callable, Sequence
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
@@ -48,7 +50,7 @@ def top_level_plan(loss_parallel: bool) -> dict:
     }
 
 
-def block_plan(qk_norm: bool = False, moe: bool = False) -> dict:
+def block_plan(qk_norm: bool = False, moe: bool = False, latent: bool = False) -> dict:
     """Norms on sequence shards; attention and MLP gather the sequence, split heads/hidden, and scatter it back.
 
     q/k/v biases are sharded with their colwise linears. The q/k norms (Qwen3) act on each head's head_dim: their
@@ -57,7 +59,24 @@ def block_plan(qk_norm: bool = False, moe: bool = False) -> dict:
     replicated (moe_plan)."""
     norms = {name: SequenceParallel(sequence_dim=2, use_local_output=True)
              for name in ("attention.q_norm", "attention.k_norm")} if qk_norm else {}
-    return {**norms, **_attention_plan(), **(moe_plan() if moe else _feed_forward_plan())}
+    attention = latent_attention_plan() if latent else _attention_plan()
+    return {**norms, **attention, **(moe_plan(latent) if moe else _feed_forward_plan())}
+
+
+def latent_attention_plan() -> dict:
+    """DeepSeek-V3's latent attention: the query's and the latent's up-projections split by head (colwise), the
+    down-projections and the latent norms replicated (every rank computes them whole, their gradients whole after the
+    colwise inputs' reduction), o_proj rowwise; the rope key is shared by every head, so its gradient, a sum over the
+    heads, is summed over the TP ranks (attention.rope_key)."""
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        **{f"attention.{name}": ColwiseParallel() for name in ("q_proj", "q_b_proj", "kv_b_proj")},
+        **{f"attention.{name}": ReplicateParallel()
+           for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")},
+        "attention.rope_key": SumGradients(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+    }
 
 
 def _attention_plan() -> dict:
@@ -81,11 +100,16 @@ def _feed_forward_plan() -> dict:
     }
 
 
-def moe_plan() -> dict:
+def moe_plan(group_router: bool = False) -> dict:
     """The routed feed-forward under TP: router and experts replicated on every TP rank, which all route the whole
     (gathered) sequence and compute the same output; each keeps its own sequence shard of it. No expert is split
     over TP (experts are split over EP ranks instead): every gradient is whole and identical on the TP ranks, so
-    none is reduced over them; the cost is TP-fold redundant expert compute."""
+    none is reduced over them; the cost is TP-fold redundant expert compute. DeepSeek-V3 (group_router): its router
+    (gate and correction bias, read as local tensors) and shared experts replicated alike."""
+    if group_router:
+        plan = moe_plan()
+        del plan["moe.router.gate"]
+        return {**plan, "moe.router": ReplicateParallel(local_io=False), "moe.shared_experts": ReplicateParallel()}
     return {
         "ffn_norm": SequenceParallel(),
         "moe": PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
@@ -109,6 +133,31 @@ class ReplicateParallel(ParallelStyle):
         if not self.local_io:
             return distribute_module(module, device_mesh)
         return distribute_module(module, device_mesh, input_fn=_replicated_inputs, output_fn=_local_outputs)
+
+
+class SumGradients(ParallelStyle):
+    """Identity on a module's inputs whose backward sums their gradients over the TP ranks: for a tensor every rank
+    computes whole but uses for its own heads only (latent attention's shared rope key)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=_gradients_summed)
+
+
+def _gradients_summed(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    return tuple(_SumGradOverGroup.apply(t, mesh.get_group()) for t in inputs)
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def _replicated_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
@@ -136,9 +185,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, plan_ed
     top = edited_plan(top_level_plan(loss_parallel), "model", plan_edits)
     parallelize_module(model, tp_mesh, {name: style for name, style in top.items()
                                         if getattr(model, name.split(".")[0], None) is not None})
-    plans = {moe: edited_plan(block_plan(model.args.qk_norm, moe), "block", plan_edits) for moe in (False, True)}
+    latent = model.args.is_latent
+    plans = {moe: edited_plan(block_plan(model.args.qk_norm, moe, latent), "block", plan_edits)
+             for moe in (False, True)}
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, plans[block.moe_enabled])
+        held = {name for name, _ in block.named_modules()}  # latent attention: q_proj or q_a_proj/q_b_proj
+        parallelize_module(block, tp_mesh, {name: style for name, style in plans[block.moe_enabled].items()
+                                            if not latent or name in held})
     if tied:
         retie_embeddings(model)
 

@@ -5,7 +5,7 @@ step's expert loads; and the check of its shapes."""
 import torch
 from torch import nn
 
-from titan_lite.dtensor import copy_into_shard, full_tensor
+from titan_lite.dtensor import copy_into_shard, full_tensor, local_tensor
 from titan_lite.errors import ConfigError
 
 
@@ -43,8 +43,9 @@ class GroupRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [tokens, dim] -> (normalised scores [tokens, E] float32, top-k weights [tokens, k] in x's dtype, top-k
         expert ids [tokens, k])."""
-        scores = torch.sigmoid(nn.functional.linear(x.float(), self.gate.weight.float()))
-        choice = scores + self.e_score_correction_bias.float()
+        # local tensors: tensor parallel replicates the router (its parameters DTensors, its input local)
+        scores = torch.sigmoid(nn.functional.linear(x.float(), local_tensor(self.gate.weight).float()))
+        choice = scores + local_tensor(self.e_score_correction_bias).float()
         if self.n_group > 1:
             groups = choice.unflatten(-1, (self.n_group, -1))
             best = groups.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices

@@ -72,6 +72,8 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.rank, eps=LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.rank, heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(heads * self.v_dim, args.dim, bias=False)
+        # the rope key's hook point: tensor parallel sums its gradient over the ranks' heads (identity otherwise)
+        self.rope_key = nn.Identity()
         self.q_scale = latent_softmax_scale(args) / qk ** -0.5
         self.inner_attention = CausalAttention()
 
@@ -95,7 +97,7 @@ class LatentAttention(nn.Module):
         q_nope, q_rope = self.query(x).unflatten(-1, (-1, self.nope + self.rope_dim)).split(
             [self.nope, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
-        latent, k_rope = self.kv_a_layernorm(latent), k_rope[:, :, None]
+        latent, k_rope = self.kv_a_layernorm(latent), self.rope_key(k_rope[:, :, None])
         if cache is not None:
             q_rope = cache.rotate(q_rope)
             latent, k_rope = cache.keep_latent(latent, cache.rotate(k_rope))
