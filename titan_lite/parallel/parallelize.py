@@ -46,17 +46,14 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, cfg: JobCon
 def refuse_hybrid_layouts(model: nn.Module, parallel_dims: ParallelDims) -> None:
     """A ConfigError in one line for the layouts a model with Gated DeltaNet layers (Qwen3.5) cannot run yet (its
     recurrent state runs in time order over whole heads), nor one with gpt-oss's sinks and biased experts, nor Gemma 3
-    (a rope per layer type), nor DeepSeek-V3 (latent attention): phase 1 checked no parallel plan on them."""
+    (a rope per layer type): phase 1 checked no parallel plan on them. DeepSeek-V3 runs every layout."""
     args = getattr(model, "args", None)
-    if args is None or not (args.is_hybrid or args.attn_sinks or args.expert_bias or args.rope_local_theta is not None
-                            or args.is_latent):
+    if args is None or not (args.is_hybrid or args.attn_sinks or args.expert_bias or args.rope_local_theta is not None):
         return
     layouts = {"tensor_parallel_degree": parallel_dims.tp_enabled, "context_parallel_degree": parallel_dims.cp_enabled,
                "pipeline_parallel_degree": parallel_dims.pp_enabled}
     if args.is_hybrid:
         why = "Qwen3.5 (its linear_attention layers)"
-    elif args.is_latent:  # DeepSeek-V3: every layout runs (tensor_parallel.latent_attention_plan)
-        return
     elif args.rope_local_theta is not None:
         why = "Gemma 3 (its rope per layer type, sandwich norms and scaled embedding are unchecked there)"
     else:  # gpt-oss: sinks, o/expert biases and fused experts have no checked parallel plan yet
