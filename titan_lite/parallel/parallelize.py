@@ -53,8 +53,7 @@ def refuse_hybrid_layouts(model: nn.Module, parallel_dims: ParallelDims) -> None
     layouts = {"tensor_parallel_degree": parallel_dims.tp_enabled, "context_parallel_degree": parallel_dims.cp_enabled,
                "pipeline_parallel_degree": parallel_dims.pp_enabled}
     if args.is_hybrid:
-        layouts = {"tensor_parallel_degree": parallel_dims.tp_enabled,
-                   "context_parallel_degree": parallel_dims.cp_enabled}
+        layouts = {"context_parallel_degree": parallel_dims.cp_enabled}
         why = "Qwen3.5 (its linear_attention layers)"
     elif args.rope_local_theta is not None:
         why = "Gemma 3 (its rope per layer type, sandwich norms and scaled embedding are unchecked there)"

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from titan_lite.dtensor import local_share, local_tensor
 from titan_lite.errors import ConfigError
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.parts.cache import RecurrentCache
@@ -152,11 +153,13 @@ class GatedDeltaNet(nn.Module):
         columns = torch.cat([window, qkv], dim=-1)
         qkv = F.silu(F.conv1d(columns, self.conv1d.weight, groups=qkv.shape[1]))
         q, k, v = qkv.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(batch, seq, -1, self.key_head_dim)
-        k = k.reshape(batch, seq, -1, self.key_head_dim)
-        v = v.reshape(batch, seq, -1, self.value_head_dim)
+        # tensor parallel: qkv and the conv are replicated, each rank keeps its own key heads and their value heads
+        q = local_share(q.reshape(batch, seq, -1, self.key_head_dim), dim=2)
+        k = local_share(k.reshape(batch, seq, -1, self.key_head_dim), dim=2)
+        v = local_share(v.reshape(batch, seq, -1, self.value_head_dim), dim=2)
         beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        decay_rate = local_tensor(self.A_log).float().exp()
+        g = -decay_rate * F.softplus(self.in_proj_a(x).float() + local_tensor(self.dt_bias))
         if cache is not None and seq == 1:
             out, state = recurrent_delta_rule(q, k, v, g, beta, state=state)
         else:
