@@ -2,7 +2,15 @@
 the HF mapping is a rename), the causal depthwise conv, L2-normalised q/k, beta and the decay g, the gated delta rule
 in its chunked form (training, prefill; pure PyTorch, float32 state) and its recurrent form (decoding, the check of
 the chunked one), the gated RMSNorm with the z gate, the out projection. Packed documents each start from a zero
-state and a zero conv window, exactly as one document per row."""
+state and a zero conv window, exactly as one document per row. Where fla-core (the `gpu` extra) is installed and
+the tensors are on CUDA, FLA's chunk_gated_delta_rule runs in place of the chunked form, packed documents laid end
+to end with its cu_seqlens; the log says which runs."""
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from functools import cache
+from itertools import accumulate
 
 import torch
 from torch import nn
@@ -14,6 +22,9 @@ from titan_lite.models.args import LlamaArgs
 from titan_lite.models.parts.cache import RecurrentCache
 from titan_lite.models.parts.masks import DocumentSpans
 from titan_lite.models.parts.norms import GatedRMSNorm
+
+logger = logging.getLogger("titan_lite")
+FLA_INSTALLED = importlib.util.find_spec("fla") is not None  # looked up, not imported: it imports triton
 
 
 def check_linear_heads(args: LlamaArgs, source: str = "model args") -> None:
@@ -100,6 +111,65 @@ def chunked_delta_rule(q, k, v, g, beta, chunk: int = 64, state: torch.Tensor | 
     return out.transpose(1, 2).to(dtype), state
 
 
+def uses_fla(t: torch.Tensor) -> bool:
+    """FLA's kernel runs where fla-core is installed and the tensors are on CUDA; the pure-PyTorch form elsewhere."""
+    return FLA_INSTALLED and t.is_cuda
+
+
+def say_which_rule(t: torch.Tensor) -> None:
+    """Log, once per kind, which delta rule runs (not inside a compiled graph: it would break it)."""
+    if not torch.compiler.is_compiling():
+        why = "" if FLA_INSTALLED else " (fla-core is not installed)"
+        _say(f"FLA's chunk_gated_delta_rule on {t.device.type}" if uses_fla(t) else
+             f"the pure-PyTorch chunked delta rule on {t.device.type}{why or ' (FLA needs CUDA)'}")
+
+
+@cache
+def _say(rule: str) -> None:
+    logger.info(f"Gated DeltaNet layers: {rule}")
+
+
+def fla_delta_rule(q, k, v, g, beta, state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None):
+    """The chunked delta rule by FLA's kernel: same arguments and results as chunked_delta_rule (FLA's own chunk of
+    64 steps); q/k L2-normalised and q scaled by dk^-1/2 in the kernel, key heads shared by consecutive value heads
+    as ours, a float32 state; cu_seqlens [documents + 1]: the documents of one row laid end to end (batch 1), each
+    from a zero state."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    out, final = chunk_gated_delta_rule(q, k, v.to(q.dtype), g.float(), beta.to(q.dtype), initial_state=state,
+                                        output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+    return out.to(v.dtype), final
+
+
+@dataclass(frozen=True)
+class EndToEnd:
+    """Packed documents laid end to end as one row: each position's offset in its document [1, tokens] and the
+    documents' cumulative lengths [documents + 1] (FLA's cu_seqlens)."""
+
+    offsets: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+    @classmethod
+    def of(cls, spans: DocumentSpans, device: torch.device) -> "EndToEnd":
+        lengths = [end - start for row in spans.rows for start, end in row]
+        offsets = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+        return cls(offsets, torch.tensor([0, *accumulate(lengths)], dtype=torch.long, device=device))
+
+
+def causal_conv(columns: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """The depthwise causal conv of columns [batch, channels, K - 1 + seq] (the window before the sequence, then the
+    sequence) by weight [channels, 1, K]; offsets [batch, seq]: each position's offset in its document, so that no
+    tap reaches into the document before it."""
+    if offsets is None:
+        return F.conv1d(columns, weight, groups=columns.shape[1])
+    kernel, seq = weight.shape[-1], offsets.shape[-1]
+    out = columns[..., kernel - 1:] * weight[:, :, -1]
+    for lag in range(1, kernel):
+        tap = columns[..., kernel - 1 - lag:kernel - 1 - lag + seq] * weight[:, :, kernel - 1 - lag]
+        out = out + tap * (offsets >= lag)[:, None, :].to(tap.dtype)
+    return out
+
+
 class GatedDeltaNet(nn.Module):
     """Qwen3.5's linear attention: in_proj_qkv -> causal depthwise conv + SiLU -> q, k, v heads; beta = sigmoid(b),
     g = -exp(A_log) softplus(a + dt_bias); the gated delta rule; norm(o) * silu(z) per head; out_proj."""
@@ -133,6 +203,8 @@ class GatedDeltaNet(nn.Module):
             return self.mix(x, cache)
         if mask is None:
             return self.mix(x)
+        if uses_fla(x):  # the documents end to end in one row, FLA's cu_seqlens resetting the state at each start
+            return self.mix(x.flatten(0, 1)[None], documents=EndToEnd.of(mask, x.device)).view(x.shape)
         spans = [(b, s, e) for b, row in enumerate(mask.rows) for s, e in row]
         longest = max(e - s for _, s, e in spans)
         docs = torch.stack([F.pad(x[b, s:e], (0, 0, 0, longest - (e - s))) for b, s, e in spans])
@@ -140,8 +212,10 @@ class GatedDeltaNet(nn.Module):
         i = iter(range(len(spans)))
         return torch.stack([torch.cat([mixed[next(i), :e - s] for s, e in row]) for row in mask.rows])
 
-    def mix(self, x: torch.Tensor, cache: RecurrentCache | None = None) -> torch.Tensor:
-        """One sequence per row, from a zero state and conv window, or from the cache's."""
+    def mix(self, x: torch.Tensor, cache: RecurrentCache | None = None, documents: EndToEnd | None = None
+            ) -> torch.Tensor:
+        """One sequence per row, from a zero state and conv window, or from the cache's; `documents`: one row of
+        documents end to end (FLA's path), each from a zero state and conv window."""
         batch, seq, _ = x.shape
         window, state = cache.states() if cache is not None else (None, None)
         if cache is not None:  # padding slots (a left-padded prompt's) add nothing: a zero input keeps a zero state
@@ -151,7 +225,7 @@ class GatedDeltaNet(nn.Module):
         if window is None:
             window = qkv.new_zeros(batch, qkv.shape[1], kernel - 1)
         columns = torch.cat([window, qkv], dim=-1)
-        qkv = F.silu(F.conv1d(columns, self.conv1d.weight, groups=qkv.shape[1]))
+        qkv = F.silu(causal_conv(columns, self.conv1d.weight, None if documents is None else documents.offsets))
         q, k, v = qkv.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         # tensor parallel: qkv and the conv are replicated, each rank keeps its own key heads and their value heads
         q = local_share(q.reshape(batch, seq, -1, self.key_head_dim), dim=2)
@@ -160,8 +234,11 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid()
         decay_rate = local_tensor(self.A_log).float().exp()
         g = -decay_rate * F.softplus(self.in_proj_a(x).float() + local_tensor(self.dt_bias))
+        say_which_rule(v)
         if cache is not None and seq == 1:
             out, state = recurrent_delta_rule(q, k, v, g, beta, state=state)
+        elif uses_fla(v):
+            out, state = fla_delta_rule(q, k, v, g, beta, state, None if documents is None else documents.cu_seqlens)
         else:
             out, state = chunked_delta_rule(q, k, v, g, beta, chunk=self.chunk, state=state)
         if cache is not None:
