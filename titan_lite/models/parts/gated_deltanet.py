@@ -231,9 +231,9 @@ class GatedDeltaNet(nn.Module):
         q = local_share(q.reshape(batch, seq, -1, self.key_head_dim), dim=2)
         k = local_share(k.reshape(batch, seq, -1, self.key_head_dim), dim=2)
         v = local_share(v.reshape(batch, seq, -1, self.value_head_dim), dim=2)
-        beta = self.in_proj_b(x).sigmoid()
+        beta = local_share(self.in_proj_b(x), dim=2).sigmoid()
         decay_rate = local_tensor(self.A_log).float().exp()
-        g = -decay_rate * F.softplus(self.in_proj_a(x).float() + local_tensor(self.dt_bias))
+        g = -decay_rate * F.softplus(local_share(self.in_proj_a(x), dim=2).float() + local_tensor(self.dt_bias))
         say_which_rule(v)
         if cache is not None and seq == 1:
             out, state = recurrent_delta_rule(q, k, v, g, beta, state=state)
