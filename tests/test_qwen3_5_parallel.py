@@ -33,10 +33,8 @@ PLACEMENTS = {
 }
 SCENARIOS = {
     "tp2": dict(tp=2, tied=None, loss_parallel=True, flavor=FLAVOR, watched=list(PLACEMENTS)),
-    "tp2_no_loss_parallel_full_ac": dict(tp=2, tied=None, loss_parallel=False, flavor=FLAVOR, ac="full",
-                                         watched=list(PLACEMENTS)),
-    "tp2_compile": dict(tp=2, tied=None, loss_parallel=True, flavor=FLAVOR, compile_backend="aot_eager",
-                        watched=list(PLACEMENTS)),
+    "tp2_no_loss_parallel_compile": dict(tp=2, tied=None, loss_parallel=False, flavor=FLAVOR,
+                                         compile_backend="aot_eager", watched=list(PLACEMENTS)),
 }
 
 
