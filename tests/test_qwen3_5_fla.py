@@ -2,6 +2,7 @@
 `fla` module (a per-document reference that honours cu_seqlens), packed documents laid end to end equal to each
 alone, and the log line saying which rule runs; on CUDA with fla-core installed, FLA against the reference path."""
 
+import itertools
 import logging
 import sys
 from types import ModuleType
@@ -44,7 +45,7 @@ def fake_fla(monkeypatch):
         if cu_seqlens is None:
             return chunked_delta_rule(q, k, v, g, beta, state=initial_state)
         bounds = cu_seqlens.tolist()
-        runs = [chunked_delta_rule(*(t[:, s:e] for t in (q, k, v, g, beta))) for s, e in zip(bounds, bounds[1:])]
+        runs = [chunked_delta_rule(*(t[:, s:e] for t in (q, k, v, g, beta))) for s, e in itertools.pairwise(bounds)]
         return torch.cat([out for out, _ in runs], dim=1), torch.cat([state for _, state in runs])
 
     module = ModuleType("fla.ops.gated_delta_rule")
@@ -86,7 +87,7 @@ def test_the_conv_with_document_offsets_equals_each_document_alone():
     packed = causal_conv(torch.nn.functional.pad(x, (kernel - 1, 0)), weight, ends.offsets)
     bounds = ends.cu_seqlens.tolist()
     alone = [causal_conv(torch.nn.functional.pad(x[..., s:e], (kernel - 1, 0)), weight)
-             for s, e in zip(bounds, bounds[1:])]
+             for s, e in itertools.pairwise(bounds)]
     torch.testing.assert_close(packed, torch.cat(alone, dim=-1), rtol=0, atol=1e-6)
 
 
