@@ -134,7 +134,7 @@ def fla_delta_rule(q, k, v, g, beta, state: torch.Tensor | None = None, cu_seqle
     64 steps); q/k L2-normalised and q scaled by dk^-1/2 in the kernel, key heads shared by consecutive value heads
     as ours, a float32 state; cu_seqlens [documents + 1]: the documents of one row laid end to end (batch 1), each
     from a zero state."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # optional (the gpu extra), and it imports triton
 
     out, final = chunk_gated_delta_rule(q, k, v.to(q.dtype), g.float(), beta.to(q.dtype), initial_state=state,
                                         output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
