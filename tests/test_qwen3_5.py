@@ -201,9 +201,6 @@ def test_what_phase_one_does_not_run_is_refused_in_one_line(saved):
         refuse_hybrid_layouts(load_titan(saved), dims)
     with pytest.raises(ConfigError, match="^DRY_RUN's memory plan is not supported yet for Qwen3.5"):
         layer_activation_bytes(args, 0, ActivationShape(tokens=64, compute_bytes=4), "none")
-    deltanet = load_titan(saved).layers["0"].attention
-    with pytest.raises(ConfigError, match="^compile with packed documents .* is not supported yet for Qwen3.5"):
-        deltanet.document_mask(torch.zeros(1, 8, dtype=torch.long), torch.float32, compiled=True)
     with pytest.raises(ConfigError, match=r"^'model.converters' = \['lora'\] is not supported yet for Qwen3.5"):
         Transforms([SimpleNamespace(name="lora")]).check(args, None)
 

@@ -1,6 +1,8 @@
-"""FLA's chunk_gated_delta_rule in the Gated DeltaNet: on CPU, the dispatch and the call's arguments with a fake
-`fla` module (a per-document reference that honours cu_seqlens), packed documents laid end to end equal to each
-alone, and the log line saying which rule runs; on CUDA with fla-core installed, FLA against the reference path."""
+"""Packed documents in tensor form in the Gated DeltaNet, and FLA's chunk_gated_delta_rule: on CPU, the dispatch and
+the call's arguments with a fake `fla` module (a per-document reference that honours cu_seqlens), packed documents
+laid end to end equal to each alone, and the log line saying which rule runs; the chunked rule and the conv reset
+by document offsets, and compiled blocks on packed documents (the offsets form), equal to each document alone; on
+CUDA with fla-core installed, FLA against the reference path."""
 
 import itertools
 import logging
@@ -14,7 +16,7 @@ from tests.hf_oracle import check_packed_equals_alone
 from titan_lite.models.decoder import Llama
 from titan_lite.models.flavors import flavor_args
 from titan_lite.models.parts import gated_deltanet
-from titan_lite.models.parts.gated_deltanet import EndToEnd, causal_conv, chunked_delta_rule
+from titan_lite.models.parts.gated_deltanet import DocumentOffsets, causal_conv, chunked_delta_rule
 from titan_lite.models.parts.masks import DocumentSpans
 
 LENGTHS = [13, 29, 22]  # none a multiple of tiny_qwen3_5's 16-step chunk
@@ -83,12 +85,43 @@ def test_the_conv_with_document_offsets_equals_each_document_alone():
     channels, kernel = 6, 4
     weight = torch.randn(channels, 1, kernel, generator=generator)
     x = torch.randn(1, channels, sum(LENGTHS), generator=generator)
-    ends = EndToEnd.of(DocumentSpans((((0, 13), (13, 42), (42, 64)),)), torch.device("cpu"))
+    ends = DocumentOffsets.end_to_end(DocumentSpans((((0, 13), (13, 42), (42, 64)),)), torch.device("cpu"))
     packed = causal_conv(torch.nn.functional.pad(x, (kernel - 1, 0)), weight, ends.offsets)
     bounds = ends.cu_seqlens.tolist()
     alone = [causal_conv(torch.nn.functional.pad(x[..., s:e], (kernel - 1, 0)), weight)
              for s, e in itertools.pairwise(bounds)]
     torch.testing.assert_close(packed, torch.cat(alone, dim=-1), rtol=0, atol=1e-6)
+
+
+def test_the_chunked_rule_with_document_offsets_equals_each_document_alone():
+    generator = torch.Generator().manual_seed(4)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    rows = [LENGTHS, [16, 16, 5, 27]]  # starts inside a chunk, on a chunk's first step, and a 5-step document
+    q, k, v = draw(2, 64, 2, 8), draw(2, 64, 2, 8), draw(2, 64, 4, 6)
+    g, beta = -torch.nn.functional.softplus(draw(2, 64, 4)), draw(2, 64, 4).sigmoid()
+    documents = torch.tensor([sum(([i] * n for i, n in enumerate(row)), []) for row in rows])
+    offsets = DocumentOffsets.of_rows(documents).offsets
+    assert offsets[1, 14:18].tolist() == [14, 15, 0, 1]
+    for chunk in (16, 7):
+        out, _ = chunked_delta_rule(q, k, v, g, beta, chunk=chunk, offsets=offsets)
+        for b, row in enumerate(rows):
+            bounds = [0, *itertools.accumulate(row)]
+            alone = [chunked_delta_rule(*(t[b:b + 1, s:e] for t in (q, k, v, g, beta)), chunk=chunk)[0]
+                     for s, e in itertools.pairwise(bounds)]
+            torch.testing.assert_close(out[b:b + 1], torch.cat(alone, dim=1), rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_on_packed_documents_equal_each_alone():
+    from titan_lite.config.schema import Compile
+    from titan_lite.parallel.compile import apply_compile
+
+    model = tiny_model()
+    apply_compile(model, Compile(enable=True, backend="aot_eager"))
+    check_packed_equals_alone(model, documents(), grad_atol=1e-5)
 
 
 @pytest.mark.cuda
