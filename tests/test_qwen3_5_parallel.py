@@ -33,8 +33,7 @@ PLACEMENTS = {
 }
 SCENARIOS = {
     "tp2": dict(tp=2, tied=None, loss_parallel=True, flavor=FLAVOR, watched=list(PLACEMENTS)),
-    "tp2_no_loss_parallel_compile": dict(tp=2, tied=None, loss_parallel=False, flavor=FLAVOR,
-                                         compile_backend="aot_eager", watched=list(PLACEMENTS)),
+    "tp2_no_loss_parallel": dict(tp=2, tied=None, loss_parallel=False, flavor=FLAVOR, watched=list(PLACEMENTS)),
 }
 
 

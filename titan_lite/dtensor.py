@@ -2,7 +2,7 @@
 value), and copies into shards."""
 
 import torch
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -21,6 +21,14 @@ def local_share(t: torch.Tensor, dim: int) -> torch.Tensor:
     if not isinstance(t, DTensor):
         return t
     return t.redistribute(t.device_mesh, (Shard(dim),)).to_local()
+
+
+def replicated_like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """A plain tensor every rank holds whole, as a replicated DTensor on ref's mesh where ref is a DTensor (so the two
+    combine); t itself otherwise."""
+    if not isinstance(ref, DTensor):
+        return t
+    return DTensor.from_local(t, ref.device_mesh, (Replicate(),) * ref.device_mesh.ndim, run_check=False)
 
 
 def copy_into_shard(param: torch.Tensor, full: torch.Tensor) -> None:

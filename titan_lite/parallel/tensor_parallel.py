@@ -80,18 +80,13 @@ def deltanet_plan() -> dict:
     is one group's: it is split colwise and its output gathered, the depthwise conv (a small replicated weight) runs
     on all channels, and the mixer keeps its heads' share of q, k and v (gated_deltanet's local_share). in_proj_z,
     in_proj_b, in_proj_a (rows per value head), A_log and dt_bias are split by value head, the gated norm's weight
-    replicated (its gradient reduced over the heads of every rank), out_proj rowwise. in_proj_b's and in_proj_a's
-    outputs (one value per head and token) are gathered and shared out again like qkv's: their gradient, transposed
-    by the delta rule, then reaches the linear's backward contiguous, which compile's (AOTAutograd's with DTensor,
-    torch 2.13) needs."""
+    replicated (its gradient reduced over the heads of every rank), out_proj rowwise."""
     return {
         "attention_norm": SequenceParallel(),
         "attention": DeltaNetInput(),
         "attention.in_proj_qkv": ColwiseParallel(output_layouts=Replicate(), use_local_output=False),
         "attention.conv1d": ReplicateParallel(local_io=False),
-        "attention.in_proj_z": ColwiseParallel(),
-        **{f"attention.{name}": ColwiseParallel(output_layouts=Replicate(), use_local_output=False)
-           for name in ("in_proj_b", "in_proj_a")},
+        **{f"attention.{name}": ColwiseParallel() for name in ("in_proj_z", "in_proj_b", "in_proj_a")},
         "attention.norm": HeadShardedNorm(),
         "attention.out_proj": RowwiseParallel(output_layouts=Shard(1)),
     }

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from titan_lite.dtensor import local_share, local_tensor
+from titan_lite.dtensor import local_share, local_tensor, replicated_like
 from titan_lite.errors import ConfigError
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.parts.cache import RecurrentCache
@@ -205,7 +205,7 @@ def causal_conv(columns: torch.Tensor, weight: torch.Tensor, offsets: torch.Tens
     out = columns[..., kernel - 1:] * weight[:, :, -1]
     for lag in range(1, kernel):
         tap = columns[..., kernel - 1 - lag:kernel - 1 - lag + seq] * weight[:, :, kernel - 1 - lag]
-        out = out + tap * (offsets >= lag)[:, None, :].to(tap.dtype)
+        out = out + tap * replicated_like((offsets >= lag)[:, None, :].to(tap.dtype), tap)  # TP: columns replicated
     return out
 
 
@@ -272,9 +272,9 @@ class GatedDeltaNet(nn.Module):
         q = local_share(q.reshape(batch, seq, -1, self.key_head_dim), dim=2)
         k = local_share(k.reshape(batch, seq, -1, self.key_head_dim), dim=2)
         v = local_share(v.reshape(batch, seq, -1, self.value_head_dim), dim=2)
-        beta = local_share(self.in_proj_b(x), dim=2).sigmoid()
+        beta = self.in_proj_b(x).sigmoid()
         decay_rate = local_tensor(self.A_log).float().exp()
-        g = -decay_rate * F.softplus(local_share(self.in_proj_a(x), dim=2).float() + local_tensor(self.dt_bias))
+        g = -decay_rate * F.softplus(self.in_proj_a(x).float() + local_tensor(self.dt_bias))
         say_which_rule(v)
         if cache is not None and seq == 1:
             out, state = recurrent_delta_rule(q, k, v, g, beta, state=state)
