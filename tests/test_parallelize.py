@@ -99,8 +99,9 @@ WATCHED = ["tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0.at
 
 
 def _run_scenario(name: str, tp: int, tied: bool | None, loss_parallel: bool, compile_backend: str | None = None,
-                  flavor: str = "tiny", replicate: int = 1, ac: str = "none") -> dict:
-    """Parallelize a tiny Llama, run one forward/backward on the fixed batch, report placements, loss and grads."""
+                  flavor: str = "tiny", replicate: int = 1, ac: str = "none", watched: list[str] = WATCHED) -> dict:
+    """Parallelize a tiny Llama, run one forward/backward on the fixed batch, report placements, loss and the grads
+    of the watched parameters."""
     from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
 
     from titan_lite.models.parameters import canonical_name
@@ -126,7 +127,7 @@ def _run_scenario(name: str, tp: int, tied: bool | None, loss_parallel: bool, co
     loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
     params = {canonical_name(n): p for n, p in model.named_parameters()}
     report = {"loss": loss.item(), "tied_shared": model.output.weight is model.tok_embeddings.weight, "params": {}}
-    for pname in WATCHED:
+    for pname in watched:
         if pname not in params:
             continue
         p = params[pname]

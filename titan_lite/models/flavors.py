@@ -129,6 +129,13 @@ FLAVORS: dict[str, LlamaArgs] = {
     # Qwen3.5 dense for the CPU (not a published size): three Gated DeltaNet layers before each gated attention
     "debugmodel_qwen3_5": LlamaArgs(dim=256, n_layers=8, n_heads=4, n_kv_heads=2, vocab_size=2048, ffn_dim=768,
                                     explicit_head_dim=64, rope_theta=10000000.0, norm_eps=1e-6, **_QWEN3_5),
+    # For the parallelism tests, shaped like "tiny": three Gated DeltaNet layers (2 key heads, 4 value heads) before
+    # one gated attention, chunks of 16 steps so a 64-token sequence crosses chunks
+    "tiny_qwen3_5": LlamaArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=2048, ffn_dim=192,
+                              explicit_head_dim=32, rope_theta=10000000.0, norm_eps=1e-6,
+                              **{**_QWEN3_5, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                                 "linear_n_key_heads": 2, "linear_n_value_heads": 4, "linear_key_head_dim": 16,
+                                 "linear_value_head_dim": 16}, linear_chunk_size=16),
     # gpt-oss for the CPU (not a published size): 8 experts, top 2, a 64-token window in the even layers
     "debugmodel_gpt_oss": LlamaArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=2, vocab_size=2048, ffn_dim=256,
                                     n_experts=8, moe_top_k=2, moe_ffn_dim=256, router_aux_loss_coef=0.001,

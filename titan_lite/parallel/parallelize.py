@@ -44,16 +44,17 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, cfg: JobCon
 
 
 def refuse_hybrid_layouts(model: nn.Module, parallel_dims: ParallelDims) -> None:
-    """A ConfigError in one line for the layouts a model with Gated DeltaNet layers (Qwen3.5) cannot run yet (its
-    recurrent state runs in time order over whole heads), nor one with gpt-oss's sinks and biased experts, nor Gemma 3
-    (a rope per layer type): phase 1 checked no parallel plan on them. DeepSeek-V3 runs every layout."""
+    """A ConfigError in one line for the layouts a model with Gated DeltaNet layers (Qwen3.5) cannot run yet (context
+    parallel), nor one with gpt-oss's sinks and biased experts, nor Gemma 3 (a rope per layer type): phase 1 checked
+    no parallel plan on them. DeepSeek-V3 runs every layout."""
     args = getattr(model, "args", None)
     if args is None or not (args.is_hybrid or args.attn_sinks or args.expert_bias or args.rope_local_theta is not None):
         return
     layouts = {"tensor_parallel_degree": parallel_dims.tp_enabled, "context_parallel_degree": parallel_dims.cp_enabled,
                "pipeline_parallel_degree": parallel_dims.pp_enabled}
     if args.is_hybrid:
-        why = "Qwen3.5 (its linear_attention layers)"
+        refuse_recurrent_cp(parallel_dims)
+        return
     elif args.rope_local_theta is not None:
         why = "Gemma 3 (its rope per layer type, sandwich norms and scaled embedding are unchecked there)"
     else:  # gpt-oss: sinks, o/expert biases and fused experts have no checked parallel plan yet
@@ -63,6 +64,15 @@ def refuse_hybrid_layouts(model: nn.Module, parallel_dims: ParallelDims) -> None
         if enabled:
             raise ConfigError(f"parallelism.{setting} > 1 is not supported yet for {why}; use data parallel "
                               "(FSDP/HSDP) only")
+
+
+def refuse_recurrent_cp(parallel_dims: ParallelDims) -> None:
+    """Context parallel over a Gated DeltaNet layer would need each rank's final state and conv window passed to the
+    next in sequence order (and the load-balanced layout's chunks back in time order): not built, refused."""
+    if parallel_dims.cp_enabled:
+        raise ConfigError("parallelism.context_parallel_degree > 1 is not supported yet for Qwen3.5: its "
+                          "linear_attention layers scan the sequence in order, so each rank would need the previous "
+                          "rank's recurrent state and conv window, which is not passed; use FSDP/HSDP, TP or PP")
 
 
 class frozen_parameters_kept:

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -29,6 +29,8 @@ def check_tp_divisibility(args: LlamaArgs, tp: int) -> None:
     widths["n_heads"] = args.layer_n_heads or [args.n_heads]
     widths["n_kv_heads"] = args.layer_n_kv_heads or [args.kv_heads]
     widths["ffn_dim"] = args.layer_ffn_dims or [args.ffn_dim]
+    if args.is_hybrid:  # the Gated DeltaNet's heads are split by key-head group
+        widths["linear_num_key_heads"] = [args.linear_n_key_heads]
     for name, values in widths.items():
         bad = sorted({v for v in values if v % tp})
         if bad:
@@ -50,17 +52,20 @@ def top_level_plan(loss_parallel: bool) -> dict:
     }
 
 
-def block_plan(qk_norm: bool = False, moe: bool = False, latent: bool = False) -> dict:
+def block_plan(qk_norm: bool = False, moe: bool = False, latent: bool = False, linear_attention: bool = False) -> dict:
     """Norms on sequence shards; attention and MLP gather the sequence, split heads/hidden, and scatter it back.
 
     q/k/v biases are sharded with their colwise linears. The q/k norms (Qwen3) act on each head's head_dim: their
     weight is replicated and their input is this rank's heads (dim 2 of [batch, seq, heads, head_dim]), so the
     weight's gradient, a sum over all heads, is reduced over the TP ranks. An MoE block's routed feed-forward is
-    replicated (moe_plan)."""
+    replicated (moe_plan); a Gated DeltaNet layer's mixer splits by key-head groups (deltanet_plan)."""
     norms = {name: SequenceParallel(sequence_dim=2, use_local_output=True)
              for name in ("attention.q_norm", "attention.k_norm")} if qk_norm else {}
-    attention = latent_attention_plan() if latent else _attention_plan()
-    return {**norms, **attention, **(moe_plan(latent) if moe else _feed_forward_plan())}
+    if linear_attention:
+        mixer = deltanet_plan()
+    else:
+        mixer = {**norms, **(latent_attention_plan() if latent else _attention_plan())}
+    return {**mixer, **(moe_plan(latent) if moe else _feed_forward_plan())}
 
 
 def latent_attention_plan() -> dict:
@@ -88,6 +93,51 @@ def _attention_plan() -> dict:
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
     }
+
+
+def deltanet_plan() -> dict:
+    """A Gated DeltaNet layer (Qwen3.5) split by key-head groups: each rank runs the delta rule of its key heads and
+    their value heads. in_proj_qkv's rows are [q all heads | k all heads | v all heads], so no contiguous row shard
+    is one group's: it is split colwise and its output gathered, the depthwise conv (a small replicated weight) runs
+    on all channels, and the mixer keeps its heads' share of q, k and v (gated_deltanet's local_share). in_proj_z,
+    in_proj_b, in_proj_a (rows per value head), A_log and dt_bias are split by value head, the gated norm's weight
+    replicated (its gradient reduced over the heads of every rank), out_proj rowwise."""
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": DeltaNetInput(),
+        "attention.in_proj_qkv": ColwiseParallel(output_layouts=Replicate(), use_local_output=False),
+        "attention.conv1d": ReplicateParallel(local_io=False),
+        **{f"attention.{name}": ColwiseParallel() for name in ("in_proj_z", "in_proj_b", "in_proj_a")},
+        "attention.norm": HeadShardedNorm(),
+        "attention.out_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+class DeltaNetInput(PrepareModuleInput):
+    """The mixer's input gathered over the sequence (as attention's), and its per-value-head parameters (A_log,
+    dt_bias) split by value head like in_proj_a's rows."""
+
+    def __init__(self):
+        super().__init__(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name in ("A_log", "dt_bias"):
+            param = getattr(module, name)
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param, device_mesh, (Shard(0),)),
+                                                         requires_grad=param.requires_grad))
+        return super()._apply(module, device_mesh)
+
+
+class HeadShardedNorm(ParallelStyle):
+    """A norm over each head's channels taking several inputs [batch, seq, heads, dim] of this rank's heads: its
+    weight replicated, its inputs marked sharded on dim 2, its output handed back local."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=_head_sharded_inputs, output_fn=_local_outputs)
+
+
+def _head_sharded_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    return tuple(DTensor.from_local(t, mesh, (Shard(2),), run_check=False) for t in inputs)
 
 
 def _feed_forward_plan() -> dict:
@@ -186,11 +236,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, plan_ed
     parallelize_module(model, tp_mesh, {name: style for name, style in top.items()
                                         if getattr(model, name.split(".")[0], None) is not None})
     latent = model.args.is_latent
-    plans = {moe: edited_plan(block_plan(model.args.qk_norm, moe, latent), "block", plan_edits)
-             for moe in (False, True)}
+    plans = {(moe, linear): edited_plan(block_plan(model.args.qk_norm, moe, latent, linear), "block", plan_edits)
+             for moe in (False, True) for linear in (False, True)}
     for block in model.layers.values():
+        linear = model.args.layer_type(block.layer_id) == "linear_attention"
         held = {name for name, _ in block.named_modules()}  # latent attention: q_proj or q_a_proj/q_b_proj
-        parallelize_module(block, tp_mesh, {name: style for name, style in plans[block.moe_enabled].items()
+        parallelize_module(block, tp_mesh, {name: style for name, style in plans[block.moe_enabled, linear].items()
                                             if not latent or name in held})
     if tied:
         retie_embeddings(model)

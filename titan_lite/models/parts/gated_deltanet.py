@@ -2,17 +2,29 @@
 the HF mapping is a rename), the causal depthwise conv, L2-normalised q/k, beta and the decay g, the gated delta rule
 in its chunked form (training, prefill; pure PyTorch, float32 state) and its recurrent form (decoding, the check of
 the chunked one), the gated RMSNorm with the z gate, the out projection. Packed documents each start from a zero
-state and a zero conv window, exactly as one document per row."""
+state and a zero conv window, exactly as one document per row. Where fla-core (the `gpu` extra) is installed and
+the tensors are on CUDA, FLA's chunk_gated_delta_rule runs in place of the chunked form, packed documents laid end
+to end with its cu_seqlens; the log says which runs."""
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from functools import cache
+from itertools import accumulate
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from titan_lite.dtensor import local_share, local_tensor, replicated_like
 from titan_lite.errors import ConfigError
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.parts.cache import RecurrentCache
 from titan_lite.models.parts.masks import DocumentSpans
 from titan_lite.models.parts.norms import GatedRMSNorm
+
+logger = logging.getLogger("titan_lite")
+FLA_INSTALLED = importlib.util.find_spec("fla") is not None  # looked up, not imported: it imports triton
 
 
 def check_linear_heads(args: LlamaArgs, source: str = "model args") -> None:
@@ -63,10 +75,13 @@ def recurrent_delta_rule(q, k, v, g, beta, state: torch.Tensor | None = None):
     return torch.stack(outs, dim=2).transpose(1, 2).to(dtype), state
 
 
-def chunked_delta_rule(q, k, v, g, beta, chunk: int = 64, state: torch.Tensor | None = None):
+def chunked_delta_rule(q, k, v, g, beta, chunk: int = 64, state: torch.Tensor | None = None,
+                       offsets: torch.Tensor | None = None):
     """The gated delta rule by chunks of `chunk` steps (the WY form: within a chunk a triangular solve, between chunks
     the state carried in order). Same arguments and results as recurrent_delta_rule; the sequence is right-padded to
-    a whole chunk, which changes no output before the padding."""
+    a whole chunk, which changes no output before the padding. offsets [batch, seq]: packed documents, each
+    position's offset in its document; each offset 0 starts from a zero state (no step of another document reaches
+    it, inside a chunk or carried in)."""
     dtype, seq = v.dtype, v.shape[1]
     q, k, v, g, beta = _heads_first(q, k, v, g, beta)
     pad = -seq % chunk
@@ -77,17 +92,24 @@ def chunked_delta_rule(q, k, v, g, beta, chunk: int = 64, state: torch.Tensor | 
     g, beta = (t.reshape(batch, heads, length // chunk, chunk) for t in (g, beta))
     gamma = g.cumsum(-1)  # log of the decay from the chunk's start to each step
     later = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).triu(1)
-    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(later, float("-inf")).exp()
+    apart = later if offsets is None else later | _other_documents(offsets, pad, chunk)
+    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(apart, float("-inf")).exp()
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    # what the state carried into a chunk reaches (its steps before a document starts) and what reaches the state
+    # carried out (the steps of the chunk's last document)
+    from_start, to_end = gamma.exp(), (gamma[..., -1:] - gamma).exp()
+    if offsets is not None:
+        carried_in, carried_out = _carried(offsets, pad, chunk)
+        from_start, to_end = from_start * carried_in, to_end * carried_out
     # I + L, L the strictly lower part of ((beta K) K^T) .* decay; T = (I + L)^-1 applied by unit-triangular solves:
     # U = T (beta V), W = T (beta exp(gamma) K)
     system = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1) + torch.eye(chunk, device=v.device)
     u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * gamma.exp()[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * from_start[..., None], upper=False, unitriangular=True)
     attn = (q @ k.transpose(-1, -2)) * decay
-    q_decayed = q * gamma.exp()[..., None]
-    k_to_end = k * (gamma[..., -1:] - gamma).exp()[..., None]
-    chunk_decay = gamma[..., -1].exp()[..., None, None]
+    q_decayed = q * from_start[..., None]
+    k_to_end = k * to_end[..., None]
+    chunk_decay = from_start[..., -1][..., None, None]
     if state is None:
         state = torch.zeros(batch, heads, dk, v.shape[-1], dtype=torch.float32, device=v.device)
     outs = []
@@ -97,6 +119,94 @@ def chunked_delta_rule(q, k, v, g, beta, chunk: int = 64, state: torch.Tensor | 
         state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ v_new
     out = torch.stack(outs, dim=2).reshape(batch, heads, length, -1)[:, :, :seq]
     return out.transpose(1, 2).to(dtype), state
+
+
+def _documents_by_chunk(offsets: torch.Tensor, pad: int, chunk: int) -> torch.Tensor:
+    """Each step's document number in its row [batch, 1, chunks, chunk] (the padding continues the last one)."""
+    starts = F.pad(offsets == 0, (0, pad))
+    return starts.long().cumsum(-1).reshape(offsets.shape[0], 1, -1, chunk)
+
+
+def _other_documents(offsets: torch.Tensor, pad: int, chunk: int) -> torch.Tensor:
+    """[batch, 1, chunks, chunk, chunk]: step j is of another document than step i."""
+    docs = _documents_by_chunk(offsets, pad, chunk)
+    return docs[..., :, None] != docs[..., None, :]
+
+
+def _carried(offsets: torch.Tensor, pad: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[batch, 1, chunks, chunk] each: 1 where the state carried into the chunk reaches the step (no document starts
+    in the chunk up to it), 1 where the step reaches the state carried out (of the chunk's last document)."""
+    docs = _documents_by_chunk(offsets, pad, chunk)
+    starts = F.pad(offsets == 0, (0, pad)).reshape(docs.shape)
+    before = docs[..., :1] - starts[..., :1].long()  # the document of the step before the chunk
+    return (docs == before).float(), (docs == docs[..., -1:]).float()
+
+
+def uses_fla(t: torch.Tensor) -> bool:
+    """FLA's kernel runs where fla-core is installed and the tensors are on CUDA; the pure-PyTorch form elsewhere."""
+    return FLA_INSTALLED and t.is_cuda
+
+
+def say_which_rule(t: torch.Tensor) -> None:
+    """Log, once per kind, which delta rule runs (not inside a compiled graph: it would break it)."""
+    if not torch.compiler.is_compiling():
+        why = "" if FLA_INSTALLED else " (fla-core is not installed)"
+        _say(f"FLA's chunk_gated_delta_rule on {t.device.type}" if uses_fla(t) else
+             f"the pure-PyTorch chunked delta rule on {t.device.type}{why or ' (FLA needs CUDA)'}")
+
+
+@cache
+def _say(rule: str) -> None:
+    logger.info(f"Gated DeltaNet layers: {rule}")
+
+
+def fla_delta_rule(q, k, v, g, beta, state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None):
+    """The chunked delta rule by FLA's kernel: same arguments and results as chunked_delta_rule (FLA's own chunk of
+    64 steps); q/k L2-normalised and q scaled by dk^-1/2 in the kernel, key heads shared by consecutive value heads
+    as ours, a float32 state; cu_seqlens [documents + 1]: the documents of one row laid end to end (batch 1), each
+    from a zero state."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # optional (the gpu extra), and it imports triton
+
+    out, final = chunk_gated_delta_rule(q, k, v.to(q.dtype), g.float(), beta.to(q.dtype), initial_state=state,
+                                        output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+    return out.to(v.dtype), final
+
+
+@dataclass(frozen=True)
+class DocumentOffsets:
+    """Packed documents as tensors: each position's offset in its document [batch, seq] (a 0 starts one), and, where
+    the documents are laid end to end in one row (FLA's path), their cumulative lengths [documents + 1]
+    (cu_seqlens)."""
+
+    offsets: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+
+    @classmethod
+    def end_to_end(cls, spans: DocumentSpans, device: torch.device) -> "DocumentOffsets":
+        lengths = [end - start for row in spans.rows for start, end in row]
+        offsets = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+        return cls(offsets, torch.tensor([0, *accumulate(lengths)], dtype=torch.long, device=device))
+
+    @classmethod
+    def of_rows(cls, documents: torch.Tensor) -> "DocumentOffsets":
+        """From the document id of each token [batch, seq], in tensor ops (no host sync)."""
+        index = torch.arange(documents.shape[-1], device=documents.device).expand_as(documents)
+        starts = F.pad(documents[:, 1:] != documents[:, :-1], (1, 0), value=True)
+        return cls(index - torch.cummax(torch.where(starts, index, 0), dim=-1).values)
+
+
+def causal_conv(columns: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """The depthwise causal conv of columns [batch, channels, K - 1 + seq] (the window before the sequence, then the
+    sequence) by weight [channels, 1, K]; offsets [batch, seq]: each position's offset in its document, so that no
+    tap reaches into the document before it."""
+    if offsets is None:
+        return F.conv1d(columns, weight, groups=columns.shape[1])
+    kernel, seq = weight.shape[-1], offsets.shape[-1]
+    out = columns[..., kernel - 1:] * weight[:, :, -1]
+    for lag in range(1, kernel):
+        tap = columns[..., kernel - 1 - lag:kernel - 1 - lag + seq] * weight[:, :, kernel - 1 - lag]
+        out = out + tap * replicated_like((offsets >= lag)[:, None, :].to(tap.dtype), tap)  # TP: columns replicated
+    return out
 
 
 class GatedDeltaNet(nn.Module):
@@ -126,12 +236,16 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None, cache: RecurrentCache | None = None,
                 mask=None) -> torch.Tensor:
         """x [batch, seq, dim] -> [batch, seq, dim]; `rope` is not used; `mask`: the packed documents' spans (each
-        document then runs alone, from a zero state); `cache` (generation): continue from its conv window and
-        state, and keep the new ones."""
+        document then runs alone, from a zero state) or offsets (document_mask); `cache` (generation): continue
+        from its conv window and state, and keep the new ones."""
         if cache is not None:
             return self.mix(x, cache)
         if mask is None:
             return self.mix(x)
+        if uses_fla(x):  # the documents end to end in one row, FLA's cu_seqlens resetting the state at each start
+            return self.mix(x.flatten(0, 1)[None], documents=DocumentOffsets.end_to_end(mask, x.device)).view(x.shape)
+        if isinstance(mask, DocumentOffsets):  # a compiled block's: the rows as they are, the resets by offsets
+            return self.mix(x, documents=mask)
         spans = [(b, s, e) for b, row in enumerate(mask.rows) for s, e in row]
         longest = max(e - s for _, s, e in spans)
         docs = torch.stack([F.pad(x[b, s:e], (0, 0, 0, longest - (e - s))) for b, s, e in spans])
@@ -139,8 +253,10 @@ class GatedDeltaNet(nn.Module):
         i = iter(range(len(spans)))
         return torch.stack([torch.cat([mixed[next(i), :e - s] for s, e in row]) for row in mask.rows])
 
-    def mix(self, x: torch.Tensor, cache: RecurrentCache | None = None) -> torch.Tensor:
-        """One sequence per row, from a zero state and conv window, or from the cache's."""
+    def mix(self, x: torch.Tensor, cache: RecurrentCache | None = None, documents: DocumentOffsets | None = None
+            ) -> torch.Tensor:
+        """One sequence per row, from a zero state and conv window, or from the cache's; `documents`: packed
+        documents (in rows, or end to end in one), each from a zero state and conv window."""
         batch, seq, _ = x.shape
         window, state = cache.states() if cache is not None else (None, None)
         if cache is not None:  # padding slots (a left-padded prompt's) add nothing: a zero input keeps a zero state
@@ -150,26 +266,29 @@ class GatedDeltaNet(nn.Module):
         if window is None:
             window = qkv.new_zeros(batch, qkv.shape[1], kernel - 1)
         columns = torch.cat([window, qkv], dim=-1)
-        qkv = F.silu(F.conv1d(columns, self.conv1d.weight, groups=qkv.shape[1]))
+        qkv = F.silu(causal_conv(columns, self.conv1d.weight, None if documents is None else documents.offsets))
         q, k, v = qkv.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(batch, seq, -1, self.key_head_dim)
-        k = k.reshape(batch, seq, -1, self.key_head_dim)
-        v = v.reshape(batch, seq, -1, self.value_head_dim)
+        # tensor parallel: qkv and the conv are replicated, each rank keeps its own key heads and their value heads
+        q = local_share(q.reshape(batch, seq, -1, self.key_head_dim), dim=2)
+        k = local_share(k.reshape(batch, seq, -1, self.key_head_dim), dim=2)
+        v = local_share(v.reshape(batch, seq, -1, self.value_head_dim), dim=2)
         beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        decay_rate = local_tensor(self.A_log).float().exp()
+        g = -decay_rate * F.softplus(self.in_proj_a(x).float() + local_tensor(self.dt_bias))
+        say_which_rule(v)
         if cache is not None and seq == 1:
             out, state = recurrent_delta_rule(q, k, v, g, beta, state=state)
+        elif uses_fla(v) and (documents is None or documents.cu_seqlens is not None):
+            out, state = fla_delta_rule(q, k, v, g, beta, state, None if documents is None else documents.cu_seqlens)
         else:
-            out, state = chunked_delta_rule(q, k, v, g, beta, chunk=self.chunk, state=state)
+            out, state = chunked_delta_rule(q, k, v, g, beta, chunk=self.chunk, state=state,
+                                            offsets=None if documents is None else documents.offsets)
         if cache is not None:
             cache.keep_states(columns[..., columns.shape[-1] - (kernel - 1):], state)
         z = self.in_proj_z(x).reshape(batch, seq, -1, self.value_head_dim)
         return self.out_proj(self.norm(out, z).reshape(batch, seq, -1))
 
-    def document_mask(self, documents: torch.Tensor, dtype: torch.dtype, compiled: bool = False) -> DocumentSpans:
-        """The documents' runs of each row: each runs alone from a zero state and a zero conv window (a compiled
-        block takes tensor masks only, which this mixer has none of yet)."""
-        if compiled:
-            raise ConfigError("compile with packed documents (attn_mask_type 'block_causal') is not supported yet "
-                              "for Qwen3.5's linear_attention layers; turn off compile or the packing")
-        return DocumentSpans.of(documents)
+    def document_mask(self, documents: torch.Tensor, dtype: torch.dtype, compiled: bool = False):
+        """The documents' runs of each row, each then run alone from a zero state and a zero conv window; for a
+        compiled block (tensor masks only) each position's offset in its document, the rows run as they are."""
+        return DocumentOffsets.of_rows(documents) if compiled else DocumentSpans.of(documents)
