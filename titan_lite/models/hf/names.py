@@ -131,6 +131,14 @@ class HFNames:
             return [fused[0]]
         return self.to_hf_experts(name, n_experts) if self.is_grouped(name) else [self.to_hf(name)]
 
+    def readable_names(self, name: str, n_experts: int) -> list[str]:
+        """Every HF name a titan_lite parameter may be read from: those it is written as, and one per expert where
+        the family's folders may also hold a fused tensor that way (Qwen3.5-MoE)."""
+        written = self.hf_names_of(name, n_experts)
+        if self.fused_of(name) is not None and self.is_grouped(name):
+            return [*written, *self.to_hf_experts(name, n_experts)]
+        return written
+
     def for_family(self, family: str) -> "HFNames":
         """These names as a family's files spell them (Mixtral: block_sparse_moe.experts.{j}.w1, ...)."""
         renamed = FAMILIES[family].renames if family in FAMILIES else {}
@@ -138,7 +146,7 @@ class HFNames:
         own = FAMILIES[family].layer_names if family in FAMILIES else {}
         if not renamed and not fused and not own:
             return self
-        held = {part for f in fused.values() for part in f.parts}
+        held = set() if FAMILIES[family].unfused_too else {part for f in fused.values() for part in f.parts}
         return replace(self, layer={**{t: renamed.get(h, h) for t, h in self.layer.items()}, **own},
                        experts={t: renamed.get(h, h) for t, h in self.experts.items() if t not in held},
                        fused=dict(fused))

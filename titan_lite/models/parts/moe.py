@@ -1,11 +1,13 @@
-"""The mixture-of-experts feed-forward (Qwen3-MoE, Mixtral): router, grouped experts, the load-balancing loss added
-to the backward wherever the layer runs, and the step's routed load for metrics."""
+"""The mixture-of-experts feed-forward (Qwen3-MoE, Mixtral, Qwen3.5-MoE): router, grouped experts, the gated shared
+expert, the load-balancing loss added to the backward wherever the layer runs, and the step's routed load for
+metrics."""
 
 import torch
 from torch import nn
 
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.parts.experts import GroupedExperts
+from titan_lite.models.parts.feed_forward import FeedForward
 from titan_lite.models.parts.router import Router, Routing, load_balancing_loss
 
 
@@ -25,7 +27,8 @@ class _AddAuxLossGrad(torch.autograd.Function):
 
 class MoE(nn.Module):
     """The routed feed-forward of a mixture-of-experts layer: router, then each token's top-k SwiGLU experts, the
-    output their gate-weighted sum (Qwen3-MoE has no shared expert).
+    output their gate-weighted sum; with `moe_shared_ffn_dim` (Qwen3.5-MoE) plus a SwiGLU shared expert of every
+    token scaled by sigmoid(shared_expert_gate x) (Qwen3-MoE has no shared expert).
 
     Training adds transformers' load-balancing loss (load_balancing_loss) per sequence and layer, times
     `aux_loss_scale` (set by the trainer: router_aux_loss_coef over the sequences and MoE layers it averages, 0 = off);
@@ -39,6 +42,11 @@ class MoE(nn.Module):
                              args.moe_router_bias)
         self.experts = GroupedExperts(args.dim, args.moe_ffn_dim, args.n_experts, args.expert_act, args.expert_bias,
                                       args.swiglu_alpha, args.swiglu_limit)
+        if args.moe_shared_ffn_dim:
+            self.shared_expert = FeedForward(args.dim, args.moe_shared_ffn_dim)
+            self.shared_expert_gate = nn.Linear(args.dim, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
         self.aux_loss_scale = 0.0
         self.cp_group = None
         self._without_first: tuple[torch.Tensor, torch.Tensor] | None = None  # the step's sums but its first forward
@@ -50,6 +58,8 @@ class MoE(nn.Module):
         routing = Routing.of(*self.router(x.reshape(-1, dim)))
         out = routing.combine(self.experts(routing.dispatch(x.reshape(-1, dim)), routing.counts))
         out = out.view(batch, seq, dim)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if self.training and torch.is_grad_enabled():
             aux = self.sequence_aux_losses(routing, batch) if self.aux_loss_scale else None
             self.record(routing.counts, aux)
