@@ -56,3 +56,118 @@ def test_logits_equal_transformers(saved):
         expected = Qwen3_5MoeForCausalLM.from_pretrained(saved).eval()(ids).logits
         ours = load_titan(saved)(ids)
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+
+
+def test_a_release_folder_with_fused_experts_loads_its_text_model(saved, tmp_path, caplog):
+    """A release folder: the config under text_config (model_type qwen3_5_moe), the text tensors under
+    model.language_model., the experts fused (gate_up_proj [E, 2 x hidden, dim], down_proj [E, dim, hidden]) and
+    vision and mtp.* tensors beside them, skipped and said."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "release"
+    folder.mkdir()
+    text = json.loads((saved / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "architectures":
+                                                    ["Qwen3_5MoeForConditionalGeneration"], "text_config": text}))
+    flat = load_file(saved / "model.safetensors")
+    fused = {}
+    for layer in range(MOE["num_hidden_layers"]):
+        experts = f"model.layers.{layer}.mlp.experts"
+        per_expert = {part: torch.stack([flat.pop(f"{experts}.{j}.{part}_proj.weight") for j in range(8)])
+                      for part in ("gate", "up", "down")}
+        fused[f"{experts}.gate_up_proj"] = torch.cat([per_expert["gate"], per_expert["up"]], dim=1)
+        fused[f"{experts}.down_proj"] = per_expert["down"]
+    tensors = {name.replace("model.", "model.language_model.", 1): t for name, t in {**flat, **fused}.items()}
+    tensors |= {"model.visual.patch_embed.proj.weight": torch.zeros(4, 3), "mtp.fc.weight": torch.zeros(4, 4)}
+    save_file(tensors, folder / "model.safetensors")
+    ids = tokens()
+    with caplog.at_level("INFO", logger="titan_lite"), torch.no_grad():
+        torch.testing.assert_close(load_titan(folder)(ids), load_titan(saved)(ids), rtol=0, atol=0)
+    assert "skipping 1 tensors of the vision encoder" in caplog.text
+    assert "skipping 1 tensors of the multi-token prediction head" in caplog.text
+
+
+def test_hf_round_trip_loads_in_transformers_with_equal_logits(saved, tmp_path):
+    """The export writes the experts fused, as the releases store them; transformers loads it, and so does
+    titan_lite."""
+    from safetensors import safe_open
+
+    model = load_titan(saved)
+    out = tmp_path / "export"
+    write_hf_folder(model.state_dict(), model.args, str(out), torch.float32)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["architectures"]) == ("qwen3_5_moe_text", ["Qwen3_5MoeForCausalLM"])
+    with safe_open(out / "model.safetensors", "pt") as written:
+        assert list(written.get_slice("model.layers.0.mlp.experts.gate_up_proj").get_shape()) == [8, 64, 64]
+    ids = tokens()
+    with torch.no_grad():
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+        assert type(reloaded) is Qwen3_5MoeForCausalLM
+        torch.testing.assert_close(reloaded(ids).logits, model(ids), rtol=0, atol=1e-5)
+        torch.testing.assert_close(load_titan(out)(ids), model(ids), rtol=0, atol=0)
+    assert args_from_hf_config(config) == model.args
+
+
+def test_greedy_generation_of_64_tokens_equals_transformers(saved):
+    prompts = tokens(2, 70, seed=4)
+    new = 64
+    with torch.no_grad():
+        expected = Qwen3_5MoeForCausalLM.from_pretrained(saved).eval().generate(
+            prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+            pad_token_id=0)[:, 70:].tolist()
+    got = generate(load_titan(saved), prompts.tolist(), GenerationConfig(max_new_tokens=new), torch.device("cpu"))
+    assert got == expected and got[0] != got[1]
+
+
+def test_packed_documents_equal_one_document_per_row(saved):
+    """Documents of 13, 29 and 22 tokens (none a multiple of the 16-step chunk): logits, loss and every gradient
+    (router, experts and shared expert included) equal each document alone; gradients within 5e-6 of ones up to ~5
+    (float32 sums in another order: 4e-7 of the largest)."""
+    model = load_titan(saved, linear_chunk_size=16, attn_mask_type="block_causal")
+    check_packed_equals_alone(model, [tokens(1, n, seed=10 + i)[0] for i, n in enumerate([13, 29, 22])],
+                              grad_atol=5e-6)
+
+
+def test_the_load_balancing_loss_is_transformers_per_sequence_and_layer(saved):
+    """Training records each (sequence, MoE layer)'s load_balancing_loss_func of transformers' own router logits;
+    transformers' aux_loss pools the same logits."""
+    ids = tokens(2, 40)
+    with torch.no_grad():
+        theirs = Qwen3_5MoeForCausalLM.from_pretrained(saved).eval()(ids, output_router_logits=True)
+    per_sequence = [load_balancing_loss_func((layer[b * 40:(b + 1) * 40],), 8, 2)
+                    for layer in theirs.router_logits for b in range(2)]
+    torch.testing.assert_close(theirs.aux_loss, load_balancing_loss_func(theirs.router_logits, 8, 2), rtol=0, atol=0)
+    model = load_titan(saved).train()
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe in moes:
+        moe.aux_loss_scale = MOE["router_aux_loss_coef"]
+        moe.reset_stats()
+    model(ids)
+    torch.testing.assert_close(sum(m.aux_loss_sum for m in moes), sum(per_sequence), rtol=0, atol=1e-5)
+    assert model.args.router_aux_loss_coef == MOE["router_aux_loss_coef"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"norm_topk_prob": False}, "'norm_topk_prob' is False"),
+    ({"shared_expert_intermediate_size": 0}, "'shared_expert_intermediate_size' is 0; expected a positive width"),
+    ({"num_experts_per_tok": 9}, "'num_experts_per_tok' is 9; expected 1 to num_experts = 8"),
+    ({"mlp_only_layers": [1]}, "'mlp_only_layers' is [1]"),
+    ({"layer_types": ["linear_attention", "mamba", "linear_attention", "full_attention"]},
+     "layer_types[1] is 'mamba'; known layer types:"),
+])
+def test_bad_config_is_one_line(saved, overrides, message):
+    cfg = {**json.loads((saved / "config.json").read_text()), **overrides}
+    with pytest.raises(ConfigError, match="^config.json: ") as err:
+        args_from_hf_config(cfg)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_debug_flavor_initialises_and_exports_to_transformers(tmp_path):
+    args = replace(flavor_args("debugmodel_qwen3_5_moe"), max_seq_len=128)
+    model = Llama(args)
+    model.init_weights(seed=0)
+    write_hf_folder(model.state_dict(), args, str(tmp_path / "hf"), torch.float32)
+    ids = torch.randint(0, args.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "hf").eval()(ids).logits
+        torch.testing.assert_close(model.eval()(ids), theirs, rtol=0, atol=1e-5)
