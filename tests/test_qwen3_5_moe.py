@@ -171,3 +171,48 @@ def test_the_debug_flavor_initialises_and_exports_to_transformers(tmp_path):
     with torch.no_grad():
         theirs = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "hf").eval()(ids).logits
         torch.testing.assert_close(model.eval()(ids), theirs, rtol=0, atol=1e-5)
+
+
+def test_reap_removes_the_weak_experts_with_their_router_rows_and_keeps_the_shared_expert(tmp_path, capsys):
+    """scripts/prune.py --method reap on a Qwen3.5-MoE whose experts differ only in output scale (test_reap's
+    SCALES, a narrow router): exactly the weak ones go in every layer, with their router rows; the shared expert and its gate stay as
+    they were; transformers loads the smaller folder, with titan_lite's logits."""
+    import shutil
+
+    from tests.test_hf import load_script
+    from tests.test_reap import SCALES, STRONG, TEXT, safetensors_of
+
+    model = hf_moe(vocab_size=2048)  # the bundled tokenizer's vocabulary
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            # a narrow router, as test_reap's: gate weights near 1/k for every expert, so the scale decides
+            layer.mlp.gate.weight.copy_(torch.randn(layer.mlp.gate.weight.shape, generator=generator) * 0.02)
+            experts = layer.mlp.experts
+            experts.gate_up_proj.copy_(experts.gate_up_proj[:1].expand_as(experts.gate_up_proj))
+            experts.down_proj.copy_(experts.down_proj[:1] * torch.tensor(SCALES)[:, None, None])
+    folder, out = tmp_path / "scaled", tmp_path / "reap"
+    model.save_pretrained(folder)
+    shutil.copy2(TEXT.parents[5] / "assets/tokenizer/tokenizer.model", folder)
+    argv = ["--hf_assets_path", str(folder), "--output_dir", str(out), "--method", "reap", "--expert_ratio", "0.5",
+            "--calib_path", str(TEXT), "--nsamples", "4", "--seq_len", "32"]
+    assert load_script("prune").main(argv) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith(f"pruned model written to {out}: 8 -> 4 experts in each of 4 MoE layers (reap);")
+    report = json.loads((out / "reap_report.json").read_text())
+    assert {layer: r["kept"] for layer, r in report["layers"].items()} == {str(i): STRONG for i in range(4)}
+    before, after = safetensors_of(folder), safetensors_of(out)
+    for layer in range(4):
+        prefix = f"model.layers.{layer}.mlp"
+        assert torch.equal(after[f"{prefix}.gate.weight"], before[f"{prefix}.gate.weight"][STRONG])
+        gate_up = torch.stack([torch.cat([before[f"{prefix}.experts.{j}.{proj}_proj.weight"] for proj in ("gate", "up")])
+                               for j in STRONG])
+        assert torch.equal(after[f"{prefix}.experts.gate_up_proj"], gate_up)
+        for name in ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
+                     "shared_expert.down_proj.weight", "shared_expert_gate.weight"):
+            assert torch.equal(after[f"{prefix}.{name}"], before[f"{prefix}.{name}"])
+    ids = torch.randint(0, 2048, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        pruned = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+        assert pruned.config.num_experts == 4
+        torch.testing.assert_close(load_titan(out)(ids), pruned(ids).logits, rtol=0, atol=1e-5)
