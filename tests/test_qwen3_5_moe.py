@@ -216,3 +216,24 @@ def test_reap_removes_the_weak_experts_with_their_router_rows_and_keeps_the_shar
         pruned = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
         assert pruned.config.num_experts == 4
         torch.testing.assert_close(load_titan(out)(ids), pruned(ids).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("flavor, total, active", [
+    ("qwen3_5_35B_A3B", 34.66e9, 3.45e9), ("qwen3_5_122B_A10B", 122.1e9, 9.77e9),
+    ("qwen3_5_397B_A17B", 396.3e9, 17.35e9)])
+def test_the_published_flavors_count_the_published_parameters_and_match_their_release_config(flavor, total, active,
+                                                                                           tmp_path):
+    """families_2026.md's totals and active counts (to their printed digits); a release-shaped config.json (the text
+    model under text_config) names the flavor."""
+    from titan_lite.models.hf.config import args_to_hf_config, flavor_of_hf_config
+
+    args = flavor_args(flavor)
+    with torch.device("meta"):
+        count = Llama(args).num_params()
+    digits = 2 if total < 100e9 else 1
+    assert (round(count / 1e9, digits), round((count - args.inactive_param_count()) / 1e9, 2)) == (
+        round(total / 1e9, digits), round(active / 1e9, 2))
+    release = {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+               "text_config": args_to_hf_config(args, torch.bfloat16), "vision_config": {"depth": 27}}
+    (tmp_path / "config.json").write_text(json.dumps(release))
+    assert flavor_of_hf_config(tmp_path / "config.json") == flavor
