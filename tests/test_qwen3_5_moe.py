@@ -175,8 +175,8 @@ def test_the_debug_flavor_initialises_and_exports_to_transformers(tmp_path):
 
 def test_reap_removes_the_weak_experts_with_their_router_rows_and_keeps_the_shared_expert(tmp_path, capsys):
     """scripts/prune.py --method reap on a Qwen3.5-MoE whose experts differ only in output scale (test_reap's
-    SCALES, a narrow router): exactly the weak ones go in every layer, with their router rows; the shared expert and its gate stay as
-    they were; transformers loads the smaller folder, with titan_lite's logits."""
+    SCALES, a narrow router): exactly the weak ones go in every layer, with their router rows; the shared expert and
+    its gate stay as they were; transformers loads the smaller folder, with titan_lite's logits."""
     import shutil
 
     from tests.test_hf import load_script
@@ -205,8 +205,8 @@ def test_reap_removes_the_weak_experts_with_their_router_rows_and_keeps_the_shar
     for layer in range(4):
         prefix = f"model.layers.{layer}.mlp"
         assert torch.equal(after[f"{prefix}.gate.weight"], before[f"{prefix}.gate.weight"][STRONG])
-        gate_up = torch.stack([torch.cat([before[f"{prefix}.experts.{j}.{proj}_proj.weight"] for proj in ("gate", "up")])
-                               for j in STRONG])
+        gate_up = torch.stack([torch.cat([before[f"{prefix}.experts.{j}.{proj}_proj.weight"]
+                                          for proj in ("gate", "up")]) for j in STRONG])
         assert torch.equal(after[f"{prefix}.experts.gate_up_proj"], gate_up)
         for name in ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
                      "shared_expert.down_proj.weight", "shared_expert_gate.weight"):
