@@ -435,10 +435,6 @@ _QWEN3_5_MOE_FUSED = {
                                       lambda ts: torch.cat(ts, dim=1)),
     "mlp.experts.down_proj": Fused(("moe.experts.w2",), lambda t: [t], lambda ts: ts[0]),
 }
-_SHARED_EXPERT_NAMES = {"moe.shared_expert.w1.weight": "mlp.shared_expert.gate_proj.weight",
-                        "moe.shared_expert.w3.weight": "mlp.shared_expert.up_proj.weight",
-                        "moe.shared_expert.w2.weight": "mlp.shared_expert.down_proj.weight",
-                        "moe.shared_expert_gate.weight": "mlp.shared_expert_gate.weight"}
 # Qwen3_5MoeTextConfig's defaults (transformers 5.24) for the MoE keys; it has no dense width (intermediate_size)
 _QWEN3_5_MOE_DEFAULTS = {"intermediate_size": 0, "num_experts": 256, "num_experts_per_tok": 8,
                          "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
@@ -493,7 +489,7 @@ FAMILIES: dict[str, Family] = {
                           check=_qwen3_5_moe_check, fixed={"attn_output_gate": True, "norm_unit_offset": True},
                           hybrid=True, model_type="qwen3_5_moe_text", text_prefix="model.language_model.",
                           skipped={"model.visual.": "vision encoder", "mtp.": "multi-token prediction head"},
-                          fused=_QWEN3_5_MOE_FUSED, unfused_too=True, layer_names=_SHARED_EXPERT_NAMES,
+                          fused=_QWEN3_5_MOE_FUSED, unfused_too=True,
                           options=("moe_shared_ffn_dim",), config_defaults=_QWEN3_5_MOE_DEFAULTS),
     # gpt-oss in bf16 (MXFP4 refused): sinks, biased router, clamped SwiGLU experts with biases, sliding/full layers
     "gpt_oss": Family("GptOssForCausalLM", _gpt_oss_options, _gpt_oss_keys, qkv_bias=True, moe=True, window=True,

@@ -25,6 +25,10 @@ _LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "moe.router.gate.weight": "mlp.gate.weight",  # Qwen3-MoE
+    "moe.shared_expert.w1.weight": "mlp.shared_expert.gate_proj.weight",  # Qwen3.5-MoE's gated shared expert
+    "moe.shared_expert.w3.weight": "mlp.shared_expert.up_proj.weight",
+    "moe.shared_expert.w2.weight": "mlp.shared_expert.down_proj.weight",
+    "moe.shared_expert_gate.weight": "mlp.shared_expert_gate.weight",
     # Qwen3.5's Gated DeltaNet (the linear_attention layers): transformers' names under the mixer's
     **{f"attention.{name}": f"linear_attn.{name}"
        for name in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
