@@ -16,7 +16,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import load_balancing_
 
 from tests.hf_oracle import check_packed_equals_alone, load_titan  # noqa: E402
 from tests.test_qwen3_5 import SMALL, tokens, widened  # noqa: E402
-from titan_lite.checkpoint.hf import write_hf_folder  # noqa: E402
+from titan_lite.checkpoint.hf import check_hf_folder, write_hf_folder  # noqa: E402
 from titan_lite.errors import ConfigError  # noqa: E402
 from titan_lite.generate.decode import GenerationConfig, generate  # noqa: E402
 from titan_lite.models.decoder import Llama  # noqa: E402
@@ -81,6 +81,8 @@ def test_a_release_folder_with_fused_experts_loads_its_text_model(saved, tmp_pat
     tensors |= {"model.visual.patch_embed.proj.weight": torch.zeros(4, 3), "mtp.fc.weight": torch.zeros(4, 4)}
     save_file(tensors, folder / "model.safetensors")
     ids = tokens()
+    for each in (folder, saved):  # the launch's header-only check of the folder, fused and per expert
+        check_hf_folder(str(each), load_titan(saved).args)
     with caplog.at_level("INFO", logger="titan_lite"), torch.no_grad():
         torch.testing.assert_close(load_titan(folder)(ids), load_titan(saved)(ids), rtol=0, atol=0)
     assert "skipping 1 tensors of the vision encoder" in caplog.text
