@@ -197,7 +197,7 @@ def test_flavor_parameter_counts(flavor, billions):
      "'layer_types' mixes ['full_attention', 'sliding_attention']; titan_lite's MistralForCausalLM attends the same "
      "way in every layer"),
     ("gemma", {}, "model_type is 'gemma'; expected one of llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, qwen3_5, "
-     "gpt_oss, gemma3_text, deepseek_v3"),
+     "qwen3_5_moe, gpt_oss, gemma3_text, deepseek_v3"),
 ])
 def test_what_the_decoder_cannot_represent_is_one_line_naming_the_key(family, overrides, message):
     config = {**args_to_hf_config(flavor_args("tiny_qwen2"), torch.float32), "model_type": family, **overrides}

@@ -156,7 +156,7 @@ def test_a_multimodal_folder_loads_its_text_model_and_skips_vision_and_mtp(saved
     ({"layer_types": ["linear_attention", "mamba", "linear_attention", "full_attention"]},
      "layer_types[1] is 'mamba'; known layer types:"),
     ({"linear_num_value_heads": 3}, "linear_num_value_heads = 3 is not a multiple of linear_num_key_heads = 2"),
-    ({"num_experts": 8}, "Qwen3.5 MoE is not supported yet"),
+    ({"num_experts": 8}, "in a dense Qwen3.5 config (model_type 'qwen3_5_text'); a Qwen3.5-MoE config says"),
     ({"attn_output_gate": False}, "'attn_output_gate' is False"),
 ])
 def test_bad_config_is_one_line(saved, overrides, message):

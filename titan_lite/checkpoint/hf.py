@@ -128,11 +128,27 @@ def _locate_checked(name: str, args: LlamaArgs, files: dict[str, Path], reader: 
     return source, path
 
 
+def _held_as(hf: str, files: dict[str, Path], family: str) -> str | None:
+    """The name a folder holds an HF layer tensor under: its own or the family's multimodal spelling; None: absent."""
+    return next((name for name in [hf, *multimodal_names([hf], family)] if name in files), None)
+
+
+def _fused_source(name: str, args: LlamaArgs, files: dict[str, Path], names: HFNames) -> tuple | None:
+    """names.fused_of(name) for the family, unless the folder lacks the fused tensor and the family reads its
+    experts one tensor each too (Qwen3.5-MoE as transformers saves it): then None, to be read per expert."""
+    family_names = names.for_family(args.family)
+    held = family_names.fused_of(name)
+    if held is not None and family_names.is_grouped(name) and _held_as(held[0], files, args.family) is None:
+        return None
+    return held
+
+
 def _expert_sources(name: str, args: LlamaArgs, files: dict[str, Path], reader: SafetensorsReader, folder: str | Path,
                     expected_shape: torch.Size | list[int], names: HFNames) -> list[tuple[str, Path]]:
     """(HF name, file) of each expert's tensor of a grouped weight [E, ...], checked for presence and shape."""
     out = []
-    for source in names.for_family(args.family).to_hf_experts(name, expected_shape[0]):
+    for expert in names.for_family(args.family).to_hf_experts(name, expected_shape[0]):
+        source = _held_as(expert, files, args.family) or expert
         if source not in files:
             raise ConfigError(f"{folder}: tensor '{source}' (expert of titan_lite '{name}') is missing from the "
                               "checkpoint")
@@ -145,10 +161,11 @@ def _expert_sources(name: str, args: LlamaArgs, files: dict[str, Path], reader: 
 
 
 def _locate_fused(name: str, held: tuple, files: dict[str, Path], reader: SafetensorsReader, folder: str | Path,
-                  expected_shape: torch.Size | list[int]) -> tuple[str, Path]:
+                  expected_shape: torch.Size | list[int], family: str) -> tuple[str, Path]:
     """(HF name, file) of the fused HF tensor holding a parameter (gpt-oss's gate_up_proj), checked for presence and
     for the shape the parameter's part implies; reads no tensor data."""
     source, index, fused = held
+    source = _held_as(source, files, family) or source
     if source not in files:
         raise ConfigError(f"{folder}: tensor '{source}' (titan_lite '{name}') is missing from the checkpoint")
     parts = [torch.empty(expected_shape, device="meta") for _ in fused.parts]
@@ -165,9 +182,9 @@ def read_titan_tensor(name: str, args: LlamaArgs, files: dict[str, Path], reader
                       names: HFNames = LLAMA_NAMES) -> Tensor:
     """One parameter in titan_lite layout, read from the HF folder and checked for presence and shape (a grouped
     expert weight stacked from its experts' tensors, a fused one split out of its HF tensor)."""
-    held = names.for_family(args.family).fused_of(name)
+    held = _fused_source(name, args, files, names)
     if held is not None:
-        source, path = _locate_fused(name, held, files, reader, folder, expected_shape)
+        source, path = _locate_fused(name, held, files, reader, folder, expected_shape, args.family)
         return held[2].split(reader.tensor(path, source))[held[1]]
     if names.is_grouped(name):
         sources = _expert_sources(name, args, files, reader, folder, expected_shape, names)
@@ -179,7 +196,7 @@ def read_titan_tensor(name: str, args: LlamaArgs, files: dict[str, Path], reader
 def check_no_unexpected_tensors(files: dict[str, Path], args: LlamaArgs, folder: str | Path) -> None:
     """ConfigError when the checkpoint holds a tensor the model has no place for (e.g. more layers or experts)."""
     names = LLAMA_NAMES.for_family(args.family)
-    known = {hf for name in expected_shapes(args) for hf in names.hf_names_of(name, args.n_experts)}
+    known = {hf for name in expected_shapes(args) for hf in names.readable_names(name, args.n_experts)}
     known.add(hf_name("output.weight"))
     known.update(multimodal_names(sorted(known), args.family))
     skipped: dict[str, int] = {}
@@ -220,9 +237,9 @@ def check_hf_folder(folder: str, args: LlamaArgs) -> None:
     check_no_unexpected_tensors(files, args, folder)
     with SafetensorsReader() as reader:
         for name, shape in expected_shapes(args).items():
-            held = LLAMA_NAMES.for_family(args.family).fused_of(name)
+            held = _fused_source(name, args, files, LLAMA_NAMES)
             if held is not None:
-                _locate_fused(name, held, files, reader, folder, shape)
+                _locate_fused(name, held, files, reader, folder, shape, args.family)
             elif LLAMA_NAMES.for_family(args.family).is_grouped(name):
                 _expert_sources(name, args, files, reader, folder, shape, LLAMA_NAMES)
             else:

@@ -84,7 +84,9 @@ class LlamaArgs:
     # probable experts (num_experts_per_tok), their weights renormalised to sum 1 when moe_norm_topk_prob. Layer i is
     # MoE when (i + 1) % moe_sparse_step == 0 and i is not in moe_dense_layers (HF decoder_sparse_step,
     # mlp_only_layers); the other layers keep a dense feed-forward of ffn_dim. Training adds router_aux_loss_coef x
-    # transformers' load-balancing loss.
+    # transformers' load-balancing loss. moe_shared_ffn_dim (HF shared_expert_intermediate_size; None = none): each
+    # MoE layer also runs a SwiGLU shared expert of that width on every token, scaled by the sigmoid of a learned
+    # linear gate (Qwen3.5-MoE's shared_expert and shared_expert_gate).
     n_experts: int = 0
     moe_top_k: int = 0
     moe_ffn_dim: int = 0
@@ -92,6 +94,7 @@ class LlamaArgs:
     moe_sparse_step: int = 1
     moe_dense_layers: list[int] | None = None
     router_aux_loss_coef: float = 0.0
+    moe_shared_ffn_dim: int | None = None
     # gpt-oss's parts: a learned logit per head in each softmax's denominator (attn_sinks, attention.sinks), a bias on
     # wo as well as on q/k/v (attn_out_bias), the router kind ("softmax_topk": softmax over every logit then the top
     # k; "topk_softmax": the top k logits, then a softmax over them alone), a bias on the router's logits

@@ -15,6 +15,20 @@ _QWEN3_MOE = dict(_QWEN3, family="qwen3_moe", n_experts=128, moe_top_k=8, moe_no
 _QWEN3_5 = dict(family="qwen3_5", qk_norm=True, attn_output_gate=True, norm_unit_offset=True,
                 rope_partial_factor=0.25, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
                 linear_n_key_heads=4, linear_n_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32)
+# Qwen3.5-MoE: every layer routed (softmax top-k, renormalised) beside a sigmoid-gated shared expert; no dense width
+_QWEN3_5_MOE = dict(_QWEN3_5, family="qwen3_5_moe", ffn_dim=0, moe_norm_topk_prob=True, router_aux_loss_coef=0.001)
+# The published Qwen3.5-MoE sizes (shapes from third-party copies of the release configs, THUDM/slime's scripts and
+# loader tests, as /work/shared/reference/families_2026.md section 5 lists them): head_dim 256, 16 linear key heads,
+# key/value head width 128, vocab 248,320, rope_theta 1e7, untied, three Gated DeltaNet layers per attention layer.
+_QWEN3_5_MOE_RELEASE = dict(_QWEN3_5_MOE, explicit_head_dim=256, vocab_size=248320, rope_theta=10000000.0,
+                            norm_eps=1e-6, linear_n_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+                            max_seq_len=262144)
+
+
+def _qwen3_5_schedule(n_layers: int) -> list[str]:
+    return (["linear_attention"] * 3 + ["full_attention"]) * (n_layers // 4)
+
+
 # gpt-oss's parts (openai/gpt-oss-20b's config.json, bf16): sinks, all four attention biases, the biased top-k-then-
 # softmax router, clamped SwiGLU experts with biases, sliding (even layers) and full attention, YaRN without truncation
 _GPT_OSS = dict(family="gpt_oss", qkv_bias=True, attn_sinks=True, attn_out_bias=True, moe_router="topk_softmax",
@@ -136,6 +150,26 @@ FLAVORS: dict[str, LlamaArgs] = {
                               **{**_QWEN3_5, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
                                  "linear_n_key_heads": 2, "linear_n_value_heads": 4, "linear_key_head_dim": 16,
                                  "linear_value_head_dim": 16}, linear_chunk_size=16),
+    # Qwen3.5-MoE for the CPU (not a published size): the dense debug model's mixers in 4 layers, 8 experts of width
+    # 128, top 2, and a shared expert of width 256 in every layer
+    "debugmodel_qwen3_5_moe": LlamaArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=2048,
+                                        explicit_head_dim=64, rope_theta=10000000.0, norm_eps=1e-6, n_experts=8,
+                                        moe_top_k=2, moe_ffn_dim=128, moe_shared_ffn_dim=256,
+                                        **{**_QWEN3_5_MOE, "layer_types": _qwen3_5_schedule(4)}),
+    # Qwen/Qwen3.5-35B-A3B, -122B-A10B and -397B-A17B (_QWEN3_5_MOE_RELEASE's sources): 34.66B parameters (3.45B
+    # active), 122.1B (9.77B) and 396.3B (17.35B), as families_2026.md counts them (3.46B active for the first)
+    "qwen3_5_35B_A3B": LlamaArgs(dim=2048, n_layers=40, n_heads=16, n_kv_heads=2, n_experts=256, moe_top_k=8,
+                                 moe_ffn_dim=512, moe_shared_ffn_dim=512,
+                                 **{**_QWEN3_5_MOE_RELEASE, "layer_types": _qwen3_5_schedule(40),
+                                    "linear_n_value_heads": 32}),
+    "qwen3_5_122B_A10B": LlamaArgs(dim=3072, n_layers=48, n_heads=32, n_kv_heads=2, n_experts=256, moe_top_k=8,
+                                   moe_ffn_dim=1024, moe_shared_ffn_dim=1024,
+                                   **{**_QWEN3_5_MOE_RELEASE, "layer_types": _qwen3_5_schedule(48),
+                                      "linear_n_value_heads": 64}),
+    "qwen3_5_397B_A17B": LlamaArgs(dim=4096, n_layers=60, n_heads=32, n_kv_heads=2, n_experts=512, moe_top_k=10,
+                                   moe_ffn_dim=1024, moe_shared_ffn_dim=1024,
+                                   **{**_QWEN3_5_MOE_RELEASE, "layer_types": _qwen3_5_schedule(60),
+                                      "linear_n_value_heads": 64}),
     # gpt-oss for the CPU (not a published size): 8 experts, top 2, a 64-token window in the even layers
     "debugmodel_gpt_oss": LlamaArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=2, vocab_size=2048, ffn_dim=256,
                                     n_experts=8, moe_top_k=2, moe_ffn_dim=256, router_aux_loss_coef=0.001,

@@ -45,7 +45,7 @@ def check_family_options(args: LlamaArgs, source: str = "model args") -> None:
         if getattr(args, option) != value:
             raise ConfigError(f"{source}: {option} = {getattr(args, option)} cannot be written as a "
                               f"{ARCHITECTURES[args.family]}, which has {option} = {value}")
-    for option in ("query_pre_attn_scalar", "rope_local_theta"):
+    for option in sorted({option for other in FAMILIES.values() for option in other.options}):
         if getattr(args, option) is not None and option not in family.options:
             raise ConfigError(f"{source}: {option} = {getattr(args, option)} cannot be written as a "
                               f"{ARCHITECTURES[args.family]}, which has none")
@@ -109,7 +109,8 @@ def _family_options(cfg: dict, model_type: str, source: str) -> dict:
 
 def args_from_hf_config(cfg: dict, source: str = "config.json") -> LlamaArgs:
     """LlamaArgs of a config.json of one of the families (model_type llama, qwen2, qwen3, qwen3_moe, mistral,
-    mixtral, qwen3_5 or qwen3_5_text: a multimodal folder's text_config is read); anything the decoder cannot
+    mixtral, qwen3_5, qwen3_5_moe, gpt_oss, gemma3 or their text model_types: a multimodal folder's text_config is
+    read); anything the decoder cannot
     represent raises ConfigError naming the key."""
     cfg = text_config_of(cfg)
     model_type = cfg.get("model_type", "llama")
@@ -159,7 +160,8 @@ _CHECKED_FIELDS = ("family", "dim", "n_layers", "n_heads", "kv_heads", "head_dim
                    "moe_router_bias", "expert_act", "expert_bias", "swiglu_alpha", "swiglu_limit", "sandwich_norms",
                    "embed_scale", "ffn_activation", "query_pre_attn_scalar", "rope_local_theta", "q_lora_rank",
                    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "moe_n_group",
-                   "moe_topk_group", "moe_routed_scaling", "moe_shared_experts", "rope_interleave")
+                   "moe_topk_group", "moe_routed_scaling", "moe_shared_experts", "rope_interleave",
+                   "moe_shared_ffn_dim")
 _SCALING_FIELDS = ROPE_FIELDS[2:]
 
 

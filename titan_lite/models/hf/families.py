@@ -45,6 +45,7 @@ class Family:
     # HF tensor-name prefixes of parts titan_lite does not build, skipped on load (and said) -> what they are
     skipped: dict[str, str] = field(default_factory=dict)
     fused: dict[str, Fused] = field(default_factory=dict)  # HF layer suffix -> the titan_lite tensors it holds
+    unfused_too: bool = False  # its folders may hold the fused experts one tensor per expert instead (read either)
     # titan_lite layer suffixes only this family has -> its HF suffixes (gpt-oss's sinks and biases, Gemma 3's
     # sandwich norms); the family's renames do not apply to them
     layer_names: dict[str, str] = field(default_factory=dict)
@@ -158,7 +159,7 @@ def text_config_of(cfg: dict) -> dict:
 
 
 # a multimodal model_type -> its text model's
-_TEXT_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "gemma3": "gemma3_text"}
+_TEXT_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma3": "gemma3_text"}
 
 
 def _qwen3_5_schedule(cfg: dict, source: str) -> list[str]:
@@ -181,14 +182,11 @@ _LINEAR_KEYS = {"linear_n_key_heads": ("linear_num_key_heads", 16),
                 "linear_conv_kernel": ("linear_conv_kernel_dim", 4)}
 
 
-def _qwen3_5_options(cfg: dict, source: str) -> dict:
-    """Qwen3.5 (dense): Gated DeltaNet layers and gated attention by layer_types; partial RoPE (0.25 unless said)."""
+def _qwen3_5_mixers(cfg: dict, source: str) -> dict:
+    """Qwen3.5's mixers, dense or MoE: Gated DeltaNet layers and gated attention by layer_types; partial RoPE (0.25
+    unless said)."""
     expect_value(cfg, "attention_bias", (False,), source)
     expect_value(cfg, "attn_output_gate", (True,), source)  # transformers always builds the gate
-    for key in ("num_experts", "num_local_experts"):
-        if cfg.get(key):
-            raise ConfigError(f"{source}: '{key}' is {cfg[key]}: Qwen3.5 MoE is not supported yet for Qwen3.5; "
-                              "titan_lite reads the dense Qwen3.5 only")
     rope = cfg.get("rope_parameters") or {}
     partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
     if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
@@ -200,12 +198,56 @@ def _qwen3_5_options(cfg: dict, source: str) -> dict:
     return {**options, **{name: int(cfg.get(key, default)) for name, (key, default) in _LINEAR_KEYS.items()}}
 
 
+def _qwen3_5_options(cfg: dict, source: str) -> dict:
+    """Qwen3.5 dense (Qwen3_5TextConfig has no experts: a config naming some is a Qwen3.5-MoE one mislabelled)."""
+    for key in ("num_experts", "num_local_experts"):
+        if cfg.get(key):
+            raise ConfigError(f"{source}: '{key}' is {cfg[key]} in a dense Qwen3.5 config (model_type "
+                              f"{cfg.get('model_type')!r}); a Qwen3.5-MoE config says model_type 'qwen3_5_moe_text' "
+                              "(or 'qwen3_5_moe' with a text_config)")
+    return _qwen3_5_mixers(cfg, source)
+
+
+def _qwen3_5_moe_options(cfg: dict, source: str) -> dict:
+    """Qwen3.5-MoE: the dense model's mixers, every layer routed (softmax top-k, always renormalised) beside a
+    sigmoid-gated shared expert."""
+    options = _qwen3_5_mixers(cfg, source)
+    expect_value(cfg, "norm_topk_prob", (True,), source)  # transformers always renormalises the top k
+    expect_value(cfg, "decoder_sparse_step", (1,), source)  # and routes every layer
+    expect_value(cfg, "mlp_only_layers", ([], None), source)
+    n_experts = int(require_key(cfg, "num_experts", source))
+    top_k = int(require_key(cfg, "num_experts_per_tok", source))
+    if not 0 < top_k <= n_experts:
+        raise ConfigError(f"{source}: 'num_experts_per_tok' is {top_k}; expected 1 to num_experts = {n_experts}")
+    shared = int(require_key(cfg, "shared_expert_intermediate_size", source))
+    if shared < 1:
+        raise ConfigError(f"{source}: 'shared_expert_intermediate_size' is {shared}; expected a positive width "
+                          "(every Qwen3.5-MoE layer has a shared expert)")
+    return {**options, "n_experts": n_experts, "moe_top_k": top_k,
+            "moe_ffn_dim": int(require_key(cfg, "moe_intermediate_size", source)), "moe_norm_topk_prob": True,
+            "moe_shared_ffn_dim": shared, "router_aux_loss_coef": float(cfg.get("router_aux_loss_coef", 0.001))}
+
+
 def _qwen3_5_check(args: LlamaArgs, source: str) -> None:
     """Qwen3_5ForCausalLM: each layer a Gated DeltaNet or a full attention, every attention with q/k norms."""
     for layer, kind in enumerate(args.schedule):
         if kind not in ("linear_attention", "full_attention"):
             raise ConfigError(f"{source}: layer_types[{layer}] is {kind!r}, which a Qwen3_5ForCausalLM cannot write: "
                               "it has 'linear_attention' and 'full_attention' layers only")
+
+
+def _qwen3_5_moe_check(args: LlamaArgs, source: str) -> None:
+    """Qwen3_5MoeForCausalLM: Qwen3.5's mixers, every layer MoE with renormalised top-k weights and a shared expert."""
+    _qwen3_5_check(args, source)
+    differs = {"MoE layers": (args.moe_layers, list(range(args.n_layers))),
+               "moe_norm_topk_prob": (args.moe_norm_topk_prob, True)}
+    for option, (ours, qwen3_5_moe) in differs.items():
+        if ours != qwen3_5_moe:
+            raise ConfigError(f"{source}: {option} = {ours} cannot be written as a Qwen3_5MoeForCausalLM, which has "
+                              f"{qwen3_5_moe}")
+    if not args.moe_shared_ffn_dim:
+        raise ConfigError(f"{source}: a Qwen3_5MoeForCausalLM has a shared expert in every layer; set "
+                          "moe_shared_ffn_dim")
 
 
 def _gpt_oss_options(cfg: dict, source: str) -> dict:
@@ -409,6 +451,12 @@ def _qwen3_5_keys(args: LlamaArgs) -> dict:
     return {**keys, **linear, "mamba_ssm_dtype": "float32"}
 
 
+def _qwen3_5_moe_keys(args: LlamaArgs) -> dict:
+    return {**_qwen3_5_keys(args), "num_experts": args.n_experts, "num_experts_per_tok": args.moe_top_k,
+            "moe_intermediate_size": args.moe_ffn_dim, "shared_expert_intermediate_size": args.moe_shared_ffn_dim,
+            "router_aux_loss_coef": args.router_aux_loss_coef, "output_router_logits": False}
+
+
 def _gpt_oss_keys(args: LlamaArgs) -> dict:
     return {"attention_bias": True, "sliding_window": args.sliding_window, "layer_types": list(args.schedule),
             "intermediate_size": args.moe_ffn_dim, "num_local_experts": args.n_experts,
@@ -472,6 +520,20 @@ _DEEPSEEK_V3_DEFAULTS = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head
                          "rms_norm_eps": 1e-6}
 
 
+# Qwen3.5-MoE's experts as its releases store them: gate_up_proj [E, 2 hidden, dim] (the gate's rows, then up's) and
+# down_proj [E, dim, hidden], titan_lite's w1/w3 and w2 as they are; transformers' save_pretrained writes them one
+# tensor per expert instead (Qwen3-MoE's names), which is read too.
+_QWEN3_5_MOE_FUSED = {
+    "mlp.experts.gate_up_proj": Fused(("moe.experts.w1", "moe.experts.w3"), lambda t: list(t.chunk(2, dim=1)),
+                                      lambda ts: torch.cat(ts, dim=1)),
+    "mlp.experts.down_proj": Fused(("moe.experts.w2",), lambda t: [t], lambda ts: ts[0]),
+}
+# Qwen3_5MoeTextConfig's defaults (transformers 5.24) for the MoE keys; it has no dense width (intermediate_size)
+_QWEN3_5_MOE_DEFAULTS = {"intermediate_size": 0, "num_experts": 256, "num_experts_per_tok": 8,
+                         "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                         "router_aux_loss_coef": 0.001}
+
+
 def _gemma3_keys(args: LlamaArgs) -> dict:
     scalar = args.query_pre_attn_scalar  # transformers' config takes an int only
     return {"attention_bias": False, "layer_types": list(args.schedule), "sliding_window": args.sliding_window,
@@ -514,6 +576,14 @@ FAMILIES: dict[str, Family] = {
                       fixed={"attn_output_gate": True, "norm_unit_offset": True}, hybrid=True,
                       model_type="qwen3_5_text", text_prefix="model.language_model.",
                       skipped={"model.visual.": "vision encoder", "mtp.": "multi-token prediction head"}),
+    # Qwen3.5-MoE's text model (Qwen3_5MoeForCausalLM, "qwen3_5_moe_text"): the dense row's mixers, routed experts
+    # (fused as the releases store them) and the gated shared expert in every layer
+    "qwen3_5_moe": Family("Qwen3_5MoeForCausalLM", _qwen3_5_moe_options, _qwen3_5_moe_keys, qk_norm=True, moe=True,
+                          check=_qwen3_5_moe_check, fixed={"attn_output_gate": True, "norm_unit_offset": True},
+                          hybrid=True, model_type="qwen3_5_moe_text", text_prefix="model.language_model.",
+                          skipped={"model.visual.": "vision encoder", "mtp.": "multi-token prediction head"},
+                          fused=_QWEN3_5_MOE_FUSED, unfused_too=True,
+                          options=("moe_shared_ffn_dim",), config_defaults=_QWEN3_5_MOE_DEFAULTS),
     # gpt-oss in bf16 (MXFP4 refused): sinks, biased router, clamped SwiGLU experts with biases, sliding/full layers
     "gpt_oss": Family("GptOssForCausalLM", _gpt_oss_options, _gpt_oss_keys, qkv_bias=True, moe=True, window=True,
                       renames=_GPT_OSS_NAMES, check=_gpt_oss_check, hybrid=True, fused=_GPT_OSS_FUSED,
@@ -540,7 +610,8 @@ FAMILIES: dict[str, Family] = {
                           derived=lambda cfg: {"head_dim": cfg.get("qk_rope_head_dim")}),
 }
 # model_type values read as another row's
-MODEL_TYPE_ALIASES = {"qwen3_5_text": "qwen3_5", "gemma3": "gemma3_text", "kimi_k2": "deepseek_v3"}
+MODEL_TYPE_ALIASES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "gemma3": "gemma3_text",
+                      "kimi_k2": "deepseek_v3"}
 # The options a family fixes, at the values every other family has
 FIXED_DEFAULTS = {"attn_output_gate": False, "norm_unit_offset": False, "sandwich_norms": False,
                   "embed_scale": False, "ffn_activation": "silu", "attn_sinks": False, "attn_out_bias": False,

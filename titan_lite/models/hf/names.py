@@ -25,6 +25,10 @@ _LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "moe.router.gate.weight": "mlp.gate.weight",  # Qwen3-MoE
+    "moe.shared_expert.w1.weight": "mlp.shared_expert.gate_proj.weight",  # Qwen3.5-MoE's gated shared expert
+    "moe.shared_expert.w3.weight": "mlp.shared_expert.up_proj.weight",
+    "moe.shared_expert.w2.weight": "mlp.shared_expert.down_proj.weight",
+    "moe.shared_expert_gate.weight": "mlp.shared_expert_gate.weight",
     # Qwen3.5's Gated DeltaNet (the linear_attention layers): transformers' names under the mixer's
     **{f"attention.{name}": f"linear_attn.{name}"
        for name in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
@@ -131,6 +135,14 @@ class HFNames:
             return [fused[0]]
         return self.to_hf_experts(name, n_experts) if self.is_grouped(name) else [self.to_hf(name)]
 
+    def readable_names(self, name: str, n_experts: int) -> list[str]:
+        """Every HF name a titan_lite parameter may be read from: those it is written as, and one per expert where
+        the family's folders may also hold a fused tensor that way (Qwen3.5-MoE)."""
+        written = self.hf_names_of(name, n_experts)
+        if self.fused_of(name) is not None and self.is_grouped(name):
+            return [*written, *self.to_hf_experts(name, n_experts)]
+        return written
+
     def for_family(self, family: str) -> "HFNames":
         """These names as a family's files spell them (Mixtral: block_sparse_moe.experts.{j}.w1, ...)."""
         renamed = FAMILIES[family].renames if family in FAMILIES else {}
@@ -138,7 +150,7 @@ class HFNames:
         own = FAMILIES[family].layer_names if family in FAMILIES else {}
         if not renamed and not fused and not own:
             return self
-        held = {part for f in fused.values() for part in f.parts}
+        held = set() if FAMILIES[family].unfused_too else {part for f in fused.values() for part in f.parts}
         return replace(self, layer={**{t: renamed.get(h, h) for t, h in self.layer.items()}, **own},
                        experts={t: renamed.get(h, h) for t, h in self.experts.items() if t not in held},
                        fused=dict(fused))

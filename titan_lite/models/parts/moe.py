@@ -1,5 +1,6 @@
-"""The mixture-of-experts feed-forward (Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3): router, grouped experts, shared
-experts, the load-balancing loss added to the backward wherever the layer runs, and the step's routed load for
+"""The mixture-of-experts feed-forward (Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3, Qwen3.5-MoE): router, grouped
+experts, DeepSeek's shared experts or Qwen3.5's gated shared expert, the load-balancing loss added to the backward
+wherever the layer runs, and the step's routed load for
 metrics."""
 
 import torch
@@ -38,7 +39,8 @@ def make_router(args: LlamaArgs) -> nn.Module:
 
 class MoE(nn.Module):
     """The routed feed-forward of a mixture-of-experts layer: router, then each token's top-k SwiGLU experts, the
-    output their gate-weighted sum, plus the shared experts' output where there are some (DeepSeek-V3).
+    output their gate-weighted sum, plus the shared experts' output where there are some (DeepSeek-V3), or with
+    `moe_shared_ffn_dim` (Qwen3.5-MoE) a SwiGLU shared expert of every token scaled by sigmoid(shared_expert_gate x).
 
     Training adds transformers' load-balancing loss (load_balancing_loss) per sequence and layer, times
     `aux_loss_scale` (set by the trainer: router_aux_loss_coef over the sequences and MoE layers it averages, 0 = off);
@@ -56,6 +58,11 @@ class MoE(nn.Module):
             if args.moe_shared_experts else None
         # DeepSeek-V3's sequence-wise loss is the Switch loss over its normalised sigmoid scores divided by top k
         self.aux_loss_factor = 1 / args.moe_top_k if args.moe_router == "sigmoid_group" else 1.0
+        if args.moe_shared_ffn_dim:
+            self.shared_expert = FeedForward(args.dim, args.moe_shared_ffn_dim)
+            self.shared_expert_gate = nn.Linear(args.dim, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
         self.aux_loss_scale = 0.0
         self.cp_group = None
         self._without_first: tuple[torch.Tensor, torch.Tensor] | None = None  # the step's sums but its first forward
@@ -69,6 +76,8 @@ class MoE(nn.Module):
         out = out.view(batch, seq, dim)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if self.training and torch.is_grad_enabled():
             aux = self.sequence_aux_losses(routing, batch) if self.aux_loss_scale else None
             self.record(routing.counts, aux)
