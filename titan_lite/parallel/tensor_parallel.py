@@ -48,15 +48,18 @@ def top_level_plan(loss_parallel: bool) -> dict:
     }
 
 
-def block_plan(qk_norm: bool = False, moe: bool = False) -> dict:
+def block_plan(qk_norm: bool = False, moe: bool = False, sandwich: bool = False) -> dict:
     """Norms on sequence shards; attention and MLP gather the sequence, split heads/hidden, and scatter it back.
 
     q/k/v biases are sharded with their colwise linears. The q/k norms (Qwen3) act on each head's head_dim: their
     weight is replicated and their input is this rank's heads (dim 2 of [batch, seq, heads, head_dim]), so the
-    weight's gradient, a sum over all heads, is reduced over the TP ranks. An MoE block's routed feed-forward is
-    replicated (moe_plan)."""
+    weight's gradient, a sum over all heads, is reduced over the TP ranks. Sandwich norms (Gemma 3's
+    post_attention_norm and post_ffn_norm) norm wo's and w2's sequence shards and hand the residual add local
+    tensors. An MoE block's routed feed-forward is replicated (moe_plan)."""
     norms = {name: SequenceParallel(sequence_dim=2, use_local_output=True)
              for name in ("attention.q_norm", "attention.k_norm")} if qk_norm else {}
+    if sandwich:
+        norms |= {name: SequenceParallel(use_local_output=True) for name in ("post_attention_norm", "post_ffn_norm")}
     return {**norms, **_attention_plan(), **(moe_plan() if moe else _feed_forward_plan())}
 
 
@@ -136,7 +139,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, plan_ed
     top = edited_plan(top_level_plan(loss_parallel), "model", plan_edits)
     parallelize_module(model, tp_mesh, {name: style for name, style in top.items()
                                         if getattr(model, name.split(".")[0], None) is not None})
-    plans = {moe: edited_plan(block_plan(model.args.qk_norm, moe), "block", plan_edits) for moe in (False, True)}
+    plans = {moe: edited_plan(block_plan(model.args.qk_norm, moe, model.args.sandwich_norms), "block", plan_edits)
+             for moe in (False, True)}
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, plans[block.moe_enabled])
     if tied:
