@@ -199,8 +199,9 @@ def test_what_is_not_run_is_refused_in_one_line(saved):
     for setting in ("tp", "cp", "pp"):  # checked against one process: tests/integration/test_gemma3_runs.py
         dims = SimpleNamespace(**{f"{name}_enabled": name == setting for name in ("tp", "cp", "pp")})
         refuse_hybrid_layouts(load_titan(saved), dims)
-    with pytest.raises(ConfigError, match=r"^'model.converters' = \['lora'\] is not supported yet for Gemma 3"):
-        Transforms([SimpleNamespace(name="lora")]).check(args, None)
+    with pytest.raises(ConfigError, match=r"^'model.converters' = \['sheared'\] is not supported yet for Gemma 3: .*"
+                                          r"\(checked: lora, prune, quantize.linear.float8\)$"):
+        Transforms([SimpleNamespace(name="sheared")]).check(args, None)
     with pytest.raises(ConfigError, match="^model args: rope_local_theta = 10000.0 cannot be written as a "
                                           "LlamaForCausalLM, which has none$"):
         args_to_hf_config(replace(flavor_args("debugmodel"), rope_local_theta=10000.0), torch.float32)

@@ -74,3 +74,48 @@ def test_gemma3_layout_matches_one_process(name, local_batch, overrides, layout,
     run = run_train([*common, "--training.local_batch_size", str(local_batch), *overrides], tmp_path, ngpu=2, env=env)
     assert layout in run.output, run.output[-3000:]
     assert_losses_close(run, reference, ATOL)
+
+
+# ------------------------------------------------------------------------------------------ LoRA and QLoRA
+
+LORA = ["--model.converters", "lora", "--lora.rank", "4", "--lora.alpha", "8", "--training.local_batch_size", "4",
+        "--checkpoint.enable", "--checkpoint.interval", str(STEPS), "--checkpoint.last_save_in_hf"]
+
+
+@pytest.mark.slow
+def test_lora_under_tp2_matches_one_process_and_its_peft_adapter_is_the_merged_export(common, tmp_path):
+    """Adapters on all seven projections: TP 2 gives one process's losses; the PEFT adapter (Gemma 3's module names)
+    on transformers' Gemma3ForCausalLM gives the logits of the run's merged export."""
+    import transformers
+    from peft import PeftModel
+
+    one = run_train([*common, *LORA], tmp_path / "one")
+    assert one.returncode == 0, one.output[-3000:]
+    run = run_train([*common, *LORA, "--parallelism.tensor_parallel_degree", "2"], tmp_path / "tp2", ngpu=2)
+    assert "dp_replicate 1 x dp_shard 1 x cp 1 x tp 2" in run.output
+    assert_losses_close(run, one.tb_losses(), ATOL)
+    folder = tmp_path / "tp2" / "checkpoint"
+    merged = transformers.AutoModelForCausalLM.from_pretrained(folder / f"step-{STEPS}-hf").eval()
+    assert type(merged).__name__ == "Gemma3ForCausalLM"
+    base_folder = common[common.index("--checkpoint.initial_load_path") + 1]
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_folder).eval()
+    tokens = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = base(tokens).logits
+        adapted = PeftModel.from_pretrained(base, str(folder / f"step-{STEPS}-adapter")).eval()
+        theirs, ours = adapted(tokens).logits, merged(tokens).logits
+    assert (theirs - before).abs().max() > 1e-3  # the run trained the adapters
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_qlora_nf4_base_trains_close_to_the_full_precision_base(common, reference, tmp_path):
+    """lora.base_dtype nf4: every block projection of the frozen base held in NF4; the first step's loss (adapters
+    start at zero) is the NF4 model's, near the float32 model's."""
+    run = run_train([*common, "--model.converters", "lora", "--lora.rank", "4", "--lora.base_dtype", "nf4",
+                     "--training.local_batch_size", "8"], tmp_path)
+    losses = run.tb_losses()
+    assert run.returncode == 0 and sorted(losses) == list(range(1, STEPS + 1)), run.output[-3000:]
+    assert "lora: 28 frozen block linears on this rank quantized to NF4 (QLoRA)" in run.output  # 4 layers x 7
+    print(f"first-step loss: nf4 base {losses[1]:.6f}, float32 model {reference[1]:.6f}")
+    assert 0 < abs(losses[1] - reference[1]) < 0.05, (losses, reference)
