@@ -119,3 +119,57 @@ def test_qlora_nf4_base_trains_close_to_the_full_precision_base(common, referenc
     assert "lora: 28 frozen block linears on this rank quantized to NF4 (QLoRA)" in run.output  # 4 layers x 7
     print(f"first-step loss: nf4 base {losses[1]:.6f}, float32 model {reference[1]:.6f}")
     assert 0 < abs(losses[1] - reference[1]) < 0.05, (losses, reference)
+
+
+# ------------------------------------------------------------------------------------------ scripts/prune.py
+
+PRUNE_CASES = [
+    ("wanda_owl", ["--method", "wanda", "--layer_ratios", "owl"]),
+    ("sparsegpt_2_4", ["--method", "sparsegpt", "--pattern", "2:4"]),
+    ("depth", ["--method", "depth", "--layers_to_remove", "1"]),
+    ("taylor_heads_and_geglu_channels", ["--method", "taylor_structured", "--head_ratio", "0.5", "--ffn_ratio",
+                                         "0.25"]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, method", PRUNE_CASES, ids=[c[0] for c in PRUNE_CASES])
+def test_prune_script_writes_a_gemma3_folder_transformers_loads_with_our_logits(name, method, common, tmp_path):
+    """Wanda with OWL's layer ratios, SparseGPT 2:4, depth (a block and its layer type removed) and Taylor
+    (heads with their q/k norms kept whole, GeGLU channels): transformers' Gemma3ForCausalLM on the written folder
+    gives titan_lite's logits on it; the masks and shapes are what was asked."""
+    import json
+
+    import transformers
+    from safetensors.torch import load_file
+
+    from tests.hf_oracle import load_titan
+    from tests.integration.test_pruning_runs import run_script
+    from titan_lite.models.hf.names import hf_name
+
+    source, out = Path(common[common.index("--checkpoint.initial_load_path") + 1]), tmp_path / "pruned"
+    run = run_script("prune.py", "--hf_assets_path", str(source), "--output_dir", str(out), "--nsamples", "8",
+                     "--seq_len", "64", *method)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    config = json.loads((out / "config.json").read_text())
+    weights = load_file(str(out / "model.safetensors"))
+    if name == "depth":
+        assert config["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    elif name.startswith("taylor"):
+        assert (config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"],
+                config["head_dim"], config["query_pre_attn_scalar"]) == (2, 2, 144, 32, 24)
+    else:  # the zeros written are the report's, per linear (OWL: a sparsity per layer averaging the target)
+        report = json.loads((out / "sparsity_report.json").read_text())
+        assert report["pruned_linears"]["count"] == 28
+        for linear, entry in report["layers"].items():
+            assert int((weights[hf_name(f"{linear}.weight")] == 0).sum()) == entry["zeros"], linear
+        if name == "wanda_owl":
+            ratios = [layer["sparsity"] for layer in report["owl"]["layers"].values()]
+            assert abs(sum(ratios) / 4 - 0.5) < 1e-9 and max(ratios) - min(ratios) > 0.05, ratios
+        else:
+            assert report["pruned_linears"]["sparsity"] == 0.5
+    tokens = torch.randint(0, 2048, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+        assert type(theirs).__name__ == "Gemma3ForCausalLM"
+        torch.testing.assert_close(load_titan(out)(tokens), theirs(tokens).logits, rtol=0, atol=1e-5)
