@@ -4,6 +4,7 @@ model, packed documents equal to one document per row, greedy generation, and ba
 
 import json
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,6 +24,7 @@ from titan_lite.models.hf.config import args_from_hf_config, args_to_hf_config  
 from titan_lite.parallel.parallelize import refuse_hybrid_layouts  # noqa: E402
 from titan_lite.transforms.base import Transforms  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[1]
 VOCAB = 512
 WINDOW = 16
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
@@ -324,3 +326,84 @@ def test_structured_pruning_of_the_hidden_size_is_refused_in_one_line():
                                              "outputs cannot be pruned or scaled") as err:
             validate_keep(args, keep)
         assert "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------ tokenizer and chat
+
+CHAT = [{"role": "system", "content": "Speak plainly."}, {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": " It is 4, my lord. "}, {"role": "user", "content": "And thrice  three? ü"},
+        {"role": "assistant", "content": "Nine.\n#### 9"}]
+
+
+@pytest.fixture(scope="module")
+def gemma_tokenizer_folder(tmp_path_factory):
+    """A Gemma-format tokenizer folder: a small sentencepiece BPE (byte fallback, no dummy prefix, digits split; ids
+    0-3 <pad> <eos> <bos> <unk>, then <start_of_turn> <end_of_turn>) turned into tokenizer.json by transformers'
+    GemmaTokenizer (GemmaConverter's pipeline: a Replace(" ", "▁") normalizer, a Split(" ") pre-tokenizer, the
+    Replace/ByteFallback/Fuse decoder), a "<bos> $A" post-processor, the turn markers special, and a
+    tokenizer_config.json with Gemma 3's chat template: the files the release folders ship."""
+    spm = pytest.importorskip("sentencepiece")
+    from tokenizers import Tokenizer, processors
+    from transformers import GemmaTokenizer
+
+    root = tmp_path_factory.mktemp("gemma_tokenizer")
+    lines = (REPO / "titan_lite/data/corpus/shakespeare/train/lear.txt").read_text().splitlines()[:400]
+    (root / "corpus.txt").write_text("\n".join(lines))
+    (root / "sp").mkdir()
+    spm.SentencePieceTrainer.train(
+        input=str(root / "corpus.txt"), model_prefix=str(root / "sp" / "tokenizer"), vocab_size=400, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, split_digits=True, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, add_dummy_prefix=False, pad_id=0,
+        eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
+        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], minloglevel=2)
+    spec = json.loads(GemmaTokenizer.from_pretrained(str(root / "sp")).backend_tokenizer.to_str())
+    spec["added_tokens"] = [{**t, "special": True} for t in spec["added_tokens"] if t["content"] != "<mask>"]
+    tokenizer = Tokenizer.from_str(json.dumps(spec))
+    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    folder = root / "gemma3"
+    folder.mkdir()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+        "unk_token": "<unk>", "chat_template": (REPO / "assets/chat_templates/gemma3_it.jinja").read_text()}))
+    return folder
+
+
+def test_a_gemma_tokenizer_json_gives_the_ids_of_tokenizers_and_transformers(gemma_tokenizer_folder):
+    import tokenizers
+
+    from titan_lite.data.tokenizer import build_tokenizer
+
+    spec = json.loads((gemma_tokenizer_folder / "tokenizer.json").read_text())
+    assert spec["pre_tokenizer"]["type"] == "Split" and spec["normalizer"]["type"] == "Replace"
+    ours = build_tokenizer(str(gemma_tokenizer_folder))
+    oracle = tokenizers.Tokenizer.from_file(str(gemma_tokenizer_folder / "tokenizer.json"))
+    hf = transformers.AutoTokenizer.from_pretrained(str(gemma_tokenizer_folder))
+    text = " Lear:  thou art 1234 ü€🙂 <start_of_turn>user\nhi<end_of_turn>\n  end "
+    assert (ours.bos_id, ours.eos_id) == (2, 1)
+    assert ours.encode(text, allow_special=True) == oracle.encode(text).ids == hf(text).input_ids
+    assert spec["model"]["vocab"]["<0xF0>"] in ours.encode(text)  # the emoji's bytes: byte fallback
+    assert ours.decode(ours.encode(text, bos=False, allow_special=True)) == text
+
+
+def test_the_gemma3_chat_template_gives_apply_chat_templates_ids(gemma_tokenizer_folder):
+    """Through the existing Jinja path: a system turn folded into the first user turn, "model" turns, trimmed
+    contents; only the model's turns train (content and <end_of_turn>); generation stops at <end_of_turn>."""
+    from tests.test_chat import trained_runs
+    from titan_lite.data.chat import ChatEncoder, Conversation, load_chat_template
+    from titan_lite.data.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(str(gemma_tokenizer_folder))
+    encoder = ChatEncoder(load_chat_template("tokenizer", gemma_tokenizer_folder, tokenizer), tokenizer, "assistant")
+    oracle = transformers.AutoTokenizer.from_pretrained(str(gemma_tokenizer_folder))
+    conversation = Conversation(tuple((m["role"], m["content"]) for m in CHAT), "test")
+    ids, trained = encoder.encode(conversation, "test")
+    assert ids == oracle.apply_chat_template(CHAT, tokenize=True, return_dict=False)
+    assert oracle.decode(ids).startswith("<bos><start_of_turn>user\nSpeak plainly.\n\nWhat is 2 + 2?<end_of_turn>\n"
+                                         "<start_of_turn>model\nIt is 4, my lord.<end_of_turn>\n")
+    assert [tokenizer.decode(r) for r in trained_runs(ids, trained)] == ["It is 4, my lord.<end_of_turn>",
+                                                                         "Nine.\n#### 9<end_of_turn>"]
+    before = Conversation(conversation.turns[:-1], "test")
+    assert encoder.prompt_ids(before) == oracle.apply_chat_template(CHAT[:-1], tokenize=True, return_dict=False,
+                                                                    add_generation_prompt=True)
+    assert encoder.end_of_turn_ids()[0] == oracle.convert_tokens_to_ids("<end_of_turn>")
