@@ -173,3 +173,24 @@ def test_prune_script_writes_a_gemma3_folder_transformers_loads_with_our_logits(
         theirs = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
         assert type(theirs).__name__ == "Gemma3ForCausalLM"
         torch.testing.assert_close(load_titan(out)(tokens), theirs(tokens).logits, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ distillation
+
+
+@pytest.mark.slow
+def test_distillation_from_a_gemma3_teacher_folder(common, tmp_path):
+    """The teacher assembled from the Gemma 3 folder the student also starts from: at step 1 both give the same
+    logits (KL exactly 0: the teacher's per-layer rope, windows and scaled embedding are the student's); the logged
+    parts make up the loss, alpha T^2 KL + (1 - alpha) CE, and training moves the student away from its teacher."""
+    from tests.integration.test_distill_runs import scalars
+
+    teacher = common[common.index("--checkpoint.initial_load_path") + 1]
+    run = run_train([*common, "--training.local_batch_size", "8", "--distill.enable", "--distill.alpha", "0.5",
+                     "--distill.temperature", "2", "--distill.teacher_path", teacher], tmp_path)
+    assert run.returncode == 0, run.output[-3000:]
+    losses, kl, ce = run.tb_losses(), scalars(run, "distill/kl"), scalars(run, "distill/ce")
+    assert sorted(losses) == sorted(kl) == list(range(1, STEPS + 1))
+    for step, loss in losses.items():
+        assert abs(loss - (0.5 * 4 * kl[step] + 0.5 * ce[step])) < 1e-5, (step, loss, kl[step], ce[step])
+    assert kl[1] == 0.0 and kl[STEPS] > 0, kl
