@@ -1,6 +1,6 @@
 """Chat data: conversations rendered with published chat templates (Llama 3, Llama 3.2, ChatML as SmolLM2 and Qwen2.5
-use it, Mistral) give transformers' apply_chat_template ids and train the assistant's turns only; the row formats and
-file kinds; one-line errors; whole-record packing with document ids; pre-training documents."""
+use it, Mistral, Gemma 3) give transformers' apply_chat_template ids and train the assistant's turns only; the row
+formats and file kinds; one-line errors; whole-record packing with document ids; pre-training documents."""
 
 import itertools
 import json
@@ -34,6 +34,9 @@ CASES = {
                            False),
     "mistral": (TEMPLATES / "mistral_instruct.jinja", ["<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>", "</s>",
                 False),
+    # Gemma 3: the assistant's role is "model", a system turn folds into the first user turn
+    "gemma3": (ROOT / "assets/chat_templates/gemma3_it.jinja", ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"],
+               "<bos>", "<eos>", "<end_of_turn>", True),
 }
 SYSTEM = {"role": "system", "content": "Speak plainly."}
 TURNS = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": " It is 4, my lord. "},

@@ -207,11 +207,11 @@ def test_each_recipe_trains_close_to_fp32(recipe):
 FAMILY_OPTIONS = ("bias", "q_norm.weight", "k_norm.weight")
 
 
-@pytest.mark.parametrize("flavor", ["tiny_qwen2", "tiny_qwen3"])
+@pytest.mark.parametrize("flavor", ["tiny_qwen2", "tiny_qwen3", "tiny_gemma3"])
 def test_family_blocks_convert_with_their_biases_and_train_close_to_fp32(flavor):
     """q/k/v biases (Qwen2.5) stay on their Float8Linear, in high precision; the q/k norms (Qwen3) are not linears
     and stay as they are. The float8 model is within float8's rounding of fp32; one with the biases dropped or the
-    norms reset is not."""
+    norms reset is not. Gemma 3 (tiny_gemma3): its (1 + w) q/k norms alike, in blocks with sandwich norms."""
     (transform,) = build_transforms(config())
     reference, model, wrong = (Llama(flavor_args(flavor)) for _ in range(3))
     reference.init_weights(seed=3)

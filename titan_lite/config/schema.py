@@ -139,13 +139,14 @@ class RoPE:
 
 @dataclass
 class Model:
-    name: Literal["llama3", "llama2", "llama", "qwen3", "qwen2", "mistral"] = opt(
-        "llama3", "Model family. qwen3, qwen2 or mistral must name a flavor of that family (torchtitan's qwen3 '8B' "
-        "is titan_lite's 'qwen3_8B'; its '8B' is Llama 3.1 8B).")
+    name: Literal["llama3", "llama2", "llama", "qwen3", "qwen2", "mistral", "gemma3"] = opt(
+        "llama3", "Model family. qwen3, qwen2, mistral or gemma3 must name a flavor of that family (torchtitan's "
+        "qwen3 '8B' is titan_lite's 'qwen3_8B'; its '8B' is Llama 3.1 8B).")
     flavor: str = opt(
         "debugmodel", "Model size preset: debugmodel, debugmodel_gqa, debugmodel_tied, tiny, smollm2_135M, 1B, 3B, "
         "8B, 8B_sheared, 70B, 405B, llama2_7B; qwen3_0.6B, qwen3_1.7B, qwen3_4B, qwen3_8B, qwen3_14B, qwen3_32B; "
-        "qwen2.5_0.5B, qwen2.5_7B, qwen2.5_72B; mistral_7B (v0.3), mistral_7B_v0.1; debugmodel_flex_attn, 8B_flex "
+        "qwen2.5_0.5B, qwen2.5_7B, qwen2.5_72B; mistral_7B (v0.3), mistral_7B_v0.1; gemma3_1B, gemma3_4B, gemma3_12B, "
+        "gemma3_27B (text); debugmodel_flex_attn, 8B_flex "
         "(torchtitan's FlexAttention flavors); or 'hf': the shape of hf_assets_path/config.json. A preset next to a "
         "config.json is checked against it.")
     hf_assets_path: str | None = opt(

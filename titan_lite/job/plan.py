@@ -117,14 +117,16 @@ def flavor_or_hf_args(cfg: JobConfig) -> LlamaArgs:
 
 
 MOE_FAMILY_OF = {"qwen3": "qwen3_moe", "mistral": "mixtral"}
+FAMILY_OF_NAME = {"gemma3": "gemma3_text"}  # model.name -> the family (config.json model_type) its flavors have
 
 
 def check_model_name(name: str, flavor: str, args: LlamaArgs) -> None:
     """model.name qwen3, qwen2 or mistral must name a flavor of that family: torchtitan's Qwen3 TOMLs call Qwen3 8B
     '8B', which is titan_lite's Llama 3.1 8B (a llama name is the default, so it is not checked). Their mixtures of
     experts count as the family (torchtitan's qwen3 trains Qwen3-MoE)."""
-    if name in ("qwen3", "qwen2", "mistral") and args.family not in (name, MOE_FAMILY_OF.get(name)):
-        own = [f for f, a in FLAVORS.items() if a.family == name and not f.startswith("tiny")]
+    family = FAMILY_OF_NAME.get(name, name)
+    if name in ("qwen3", "qwen2", "mistral", "gemma3") and args.family not in (family, MOE_FAMILY_OF.get(name)):
+        own = [f for f, a in FLAVORS.items() if a.family == family and not f.startswith(("tiny", "debug"))]
         raise ConfigError(f"'model.name' = '{name}' but 'model.flavor' = '{flavor}' is a {args.family} model; "
                           f"the {name} flavors are {', '.join(own)} (or 'hf' with a {name} config.json)")
 

@@ -45,6 +45,19 @@ _DEEPSEEK_V3 = dict(family="deepseek_v3", moe_router="sigmoid_group", moe_norm_t
                     moe_shared_experts=1, moe_load_balance_coeff=1e-3, router_aux_loss_coef=0.0001)
 _DEEPSEEK_V3_MLA = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                         explicit_head_dim=64)
+
+
+def _gemma3(n_layers: int, **shape) -> LlamaArgs:
+    """A Gemma 3 (text) size: sliding_window_pattern 6 over n_layers (layer i full when (i + 1) % 6 == 0)."""
+    layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n_layers)]
+    return LlamaArgs(**{**_GEMMA3, "n_layers": n_layers, "layer_types": layer_types, **shape})
+
+
+# The release configs' text shapes (google/gemma-3-{1b,4b,12b,27b}-pt config.json; the 4B-27B text_config names only
+# what differs from Gemma3TextConfig's defaults: 262,208 tokens, head_dim 256, query_pre_attn_scalar 256): the 4B-27B
+# full layers' rope is linear scaling by 8 (128K context), the 1B's unscaled (32K).
+_GEMMA3_LONG = dict(vocab_size=262208, sliding_window=1024, max_seq_len=131072, rope_scaling_type="linear",
+                    rope_scaling_factor=8.0)
 _MISTRAL = dict(family="mistral", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336)
 _LLAMA31_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=8.0, rope_original_max_seq_len=8192)
 _LLAMA32_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=32.0, rope_original_max_seq_len=8192)
@@ -176,6 +189,20 @@ FLAVORS: dict[str, LlamaArgs] = {
                                     sliding_window=64, layer_types=["sliding_attention", "full_attention"] * 2,
                                     rope_scaling_factor=4.0, rope_original_max_seq_len=512, **_GPT_OSS),
     # Gemma 3 (text) for the CPU (not a published size): a 64-token window under 256-token sequences
+    "gemma3_1B": _gemma3(26, dim=1152, n_heads=4, n_kv_heads=1, ffn_dim=6912, explicit_head_dim=256,
+                         vocab_size=262144, sliding_window=512, query_pre_attn_scalar=256.0, max_seq_len=32768),
+    "gemma3_4B": _gemma3(34, dim=2560, n_heads=8, n_kv_heads=4, ffn_dim=10240, explicit_head_dim=256,
+                         query_pre_attn_scalar=256.0, **_GEMMA3_LONG),
+    "gemma3_12B": _gemma3(48, dim=3840, n_heads=16, n_kv_heads=8, ffn_dim=15360, explicit_head_dim=256,
+                          query_pre_attn_scalar=256.0, **_GEMMA3_LONG),
+    "gemma3_27B": _gemma3(62, dim=5376, n_heads=32, n_kv_heads=16, ffn_dim=21504, explicit_head_dim=128,
+                          query_pre_attn_scalar=168.0, **_GEMMA3_LONG),
+    # For the multi-process tests: two sliding layers (window 8) and a full one per three, untied (pipeline stages)
+    "tiny_gemma3": LlamaArgs(**{**_GEMMA3, "dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 2048,
+                                "ffn_dim": 192, "explicit_head_dim": 32, "sliding_window": 8,
+                                "query_pre_attn_scalar": 24.0, "tie_word_embeddings": False,
+                                "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
+                                                "sliding_attention"]}),
     "debugmodel_gemma3": LlamaArgs(dim=256, n_layers=6, n_heads=4, n_kv_heads=1, vocab_size=2048, ffn_dim=768,
                                    explicit_head_dim=64, sliding_window=64, query_pre_attn_scalar=64.0, **_GEMMA3),
     # DeepSeek-V3 / R1 (deepseek-ai/DeepSeek-V3's config.json, without its FP8 quantization): 61 layers, the first 3

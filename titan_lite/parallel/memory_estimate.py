@@ -136,7 +136,8 @@ def layer_activation_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape, p
     gathered_norm_out = tokens * dim * c
     attention = _rms_norm_bytes(args, seq_shard, s) + gathered_norm_out + _attention_core_bytes(args, layer_id, s)
     feed_forward = moe_bytes(args, s) if moe else gathered_norm_out + 4 * tokens * ffn * c  # w1, silu, w3, product
-    return attention + _rms_norm_bytes(args, seq_shard, s) + feed_forward
+    post_norms = 2 * _rms_norm_bytes(args, seq_shard, s) if args.sandwich_norms else 0  # Gemma 3's outputs' norms
+    return attention + _rms_norm_bytes(args, seq_shard, s) + feed_forward + post_norms
 
 
 def head_activation_bytes(args: LlamaArgs, s: ActivationShape) -> int:

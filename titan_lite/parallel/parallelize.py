@@ -45,18 +45,16 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, cfg: JobCon
 
 def refuse_hybrid_layouts(model: nn.Module, parallel_dims: ParallelDims) -> None:
     """A ConfigError in one line for the layouts a model with Gated DeltaNet layers (Qwen3.5) cannot run yet (context
-    parallel), nor one with gpt-oss's sinks and biased experts, nor Gemma 3 (a rope per layer type): phase 1 checked
-    no parallel plan on them. DeepSeek-V3 runs every layout."""
+    parallel), nor one with gpt-oss's sinks and biased experts: phase 1 checked no parallel plan on them. (Gemma 3's
+    TP, CP and PP and DeepSeek-V3's every layout are checked against one process.)"""
     args = getattr(model, "args", None)
-    if args is None or not (args.is_hybrid or args.attn_sinks or args.expert_bias or args.rope_local_theta is not None):
+    if args is None or not (args.is_hybrid or args.attn_sinks or args.expert_bias):
         return
     layouts = {"tensor_parallel_degree": parallel_dims.tp_enabled, "context_parallel_degree": parallel_dims.cp_enabled,
                "pipeline_parallel_degree": parallel_dims.pp_enabled}
     if args.is_hybrid:
         refuse_recurrent_cp(parallel_dims)
         return
-    elif args.rope_local_theta is not None:
-        why = "Gemma 3 (its rope per layer type, sandwich norms and scaled embedding are unchecked there)"
     else:  # gpt-oss: sinks, o/expert biases and fused experts have no checked parallel plan yet
         layouts["expert_parallel_degree"] = getattr(parallel_dims, "ep_enabled", False)
         why = "gpt-oss (its sinks, biases and experts have no checked parallel plan: phase 2)"

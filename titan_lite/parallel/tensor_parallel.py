@@ -52,20 +52,25 @@ def top_level_plan(loss_parallel: bool) -> dict:
     }
 
 
-def block_plan(qk_norm: bool = False, moe: bool = False, latent: bool = False, linear_attention: bool = False) -> dict:
+def block_plan(qk_norm: bool = False, moe: bool = False, latent: bool = False, linear_attention: bool = False,
+               sandwich: bool = False) -> dict:
     """Norms on sequence shards; attention and MLP gather the sequence, split heads/hidden, and scatter it back.
 
     q/k/v biases are sharded with their colwise linears. The q/k norms (Qwen3) act on each head's head_dim: their
     weight is replicated and their input is this rank's heads (dim 2 of [batch, seq, heads, head_dim]), so the
     weight's gradient, a sum over all heads, is reduced over the TP ranks. An MoE block's routed feed-forward is
-    replicated (moe_plan); a Gated DeltaNet layer's mixer splits by key-head groups (deltanet_plan)."""
+    replicated (moe_plan). Sandwich norms (Gemma 3's post_attention_norm and post_ffn_norm) norm wo's and w2's
+    sequence shards and hand the residual add local tensors. A Gated DeltaNet layer's mixer splits by key-head groups
+    (deltanet_plan)."""
     norms = {name: SequenceParallel(sequence_dim=2, use_local_output=True)
              for name in ("attention.q_norm", "attention.k_norm")} if qk_norm else {}
+    post_norms = {name: SequenceParallel(use_local_output=True)
+                  for name in ("post_attention_norm", "post_ffn_norm")} if sandwich else {}
     if linear_attention:
         mixer = deltanet_plan()
     else:
         mixer = {**norms, **(latent_attention_plan() if latent else _attention_plan())}
-    return {**mixer, **(moe_plan(latent) if moe else _feed_forward_plan())}
+    return {**mixer, **post_norms, **(moe_plan(latent) if moe else _feed_forward_plan())}
 
 
 def latent_attention_plan() -> dict:
@@ -236,7 +241,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, plan_ed
     parallelize_module(model, tp_mesh, {name: style for name, style in top.items()
                                         if getattr(model, name.split(".")[0], None) is not None})
     latent = model.args.is_latent
-    plans = {(moe, linear): edited_plan(block_plan(model.args.qk_norm, moe, latent, linear), "block", plan_edits)
+    plans = {(moe, linear): edited_plan(block_plan(model.args.qk_norm, moe, latent, linear,
+                                                         model.args.sandwich_norms), "block", plan_edits)
              for moe in (False, True) for linear in (False, True)}
     for block in model.layers.values():
         linear = model.args.layer_type(block.layer_id) == "linear_attention"

@@ -1,5 +1,5 @@
 """HF tokenizer.json BPE over characters with byte fallback and '▁' for spaces, as converted from sentencepiece
-(Llama 2, Mistral)."""
+(Llama 2, Mistral, Gemma)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ class HFByteFallbackBPETokenizer(HFByteLevelBPETokenizer):
         self._normalize = build_normalizer(path, spec.get("normalizer"))
         pre = spec.get("pre_tokenizer")
         self._metaspace, self._prepend_scheme, self._split = None, "never", False
+        normalizers = _flat_normalizers(spec.get("normalizer"))
+        if pre and _splits_only_replaced_spaces(pre, normalizers):
+            pre = None  # Gemma's: a Split on " " after the normalizer replaced every " " has nothing to split
         if pre:
             if pre.get("type") != "Metaspace":
                 raise ConfigError(f"tokenizer file '{path}': pre-tokenizer {pre.get('type')!r} is not supported with "
@@ -41,7 +44,6 @@ class HFByteFallbackBPETokenizer(HFByteLevelBPETokenizer):
             if scheme not in ("first", "always", "never"):
                 raise ConfigError(f"tokenizer file '{path}': Metaspace prepend_scheme {scheme!r} is not supported")
             self._prepend_scheme, self._split = scheme, bool(pre.get("split", True))
-        normalizers = _flat_normalizers(spec.get("normalizer"))
         self._strips_leading_space = self._prepend_scheme != "never" or any(
             n.get("type") == "Prepend" for n in normalizers)
 
@@ -125,6 +127,15 @@ def _flat_normalizers(spec: dict[str, Any] | None) -> list[dict[str, Any]]:
     if spec.get("type") == "Sequence":
         return [n for sub in spec.get("normalizers") or [] for n in _flat_normalizers(sub)]
     return [spec]
+
+
+def _splits_only_replaced_spaces(pre: dict[str, Any], normalizers: list[dict[str, Any]]) -> bool:
+    """A Split pre-tokenizer on the string " " (Gemma's tokenizer.json: merged_with_previous) behind a normalizer
+    that replaces every " " by another string: no space is left to split on."""
+    replaced = any(n.get("type") == "Replace" and n.get("pattern") == {"String": " "} and n.get("content") != " "
+                   for n in normalizers)
+    return replaced and pre.get("type") == "Split" and pre.get("pattern") == {"String": " "} and \
+        not pre.get("invert", False)
 
 
 def _split_before(text: str, marker: str) -> list[str]:

@@ -98,6 +98,18 @@ def validate_keep(args: LlamaArgs, keep: StructureKeep) -> None:
     _check_uniform([len(h) for h in keep.kv_heads], "KV heads")
     _check_uniform([len(f) for f in keep.ffn], "FFN channels")
     _check_scale(keep.hidden_scale, len(keep.hidden), "hidden_scale")
+    _check_sandwich(args, keep)
+
+
+def _check_sandwich(args: LlamaArgs, keep: StructureKeep) -> None:
+    """Gemma 3's blocks: a hidden size pruned would change the embedding's sqrt(dim) scale, and a gate folded into
+    wo or w2 rows would be normed away by the post norm after it; heads, channels and whole blocks slice exactly."""
+    if not (args.sandwich_norms or args.embed_scale):
+        return
+    if len(keep.hidden) != args.dim or keep.hidden_scale is not None or keep.layer_scale is not None:
+        raise ValueError(f"keep-set: the {args.family} model's hidden size ({args.dim}) and block outputs cannot be "
+                         "pruned or scaled (its sandwich norms and sqrt(dim) embedding scale); prune heads, MLP "
+                         "channels or whole blocks")
 
 
 # ------------------------------------------------------------------------------------------ slicing
@@ -108,8 +120,10 @@ def materialized_args(args: LlamaArgs, keep: StructureKeep) -> LlamaArgs:
     no longer dim // n_heads)."""
     dim, n_heads = len(keep.hidden), len(keep.q_heads[0])
     head_dim = args.head_dim
+    layer_types = None if args.layer_types is None else [args.layer_type(i) for i in keep.layers]
     return replace(args, dim=dim, n_layers=len(keep.layers), n_heads=n_heads, n_kv_heads=len(keep.kv_heads[0]),
                    ffn_dim=len(keep.ffn[0]), layer_n_heads=None, layer_n_kv_heads=None, layer_ffn_dims=None,
+                   layer_types=layer_types,
                    explicit_head_dim=None if head_dim * n_heads == dim else head_dim,
                    tie_word_embeddings=args.tie_word_embeddings and keep.hidden_scale is None)
 
@@ -154,9 +168,11 @@ def _slice_block(sd: dict[str, Tensor], src: int, i: int, args: LlamaArgs, keep:
 
 
 def _family_tensors(sd: dict[str, Tensor], p: str, q: str, q_rows: Tensor, kv_rows: Tensor) -> dict[str, Tensor]:
-    """A kept layer's q/k/v biases (Qwen2: the kept heads' rows) and q/k norm weights (Qwen3: one per head_dim
-    channel, shared by every head, kept whole)."""
-    out = {}
+    """A kept layer's q/k/v biases (Qwen2: the kept heads' rows), q/k norm weights (Qwen3: one per head_dim
+    channel, shared by every head, kept whole) and sandwich norm weights (Gemma 3: the hidden size is never pruned,
+    so kept whole)."""
+    out = {f"{q}{name}.weight": sd[f"{p}{name}.weight"].clone() for name in ("post_attention_norm", "post_ffn_norm")
+           if f"{p}{name}.weight" in sd}
     for name, rows in (("wq", q_rows), ("wk", kv_rows), ("wv", kv_rows)):
         if f"{p}attention.{name}.bias" in sd:
             out[f"{q}attention.{name}.bias"] = sd[f"{p}attention.{name}.bias"][rows]
@@ -217,6 +233,6 @@ def param_count(args: LlamaArgs) -> int:
 
 
 def family_layer_params(args: LlamaArgs, q_heads: float, kv_heads: float) -> float:
-    """A layer's q/k/v bias entries (Qwen2) and q/k norm weights (Qwen3)."""
+    """A layer's q/k/v bias entries (Qwen2), q/k norm weights (Qwen3) and sandwich norm weights (Gemma 3)."""
     biases = (q_heads + 2 * kv_heads) * args.head_dim if args.qkv_bias else 0
-    return biases + (2 * args.head_dim if args.qk_norm else 0)
+    return biases + (2 * args.head_dim if args.qk_norm else 0) + (2 * args.dim if args.sandwich_norms else 0)
