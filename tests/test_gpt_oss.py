@@ -186,7 +186,6 @@ def test_greedy_generation_equals_transformers_past_the_window(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"quantization_config": {"quant_method": "mxfp4"}}, "'quantization_config' is 'mxfp4': gpt-oss's MXFP4"),
     ({"attention_bias": False}, "'attention_bias' is False"),
     ({"num_experts_per_tok": 9}, "'num_experts_per_tok' is 9; expected 1 to num_local_experts = 4"),
     ({"swiglu_limit": "x"}, "'swiglu_limit' is 'x'; expected a positive number"),
@@ -198,19 +197,6 @@ def test_bad_config_is_one_line(saved, overrides, message):
     with pytest.raises(ConfigError, match="^config.json: ") as err:
         args_from_hf_config(cfg)
     assert message in str(err.value) and "\n" not in str(err.value)
-
-
-def test_mxfp4_tensors_are_refused_in_one_line(saved, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    folder = tmp_path / "mxfp4"
-    folder.mkdir()
-    (folder / "config.json").write_text((saved / "config.json").read_text())
-    tensors = load_file(saved / "model.safetensors")
-    tensors["model.layers.0.mlp.experts.gate_up_proj_blocks"] = tensors.pop("model.layers.0.mlp.experts.gate_up_proj")
-    save_file(tensors, folder / "model.safetensors")
-    with pytest.raises(ConfigError, match="gate_up_proj_blocks' is in gpt-oss's MXFP4 format, not supported yet"):
-        load_titan(folder)
 
 
 def test_what_phase_one_does_not_run_is_refused_in_one_line(saved):
