@@ -201,11 +201,13 @@ def test_bad_config_is_one_line(saved, overrides, message):
 
 def test_what_phase_one_does_not_run_is_refused_in_one_line(saved):
     args = load_titan(saved).args
-    for setting in ("tp", "cp", "pp", "ep"):
+    for setting in ("tp", "cp", "pp"):
         dims = SimpleNamespace(**{f"{name}_enabled": name == setting for name in ("tp", "cp", "pp", "ep")})
         refused = r"^parallelism\.\w+_parallel_degree > 1 is not supported yet for gpt-oss"
         with pytest.raises(ConfigError, match=refused):
             refuse_hybrid_layouts(load_titan(saved), dims)
+    refuse_hybrid_layouts(load_titan(saved), SimpleNamespace(tp_enabled=False, cp_enabled=False, pp_enabled=False,
+                                                             ep_enabled=True))  # EP runs (tests/integration)
     with pytest.raises(ConfigError, match=r"^'model.converters' = \['lora'\] is not supported yet for gpt-oss"):
         Transforms([SimpleNamespace(name="lora")]).check(args, None)
     with pytest.raises(ConfigError, match="^DRY_RUN's memory plan is not supported yet for gpt-oss"):

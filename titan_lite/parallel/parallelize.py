@@ -45,8 +45,8 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, cfg: JobCon
 
 def refuse_hybrid_layouts(model: nn.Module, parallel_dims: ParallelDims) -> None:
     """A ConfigError in one line for the layouts a model with Gated DeltaNet layers (Qwen3.5) cannot run yet (its
-    recurrent state runs in time order over whole heads), nor one with gpt-oss's sinks and biased experts, nor Gemma 3
-    (a rope per layer type): phase 1 checked no parallel plan on them."""
+    recurrent state runs in time order over whole heads), nor gpt-oss's sinks and biases under TP, CP or PP (EP shards
+    its biased experts like any others), nor Gemma 3 (a rope per layer type): no parallel plan was checked there."""
     args = getattr(model, "args", None)
     if args is None or not (args.is_hybrid or args.attn_sinks or args.expert_bias or args.rope_local_theta is not None):
         return
@@ -56,13 +56,12 @@ def refuse_hybrid_layouts(model: nn.Module, parallel_dims: ParallelDims) -> None
         why = "Qwen3.5 (its linear_attention layers)"
     elif args.rope_local_theta is not None:
         why = "Gemma 3 (its rope per layer type, sandwich norms and scaled embedding are unchecked there)"
-    else:  # gpt-oss: sinks, o/expert biases and fused experts have no checked parallel plan yet
-        layouts["expert_parallel_degree"] = getattr(parallel_dims, "ep_enabled", False)
-        why = "gpt-oss (its sinks, biases and experts have no checked parallel plan: phase 2)"
+    else:  # gpt-oss: the head-sharded sinks and the o / expert biases have no checked TP, CP or PP plan yet
+        why = "gpt-oss (its sinks and attention / expert biases have no checked plan there)"
     for setting, enabled in layouts.items():
         if enabled:
             raise ConfigError(f"parallelism.{setting} > 1 is not supported yet for {why}; use data parallel "
-                              "(FSDP/HSDP) only")
+                              f"(FSDP/HSDP){' or expert parallel' if args.attn_sinks else ''} only")
 
 
 class frozen_parameters_kept:
