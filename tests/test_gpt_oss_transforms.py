@@ -153,3 +153,26 @@ def test_wanda_and_sparsegpt_prune_the_attention_and_keep_sinks_and_biases(metho
     untouched = [n for n in before if not any(n == f"{m}.weight" for m in linears)]
     assert any(n.endswith("attention.sinks") for n in untouched) and any(n.endswith("wo.bias") for n in untouched)
     assert all(torch.equal(pruned[n], before[n]) for n in untouched if "mask" not in n)
+
+
+# ------------------------------------------------------------------------------------------ QLoRA (NF4)
+
+@pytest.mark.usefixtures("process_group")
+def test_qlora_nf4_base_holds_the_attention_in_4_bits_and_computes_its_dequantized_model():
+    """QLoRA on tiny_gpt_oss: the frozen attention projections (biased) stored as NF4, the sinks, biases and
+    experts as they were; with B = 0 its logits are the dense model's holding the dequantized weights."""
+    from titan_lite.models.decoder import Llama
+    from titan_lite.transforms.lora.qlora import dense_state_dict
+    from titan_lite.transforms.nf4.quantize import is_nf4
+
+    built, plan = build(["--model.converters", "lora", "--lora.base_dtype", "nf4", "--lora.target_modules",
+                         "wq,wv,wo"], flavor="tiny_gpt_oss")
+    model = built.parts[0].eval()
+    quantized = sorted(n for n, p in model.named_parameters() if is_nf4(p))
+    assert quantized == sorted(f"layers.{i}.attention.{w}.weight" for i in range(4) for w in ("wq", "wk", "wv", "wo"))
+    dense = Llama(plan.model_args).eval()
+    state = {n: t for n, t in dense_state_dict(model.state_dict()).items() if not n.endswith(("lora_a", "lora_b"))}
+    dense.load_state_dict(state)
+    ids = torch.randint(0, 2048, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), dense(ids), rtol=0, atol=1e-5)
