@@ -211,8 +211,7 @@ def test_what_phase_one_does_not_run_is_refused_in_one_line(saved):
     with pytest.raises(ConfigError, match=r"^'model.converters' has \['float8'\], which is not supported yet for "
                                           r"gpt-oss: only \['lora', 'prune'\] have been checked"):
         Transforms([SimpleNamespace(name="lora"), SimpleNamespace(name="float8")]).check(args, None)
-    with pytest.raises(ConfigError, match="^DRY_RUN's memory plan is not supported yet for gpt-oss"):
-        layer_activation_bytes(args, 0, ActivationShape(tokens=64, compute_bytes=4), "none")
+    assert layer_activation_bytes(args, 0, ActivationShape(tokens=64, compute_bytes=4), "none") > 0  # planned
     with pytest.raises(ConfigError, match="^model args: attn_type 'flex' does not take attention sinks"):
         Llama(replace(args, attn_type="flex"))
     llama = replace(flavor_args("debugmodel"), attn_sinks=True)
