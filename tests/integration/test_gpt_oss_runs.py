@@ -46,6 +46,9 @@ def test_gpt_oss_layout_equals_one_process(name, ngpu, local_batch, overrides, l
     assert run.returncode == 0 and layout in run.output, run.output[-3000:]
     got = scalars(tmp_path)
     assert sorted(got) == sorted(one_process)
+    worst = max(abs(got[series][step] - value) for series, values in one_process.items()
+                for step, value in values.items())
+    print(f"{name}: largest difference from one process {worst:.3g} over {len(one_process)} series")
     for series, values in one_process.items():
         for step, value in values.items():
             assert abs(got[series][step] - value) <= ATOL, f"{series} step {step}: {got[series][step]} vs {value}"
