@@ -36,10 +36,11 @@ class Shape:
 
 
 # debugmodel: the layouts SmolLM2-135M cannot take (TP 2 of its 9 heads; PP of its tied embeddings)
-# tiny_moe and debugmodel_moe: Qwen3-MoE's structure (q/k norms, routed experts), the CPU twins of its configs
+# tiny_moe and debugmodel_moe: Qwen3-MoE's structure (q/k norms, routed experts), the CPU twins of its configs;
+# debugmodel_gpt_oss: gpt-oss's eager sink attention (its probabilities saved per head) and biased experts
 SHAPES = {"tiny": Shape("tiny", 64, 2), "smollm2_135M": Shape("smollm2_135M", 512, 2),
           "debugmodel": Shape("debugmodel", 512, 2), "tiny_moe": Shape("tiny_moe", 64, 2),
-          "debugmodel_moe": Shape("debugmodel_moe", 256, 2)}
+          "debugmodel_moe": Shape("debugmodel_moe", 256, 2), "debugmodel_gpt_oss": Shape("debugmodel_gpt_oss", 256, 2)}
 
 # name -> (AC mode, processes, overrides); fp32 throughout (what a CPU computes in)
 LAYOUTS = {

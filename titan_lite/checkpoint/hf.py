@@ -18,6 +18,7 @@ from titan_lite.errors import ConfigError
 from titan_lite.folders import ANOTHER, output_folder
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.decoder import Llama
+from titan_lite.models.hf import mxfp4
 from titan_lite.models.hf.config import args_to_hf_config, check_args_against_hf_config, read_hf_config
 from titan_lite.models.hf.names import (
     LLAMA_NAMES,
@@ -133,12 +134,17 @@ def _held_as(hf: str, files: dict[str, Path], family: str) -> str | None:
     return next((name for name in [hf, *multimodal_names([hf], family)] if name in files), None)
 
 
+def _holds(hf: str, files: dict[str, Path], family: str) -> bool:
+    """Whether the folder holds HF tensor `hf`: plainly, under its multimodal name, or as an MXFP4 pair."""
+    return _held_as(hf, files, family) is not None or all(q in files for q in mxfp4.quantized_names(hf))
+
+
 def _fused_source(name: str, args: LlamaArgs, files: dict[str, Path], names: HFNames) -> tuple | None:
     """names.fused_of(name) for the family, unless the folder lacks the fused tensor and the family reads its
     experts one tensor each too (Qwen3.5-MoE as transformers saves it): then None, to be read per expert."""
     family_names = names.for_family(args.family)
     held = family_names.fused_of(name)
-    if held is not None and family_names.is_grouped(name) and _held_as(held[0], files, args.family) is None:
+    if held is not None and family_names.is_grouped(name) and not _holds(held[0], files, args.family):
         return None
     return held
 
@@ -160,21 +166,46 @@ def _expert_sources(name: str, args: LlamaArgs, files: dict[str, Path], reader: 
     return out
 
 
+def _held_shape(source: str, files: dict[str, Path], reader: SafetensorsReader) -> list[int] | None:
+    """The shape of HF tensor `source`, stored plainly or as gpt-oss's MXFP4 pair (the dequantized shape); None when
+    the folder holds neither."""
+    if source in files:
+        return list(reader.shape(files[source], source))
+    blocks, scales = mxfp4.quantized_names(source)
+    if blocks not in files or scales not in files:
+        return None
+    blocks_shape = reader.shape(files[blocks], blocks)
+    if len(blocks_shape) != 4 or list(reader.shape(files[scales], scales)) != blocks_shape[:-1]:
+        raise ConfigError(f"{files[scales]}: MXFP4 tensors '{blocks}' {blocks_shape} and '{scales}' "
+                          f"{reader.shape(files[scales], scales)} do not pair; expected blocks [E, out, in/32, 16] and "
+                          "scales [E, out, in/32]")
+    return mxfp4.dequantized_shape(blocks_shape)
+
+
+def _held_tensor(source: str, files: dict[str, Path], reader: SafetensorsReader) -> Tensor:
+    """HF tensor `source`, dequantized when the folder stores it as an MXFP4 pair."""
+    if source in files:
+        return reader.tensor(files[source], source)
+    blocks, scales = mxfp4.quantized_names(source)
+    return mxfp4.dequantize(reader.tensor(files[blocks], blocks), reader.tensor(files[scales], scales))
+
+
 def _locate_fused(name: str, held: tuple, files: dict[str, Path], reader: SafetensorsReader, folder: str | Path,
-                  expected_shape: torch.Size | list[int], family: str) -> tuple[str, Path]:
-    """(HF name, file) of the fused HF tensor holding a parameter (gpt-oss's gate_up_proj), checked for presence and
-    for the shape the parameter's part implies; reads no tensor data."""
+                  expected_shape: torch.Size | list[int], family: str) -> str:
+    """The fused HF tensor holding a parameter (gpt-oss's gate_up_proj, plain or MXFP4; under its multimodal name
+    where the folder holds that), checked for presence and for the shape the parameter's part implies; reads no
+    tensor data."""
     source, index, fused = held
     source = _held_as(source, files, family) or source
-    if source not in files:
+    shape = _held_shape(source, files, reader)
+    if shape is None:
         raise ConfigError(f"{folder}: tensor '{source}' (titan_lite '{name}') is missing from the checkpoint")
     parts = [torch.empty(expected_shape, device="meta") for _ in fused.parts]
     expected = list(fused.join(parts).shape)
-    shape = list(reader.shape(files[source], source))
     if shape != expected:
-        raise ConfigError(f"{files[source]}: tensor '{source}' has shape {shape}, expected {expected} "
+        raise ConfigError(f"{files.get(source, folder)}: tensor '{source}' has shape {shape}, expected {expected} "
                           f"(holding titan_lite '{name}')")
-    return source, files[source]
+    return source
 
 
 def read_titan_tensor(name: str, args: LlamaArgs, files: dict[str, Path], reader: SafetensorsReader,
@@ -184,8 +215,8 @@ def read_titan_tensor(name: str, args: LlamaArgs, files: dict[str, Path], reader
     expert weight stacked from its experts' tensors, a fused one split out of its HF tensor)."""
     held = _fused_source(name, args, files, names)
     if held is not None:
-        source, path = _locate_fused(name, held, files, reader, folder, expected_shape, args.family)
-        return held[2].split(reader.tensor(path, source))[held[1]]
+        source = _locate_fused(name, held, files, reader, folder, expected_shape, args.family)
+        return held[2].split(_held_tensor(source, files, reader))[held[1]]
     if names.is_grouped(name):
         sources = _expert_sources(name, args, files, reader, folder, expected_shape, names)
         return torch.stack([reader.tensor(path, source) for source, path in sources])
@@ -199,19 +230,22 @@ def check_no_unexpected_tensors(files: dict[str, Path], args: LlamaArgs, folder:
     known = {hf for name in expected_shapes(args) for hf in names.readable_names(name, args.n_experts)}
     known.add(hf_name("output.weight"))
     known.update(multimodal_names(sorted(known), args.family))
+    quantized = {q: hf for hf in known if names.fused_parts_of_hf(hf) for q in mxfp4.quantized_names(hf)}
     skipped: dict[str, int] = {}
     for name in sorted(files):
-        if name.endswith(("_blocks", "_scales")) and args.family == "gpt_oss":
-            raise ConfigError(f"{files[name]}: tensor '{name}' is in gpt-oss's MXFP4 format, not supported yet "
-                              "(phase 2); give a bf16 checkpoint")
         what = skipped_tensor(name, args.family, args.n_layers, args.n_mtp_layers)
         if what is not None:
             skipped[what] = skipped.get(what, 0) + 1
-        elif name not in known and not name.endswith("rotary_emb.inv_freq"):
+        elif name not in known and name not in quantized and not name.endswith("rotary_emb.inv_freq"):
             raise ConfigError(f"{files[name]}: tensor '{name}' has no counterpart in the model "
                               f"({args.n_layers} layers); is the model config the checkpoint's?")
     for what, count in skipped.items():
         logger.info(f"{folder}: skipping {count} tensors of the {what}, which titan_lite does not build")
+    held = sorted({quantized[name] for name in files if name in quantized})
+    if held:
+        logger.info(f"{folder}: {len(held)} expert tensors are MXFP4 (*_blocks / *_scales): dequantized on load; "
+                    "an export writes them unquantized, in checkpoint.export_dtype (e.g. bfloat16), without "
+                    "a quantization_config")
 
 
 @torch.no_grad()

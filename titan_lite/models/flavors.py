@@ -34,6 +34,11 @@ def _qwen3_5_schedule(n_layers: int) -> list[str]:
 _GPT_OSS = dict(family="gpt_oss", qkv_bias=True, attn_sinks=True, attn_out_bias=True, moe_router="topk_softmax",
                 moe_router_bias=True, expert_act="clamped_swiglu", expert_bias=True, rope_theta=150000.0,
                 rope_scaling_type="yarn", rope_truncate=False)
+# The shapes both gpt-oss releases share: head_dim 64 (not dim / heads), experts of width 2880, top 4, a 128-token
+# window in the even layers, YaRN x32 over 4096 positions (max_position_embeddings 131072)
+_GPT_OSS_RELEASE = dict(dim=2880, n_heads=64, n_kv_heads=8, explicit_head_dim=64, vocab_size=201088, ffn_dim=2880,
+                        moe_top_k=4, moe_ffn_dim=2880, router_aux_loss_coef=0.001, sliding_window=128,
+                        rope_scaling_factor=32.0, rope_original_max_seq_len=4096, max_seq_len=131072, **_GPT_OSS)
 # Gemma 3 (text): five sliding layers to one full, a rope base per layer type, GeGLU, sandwich (1 + w) norms
 _GEMMA3 = dict(family="gemma3_text", qk_norm=True, norm_unit_offset=True, sandwich_norms=True, embed_scale=True,
                ffn_activation="gelu_tanh", tie_word_embeddings=True, norm_eps=1e-6, rope_theta=1000000.0,
@@ -188,6 +193,16 @@ FLAVORS: dict[str, LlamaArgs] = {
                                     n_experts=8, moe_top_k=2, moe_ffn_dim=256, router_aux_loss_coef=0.001,
                                     sliding_window=64, layer_types=["sliding_attention", "full_attention"] * 2,
                                     rope_scaling_factor=4.0, rope_original_max_seq_len=512, **_GPT_OSS),
+    # For tests, shaped like "tiny": gpt-oss's parts with 4 experts of width 32, top 2, a 16-token window
+    "tiny_gpt_oss": LlamaArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=2048, ffn_dim=32, n_experts=4,
+                              moe_top_k=2, moe_ffn_dim=32, router_aux_loss_coef=0.001, sliding_window=16,
+                              layer_types=["sliding_attention", "full_attention"] * 2, rope_scaling_factor=4.0,
+                              rope_original_max_seq_len=512, **_GPT_OSS),
+    # openai/gpt-oss-20b and gpt-oss-120b (config.json): 20.9B / 3.6B active and 116.8B / 5.1B active parameters
+    "gpt_oss_20b": LlamaArgs(n_layers=24, n_experts=32, layer_types=["sliding_attention", "full_attention"] * 12,
+                             **_GPT_OSS_RELEASE),
+    "gpt_oss_120b": LlamaArgs(n_layers=36, n_experts=128, layer_types=["sliding_attention", "full_attention"] * 18,
+                              **_GPT_OSS_RELEASE),
     # Gemma 3 (text) for the CPU (not a published size): a 64-token window under 256-token sequences
     "gemma3_1B": _gemma3(26, dim=1152, n_heads=4, n_kv_heads=1, ffn_dim=6912, explicit_head_dim=256,
                          vocab_size=262144, sliding_window=512, query_pre_attn_scalar=256.0, max_seq_len=32768),

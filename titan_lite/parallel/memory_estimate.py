@@ -42,9 +42,23 @@ def _rms_norm_bytes(args: LlamaArgs, tokens: int, s: ActivationShape) -> int:
     return saved
 
 
+def _sink_attention_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape) -> int:
+    """gpt-oss's eager sink attention (models/parts/sdpa.py) saves q, k and v expanded to every query head, its
+    output, the softmax's probabilities over [scores | sink] (seq x (seq + 1) per head, in the compute dtype: the
+    window masks them, it does not shorten them), the row max's int64 indices and the boolean mask, heads split
+    over TP."""
+    heads = args.heads_of(layer_id)[0] // s.tp
+    seq = s.seq_len or s.tokens
+    rows = s.tokens // seq
+    saved = 4 * s.tokens * heads * args.head_dim * s.compute_bytes
+    return saved + rows * heads * seq * (seq + 1) * s.compute_bytes + s.tokens * heads * 8 + seq * seq
+
+
 def _attention_core_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape) -> int:
     """SDPA saves q, k and v (n_kv_heads: SDPA expands GQA itself), its output and the fp32 log-sum-exp, heads
-    split over TP; under CP k and v are the all-gathered whole sequence."""
+    split over TP; under CP k and v are the all-gathered whole sequence. gpt-oss's sink attention: its own count."""
+    if args.attn_sinks:
+        return _sink_attention_bytes(args, layer_id, s)
     q_heads, kv_heads = args.heads_of(layer_id)
     q_width, kv_width = q_heads * args.head_dim // s.tp, kv_heads * args.head_dim // s.tp
     kv_tokens = s.tokens * s.cp
@@ -112,9 +126,6 @@ def layer_activation_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape, p
     if args.layer_type(layer_id) == "latent_attention":
         raise ConfigError("DRY_RUN's memory plan is not supported yet for DeepSeek-V3: it does not yet count the "
                           "activations of the latent attention layers")
-    if args.attn_sinks:
-        raise ConfigError("DRY_RUN's memory plan is not supported yet for gpt-oss: its sink attention's eager "
-                          "score matrices are not counted yet (phase 2)")
     c, dim, tokens = s.compute_bytes, args.dim, s.tokens
     seq_shard = tokens // s.tp
     ffn = args.ffn_dim_of(layer_id) // s.tp

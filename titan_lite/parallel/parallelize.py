@@ -45,8 +45,8 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, cfg: JobCon
 
 def refuse_hybrid_layouts(model: nn.Module, parallel_dims: ParallelDims) -> None:
     """A ConfigError in one line for the layouts a model with Gated DeltaNet layers (Qwen3.5) cannot run yet (context
-    parallel), nor one with gpt-oss's sinks and biased experts: phase 1 checked no parallel plan on them. (Gemma 3's
-    TP, CP and PP and DeepSeek-V3's every layout are checked against one process.)"""
+    parallel), nor gpt-oss's sinks and biases under TP, CP or PP (EP shards its biased experts like any others). (Gemma
+    3's TP, CP and PP and DeepSeek-V3's every layout are checked against one process.)"""
     args = getattr(model, "args", None)
     if args is None or not (args.is_hybrid or args.attn_sinks or args.expert_bias):
         return
@@ -55,13 +55,12 @@ def refuse_hybrid_layouts(model: nn.Module, parallel_dims: ParallelDims) -> None
     if args.is_hybrid:
         refuse_recurrent_cp(parallel_dims)
         return
-    else:  # gpt-oss: sinks, o/expert biases and fused experts have no checked parallel plan yet
-        layouts["expert_parallel_degree"] = getattr(parallel_dims, "ep_enabled", False)
-        why = "gpt-oss (its sinks, biases and experts have no checked parallel plan: phase 2)"
+    # gpt-oss: the head-sharded sinks and the o / expert biases have no checked TP, CP or PP plan yet
+    why = "gpt-oss (its sinks and attention / expert biases have no checked plan there)"
     for setting, enabled in layouts.items():
         if enabled:
             raise ConfigError(f"parallelism.{setting} > 1 is not supported yet for {why}; use data parallel "
-                              "(FSDP/HSDP) only")
+                              f"(FSDP/HSDP){' or expert parallel' if args.attn_sinks else ''} only")
 
 
 def refuse_recurrent_cp(parallel_dims: ParallelDims) -> None:

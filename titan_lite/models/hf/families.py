@@ -11,6 +11,7 @@ from torch import Tensor
 
 from titan_lite.errors import ConfigError
 from titan_lite.models.args import LlamaArgs
+from titan_lite.models.hf.mxfp4 import quantization_method
 from titan_lite.models.parts.group_router import check_groups
 
 logger = logging.getLogger("titan_lite")
@@ -252,13 +253,12 @@ def _qwen3_5_moe_check(args: LlamaArgs, source: str) -> None:
 
 def _gpt_oss_options(cfg: dict, source: str) -> dict:
     """gpt-oss: every layer routed (experts of intermediate_size, the clamped SwiGLU's alpha and limit), sliding and
-    full attention by layer_types (alternating from a sliding layer 0 unless said), all four attention biases. The
-    released MXFP4 checkpoints are phase 2."""
-    quantization = cfg.get("quantization_config") or {}
-    if quantization:
-        raise ConfigError(f"{source}: 'quantization_config' is {quantization.get('quant_method', quantization)!r}: "
-                          "gpt-oss's MXFP4 weights (*_blocks/*_scales) are not supported yet (phase 2); give a bf16 "
-                          "checkpoint (transformers' dequantized save)")
+    full attention by layer_types (alternating from a sliding layer 0 unless said), all four attention biases. A
+    `quantization_config` must be the release's MXFP4 (its experts' *_blocks / *_scales are dequantized on load)."""
+    method = quantization_method(cfg)
+    if method is not None and method != "mxfp4":
+        raise ConfigError(f"{source}: 'quantization_config' is {method!r}; titan_lite's GptOssForCausalLM reads "
+                          "only 'mxfp4' (the release's experts) or unquantized weights")
     expect_value(cfg, "attention_bias", (True,), source)
     n_experts = int(require_key(cfg, "num_local_experts", source))
     top_k = int(require_key(cfg, "num_experts_per_tok", source))
@@ -584,7 +584,8 @@ FAMILIES: dict[str, Family] = {
                           skipped={"model.visual.": "vision encoder", "mtp.": "multi-token prediction head"},
                           fused=_QWEN3_5_MOE_FUSED, unfused_too=True,
                           options=("moe_shared_ffn_dim",), config_defaults=_QWEN3_5_MOE_DEFAULTS),
-    # gpt-oss in bf16 (MXFP4 refused): sinks, biased router, clamped SwiGLU experts with biases, sliding/full layers
+    # gpt-oss (bf16, or the release's MXFP4 experts dequantized on load): sinks, biased router, clamped SwiGLU
+    # experts with biases, sliding/full layers
     "gpt_oss": Family("GptOssForCausalLM", _gpt_oss_options, _gpt_oss_keys, qkv_bias=True, moe=True, window=True,
                       renames=_GPT_OSS_NAMES, check=_gpt_oss_check, hybrid=True, fused=_GPT_OSS_FUSED,
                       layer_names=_GPT_OSS_LAYER_NAMES,

@@ -58,12 +58,14 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         gate, up = self.project("w1", x, counts), self.project("w3", x, counts)
+        return self.project("w2", self.activate(gate, up), counts)
+
+    def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The hidden rows of the gate and up projections: SwiGLU, or gpt-oss's clamped form."""
         if self.activation == "clamped_swiglu":
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-            h = gate * torch.sigmoid(gate * self.alpha) * (up + 1)
-        else:
-            h = F.silu(gate) * up
-        return self.project("w2", h, counts)
+            return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
+        return F.silu(gate) * up
 
     def project(self, name: str, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Projection `name` (w1, w2 or w3) of each group of rows by its expert's weight (and bias, when held)."""

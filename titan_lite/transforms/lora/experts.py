@@ -4,11 +4,12 @@ PEFT's form for transformers' fused experts (target_parameters mlp.experts.gate_
 share one A per expert, their B rows stacked (gate first), as on the fused [E, 2 x hidden, dim] weight."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from titan_lite.dtensor import local_tensor
 from titan_lite.errors import ConfigError
+from titan_lite.models.args import LlamaArgs
+from titan_lite.models.hf.families import FAMILIES, Fused
 from titan_lite.models.parts.experts import GroupedExperts, grouped_mm
 from titan_lite.transforms.lora.module import kaiming_uniform_a
 from titan_lite.transforms.lora.options import pattern_matches
@@ -57,8 +58,8 @@ class LoRAGroupedExperts(GroupedExperts):
     outputs; the same interface for expert parallelism (forward(x, counts)); EP shards the adapters' E dimension
     with the experts'."""
 
-    def __init__(self, dim: int, hidden: int, n_experts: int, adapters: dict[str, GroupedLoRA]):
-        super().__init__(dim, hidden, n_experts)
+    def __init__(self, dim: int, hidden: int, n_experts: int, adapters: dict[str, GroupedLoRA], **base):
+        super().__init__(dim, hidden, n_experts, **base)  # base: the activation and biases of the adapted experts
         for name, adapter in adapters.items():
             self.add_module(name, adapter)
         self.adapted = tuple(adapters)
@@ -69,7 +70,7 @@ class LoRAGroupedExperts(GroupedExperts):
         if "gate_up" in self.adapted and not self.adapters_off:
             update = self.gate_up(x, counts)
             gate, up = gate + update[:, :gate.shape[1]], up + update[:, gate.shape[1]:]
-        h = F.silu(gate) * up
+        h = self.activate(gate, up)
         out = self.project("w2", h, counts)
         if "down" in self.adapted and not self.adapters_off:
             out = out + self.down(h, counts)
@@ -84,12 +85,17 @@ def adapted_experts(experts: GroupedExperts, adapters: dict[str, tuple[int, floa
     with torch.device(experts.w1.device):
         modules = {name: GroupedLoRA(n_experts, *widths[name], rank, scale)
                    for name, (rank, scale) in adapters.items()}
-        return LoRAGroupedExperts(dim, hidden, n_experts, modules)
+        return LoRAGroupedExperts(dim, hidden, n_experts, modules, activation=experts.activation,
+                                  bias=experts.b1 is not None, alpha=experts.alpha, limit=experts.limit)
 
 
 def check_expert_options(options, args, keep_sparsity: bool) -> None:
     """Refusals of [lora] settings LoRA on experts does not have, each one line (PEFT's target_parameters has none
     of them either)."""
+    if args.expert_bias and "experts" in options.train_modules:
+        raise ConfigError("'lora.train_modules' has 'experts': training gpt-oss's experts in full has no PEFT form "
+                          "here yet (modules_to_save would need its fused, biased experts); adapt them with "
+                          "'lora.target_modules' = 'experts'")
     if not options.expert_groups or not args.n_experts:
         return
     c = options.section
@@ -138,11 +144,20 @@ def merge_expert_adapters(state: dict[str, torch.Tensor], scales: dict[str, floa
     return out
 
 
-def peft_expert_tensors(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+def family_gate_up(args: LlamaArgs) -> Fused | None:
+    """The family's own fused gate_up_proj where it has one (gpt-oss), else None (transformers' gate rows first)."""
+    family = FAMILIES.get(args.family)
+    return family.fused.get("mlp.experts.gate_up_proj") if family else None
+
+
+def peft_expert_tensors(state: dict[str, torch.Tensor], prefix: str,
+                        gate_up: Fused | None = None) -> dict[str, torch.Tensor]:
     """PEFT's tensors of the expert adapters (and of fully trained experts) in a state dict, as peft 0.21 writes
     them for target_parameters ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] on transformers' fused experts:
     one ParamWrapper per parameter, nested in that order (so gate_up's lives under `base_layer` when down_proj is
-    adapted too); lora_A [E x r, in] (row e r + j), lora_B [out, r x E] (column j E + e)."""
+    adapted too); lora_A [E x r, in] (row e r + j), lora_B [out, r x E] (column j E + e). `gate_up`: the family's
+    own fused gate_up_proj (gpt-oss's [E, dim, 2 hidden], gate and up columns interleaved), whose output order B's
+    rows then follow."""
     out = {}
     for module in expert_adapter_modules(state):
         experts, group = module.rsplit(".", 1)
@@ -150,6 +165,8 @@ def peft_expert_tensors(state: dict[str, torch.Tensor], prefix: str) -> dict[str
         nested = group == "gate_up" and f"{experts}.down.lora_a" in state
         path = f"{prefix}model.layers.{layer}.mlp.experts." + ("base_layer." if nested else "")
         a, b = state[f"{module}.lora_a"], state[f"{module}.lora_b"]
+        if group == "gate_up" and gate_up is not None:  # B's rows as the fused tensor's columns: join [E, r, out]
+            b = gate_up.join(list(b.chunk(2, dim=1))).transpose(1, 2)
         out[f"{path}lora_A.weight"] = a.reshape(-1, a.shape[-1])
         out[f"{path}lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], -1)
     return out

@@ -42,6 +42,7 @@ from titan_lite.transforms.lora.experts import (
     adapted_experts,
     check_expert_options,
     expert_adapter_modules,
+    family_gate_up,
     fused_expert_weights,
     merge_expert_adapters,
     peft_expert_tensors,
@@ -366,7 +367,7 @@ class LoraTransform(Transform):
         if not self.options.pissa:
             config = peft_config(self.options, modules, base)
             linear = {n: t for n, t in state.items() if module_of(n)[0] not in experts and ".moe.experts.w" not in n}
-            tensors = {**to_peft_tensors(linear, args), **peft_expert_tensors(state, PREFIX),
+            tensors = {**to_peft_tensors(linear, args), **peft_expert_tensors(state, PREFIX, family_gate_up(args)),
                        **fused_expert_weights(state, PREFIX)}
             if experts:
                 config["target_parameters"] = peft_target_parameters(state)

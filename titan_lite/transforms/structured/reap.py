@@ -32,6 +32,9 @@ from titan_lite.transforms.structured.depth import calibration_forwards, two_gro
 
 logger = logging.getLogger("titan_lite")
 EXPERT_SCORES = ("reap", "frequency")
+# An MoE layer's tensors with a row per expert (the biases where the family has them: gpt-oss)
+_PER_EXPERT = ("moe.experts.w1", "moe.experts.w2", "moe.experts.w3", "moe.experts.b1", "moe.experts.b2",
+               "moe.experts.b3", "moe.router.gate.weight", "moe.router.gate.bias")
 
 
 def check_reap_model(args: LlamaArgs, ratio: float, source: str) -> int:
@@ -151,16 +154,18 @@ def experts_to_keep(scores: dict[int, list[float]], kept: int) -> dict[int, list
 def without_experts(state: dict[str, Tensor], args: LlamaArgs,
                     keep: dict[int, list[int]]) -> tuple[dict[str, Tensor], LlamaArgs]:
     """The state dict and args of the model that keeps only `keep`'s experts in every MoE layer: their grouped
-    weights and their router rows, renumbered in ascending original order."""
+    weights and their router rows (gpt-oss: with their biases and the router's), renumbered in ascending original
+    order."""
     counts = {len(k) for k in keep.values()}
     if len(counts) != 1:
         raise ValueError(f"every MoE layer must keep the same number of experts, got {sorted(counts)}")
     out = dict(state)
     for layer, kept in keep.items():
         index = torch.tensor(kept)
-        for name in ("moe.experts.w1", "moe.experts.w2", "moe.experts.w3", "moe.router.gate.weight"):
+        for name in _PER_EXPERT:
             key = f"layers.{layer}.{name}"
-            out[key] = state[key].index_select(0, index.to(state[key].device)).clone()
+            if key in state:
+                out[key] = state[key].index_select(0, index.to(state[key].device)).clone()
     new_args = LlamaArgs(**{**vars(args), "n_experts": counts.pop()})
     return out, new_args
 
