@@ -95,6 +95,7 @@ def is_main_rank() -> bool:
 @register_transform("lora")
 class LoraTransform(Transform):
     name = "lora"
+    runs_on_gated_deltanet = True  # all-linear adapts the DeltaNet projections too
 
     def __init__(self, cfg: JobConfig):
         super().__init__(cfg)

@@ -83,6 +83,7 @@ class PruneTransform(Transform):
     """One-shot magnitude / Wanda / SparseGPT pruning ([pruning]); masks re-applied after every optimizer step."""
 
     name = "prune"
+    runs_on_gated_deltanet = True  # every linear, the DeltaNet projections included
 
     def __init__(self, cfg: JobConfig):
         super().__init__(cfg)
