@@ -205,8 +205,9 @@ def test_what_phase_one_does_not_run_is_refused_in_one_line(saved):
     deltanet = load_titan(saved).layers["0"].attention
     with pytest.raises(ConfigError, match="^compile with packed documents .* is not supported yet for Qwen3.5"):
         deltanet.document_mask(torch.zeros(1, 8, dtype=torch.long), torch.float32, compiled=True)
-    with pytest.raises(ConfigError, match=r"^'model.converters' = \['lora'\] is not supported yet for Qwen3.5"):
-        Transforms([SimpleNamespace(name="lora")]).check(args, None)
+    with pytest.raises(ConfigError, match=r"^'model.converters' has \['float8'\], which is not supported yet for "
+                                          "Qwen3.5"):
+        Transforms([SimpleNamespace(name="float8", runs_on_gated_deltanet=False)]).check(args, None)
 
 
 def test_the_debug_flavor_initialises_and_exports_to_transformers(tmp_path):
