@@ -346,6 +346,10 @@ def prune_structured(opts: argparse.Namespace) -> None:
     check_taylor_layout(plan.parallel_dims)
     args = plan.model_args
     check_dense(args, "taylor_structured")
+    if args.is_hybrid:
+        raise ConfigError("--method taylor_structured is not supported for Qwen3.5: it cuts attention heads, and the "
+                          "Gated DeltaNet (linear_attention) layers' heads and channels are not cut; use --method "
+                          "depth (whole blocks) or wanda / sparsegpt")
     built = assemble_model(plan, device, load=plan_weights("hf", opts.hf_assets_path))
     batches = calibration_batches(opts, plan, device)
     baseline = [t for part in built.parts for t in (*part.parameters(), *part.buffers())]

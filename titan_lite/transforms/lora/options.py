@@ -15,6 +15,8 @@ PROJECTIONS = {
     "wq": ("attention", "q_proj"), "wk": ("attention", "k_proj"), "wv": ("attention", "v_proj"),
     "wo": ("attention", "o_proj"), "w1": ("feed_forward", "gate_proj"), "w3": ("feed_forward", "up_proj"),
     "w2": ("feed_forward", "down_proj"),
+    # Qwen3.5's Gated DeltaNet (the linear_attention layers' mixer, held as layers.{i}.attention): HF linear_attn.*
+    **{name: ("attention", name) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")},
 }
 HF_PROJECTIONS = {hf: titan for titan, (_, hf) in PROJECTIONS.items()}
 FEED_FORWARD = ("w1", "w2", "w3")
@@ -169,18 +171,16 @@ class LoraOptions:
         return module.rsplit(".", 1)[-1] in self.train_modules
 
     def targets_of(self, args: LlamaArgs, layer: int) -> tuple[str, ...]:
-        """The adapted projections a layer has: a routed layer has no dense feed-forward."""
-        moe = args.is_moe_layer(layer)
-        return tuple(t for t in self.targets if not (moe and t in FEED_FORWARD))
+        """The adapted projections a layer has: a routed layer has no dense feed-forward, a Gated DeltaNet layer
+        no attention projections and an attention layer no DeltaNet ones."""
+        present = projection_dims(args, layer)
+        return tuple(t for t in self.targets if t in present)
 
     def adapted_modules(self, args: LlamaArgs) -> dict[str, tuple[int, int]]:
         """Adapted linear module name -> (in_features, out_features), over every layer of the model."""
         out = {}
         for i in range(args.n_layers):
-            heads, kv_heads = args.heads_of(i)
-            q, kv, ffn = heads * args.head_dim, kv_heads * args.head_dim, args.ffn_dim_of(i)
-            dims = {"wq": (args.dim, q), "wk": (args.dim, kv), "wv": (args.dim, kv), "wo": (q, args.dim),
-                    "w1": (args.dim, ffn), "w3": (args.dim, ffn), "w2": (ffn, args.dim)}
+            dims = projection_dims(args, i)
             for short in self.targets_of(args, i):
                 out[f"layers.{i}.{PROJECTIONS[short][0]}.{short}"] = dims[short]
         return out
@@ -234,6 +234,26 @@ class LoraOptions:
             raise ConfigError(f"'lora.dropout' = {self.section.dropout} with activation checkpointing needs "
                               "'activation_checkpoint.preserve_rng_state' = true (the recomputed forward must draw "
                               "the same dropout masks)")
+
+
+def projection_dims(args: LlamaArgs, layer: int) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each block linear layer `layer` has: its mixer's (attention, or a Gated
+    DeltaNet) and, unless it is routed, its dense feed-forward's."""
+    if args.layer_type(layer) == "linear_attention":
+        keys = args.linear_n_key_heads * args.linear_key_head_dim
+        values = args.linear_n_value_heads * args.linear_value_head_dim
+        heads = args.linear_n_value_heads
+        dims = {"in_proj_qkv": (args.dim, 2 * keys + values), "in_proj_z": (args.dim, values),
+                "in_proj_b": (args.dim, heads), "in_proj_a": (args.dim, heads), "out_proj": (values, args.dim)}
+    else:
+        heads, kv_heads = args.heads_of(layer)
+        q, kv = heads * args.head_dim, kv_heads * args.head_dim
+        gated_q = 2 * q if args.attn_output_gate else q  # Qwen3.5's wq holds each head's gate rows too
+        dims = {"wq": (args.dim, gated_q), "wk": (args.dim, kv), "wv": (args.dim, kv), "wo": (q, args.dim)}
+    if not args.is_moe_layer(layer):
+        ffn = args.ffn_dim_of(layer)
+        dims.update({"w1": (args.dim, ffn), "w3": (args.dim, ffn), "w2": (ffn, args.dim)})
+    return dims
 
 
 def entry_targets(entry: str) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ from titan_lite.models.parameters import canonical_name
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.transforms.base import PlanContext, PlanItem
 from titan_lite.transforms.lora.module import LoRALinear, _like, dora_magnitude
+from titan_lite.transforms.lora.options import PROJECTIONS, projection_dims
 from titan_lite.transforms.nf4 import (
     dequantize,
     is_nf4,
@@ -63,18 +64,10 @@ def is_block_linear(name: str) -> bool:
 
 
 def block_linear_shapes(args: LlamaArgs) -> dict[str, tuple[int, int]]:
-    """Canonical weight name -> (out, in) of every block projection."""
-    out = {}
-    for i in range(args.n_layers):
-        heads, kv_heads = args.heads_of(i)
-        q, kv, ffn = heads * args.head_dim, kv_heads * args.head_dim, args.ffn_dim_of(i)
-        shapes = {"attention.wq": (q, args.dim), "attention.wk": (kv, args.dim), "attention.wv": (kv, args.dim),
-                  "attention.wo": (args.dim, q)}
-        if not args.is_moe_layer(i):  # an MoE layer's experts are grouped weights, not block linears
-            shapes.update({"feed_forward.w1": (ffn, args.dim), "feed_forward.w3": (ffn, args.dim),
-                           "feed_forward.w2": (args.dim, ffn)})
-        out.update({f"layers.{i}.{k}.weight": v for k, v in shapes.items()})
-    return out
+    """Canonical weight name -> (out, in) of every block projection (an MoE layer's experts are grouped weights,
+    not block linears)."""
+    return {f"layers.{i}.{PROJECTIONS[short][0]}.{short}.weight": (fan_out, fan_in)
+            for i in range(args.n_layers) for short, (fan_in, fan_out) in projection_dims(args, i).items()}
 
 
 def check_nf4(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims, frozen: list[str]) -> None:

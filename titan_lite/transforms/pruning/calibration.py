@@ -41,6 +41,9 @@ INPUT_GROUPS = {
     "attention.wo": "attention.wo",
     "feed_forward.w1": "feed_forward", "feed_forward.w3": "feed_forward",
     "feed_forward.w2": "feed_forward.w2",
+    # Qwen3.5's Gated DeltaNet: four projections of the block's normed input, out_proj of the gated norm's output
+    "attention.in_proj_qkv": "attention", "attention.in_proj_z": "attention", "attention.in_proj_b": "attention",
+    "attention.in_proj_a": "attention", "attention.out_proj": "attention.out_proj",
 }
 _BLOCK_LINEAR = re.compile(r"layers\.(\d+)\.(.+)")
 

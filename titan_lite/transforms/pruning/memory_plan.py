@@ -118,6 +118,8 @@ def block_forward_bytes(args: LlamaArgs, layer: int, tokens: int, tp: int, p: Pr
     # Rotating q: its fp32 pairs, the two rotated halves and their stack.
     at_rope = norm + tokens * (q + 2 * kv) * p.matmul + tokens * q * (_widen(p.matmul) + 2 * FP32)
     at_qkv = norm + tokens * (q + 2 * kv) * p.matmul + hooks.get("attention", 0)
+    if args.layer_type(layer) == "linear_attention":
+        at_wo = at_rope = at_qkv = norm + deltanet_forward_bytes(args, tokens, p, hooks)
     residual = seq_shard * dim * p.hidden  # h = x + attention(...)
     if args.is_moe_layer(layer):
         return max(at_wo, at_rope, at_qkv, residual + norm + moe_forward_bytes(args, tokens, p))
@@ -125,6 +127,21 @@ def block_forward_bytes(args: LlamaArgs, layer: int, tokens: int, tp: int, p: Pr
     at_w2 = residual + norm + tokens * ffn * p.matmul + tokens * dim * p.matmul + hooks.get("feed_forward.w2", 0)
     at_w1 = residual + norm + tokens * ffn * p.matmul + hooks.get("feed_forward", 0)
     return max(at_wo, at_rope, at_qkv, at_product, at_w2, at_w1)
+
+
+def deltanet_forward_bytes(args: LlamaArgs, tokens: int, p: Precision, hooks: dict[str, int]) -> int:
+    """Peak bytes inside a Gated DeltaNet mixer for `tokens` tokens (not tensor-parallel): its projections' outputs
+    (qkv before and after the conv, z, b, a), the chunked rule's float32 operands repeated to the value heads (q, k,
+    v, k and v times beta, the solves' U and W, q and k decayed) with three C x C matrices per chunk and head, the
+    gated norm's output and the out projection's, or at the projections the hook's temporaries."""
+    keys = args.linear_n_key_heads * args.linear_key_head_dim
+    values = args.linear_n_value_heads * args.linear_value_head_dim
+    conv, heads, chunk = 2 * keys + values, args.linear_n_value_heads, args.linear_chunk_size
+    projections = tokens * (2 * conv + values + 2 * heads) * p.matmul
+    per_head = 2 * args.linear_key_head_dim + args.linear_value_head_dim
+    rule = tokens * heads * (3 * per_head + 3 * chunk) * FP32 + tokens * values * FP32  # and its output
+    out = tokens * values * p.matmul + tokens * args.dim * p.matmul + hooks.get("attention.out_proj", 0)
+    return projections + max(hooks.get("attention", 0), rule, out)
 
 
 def moe_forward_bytes(args: LlamaArgs, tokens: int, p: Precision) -> int:
@@ -142,7 +159,8 @@ def hook_temporaries(method: str, targets: list[Target], tokens: int, args: Llam
                      p: Precision) -> dict[str, int]:
     """Per input group with a hook: the temporaries of one call (a rowwise TP input is first gathered)."""
     _, q, _, ffn = _per_rank(args, layer, tp)
-    widths = {"attention": args.dim, "attention.wo": q * tp, "feed_forward": args.dim, "feed_forward.w2": ffn * tp}
+    widths = {"attention": args.dim, "attention.wo": q * tp, "feed_forward": args.dim, "feed_forward.w2": ffn * tp,
+              "attention.out_proj": args.linear_n_value_heads * args.linear_value_head_dim}
     gathered = {"attention.wo": tp > 1, "feed_forward.w2": tp > 1}
     out = {}
     for group in {t.group for t in targets}:

@@ -26,7 +26,7 @@ from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.runner import ModelRunner
 from titan_lite.transforms.base import PassPlan
 from titan_lite.transforms.pruning.memory_plan import Precision, block_forward_bytes, format_bytes, weight_bytes
-from titan_lite.transforms.structured.materialize import StructureKeep
+from titan_lite.transforms.structured.materialize import StructureKeep, depth_keep_of
 
 logger = logging.getLogger("titan_lite")
 
@@ -97,12 +97,7 @@ def check_removal(removed: list[int], n_layers: int, flag: str) -> None:
 
 def depth_keep(args: LlamaArgs, removed: list[int]) -> StructureKeep:
     """Every block but the removed ones, each whole (all heads, channels and hidden dims)."""
-    layers = [i for i in range(args.n_layers) if i not in set(removed)]
-    return StructureKeep(layers=layers,
-                         q_heads=[list(range(args.heads_of(i)[0])) for i in layers],
-                         kv_heads=[list(range(args.heads_of(i)[1])) for i in layers],
-                         ffn=[list(range(args.ffn_dim_of(i))) for i in layers],
-                         hidden=list(range(args.dim)))
+    return depth_keep_of(args, [i for i in range(args.n_layers) if i not in set(removed)])
 
 
 def depth_pass_plan(args: LlamaArgs, dims: ParallelDims, parts: list[nn.Module], nsamples: int, batch_size: int,

@@ -8,15 +8,19 @@ columns and norm weights x hidden_z; wo columns x head_z; w2 columns x ffn_z; wo
 makes the sliced model compute the same logits, because the masked residual stream is zero on pruned hidden dims.
 """
 
+import math
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from titan_lite.checkpoint.hf import write_hf_folder
+from titan_lite.checkpoint.hf import expected_shapes, write_hf_folder
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.hf.config import read_hf_config
+
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
 @dataclass
@@ -189,6 +193,8 @@ def materialize_state_dict(state_dict: dict[str, Tensor], args: LlamaArgs,
 
     A tied model with a soft hidden_scale comes out untied: the embedding carries the scale, the head must not.
     """
+    if args.is_hybrid:
+        return _whole_blocks(state_dict, args, keep)
     validate_keep(args, keep)
     new_args = materialized_args(args, keep)
     hidden = torch.tensor(keep.hidden)
@@ -202,6 +208,38 @@ def materialize_state_dict(state_dict: dict[str, Tensor], args: LlamaArgs,
     if not new_args.tie_word_embeddings:
         out["output.weight"] = head[:, hidden].clone()
     return new_args, {name: t.contiguous() for name, t in out.items()}
+
+
+def _whole_blocks(state_dict: dict[str, Tensor], args: LlamaArgs,
+                  keep: StructureKeep) -> tuple[LlamaArgs, dict[str, Tensor]]:
+    """A hybrid model (Qwen3.5) loses whole blocks only: the kept blocks' tensors renamed in order, and the schedule
+    made the kept blocks' types (an explicit layer_types, which the export writes; full_attention_interval no longer
+    describes it). A keep-set that cuts heads or channels is one ValueError."""
+    whole = depth_keep_of(args, keep.layers)
+    cuts = [getattr(keep, f) != getattr(whole, f) for f in ("q_heads", "kv_heads", "ffn", "hidden")]
+    scales = [s is not None for s in (keep.head_scale, keep.ffn_scale, keep.hidden_scale, keep.layer_scale)]
+    if any(cuts) or any(scales):
+        raise ValueError("keep-set: a model with linear_attention (Gated DeltaNet) layers can lose whole blocks only; "
+                         "its heads and channels are not cut")
+    _check_indices(keep.layers, args.n_layers, "layers")
+    new_args = replace(args, n_layers=len(keep.layers), layer_types=[args.layer_type(src) for src in keep.layers])
+    out = {}
+    for name, tensor in state_dict.items():
+        match = _LAYER.fullmatch(name)
+        if match is None:
+            out[name] = tensor
+        elif int(match.group(1)) in keep.layers:
+            out[f"layers.{keep.layers.index(int(match.group(1)))}.{match.group(2)}"] = tensor
+    return new_args, {name: t.contiguous() for name, t in out.items()}
+
+
+def depth_keep_of(args: LlamaArgs, layers: list[int]) -> StructureKeep:
+    """These blocks kept whole (all heads, channels and hidden dims)."""
+    return StructureKeep(layers=layers,
+                         q_heads=[list(range(args.heads_of(i)[0])) for i in layers],
+                         kv_heads=[list(range(args.heads_of(i)[1])) for i in layers],
+                         ffn=[list(range(args.ffn_dim_of(i))) for i in layers],
+                         hidden=list(range(args.dim)))
 
 
 # ------------------------------------------------------------------------------------------ export
@@ -223,7 +261,10 @@ def write_materialized_hf(state_dict: dict[str, Tensor], args: LlamaArgs, out_di
 
 
 def param_count(args: LlamaArgs) -> int:
-    """Parameters of a Llama with these args (a tied head counted once; q/k/v biases and q/k norms included)."""
+    """Parameters of a Llama with these args (a tied head counted once; q/k/v biases and q/k norms included); a
+    hybrid model's (Qwen3.5) counted from its built shapes."""
+    if args.is_hybrid:
+        return sum(math.prod(shape) for shape in expected_shapes(args).values())
     total = args.vocab_size * args.dim * (1 if args.tie_word_embeddings else 2) + args.dim
     for layer in range(args.n_layers):
         q, kv = args.heads_of(layer)
