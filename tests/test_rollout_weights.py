@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from benchmarks.rollout_fold import trained_adapters
 from tests.test_grpo_runs import base_folder, config, forward_logps, grpo_flags, write_prompts
 from titan_lite.data.datasets import document_positions
 from titan_lite.parallel.gather_once import gathers_once
@@ -26,19 +27,8 @@ def single_process_group():
 
 
 def lora_flags(base: Path, *extra: str) -> list[str]:
-    return ["--model.converters", "lora", "--checkpoint.initial_load_path", str(base), "--checkpoint.initial_load_in_hf",
-            *extra]
-
-
-@torch.no_grad()
-def trained_adapters(model: torch.nn.Module, seed: int = 0) -> None:
-    """Adapters drawn wide, as training leaves them (fresh ones are B = 0, the base; folding them would show nothing)."""
-    g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("lora_b"):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-        elif name.endswith("magnitude"):
-            p.mul_(1 + 0.5 * torch.rand(p.shape, generator=g))
+    return ["--model.converters", "lora", "--checkpoint.initial_load_path", str(base),
+            "--checkpoint.initial_load_in_hf", *extra]
 
 
 @torch.no_grad()
@@ -53,7 +43,7 @@ def test_folded_adapters_sample_the_training_forwards_logps_and_the_base_comes_b
     data, base = write_prompts(tmp_path), base_folder(tmp_path)
     trainer = Trainer(config(tmp_path / "run", data, *lora_flags(base, *variant)))
     model = trainer.model_parts[0]
-    trained_adapters(model)
+    trained_adapters(model, scale=0.3)  # wide: a missing piece of the fold shows
     before = {n: t.clone() for n, t in model.state_dict().items()}
     batch = next(iter(trainer.dataloader))  # a rollout, decoded with the adapters folded
     assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
@@ -142,3 +132,19 @@ def test_dry_run_counts_the_weights_gathered_once_in_the_rollouts_pass():
             "--grpo.gather_once", mode, "--dry_run.device_memory_gib", "8"])
         rollout = out.split("each step's rollout (generation with the KV cache), per device:")[1]
         assert row in rollout and "verdict: fits" in rollout, out + err
+
+
+def test_the_fold_benchmark_runs_tiny_and_its_case_reads_it(capsys):
+    """benchmarks/rollout_fold.py on the tiny flavor, one round, in this process: folded and apart decode the same
+    tokens (LoRA, and QLoRA's dense fold); the rollout_fold case reads its result line."""
+    from benchmarks.cases import CASES
+    from benchmarks.framework import RunOutput
+    from benchmarks.rollout_fold import main
+
+    lora, qlora = CASES["rollout_fold"]().variants
+    for variant in (lora, qlora):
+        assert main(["--base", variant.base, "--flavor", "tiny", "--rounds", "1", "--warmup", "0", "--batch", "4",
+                     "--max_new", "6", "--prompt_len", "8"]) == 0
+        line = capsys.readouterr().out.strip().splitlines()[-1]
+        m = variant.metrics(RunOutput(line, 0, 1.0, 1.0, 2**30))
+        assert m["same_tokens"] == 1 and m["max_logp_diff"] <= 1e-5 and m["folded_tokens_per_s"] > 0
