@@ -85,18 +85,20 @@ def scalars(folder: Path) -> dict[str, list[float]]:
             for tag in ("loss/global_avg", "grad_norm", "reward", "entropy", "completions/mean_length")}
 
 
-RUNS = {  # FSDP 2 with DoRA: per layer with the adapters apart, gathered once (auto) and folded, per layer and folded
+RUNS = {  # DoRA on FSDP 2: per layer with the adapters apart, gathered once (auto) and folded, per layer and folded;
+    # on TP 2 folded on each rank's shards of the colwise and rowwise weights (TP equals FSDP: test_grpo_parity.py)
     "apart": ["--grpo.gather_once", "never", "--grpo.fold_adapters=false"],
     "gathered_folded": ["--grpo.gather_once", "auto"],
     "per_layer_folded": ["--grpo.gather_once", "never"],
+    "tp2_folded": ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"],
 }
 
 
-@pytest.mark.slow  # three 2-process runs
+@pytest.mark.slow  # four 2-process runs
 def test_fsdp_gather_once_and_folded_adapters_equal_per_layer_decoding(tmp_path):
     """The same completions (rewards, lengths), losses, KL and gradient norms over two steps whether FSDP's weights
     are gathered once per rollout or per layer, and whether the adapters are folded (on the unsharded weights, or on
-    each rank's shards) or not; the frozen weights bitwise unchanged at the end of the folded runs."""
+    each rank's shards, FSDP's or TP's) or not; the frozen weights bitwise unchanged at the end of the folded runs."""
     from tests.integration.harness import ADAPTER_EXPORT, run_train
 
     data, base = write_prompts(tmp_path), base_folder(tmp_path)
@@ -110,17 +112,17 @@ def test_fsdp_gather_once_and_folded_adapters_equal_per_layer_decoding(tmp_path)
         results[name], logs[name] = scalars(tmp_path / name), run.output
     apart = results["apart"]
     assert apart["loss/global_avg"][1] != 0 and apart["reward"][0] > 0
-    for name in ("gathered_folded", "per_layer_folded"):
+    for name in ("gathered_folded", "per_layer_folded", "tp2_folded"):
         for tag, values in results[name].items():
             assert values == pytest.approx(apart[tag], abs=1e-5), (name, tag, values, apart[tag])
     assert re.search(r"rollout: gathers FSDP's weights once and keeps them gathered while it decodes \(auto: the "
                      r"unsharded weights beside the rollout's cache need [0-9.]+ GiB, fit in", logs["gathered_folded"])
     assert "rollout: all-gathers FSDP's weights layer by layer in every decode step (grpo.gather_once = 'never')" \
         in logs["apart"]
-    for name in ("gathered_folded", "per_layer_folded"):
+    for name in ("gathered_folded", "per_layer_folded", "tp2_folded"):
         assert logs[name].count("lora: the rollout decodes with 28 adapters folded into their base weights") == 2
         assert logs[name].count("frozen tensors on this rank are bitwise unchanged since loading") == 2
-    assert "adapters folded" not in logs["apart"]
+    assert "adapters folded" not in logs["apart"] and "rollout:" not in logs["tp2_folded"]  # TP decodes as it does
 
 
 def test_dry_run_counts_the_weights_gathered_once_in_the_rollouts_pass():
