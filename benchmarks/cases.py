@@ -342,7 +342,7 @@ def _rollout_fold() -> Case:
                 "together (prompts 32-64 tokens), folded and apart alternating", [lora, qlora],
                 [Ratio(f"decode tokens/s: folded / apart ({v.label})", "folded_tokens_per_s", v.label, v.label,
                        denominator_metric="apart_tokens_per_s") for v in (lora, qlora)],
-                columns=("apart_tokens_per_s", "folded_tokens_per_s", "max_logp_diff", "same_tokens",
+                columns=("apart_tokens_per_s", "folded_tokens_per_s", "logps_max_difference", "same_tokens",
                          "peak_rss_gib"), max_rounds=1)
 
 

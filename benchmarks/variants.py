@@ -271,7 +271,7 @@ class RolloutFoldVariant(Variant):
     base: str = "float32"
 
     def command(self, settings: Settings) -> tuple[list[str], dict[str, str]]:
-        args = ["-m", "benchmarks.rollout_fold", "--base", self.base, "--rounds", str(max(settings.steps, 1)),
+        args = ["-m", "benchmarks.rollout_fold", "--base", self.base, "--rounds", str(min(max(settings.steps, 1), 3)),
                 "--warmup", str(min(settings.warmup, 1))]
         return [sys.executable, *args], {"OMP_NUM_THREADS": str(settings.threads)}
 
@@ -279,5 +279,5 @@ class RolloutFoldVariant(Variant):
         r = single_result(self.label, out)
         n = r["tokens"] * len(r["apart_s"])
         return {"apart_tokens_per_s": n / sum(r["apart_s"]), "folded_tokens_per_s": n / sum(r["folded_s"]),
-                "max_logp_diff": r["max_logp_diff"], "same_tokens": float(r["same_tokens"]),
+                "logps_max_difference": r["max_logp_diff"], "same_tokens": float(r["same_tokens"]),
                 "peak_rss_gib": r["peak_rss_bytes"] / 2**30, "foreign_cores": foreign_cores(r)}

@@ -15,7 +15,14 @@ from titan_lite.data.mixture import DomainWeights, build_domain_weights
 from titan_lite.data.tokenizer import describe_tokenizer
 from titan_lite.distributed import compute_dtype
 from titan_lite.job.plan import JobPlan
-from titan_lite.parallel.gather_once import free_bytes, fsdp_modules, gathered_once, gathers_once, unsharded_bytes
+from titan_lite.parallel.gather_once import (
+    free_bytes,
+    fsdp_modules,
+    gathered_once,
+    gathers_once,
+    resharded,
+    unsharded_bytes,
+)
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.runner import ModelRunner
 from titan_lite.rl.evaluate import PromptValidation
@@ -56,16 +63,21 @@ class RolloutWeights:
         self.gather: bool | None = None
 
     def __call__(self) -> contextlib.ExitStack:
+        """Entered in this order, left in the reverse: the weights folded (into FSDP's shards, which the rollout's
+        all-gathers then read), FSDP's gathered copies dropped (before the base is restored into the shards), the
+        weights gathered once."""
+        model = self.runner.model_parts[0]
         stack = self.runner.context()
         try:
             if self.gather is None:
                 self.gather = self.choose_gather()
-            if self.gather:
-                stack.enter_context(gathered_once(self.runner.model_parts[0]))
             folded = self.plan.transforms.folded_for_decoding(self.runner.model_parts) \
                 if self.plan.cfg.grpo.fold_adapters else None
             if folded is not None:
                 stack.enter_context(folded)
+            stack.enter_context(resharded(model))
+            if self.gather:
+                stack.enter_context(gathered_once(model))
         except BaseException:
             stack.close()
             raise

@@ -77,6 +77,21 @@ def gathered_once(model: nn.Module) -> Iterator[None]:
             module.reshard()
 
 
+@contextlib.contextmanager
+def resharded(model: nn.Module) -> Iterator[None]:
+    """Every FSDP group of the model resharded on entry and on exit: no gathered copy from before (a forward without
+    a backward leaves groups that do not reshard after forward gathered) is used inside, and none made inside
+    (of weights changed for the rollout, such as folded adapters) outlives it."""
+    modules = fsdp_modules(model)
+    for module in modules:
+        module.reshard()
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.reshard()
+
+
 def _reshard_setting(module: FSDPModule) -> tuple:
     # FSDP2 has a setter for reshard_after_forward but no getter: read the state it sets, to restore it exactly.
     state = module._get_fsdp_state()
