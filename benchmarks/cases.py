@@ -17,6 +17,7 @@ from benchmarks.variants import (
     GRPOVariant,
     PairedVariant,
     PreferenceVariant,
+    RolloutFoldVariant,
     TrainVariant,
     WandaVariant,
 )
@@ -330,6 +331,19 @@ def _grpo_step() -> Case:
                        packed.label, denominator_metric="train_tokens_per_s")],
                 columns=("step_s", "generation_s", "scoring_s", "reference_s", "policy_s", "rollout_tokens_per_s",
                          "train_tokens_per_s", "trained_tokens_per_s", "padding_pct"), min_rounds=2, max_rounds=2)
+
+
+@register_case("rollout_fold")
+def _rollout_fold() -> Case:
+    """Issue 57 item 6: decode tokens/s of a rollout with the adapters folded into the base against apart."""
+    lora, qlora = RolloutFoldVariant("LoRA, float32 base"), RolloutFoldVariant("QLoRA, NF4 base (dense fold)",
+                                                                               base="nf4")
+    return Case("rollout_fold", "debugmodel, LoRA rank 16 on every linear, 32 completions of 32 tokens decoded "
+                "together (prompts 32-64 tokens), folded and apart alternating", [lora, qlora],
+                [Ratio(f"decode tokens/s: folded / apart ({v.label})", "folded_tokens_per_s", v.label, v.label,
+                       denominator_metric="apart_tokens_per_s") for v in (lora, qlora)],
+                columns=("apart_tokens_per_s", "folded_tokens_per_s", "logps_max_difference", "same_tokens",
+                         "peak_rss_gib"), max_rounds=1)
 
 
 @register_case("tiny")

@@ -42,7 +42,8 @@ _LABELS = {"tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "step_s": "step s", "
            "planned_peak_gib": "planned GiB", "plan_error_pct": "plan error %", "base_vs_bf16": "base/bf16",
            "generation_s": "generation s", "scoring_s": "scoring s", "reference_s": "reference s",
            "policy_s": "policy s", "rollout_tokens_per_s": "rollout tok/s", "train_tokens_per_s": "train tok/s",
-           "padding_pct": "padding %"}
+           "padding_pct": "padding %",
+           "apart_tokens_per_s": "apart tok/s", "folded_tokens_per_s": "folded tok/s", "same_tokens": "same tokens"}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -261,3 +261,23 @@ class GRPOVariant(Variant):
                          "trained_tokens_per_s": sum(r["trained_tokens"]) / train,
                          "padding_pct": 100 * (1 - sum(r["real_tokens"]) / sum(r["total_tokens"])),
                          "peak_rss_gib": r["peak_rss_bytes"] / 2**30, "foreign_cores": foreign_cores(r)}
+
+
+@dataclass
+class RolloutFoldVariant(Variant):
+    """A rollout's decoding with the adapters folded into the base against applied apart (benchmarks/rollout_fold.py),
+    alternating in one run, on a float32 (LoRA) or NF4 (QLoRA) base."""
+
+    base: str = "float32"
+
+    def command(self, settings: Settings) -> tuple[list[str], dict[str, str]]:
+        args = ["-m", "benchmarks.rollout_fold", "--base", self.base, "--rounds", str(min(max(settings.steps, 1), 3)),
+                "--warmup", str(min(settings.warmup, 1))]
+        return [sys.executable, *args], {"OMP_NUM_THREADS": str(settings.threads)}
+
+    def metrics(self, out: RunOutput) -> dict[str, float]:
+        r = single_result(self.label, out)
+        n = r["tokens"] * len(r["apart_s"])
+        return {"apart_tokens_per_s": n / sum(r["apart_s"]), "folded_tokens_per_s": n / sum(r["folded_s"]),
+                "logps_max_difference": r["max_logp_diff"], "same_tokens": float(r["same_tokens"]),
+                "peak_rss_gib": r["peak_rss_bytes"] / 2**30, "foreign_cores": foreign_cores(r)}

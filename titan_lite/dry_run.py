@@ -23,14 +23,13 @@ from titan_lite.job.estimate import PassPlan, RolePlan, microbatching, plan_role
 from titan_lite.job.plan import JobPlan, gather_assets, plan_with_tokenizer
 from titan_lite.loss import cross_entropy_sum
 from titan_lite.metrics.flops import num_flops_per_token
-from titan_lite.metrics.memory import device_capacity_gib
+from titan_lite.metrics.memory import device_memory_gib
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.parts.rope import rope_attention_factor
 from titan_lite.objective import ObjectivePlan, objective_files_problem, plan_objective
 from titan_lite.parallel import memory_estimate as me
 from titan_lite.parallel.parallel_dims import ParallelDims
 
-DEFAULT_DEVICE_MEMORY_GIB = 80.0
 T = TypeVar("T")
 
 
@@ -119,19 +118,6 @@ def role_lines(role: RolePlan, dims: ParallelDims, capacity_gib: float) -> list[
     _, verdict = me.verdict(role.estimate, capacity_gib)
     return [f"{who}: {describe_layers(role.layers)}" + (f" + {' + '.join(ends)}" if ends else ""),
             f"  local parameters: {role.local_params:,}", *role.estimate.lines(), f"  verdict: {verdict}"]
-
-
-def device_memory_gib(cfg: JobConfig) -> float:
-    """--dry_run.device_memory_gib, else the visible accelerator's memory, else 80 GiB."""
-    if cfg.dry_run.device_memory_gib is not None:
-        if cfg.dry_run.device_memory_gib <= 0:
-            raise ConfigError(f"'dry_run.device_memory_gib' must be positive, got {cfg.dry_run.device_memory_gib}")
-        return float(cfg.dry_run.device_memory_gib)
-    if torch.accelerator.is_available():
-        capacity = device_capacity_gib(torch.accelerator.current_accelerator())
-        if capacity:
-            return capacity
-    return DEFAULT_DEVICE_MEMORY_GIB
 
 
 def summary_lines(plan: JobPlan) -> list[str]:

@@ -779,6 +779,14 @@ class Grpo:
     generation_batch_size: int = opt(
         0, "Completions a rank decodes together (their KV cache is held at once); 0 = all of its completions of the "
         "step (local_batch_size x gradient accumulation).")
+    gather_once: Literal["auto", "always", "never"] = opt(
+        "auto", "Under FSDP: all-gather every layer's weights once per rollout and keep them gathered while it decodes "
+        "(always), or layer by layer in every decode step as training does (never); auto gathers once where the "
+        "unsharded weights fit beside the rollout's KV cache in every rank's free memory. The log says which.")
+    fold_adapters: bool = opt(
+        True, "Fold the adapters (LoRA, DoRA) into their base weights for each rollout and restore the base bit for "
+        "bit after it, so decoding runs the base's matmuls only; done where it is exact (float32 weights and compute), "
+        "the log says where not (QLoRA's NF4 base, bfloat16).")
     loss_type: Literal["dapo", "grpo", "dr_grpo"] = opt(
         "dapo", "How token losses become the loss (TRL's): dapo sums them over the step's completions and divides by "
         "their count of completion tokens; grpo averages each completion's tokens, then the completions; dr_grpo "

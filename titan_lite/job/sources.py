@@ -2,7 +2,9 @@
 text or token files), instruction, chat and preference records, a data mixture, or RL's prompts (rollouts of the
 model being trained, sampled through the policy interface)."""
 
+import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,10 +13,20 @@ from titan_lite.config.schema import JobConfig
 from titan_lite.data.dataloader import BatchLayout, DataLoader, build_section_loader, describe_source, loader_options
 from titan_lite.data.mixture import DomainWeights, build_domain_weights
 from titan_lite.data.tokenizer import describe_tokenizer
+from titan_lite.distributed import compute_dtype
 from titan_lite.job.plan import JobPlan
+from titan_lite.parallel.gather_once import (
+    free_bytes,
+    fsdp_modules,
+    gathered_once,
+    gathers_once,
+    resharded,
+    unsharded_bytes,
+)
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.runner import ModelRunner
 from titan_lite.rl.evaluate import PromptValidation
+from titan_lite.rl.memory import decoded_together, rollout_memory
 from titan_lite.rl.policy import ModelPolicy, lockstep_for
 from titan_lite.rl.rollout import RolloutSource, build_rollout_source
 
@@ -36,9 +48,55 @@ def reads_prompts(cfg: JobConfig, section: str) -> bool:
     return getattr(cfg, section).dataset == "prompts"
 
 
-def policy_of(runner: ModelRunner, device: torch.device, dims: ParallelDims) -> ModelPolicy:
+def policy_of(runner: ModelRunner, device: torch.device, dims: ParallelDims,
+              context: Callable[[], contextlib.AbstractContextManager] | None = None) -> ModelPolicy:
     """The model being trained as a policy: its forward as training runs it, in lockstep with its layout's ranks."""
-    return ModelPolicy(runner.model_parts[0], device, lockstep_for(dims), runner.context)
+    return ModelPolicy(runner.model_parts[0], device, lockstep_for(dims), context or runner.context)
+
+
+class RolloutWeights:
+    """The context a rollout decodes in: the runner's, FSDP's weights gathered once or layer by layer
+    (grpo.gather_once), the transforms' folded for decoding (grpo.fold_adapters); the choice logged once."""
+
+    def __init__(self, plan: JobPlan, runner: ModelRunner, device: torch.device):
+        self.plan, self.runner, self.device = plan, runner, device
+        self.gather: bool | None = None
+
+    def __call__(self) -> contextlib.ExitStack:
+        """Entered in this order, left in the reverse: the weights folded (into FSDP's shards, which the rollout's
+        all-gathers then read), FSDP's gathered copies dropped (before the base is restored into the shards), the
+        weights gathered once."""
+        model = self.runner.model_parts[0]
+        stack = self.runner.context()
+        try:
+            if self.gather is None:
+                self.gather = self.choose_gather()
+            folded = self.plan.transforms.folded_for_decoding(self.runner.model_parts) \
+                if self.plan.cfg.grpo.fold_adapters else None
+            if folded is not None:
+                stack.enter_context(folded)
+            stack.enter_context(resharded(model))
+            if self.gather:
+                stack.enter_context(gathered_once(model))
+        except BaseException:
+            stack.close()
+            raise
+        return stack
+
+    def choose_gather(self) -> bool:
+        """Gather once where the unsharded weights fit beside the rollout (under FSDP; TP decodes as it does)."""
+        cfg, dims, model = self.plan.cfg, self.plan.parallel_dims, self.runner.model_parts[0]
+        if not fsdp_modules(model):
+            return False
+        c = compute_dtype(cfg.training.mixed_precision_param, self.device.type).itemsize
+        together = decoded_together(cfg, cfg.training.local_batch_size * self.plan.grad_accum)
+        needed = unsharded_bytes(model, c, dims.tp) + rollout_memory(cfg, self.plan.model_args, dims.tp, together,
+                                                                      c).total
+        gather, why = gathers_once(cfg.grpo.gather_once, needed, free_bytes(self.device), self.device)
+        how = "gathers FSDP's weights once and keeps them gathered while it decodes" if gather else \
+            "all-gathers FSDP's weights layer by layer in every decode step"
+        logger.info(f"rollout: {how} ({why})")
+        return gather
 
 
 def training_data(plan: JobPlan, runner: ModelRunner, device: torch.device, seed: int) -> TrainingData:
@@ -48,8 +106,8 @@ def training_data(plan: JobPlan, runner: ModelRunner, device: torch.device, seed
     batch_mesh = dims.submesh("batch")
     layout = BatchLayout(t.local_batch_size, batch_mesh.get_local_rank(), batch_mesh.size(), plan.grad_accum)
     if reads_prompts(cfg, "training"):
-        return TrainingData(build_rollout_source(cfg, plan.tokenizer, layout, policy_of(runner, device, dims), dims,
-                                                 seed))
+        policy = policy_of(runner, device, dims, RolloutWeights(plan, runner, device))
+        return TrainingData(build_rollout_source(cfg, plan.tokenizer, layout, policy, dims, seed))
     if cfg.data_mixture.enable:
         mixture = build_domain_weights(cfg.data_mixture, plan.tokenizer, t.seq_len, seed,
                                        documents=plan.block_causal, shuffle=t.shuffle)

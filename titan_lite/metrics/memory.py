@@ -14,7 +14,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from titan_lite.config.schema import JobConfig
+from titan_lite.errors import ConfigError
+
 GIB = 1024**3
+DEFAULT_DEVICE_MEMORY_GIB = 80.0
 
 
 def _device_module(device: torch.device) -> ModuleType:
@@ -60,6 +64,19 @@ def device_capacity_gib(device: torch.device) -> float | None:
     if hasattr(module, "get_device_properties"):
         return module.get_device_properties(device).total_memory / GIB
     return torch.accelerator.get_memory_info(device)[1] / GIB
+
+
+def device_memory_gib(cfg: JobConfig) -> float:
+    """--dry_run.device_memory_gib, else the visible accelerator's memory, else 80 GiB."""
+    if cfg.dry_run.device_memory_gib is not None:
+        if cfg.dry_run.device_memory_gib <= 0:
+            raise ConfigError(f"'dry_run.device_memory_gib' must be positive, got {cfg.dry_run.device_memory_gib}")
+        return float(cfg.dry_run.device_memory_gib)
+    if torch.accelerator.is_available():
+        capacity = device_capacity_gib(torch.accelerator.current_accelerator())
+        if capacity:
+            return capacity
+    return DEFAULT_DEVICE_MEMORY_GIB
 
 
 # ------------------------------------------------------------------------------ peak of live tensors

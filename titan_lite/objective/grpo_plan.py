@@ -6,14 +6,16 @@ decode step's logits: generation and the training forwards never hold their memo
 from collections.abc import Callable
 
 from titan_lite.config.schema import JobConfig
-from titan_lite.generate import kv_cache_bytes
 from titan_lite.job.estimate import compute_bytes
 from titan_lite.job.plan import JobPlan, gradient_accumulation_steps
+from titan_lite.metrics.memory import device_memory_gib
 from titan_lite.objective.grpo import check_grpo, loss_spec, reference_of
 from titan_lite.objective.reference import BASE
 from titan_lite.objective.vocab import ACCELERATOR_CHUNK_ELEMENTS, CHUNK_ELEMENTS
+from titan_lite.parallel.gather_once import HEADROOM
 from titan_lite.parallel.memory_estimate import GIB, MemoryEstimate
 from titan_lite.parallel.parallel_dims import ParallelDims
+from titan_lite.rl.memory import cache_capacity, decoded_together, rollout_memory
 from titan_lite.transforms import PassPlan, PlanItem
 
 
@@ -27,14 +29,7 @@ def grpo_reference_plan(plan: JobPlan, files_there: bool) -> JobPlan | None:
 def rollout_rows(cfg: JobConfig, dims: ParallelDims) -> tuple[int, int]:
     """(completions a rank samples per step, completions it decodes together)."""
     per_rank = cfg.training.local_batch_size * gradient_accumulation_steps(cfg, dims.dp_degree)
-    return per_rank, min(cfg.grpo.generation_batch_size or per_rank, per_rank)
-
-
-def cache_capacity(cfg: JobConfig, tp: int) -> tuple[int, int]:
-    """(the longest prompt that fits, the KV cache's slots for it): under TP every decode step opens tp slots."""
-    prompt = cfg.training.seq_len + 1 - cfg.grpo.max_completion_length
-    prompt_slots = -(-prompt // tp) * tp
-    return prompt, prompt_slots + cfg.grpo.max_completion_length * tp
+    return per_rank, decoded_together(cfg, per_rank)
 
 
 def grpo_lines(plan: JobPlan, reference: JobPlan | None) -> list[str]:
@@ -49,8 +44,7 @@ def grpo_lines(plan: JobPlan, reference: JobPlan | None) -> list[str]:
                  f"parameters in {reference.cfg.training.dtype}, frozen, sharded like the policy")
     per_rank, together = rollout_rows(cfg, dims)
     prompt, slots = cache_capacity(cfg, dims.tp)
-    c = compute_bytes(cfg)[0]
-    cache = kv_cache_bytes(plan.model_args, together, slots, c, dims.tp) / GIB
+    cache = rollout_memory(cfg, plan.model_args, dims.tp, together, compute_bytes(cfg)[0]).cache / GIB
     layout = (f"packed whole into windows of seq_len + 1 = {cfg.training.seq_len + 1:,} tokens (block-causal)"
               if g.packing else "one per row, padded to the longest of the microbatch")
     return [f"grpo: {loss_spec(cfg).describe()}; {where}",
@@ -81,23 +75,35 @@ def grpo_passes(plan: JobPlan):
     """Each step's rollout on one rank: the training state it keeps (weights, optimizer, FSDP's buffers), the KV cache
     of a generation batch, the prefill's working set (one layer's, no gradients) and the decode step's logits."""
     def passes(cfg: JobConfig, dims: ParallelDims, estimate: MemoryEstimate) -> list[PassPlan]:
-        args, c = plan.model_args, compute_bytes(cfg)[0]
-        _, together = rollout_rows(cfg, dims)
-        prompt, slots = cache_capacity(cfg, dims.tp)
-        cache = kv_cache_bytes(args, together, slots, c, dims.tp)
-        tokens = together * -(-prompt // dims.tp) * dims.tp
-        width = 4 * args.dim + 3 * max(args.ffn_dim_of(layer) for layer in range(args.n_layers)) // dims.tp
-        prefill = tokens * width * c + together * slots * slots
-        logits = together * args.vocab_size * (c + 4 * 4)  # the logits, and float32 scaled, probabilities, CDF
+        c = compute_bytes(cfg)[0]
+        m = rollout_memory(cfg, plan.model_args, dims.tp, rollout_rows(cfg, dims)[1], c)
         kept = estimate.parameters + estimate.optimizer + estimate.buffers
         rows = [f"  {'training':<12}{kept / GIB:9.2f} GiB  parameters, optimizer state and buffers, kept",
-                f"  {'kv cache':<12}{cache / GIB:9.2f} GiB  {together} completions x {slots:,} slots",
-                f"  {'prefill':<12}{prefill / GIB:9.2f} GiB  a layer's working set over {tokens:,} prompt tokens and "
-                "its attention mask, no gradients",
-                f"  {'decode':<12}{logits / GIB:9.2f} GiB  the next token's logits and its float32 distribution"]
-        peak = kept + cache + prefill + logits
+                f"  {'kv cache':<12}{m.cache / GIB:9.2f} GiB  {m.together} completions x {m.slots:,} slots",
+                f"  {'prefill':<12}{m.prefill / GIB:9.2f} GiB  a layer's working set over {m.prompt_tokens:,} prompt "
+                "tokens and its attention mask, no gradients",
+                f"  {'decode':<12}{m.logits / GIB:9.2f} GiB  the next token's logits and its float32 distribution"]
+        gathered = gathered_weights(cfg, dims, plan.full_param_count() * c // dims.tp, kept + m.total)
+        if gathered:
+            rows.append(f"  {'gathered':<12}{gathered / GIB:9.2f} GiB  FSDP's weights gathered once for the "
+                        f"rollout (grpo.gather_once = '{cfg.grpo.gather_once}')")
+        elif dims.fsdp_enabled or dims.dp_replicate_enabled:
+            rows.append(f"  {'gathered':<12}{0:9.2f} GiB  FSDP gathers layer by layer in every decode step "
+                        f"(grpo.gather_once = '{cfg.grpo.gather_once}')")
+        peak = kept + m.total + gathered
         rows.append(f"  {'peak':<12}{peak / GIB:9.2f} GiB")
+        advice = "set 'grpo.gather_once' = 'never', or " if gathered else ""
         return [PassPlan("the rollout", "each step's rollout (generation with the KV cache), per device:", rows, peak,
-                         "lower 'grpo.generation_batch_size' (completions decoded together) or "
+                         f"{advice}lower 'grpo.generation_batch_size' (completions decoded together) or "
                          "'grpo.max_completion_length', or shard over more devices")]
     return passes
+
+
+def gathered_weights(cfg: JobConfig, dims: ParallelDims, unsharded: int, rollout: int) -> int:
+    """Bytes the rollout holds for FSDP's weights gathered once (grpo.gather_once; auto: where they fit beside the
+    rest of the rollout in the planned device's memory), 0 when it gathers layer by layer."""
+    mode = cfg.grpo.gather_once
+    if not (dims.fsdp_enabled or dims.dp_replicate_enabled) or mode == "never":
+        return 0
+    fits = rollout + unsharded <= HEADROOM * device_memory_gib(cfg) * GIB
+    return unsharded if mode == "always" or fits else 0

@@ -22,6 +22,8 @@ calls the hooks of the configured transforms (`[model] converters`) in order and
                       materialisation): e.g. install an FSDP custom all-gather
   base_function       a context in which the model computes the function it was loaded with, without what the
                       transform trains (adapters off): distillation's self-teacher, no second copy of the model
+  folded_for_decoding a context in which the model computes the same function more cheaply for decoding (adapters
+                      folded into their base weights, restored bit for bit on exit): a rollout's sampling
 
 The plan hooks (DRY_RUN, and scripts that plan a pass) let a transform say what it changes in the memory plan; the
 estimate (`titan_lite/job/estimate.py`) calls them and nothing outside `transforms/` names a transform:
@@ -235,6 +237,14 @@ class Transform:
         before launch (whether it can), entered around a forward under no_grad (distillation's self-teacher)."""
         return None
 
+    # ------------------------------------------------------------------------------ decoding
+
+    def folded_for_decoding(self, model_parts: list[nn.Module]) -> contextlib.AbstractContextManager | None:
+        """A context in which the parts compute the function they train (within 1e-5 in float32) with less work per
+        token, every parameter restored bit for bit on exit (adapters folded into the base weights), or None. Entered
+        around a rollout's decoding, under no_grad, collectively: every rank of the layout enters it together."""
+        return None
+
 
 _REGISTRY: dict[str, Callable[[JobConfig], Transform]] = {}
 def register_transform(name: str) -> Callable:
@@ -386,6 +396,11 @@ class Transforms:
     def base_function(self, model_parts: list[nn.Module]) -> contextlib.AbstractContextManager | None:
         """Every transform's base-function context, entered together, or None when none keeps a base apart."""
         contexts = [c for t in self.items if (c := t.base_function(model_parts)) is not None]
+        return _entered_together(contexts) if contexts else None
+
+    def folded_for_decoding(self, model_parts: list[nn.Module]) -> contextlib.AbstractContextManager | None:
+        """Every transform's decoding context, entered together, or None when none has one."""
+        contexts = [c for t in self.items if (c := t.folded_for_decoding(model_parts)) is not None]
         return _entered_together(contexts) if contexts else None
 
 

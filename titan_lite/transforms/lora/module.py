@@ -72,6 +72,7 @@ class LoRALinear(nn.Module):
         # lora.keep_sparsity: the update is masked by the base's zeros (see sparse.py)
         self.keep_sparsity = keep_sparsity
         self.adapters_off = False  # set by adapters_off(): the module computes its base function
+        self.folded = False  # set by fold.folded(): `weight` holds the adapted weight, decoding multiplies it alone
 
     @property
     def dora(self) -> bool:
@@ -90,6 +91,8 @@ class LoRALinear(nn.Module):
         return y if self.bias is None else y + _like(self.bias, y)
 
     def unbiased_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.folded:
+            return self._base_product(x)
         if self.adapters_off:
             return self.base_forward(x)
         weight = _like(self.weight, x)

@@ -48,6 +48,7 @@ from titan_lite.transforms.lora.experts import (
     peft_expert_tensors,
     peft_target_parameters,
 )
+from titan_lite.transforms.lora.fold import fold_blocker, fold_report, folded
 from titan_lite.transforms.lora.module import ADAPTER_PARAMS, PISSA_INIT_PARAMS, LoRALinear, adapters_off
 from titan_lite.transforms.lora.options import PROJECTIONS, LoraOptions
 from titan_lite.transforms.lora.qlora import (
@@ -110,6 +111,7 @@ class LoraTransform(Transform):
         self.nf4 = cfg.lora.base_dtype == NF4
         self._nf4_names: set[str] | None = None
         self._reported: list[str] = []
+        self._fold_reported = False
 
     # ------------------------------------------------------------------------------ which parameters train
 
@@ -390,6 +392,24 @@ class LoraTransform(Transform):
         """The frozen base alone: every adapter switched off (PiSSA's initial factors added back)."""
         experts = [m for part in model_parts for m in part.modules() if isinstance(m, LoRAGroupedExperts)]
         return adapters_off([m for _, m in lora_modules(model_parts)] + experts)
+
+    def folded_for_decoding(self, model_parts: list[nn.Module]):
+        """The adapters that fold exactly (float32 weights and compute) folded into their base weights; the line
+        saying which, at the first rollout."""
+        compute = compute_dtype(self.cfg.training.mixed_precision_param, local_device().type)
+        if self.cfg.training.enable_cpu_offload and local_device().type != "cpu":
+            blocked = {"training.enable_cpu_offload keeps the weights on the host": lora_modules(model_parts)}
+            foldable = []
+        else:
+            blocked, foldable = {}, []
+            for name, module in lora_modules(model_parts):
+                reason = fold_blocker(module, compute)
+                (blocked.setdefault(reason, []) if reason else foldable).append((name, module))
+        if not self._fold_reported:
+            experts = sum(isinstance(m, LoRAGroupedExperts) for part in model_parts for m in part.modules())
+            logger.info(fold_report([m for _, m in foldable], blocked, experts))
+            self._fold_reported = True
+        return folded([m for _, m in foldable]) if foldable else None
 
     # ------------------------------------------------------------------------------ plan hooks
 
