@@ -98,11 +98,12 @@ class Engine:
         self.pending = _groups(self.prompts, share_prefill)
         self.occupant: list[int | None] = [None] * s  # host-side: completion, position and step of each slot
         self.positions, self.steps = [0] * s, [0] * s
-        self.staged: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self.staged: tuple[list[int], torch.Tensor] | None = None  # a group's members, its prompt's logits
         self.stats = EngineStats()
         self.step = self._step
         if cfg.compile:
-            self.step = torch.compile(self._step, mode="reduce-overhead" if device.type == "cuda" else None)
+            cuda_graphs = "reduce-overhead" if device.type == "cuda" else None
+            self.step = torch.compile(self._step, mode=cuda_graphs, fullgraph=True)
 
     # ------------------------------------------------------------------ the device side
 
@@ -138,8 +139,8 @@ class Engine:
         """Give free slots the next pending completions, each group's prompt prefilled once into the staging row."""
         while free and self.pending:
             prompt, members = self.pending[0]
-            if self.staged is None or self.staged[0] != prompt:
-                self.staged = (prompt, self.prefill(prompt))
+            if self.staged is None or self.staged[0] is not members:  # one prefill for each pending group
+                self.staged = (members, self.prefill(prompt))
             take, rows = members[:len(free)], free[:len(members)]
             del members[:len(take)], free[:len(take)]
             if not members:
@@ -170,6 +171,9 @@ class Engine:
         begin = time.perf_counter()
         n, new, every = len(self.prompts), self.cfg.max_new_tokens, max(self.cfg.stop_check_interval, 1)
         self.admit(list(range(self.n_slots)))
+        if self.cfg.compile and self.device.type == "cuda":  # what the CUDA graph reads and writes stays in place
+            for t in [*self.cache.tensors(), *vars(self.state).values(), *vars(self.out).values()]:
+                torch._dynamo.mark_static_address(t)
         since_check, finished = 0, 0
         while any(o is not None for o in self.occupant):
             if since_check >= every or all(o is None or s >= new for o, s in zip(self.occupant, self.steps,
