@@ -84,7 +84,7 @@ class Engine:
         self.cache = SlotCache(model.args, self.n_slots, self.capacity, device)
         self.stops = torch.tensor(cfg.stop_ids or [-1], device=device)
         spare = torch.zeros(1, new)
-        drawn = spare.expand(n, new) if uniforms is None else uniforms.float()
+        drawn = spare.expand(n, new) if uniforms is None else uniforms[:, :new].float().cpu()
         self.out = _Outputs(torch.full((n + 1, new), cfg.pad_id, dtype=torch.long, device=device),
                             torch.zeros(n + 1, new, device=device), torch.zeros(n + 1, dtype=torch.long, device=device),
                             torch.zeros(n + 1, dtype=torch.bool, device=device),
