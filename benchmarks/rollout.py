@@ -95,22 +95,28 @@ def engine(model, w: Workload, share: bool = True, **kw):
 
 def lengths_part(opts) -> dict:
     model = model_of(opts.flavor)
-    w = Workload.draw(model.args.vocab_size, opts.prompts, 8, 32, opts.longest, 8)
+    w = Workload.draw(model.args.vocab_size, opts.length_prompts, 8, 32, opts.longest, 8)
     engine(model, replace(w, prompts=w.prompts[:8], lengths=w.lengths[:8], uniforms=w.uniforms[:8]),
            slots=opts.slots)  # warm-up
     out, static_s = static_batch(model, w)
     tokens = w.check(out)
+    slots = stats_slots(opts.slots, len(w.prompts))
+    chunks = [replace(w, prompts=w.prompts[i:i + slots], lengths=w.lengths[i:i + slots],
+                      uniforms=w.uniforms[i:i + slots]) for i in range(0, len(w.prompts), slots)]
+    chunked_s = sum(static_batch(model, c)[1] for c in chunks)
     out, engine_s, stats = engine(model, w, slots=opts.slots)
     w.check(out)
     static_share = tokens / (len(w.prompts) * max(w.lengths))
-    r = {"completions": len(w.prompts), "tokens": tokens, "static_s": static_s, "engine_s": engine_s,
-         "slots": stats_slots(opts.slots, len(w.prompts)), "static_working_share": static_share,
-         "engine_working_share": stats.working_share}
+    chunked_share = tokens / sum(len(c.prompts) * max(c.lengths) for c in chunks)
+    r = {"completions": len(w.prompts), "tokens": tokens, "static_s": static_s, "chunked_s": chunked_s,
+         "engine_s": engine_s, "slots": slots, "static_working_share": static_share,
+         "chunked_working_share": chunked_share, "engine_working_share": stats.working_share}
     print(f"lengths: {opts.flavor}, {len(w.prompts)} completions of {min(w.lengths)}-{max(w.lengths)} tokens "
-          f"(log-uniform over 8x), {tokens} tokens: static batch {1e3 * static_s / tokens:.2f} ms/token "
-          f"({100 * static_share:.0f}% of slot-steps working), engine with {r['slots']} slots "
-          f"{1e3 * engine_s / tokens:.2f} ms/token ({100 * stats.working_share:.0f}% working): "
-          f"{static_s / engine_s:.2f}x", flush=True)
+          f"(log-uniform over 8x), {tokens} tokens, ms per generated token: static batch of all "
+          f"{1e3 * static_s / tokens:.2f} ({100 * static_share:.0f}% of slot-steps working), static batches of "
+          f"{slots} {1e3 * chunked_s / tokens:.2f} ({100 * chunked_share:.0f}%), engine with {slots} slots "
+          f"{1e3 * engine_s / tokens:.2f} ({100 * stats.working_share:.0f}%): {static_s / engine_s:.2f}x and "
+          f"{chunked_s / engine_s:.2f}x better", flush=True)
     return r
 
 
@@ -200,7 +206,8 @@ def parse(argv):
     p.add_argument("--smoke", action="store_true", help="tiny shapes (seconds): checks the plumbing")
     p.add_argument("--flavor", default="debugmodel", help="the model of the lengths and prefill parts")
     p.add_argument("--hf_flavor", default="smollm2_135M", help="the model compared with transformers")
-    p.add_argument("--prompts", type=int, default=8, help="prompts (x G = 8 completions)")
+    p.add_argument("--prompts", type=int, default=8, help="the prefill part's prompts (x G = 8 completions)")
+    p.add_argument("--length_prompts", type=int, default=16, help="the lengths part's prompts (x G = 8)")
     p.add_argument("--slots", type=int, default=32, help="the engine's slots (grpo.generation_batch_size)")
     p.add_argument("--longest", type=int, default=128, help="the longest completion (lengths and prefill parts)")
     p.add_argument("--hf_longest", type=int, default=32, help="the longest completion against transformers")
@@ -208,7 +215,8 @@ def parse(argv):
     opts = p.parse_args(argv)
     if opts.smoke:
         opts.flavor = opts.hf_flavor = "tiny"
-        opts.prompts, opts.slots, opts.longest, opts.hf_longest, opts.prompt_len = 2, 8, 16, 8, 24
+        opts.prompts, opts.length_prompts, opts.slots = 2, 2, 8
+        opts.longest, opts.hf_longest, opts.prompt_len = 16, 8, 24
     return opts
 
 
