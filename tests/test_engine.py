@@ -54,9 +54,10 @@ def group_prompts(vocab: int, lengths=(3, 9, 17, 6), group: int = 3) -> list[lis
 @pytest.mark.parametrize("flavor", ["tiny", "tiny_mistral", "qwen3_5"])
 def test_slots_and_a_shared_prefill_give_each_completion_what_it_gives_alone(flavor):
     """4 prompts x 3 completions in 5 slots (a slot takes the next completion when its own ends, a group split over
-    admissions), the host reading every 3 steps: each completion's tokens equal, and its log-probabilities are within
-    1e-5 of, what the batch decoder gives it decoded alone with the same uniform numbers, greedy and sampled (top k
-    and top p); a prompt is prefilled once for its group (4 prefills), or once per completion (12), alike."""
+    admissions) or 12 (the prompts prefilled together, left-padded), the host reading every 3 steps: each
+    completion's tokens equal, and its log-probabilities are within 1e-5 of, what the batch decoder gives it decoded
+    alone with the same uniform numbers, greedy and sampled (top k and top p); a prompt is prefilled once for its group
+    (4 prefills), or once per completion (12), alike."""
     model = widened_model(flavor)
     prompts = group_prompts(model.args.vocab_size)
     uniforms = torch.rand(len(prompts), NEW, generator=torch.Generator().manual_seed(3))
@@ -64,9 +65,10 @@ def test_slots_and_a_shared_prefill_give_each_completion_what_it_gives_alone(fla
         cfg = GenerationConfig(max_new_tokens=NEW, temperature=temperature, top_k=60, top_p=0.95, stop_ids=STOPS,
                                keep_stop=temperature > 0, slots=5, stop_check_interval=3)
         alone = [sample(model, [p], cfg, CPU, uniforms[i:i + 1])[0] for i, p in enumerate(prompts)]
-        for share in (True, False):
+        for slots, share in ((5, True), (5, False), (12, True)):  # 12: the 4 prompts prefilled in one batch
             stats = EngineStats()
-            got = decode_slots(model, prompts, cfg, CPU, uniforms, share_prefill=share, stats=stats)
+            got = decode_slots(model, prompts, replace(cfg, slots=slots), CPU, uniforms, share_prefill=share,
+                               stats=stats)
             assert [d.tokens for d in got] == [d.tokens for d in alone]
             assert [d.stopped for d in got] == [d.stopped for d in alone]
             for d, a in zip(got, alone, strict=True):

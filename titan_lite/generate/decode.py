@@ -37,6 +37,7 @@ class GenerationConfig:
     slots: int = 0  # rows decoded together (0: all of the prompts)
     stop_check_interval: int = 8  # decode steps between the host's reads of which completions ended
     compile: bool = False  # torch.compile the decode step (CUDA graphs on CUDA)
+    prefill_batch: int = 0  # prompts prefilled together at most (0: as many as the free slots reach)
 
     @property
     def sampling(self) -> Sampling:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from titan_lite.dtensor import full_tensor
-from titan_lite.generate.decode import Decoded, GenerationConfig
+from titan_lite.generate.decode import Decoded, GenerationConfig, left_padded
 from titan_lite.generate.sampling import choose_with, chosen_logps
 from titan_lite.generate.slots import DecodeView, PrefillView, SlotCache
 
@@ -81,7 +81,11 @@ class Engine:
         n, new = len(prompts), cfg.max_new_tokens
         self.n_slots = min(cfg.slots or n, n)
         self.capacity = max(map(len, self.prompts)) + new
-        self.cache = SlotCache(model.args, self.n_slots, self.capacity, device)
+        self.pending = _groups(self.prompts, share_prefill)  # (group, prompt, its completions not started)
+        smallest = min(len(members) for _, _, members in self.pending)
+        stage_rows = min(len(self.pending), max(1, self.n_slots // smallest), cfg.prefill_batch or len(self.pending))
+        self.cache = SlotCache(model.args, self.n_slots, self.capacity, stage_rows, max(map(len, self.prompts)),
+                               device)
         self.stops = torch.tensor(cfg.stop_ids or [-1], device=device)
         spare = torch.zeros(1, new)
         drawn = spare.expand(n, new) if uniforms is None else uniforms[:, :new].float().cpu()
@@ -95,10 +99,9 @@ class Engine:
                                                                                          device=device),
                             torch.full((s,), n, dtype=torch.long, device=device),
                             torch.ones(s, dtype=torch.bool, device=device))
-        self.pending = _groups(self.prompts, share_prefill)
         self.occupant: list[int | None] = [None] * s  # host-side: completion, position and step of each slot
         self.positions, self.steps = [0] * s, [0] * s
-        self.staged: tuple[list[int], torch.Tensor] | None = None  # a group's members, its prompt's logits
+        self.staged: dict[int, tuple[int, int, torch.Tensor]] = {}  # group: staging row, first column, logits
         self.stats = EngineStats()
         self.step = self._step
         if cfg.compile:
@@ -125,34 +128,51 @@ class Engine:
         st.position.copy_((st.position + 1).clamp(max=self.capacity - 1))
         st.step.add_(1)
 
-    def prefill(self, prompt: tuple[int, ...]) -> torch.Tensor:
-        """The prompt's keys, values and states into the staging row; the logits of its next token [1, vocab]."""
+    def prefill(self, prompts: list[tuple[int, ...]]) -> torch.Tensor:
+        """The prompts' keys, values and states into the first staging rows (left-padded to the longest); the logits
+        of each one's next token [prompts, vocab]."""
         start = self._clock()
-        tokens = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        logits = full_tensor(self.model(tokens, cache=PrefillView(self.cache, len(prompt), self.device)))[:, -1]
-        self.stats.prefills += 1
-        self.stats.prefill_tokens += len(prompt)
+        tokens, real = left_padded(prompts, self.cfg.pad_id, self.device)
+        logits = full_tensor(self.model(tokens, cache=PrefillView(self.cache, real)))[:, -1]
+        self.stats.prefills += len(prompts)
+        self.stats.prefill_tokens += int(tokens.numel())
         self.stats.prefill_s += self._clock() - start
         return logits
 
     def admit(self, free: list[int]) -> None:
-        """Give free slots the next pending completions, each group's prompt prefilled once into the staging row."""
+        """Give free slots the next pending completions, the prompts of the groups they reach prefilled together
+        (at most stage_rows of them), once per group."""
         while free and self.pending:
-            prompt, members = self.pending[0]
-            if self.staged is None or self.staged[0] is not members:  # one prefill for each pending group
-                self.staged = (members, self.prefill(prompt))
+            group, prompt, members = self.pending[0]
+            if group not in self.staged:
+                self.stage(len(free))
+            stage_row, start, logits = self.staged[group]
             take, rows = members[:len(free)], free[:len(members)]
             del members[:len(take)], free[:len(take)]
             if not members:
                 self.pending.pop(0)
-            self.start_completions(take, rows, len(prompt), self.staged[1])
+            self.start_completions(take, rows, (stage_row, start, len(prompt)), logits)
 
-    def start_completions(self, take: list[int], rows: list[int], length: int, logits: torch.Tensor) -> None:
-        """Slots `rows` begin completions `take`: the staged prompt copied in, the first token drawn."""
-        dev = self.device
+    def stage(self, free: int) -> None:
+        """Prefill the pending groups `free` slots reach (at most stage_rows), replacing the staging area."""
+        groups, reach = [], 0
+        for group, prompt, members in self.pending:
+            if reach >= free or len(groups) == self.cache.stage_rows:
+                break
+            groups.append((group, prompt))
+            reach += len(members)
+        logits = self.prefill([prompt for _, prompt in groups])
+        width = max(len(prompt) for _, prompt in groups)
+        self.staged = {group: (i, width - len(prompt), logits[i:i + 1]) for i, (group, prompt) in enumerate(groups)}
+
+    def start_completions(self, take: list[int], rows: list[int], staged: tuple[int, int, int],
+                          logits: torch.Tensor) -> None:
+        """Slots `rows` begin completions `take`: the staged prompt (staging row, first column, length) copied in,
+        the first token drawn from its logits [1, vocab]."""
+        dev, length = self.device, staged[2]
         c, r = torch.tensor(take, device=dev), torch.tensor(rows, device=dev)
         start = self._clock()
-        self.cache.copy_staged(r, length)
+        self.cache.copy_staged(staged[0], r, staged[1], length)
         self.stats.prefill_s += self._clock() - start
         last = logits.expand(len(take), -1)
         out, st, sampling = self.out, self.state, self.cfg.sampling
@@ -228,14 +248,14 @@ class Engine:
         return time.perf_counter()
 
 
-def _groups(prompts: list[tuple[int, ...]], share: bool) -> list[tuple[tuple[int, ...], list[int]]]:
+def _groups(prompts: list[tuple[int, ...]], share: bool) -> list[tuple[int, tuple[int, ...], list[int]]]:
     """The completions of each distinct prompt (in order of first appearance), or one group per completion."""
     if not share:
-        return [(p, [i]) for i, p in enumerate(prompts)]
+        return [(i, p, [i]) for i, p in enumerate(prompts)]
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, p in enumerate(prompts):
         groups.setdefault(p, []).append(i)
-    return list(groups.items())
+    return [(g, p, members) for g, (p, members) in enumerate(groups.items())]
 
 
 @torch.no_grad()
