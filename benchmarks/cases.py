@@ -18,6 +18,7 @@ from benchmarks.variants import (
     PairedVariant,
     PreferenceVariant,
     RolloutFoldVariant,
+    RolloutVariant,
     TrainVariant,
     WandaVariant,
 )
@@ -344,6 +345,26 @@ def _rollout_fold() -> Case:
                        denominator_metric="apart_tokens_per_s") for v in (lora, qlora)],
                 columns=("apart_tokens_per_s", "folded_tokens_per_s", "logps_max_difference", "same_tokens",
                          "peak_rss_gib"), max_rounds=1)
+
+
+@register_case("rollout_engine")
+def _rollout_engine() -> Case:
+    """Issue 57: the rollout's decode engine (continuous batching, a group's prompt prefilled once) against today's
+    static batch and transformers' generate, on random weights (benchmarks/rollout.py)."""
+    variant = RolloutVariant("decode engine")
+    v = variant.label
+    return Case("rollout_engine", "debugmodel: 128 completions of lengths over 8x in 32 slots; 8 prompts of 200 tokens "
+                "x G = 8; SmolLM2-135M's shape at batch 64 against transformers' generate", [variant],
+                [Ratio("time per token: static batch / engine", "static_ms_per_token", v, v, target=1.6,
+                       denominator_metric="engine_ms_per_token"),
+                 Ratio("prefill time: once per completion / once per group", "unshared_prefill_s", v, v, target=4.0,
+                       denominator_metric="shared_prefill_s"),
+                 Ratio("prefill time: static batch / once per group", "static_prefill_s", v, v,
+                       denominator_metric="shared_prefill_s"),
+                 Ratio("tokens/s: engine / transformers' generate", "engine_tokens_per_s", v, v, target=1.5,
+                       denominator_metric="transformers_tokens_per_s")],
+                columns=("static_ms_per_token", "chunked_ms_per_token", "engine_ms_per_token", "engine_working_pct",
+                         "shared_prefill_s", "engine_tokens_per_s", "transformers_tokens_per_s"), max_rounds=1)
 
 
 @register_case("tiny")

@@ -359,6 +359,65 @@ def grpo(lane: Lane) -> list[Line]:
                  f"{sum(r['real_tokens']) / train:,.0f} training tokens/s")]
 
 
+@case("rollout")
+def rollout(lane: Lane) -> list[Line]:
+    """Issue 57: the rollout's decode engine on the 1B (bf16, 64 completions of lengths over 8x, 32 slots, the step
+    compiled with CUDA graphs) against the static batch, its tokens/s against vLLM's where vLLM is importable."""
+    from titan_lite.generate import GenerationConfig
+    from titan_lite.generate.engine import EngineStats, decode_slots
+
+    if not lane.cuda and not lane.smoke:
+        return [Line("rollout: skipped: no CUDA device", "skipped")]
+    from benchmarks.rollout import Workload, model_of
+
+    flavor, longest, slots = ("tiny", 16, 8) if lane.smoke else ("1B", 256, 32)
+    with torch.device(lane.device):
+        model = model_of(flavor)
+    model = model.to(torch.bfloat16 if lane.cuda else torch.float32)
+    w = Workload.draw(model.args.vocab_size, 8, 8, 128 if lane.cuda else 16, longest, 8)
+    cfg = GenerationConfig(max_new_tokens=longest, temperature=1.0, stop_ids=(w.stop,), keep_stop=True,
+                           slots=slots, compile=lane.cuda)
+    decode_slots(model, w.prompts[:slots], cfg, lane.device, w.uniforms[:slots])  # warm-up (and capture)
+    stats = EngineStats()
+    start = time.perf_counter()
+    decoded = decode_slots(model, w.prompts, cfg, lane.device, w.uniforms, stats=stats)
+    if lane.cuda:
+        torch.cuda.synchronize(lane.device)
+    tokens = sum(len(d.tokens) for d in decoded)
+    tps = tokens / (time.perf_counter() - start)
+    lines = [Line(f"rollout: {flavor}, {len(w.prompts)} completions of {min(w.lengths)}-{max(w.lengths)} tokens in "
+                  f"{slots} slots{' (compiled, CUDA graphs)' if lane.cuda else ''}: {tps:,.0f} tokens/s, "
+                  f"{100 * stats.working_share:.0f}% of slot-steps working, prefill "
+                  f"{100 * stats.prefill_s / stats.total_s:.0f}% of the rollout ({stats.prefills} prefills)")]
+    try:
+        import vllm  # noqa: F401  (optional: the GPU lane brings its wheel)
+    except ImportError:
+        return lines + [Line("rollout: vLLM skipped: vllm is not importable here", "skipped")]
+    return lines + [vllm_line(model, w, tps)]
+
+
+def vllm_line(model, w, engine_tps: float) -> Line:
+    """vLLM's tokens/s on the same weights (saved as a Hugging Face folder), prompts and lengths (ignore_eos and
+    max_tokens per completion)."""
+    import tempfile
+
+    from vllm import LLM, SamplingParams
+
+    from titan_lite.checkpoint.hf import write_hf_folder
+
+    with tempfile.TemporaryDirectory() as folder:
+        write_hf_folder(model.state_dict(), model.args, folder, torch.bfloat16, str(REPO / "assets/tokenizer"))
+        llm = LLM(folder, dtype="bfloat16", gpu_memory_utilization=0.5)
+        params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in w.lengths]
+        prompts = [{"prompt_token_ids": p} for p in w.prompts]
+        llm.generate(prompts[:8], params[:8])
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        tps = sum(w.lengths) / (time.perf_counter() - start)
+    return Line(f"rollout: vLLM {tps:,.0f} tokens/s on the same prompts and lengths: the engine "
+                f"{engine_tps / tps:.2f}x vLLM's (goal 0.7x)")
+
+
 # ------------------------------------------------------------------------------------------ MoE experts
 
 

@@ -43,7 +43,11 @@ _LABELS = {"tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "step_s": "step s", "
            "generation_s": "generation s", "scoring_s": "scoring s", "reference_s": "reference s",
            "policy_s": "policy s", "rollout_tokens_per_s": "rollout tok/s", "train_tokens_per_s": "train tok/s",
            "padding_pct": "padding %",
-           "apart_tokens_per_s": "apart tok/s", "folded_tokens_per_s": "folded tok/s", "same_tokens": "same tokens"}
+           "apart_tokens_per_s": "apart tok/s", "folded_tokens_per_s": "folded tok/s", "same_tokens": "same tokens",
+           "static_ms_per_token": "static ms/tok",
+           "chunked_ms_per_token": "chunks ms/tok", "engine_ms_per_token": "engine ms/tok",
+           "engine_working_pct": "working %", "shared_prefill_s": "prefill s", "engine_tokens_per_s": "engine tok/s",
+           "transformers_tokens_per_s": "HF tok/s"}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

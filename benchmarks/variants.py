@@ -281,3 +281,31 @@ class RolloutFoldVariant(Variant):
         return {"apart_tokens_per_s": n / sum(r["apart_s"]), "folded_tokens_per_s": n / sum(r["folded_s"]),
                 "logps_max_difference": r["max_logp_diff"], "same_tokens": float(r["same_tokens"]),
                 "peak_rss_gib": r["peak_rss_bytes"] / 2**30, "foreign_cores": foreign_cores(r)}
+
+
+@dataclass
+class RolloutVariant(Variant):
+    """The rollout's decode engine against the static batch and transformers' generate (benchmarks/rollout.py)."""
+
+    parts: str = "lengths,prefill,transformers"
+
+    def command(self, settings: Settings) -> tuple[list[str], dict[str, str]]:
+        return [sys.executable, "-m", "benchmarks.rollout", "--parts", self.parts], \
+            {"OMP_NUM_THREADS": str(settings.threads)}
+
+    def metrics(self, out: RunOutput) -> dict[str, float]:
+        r = single_result(self.label, out)
+        m = {"peak_rss_gib": r["peak_rss_bytes"] / 2**30}
+        if "lengths" in r:
+            x = r["lengths"]
+            m |= {f"{k}_ms_per_token": 1e3 * x[f"{k}_s"] / x["tokens"] for k in ("static", "chunked", "engine")}
+            m |= {"engine_working_pct": 100 * x["engine_working_share"],
+                  "static_working_pct": 100 * x["static_working_share"]}
+        if "prefill" in r:
+            x = r["prefill"]
+            m |= {k: x[k] for k in ("static_prefill_s", "unshared_prefill_s", "shared_prefill_s")}
+        if "transformers" in r:
+            x = r["transformers"]
+            m |= {"transformers_tokens_per_s": x["hf_tokens"] / x["hf_s"],
+                  "engine_tokens_per_s": x["tokens"] / min(v for k, v in x.items() if k.startswith("engine_"))}
+        return m

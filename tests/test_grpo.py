@@ -412,6 +412,8 @@ BAD_INPUTS = [
     ("sampled logprobs with nothing truncated", "'grpo.logprobs' = 'sampled' has no effect: with 'grpo.top_p' = 1 and "
      "'grpo.top_k' = 0 the sampled distribution is the full one; set top_p < 1 or top_k, or logprobs = 'full'",
      ["--grpo.logprobs", "sampled"], QUESTION),
+    ("a stop check interval below 1", "'grpo.stop_check_interval' must be at least 1, got 0",
+     ["--grpo.stop_check_interval", "0"], QUESTION),
     ("pipeline parallelism", "'training.dataset' = 'prompts' does not run under pipeline parallelism",
      ["--parallelism.pipeline_parallel_degree", "2"], QUESTION),
     ("grpo settings without prompts", "'grpo.beta' = 0.1 has no effect: [grpo] is read only when 'training.dataset' or "

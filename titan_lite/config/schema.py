@@ -777,8 +777,9 @@ class Grpo:
         "drawn from, truncated by top_k / top_p and renormalised (the importance ratio is exactly on-policy; needs "
         "top_p < 1 or top_k). The KL term's reference keeps its full tempered distribution.")
     generation_batch_size: int = opt(
-        0, "Completions a rank decodes together (their KV cache is held at once); 0 = all of its completions of the "
-        "step (local_batch_size x gradient accumulation).")
+        0, "Completions a rank decodes together (their KV cache is held at once): the decode engine's slots, each "
+        "taking the next pending completion when its own ends; 0 = all of its completions of the step "
+        "(local_batch_size x gradient accumulation).")
     gather_once: Literal["auto", "always", "never"] = opt(
         "auto", "Under FSDP: all-gather every layer's weights once per rollout and keep them gathered while it decodes "
         "(always), or layer by layer in every decode step as training does (never); auto gathers once where the "
@@ -787,6 +788,12 @@ class Grpo:
         True, "Fold the adapters (LoRA, DoRA) into their base weights for each rollout and restore the base bit for "
         "bit after it, so decoding runs the base's matmuls only; done where it is exact (float32 weights and compute), "
         "the log says where not (QLoRA's NF4 base, bfloat16).")
+    stop_check_interval: int = opt(
+        8, "Decode steps between the rollout's reads of which completions have ended (the only host syncs while "
+        "decoding); a slot that ended meanwhile idles until the read, which changes no result.")
+    compile_generation: bool = opt(
+        False, "torch.compile the rollout's decode step whole (static shapes, the cache preallocated; CUDA graphs "
+        "with mode reduce-overhead on CUDA). One process only: sharded layouts decode eagerly.")
     loss_type: Literal["dapo", "grpo", "dr_grpo"] = opt(
         "dapo", "How token losses become the loss (TRL's): dapo sums them over the step's completions and divides by "
         "their count of completion tokens; grpo averages each completion's tokens, then the completions; dr_grpo "

@@ -438,6 +438,7 @@ def check_grpo(cfg: JobConfig) -> None:
     for key in ("top_k", "generation_batch_size", "length_penalty_buffer"):
         _at_least(cfg, f"grpo.{key}", 0)
     _at_least(cfg, "grpo.num_iterations", 1)
+    _at_least(cfg, "grpo.stop_check_interval", 1)
     _require(0 <= g.epsilon < 1, f"'grpo.epsilon' must be in [0, 1), got {g.epsilon}")
     _require(g.epsilon_high is None or g.epsilon_high >= 0,
              f"'grpo.epsilon_high' must be at least 0, got {g.epsilon_high}")

@@ -33,6 +33,11 @@ class GenerationConfig:
     seed: int = 0  # of the uniform numbers the samples are drawn with, unless they are given
     keep_stop: bool = False  # the stop token ends the row's tokens (RL trains on it); else it is not returned
     logprobs: str = "full"  # the returned log-probabilities' distribution: full tempered, or "sampled" (truncated)
+    # the decode engine's (generate/engine.py; `sample` decodes `slots` rows at a time where it is not used)
+    slots: int = 0  # rows decoded together (0: all of the prompts)
+    stop_check_interval: int = 8  # decode steps between the host's reads of which completions ended
+    compile: bool = False  # torch.compile the decode step (CUDA graphs on CUDA)
+    prefill_batch: int = 0  # prompts prefilled together at most (0: as many as the free slots reach)
 
     @property
     def sampling(self) -> Sampling:

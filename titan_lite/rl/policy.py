@@ -1,15 +1,19 @@
 """The policy as rollouts see it: one narrow interface (sample these prompts) over the trained model itself, its
-forward run as training runs it (the runner's context: autocast, loss parallel) and in lockstep with the other ranks
-of its layout (FSDP gathers layer by layer in every decode step, TP's collectives pair up)."""
+forward run as training runs it (the runner's context: autocast, loss parallel): on one process by the decode engine
+(generate/engine.py: continuous batching, a group's prompt prefilled once), and in lockstep with the other ranks of a
+sharded layout (FSDP gathers layer by layer in every decode step, TP's collectives pair up) by batches of cfg.slots
+completions decoded together (generate/decode.py)."""
 
 import contextlib
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Protocol
 
 import torch
 from torch import nn
 
 from titan_lite.generate import Decoded, GenerationConfig, Lockstep, sample
+from titan_lite.generate.engine import decode_slots
 from titan_lite.parallel.parallel_dims import ParallelDims
 
 
@@ -38,4 +42,22 @@ class ModelPolicy:
     def sample(self, prompts: Sequence[Sequence[int]], cfg: GenerationConfig, uniforms: torch.Tensor | None = None,
                on_step: Callable[[float], None] | None = None) -> list[Decoded]:
         with self.context():
-            return sample(self.model, prompts, cfg, self.device, uniforms, self.lockstep, on_step=on_step)
+            if self.lockstep is None:
+                return decode_slots(self.model, prompts, cfg, self.device, uniforms, on_step=on_step)
+            return self.lockstep_sample(prompts, cfg, uniforms, on_step)
+
+    def lockstep_sample(self, prompts: Sequence[Sequence[int]], cfg: GenerationConfig, uniforms: torch.Tensor | None,
+                        on_step: Callable[[float], None] | None) -> list[Decoded]:
+        """Batches of cfg.slots completions (0: all), every rank's forwards paired; on_step: the share done."""
+        size = cfg.slots or len(prompts)
+        out: list[Decoded] = []
+        for start in range(0, len(prompts), size):
+            chunk = prompts[start:start + size]
+            share = None if on_step is None else partial(_batch_share, on_step, start, len(chunk), len(prompts))
+            out += sample(self.model, chunk, cfg, self.device, None if uniforms is None else
+                          uniforms[start:start + size], self.lockstep, on_step=share)
+        return out
+
+
+def _batch_share(on_step: Callable[[float], None], start: int, size: int, total: int, share: float) -> None:
+    on_step((start + size * share) / total)

@@ -59,7 +59,8 @@ def generation_config(cfg: JobConfig, stop_ids: tuple[int, ...], pad_id: int, gr
     g = cfg.grpo
     return GenerationConfig(max_new_tokens=g.max_completion_length, temperature=0.0 if greedy else g.temperature,
                             top_k=g.top_k or None, top_p=g.top_p, stop_ids=stop_ids, pad_id=pad_id, keep_stop=True,
-                            logprobs=g.logprobs)
+                            logprobs=g.logprobs, slots=g.generation_batch_size,
+                            stop_check_interval=g.stop_check_interval, compile=g.compile_generation)
 
 
 def length_multiple(cfg: JobConfig) -> int:
@@ -74,7 +75,6 @@ def length_multiple(cfg: JobConfig) -> int:
 class RolloutSettings:
     group: int
     generation: GenerationConfig
-    generation_batch: int  # completions a rank decodes together (0: all of its completions of the step)
     scale_rewards: str
     iterations: int
     packing: bool
@@ -85,8 +85,8 @@ class RolloutSettings:
     @classmethod
     def of(cls, cfg: JobConfig, stop_ids: tuple[int, ...], pad_id: int, seed: int) -> "RolloutSettings":
         g = cfg.grpo
-        return cls(g.num_generations, generation_config(cfg, stop_ids, pad_id), g.generation_batch_size,
-                   g.scale_rewards, g.num_iterations, g.packing, cfg.training.seq_len, length_multiple(cfg), seed)
+        return cls(g.num_generations, generation_config(cfg, stop_ids, pad_id), g.scale_rewards, g.num_iterations,
+                   g.packing, cfg.training.seq_len, length_multiple(cfg), seed)
 
 
 @dataclass
@@ -256,15 +256,11 @@ class RolloutSource:
         return rollout
 
     def sample(self, prompt_ids: list[list[int]], uniforms: torch.Tensor) -> list[Decoded]:
-        """This rank's completions, generation_batch at a time, with progress lines for long rollouts."""
-        size = self.s.generation_batch or len(prompt_ids)
+        """This rank's completions (grpo.generation_batch_size decoded together), with progress lines for long
+        rollouts."""
         progress = Progress("rollout: generating", len(prompt_ids), "completions on this rank")
-        out: list[Decoded] = []
-        for start in range(0, len(prompt_ids), size):
-            chunk = prompt_ids[start:start + size]
-            out += self.policy.sample(chunk, self.s.generation, uniforms[start:start + size],
-                                      on_step=partial(batch_progress, progress, start, len(chunk)))
-        return out
+        return self.policy.sample(prompt_ids, self.s.generation, uniforms,
+                                  on_step=partial(batch_progress, progress, 0, len(prompt_ids)))
 
     def scored(self, prompts: list[Prompt], records: list[tuple]) -> Rollout:
         """The rollout of every rank's records (index, tokens, logps, stopped, scores): advantages and metrics."""
