@@ -199,10 +199,13 @@ class SumGradients(ParallelStyle):
 
 
 def _gradients_summed(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-    return tuple(_SumGradOverGroup.apply(t, mesh.get_group()) for t in inputs)
+    return tuple(SumGradOverGroup.apply(t, mesh.get_group()) for t in inputs)
 
 
-class _SumGradOverGroup(torch.autograd.Function):
+class SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over a process group (the TP group: each rank's activations
+    give only its share of a replicated parameter's gradient)."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group

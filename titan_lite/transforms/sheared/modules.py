@@ -14,7 +14,6 @@ heads, channels and sequence shard).
 """
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -23,6 +22,7 @@ from titan_lite.models.parts.attention import Attention
 from titan_lite.models.parts.block import TransformerBlock
 from titan_lite.models.parts.feed_forward import FeedForward
 from titan_lite.models.parts.norms import RMSNorm
+from titan_lite.parallel.tensor_parallel import SumGradOverGroup
 from titan_lite.transforms.sheared import gates
 from titan_lite.transforms.sheared.targets import KINDS, Targets
 
@@ -115,22 +115,6 @@ class ShearedBlock(TransformerBlock):
         return out
 
 
-class _SumGradOverGroup(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over a process group (the TP group: each rank's activations
-    give only its share of a replicated gate's gradient)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 class ShearedGates(nn.Module):
     """The gate logits (log_alpha) of the pruned types and the Lagrange multipliers: `lambdas[k] = (lambda1,
     lambda2)` of KINDS[k]. A root-level module: its parameters live in the root FSDP unit, replicated over TP."""
@@ -170,7 +154,7 @@ class ShearedGates(nn.Module):
             return self.fixed
         log_alphas = self.log_alphas()
         if self.tp_size > 1 and torch.is_grad_enabled():
-            log_alphas = {k: _SumGradOverGroup.apply(v, self.tp_group) for k, v in log_alphas.items()}
+            log_alphas = {k: SumGradOverGroup.apply(v, self.tp_group) for k, v in log_alphas.items()}
         if self.training:
             if not self.noise:
                 raise RuntimeError("sheared gates: draw_noise(step) must run before a training forward")
