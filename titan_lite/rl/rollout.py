@@ -313,5 +313,8 @@ def build_rollout_source(cfg: JobConfig, tokenizer, layout: BatchLayout, policy:
     prompts = build_prompt_source(cfg, "training", tokenizer, infinite=True)
     pad_id = tokenizer.pad_id if tokenizer.pad_id >= 0 else max(tokenizer.eos_id, 0)
     settings = RolloutSettings.of(cfg, prompts.encoder.stop_ids(), pad_id, seed)
+    if dims.world_size > 1 and cfg.grpo.compile_generation:
+        logger.warning("grpo.compile_generation has no effect on a sharded layout: its rollouts decode eagerly with "
+                       "the batch decoder (the decode engine runs on one process only)")
     return RolloutSource(settings, prompts, Rewards(cfg.grpo), policy, layout, data_parallel_gather(dims),
                          tokenizer.decode)
