@@ -7,6 +7,7 @@ same 8 sequences per step.
 """
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -125,6 +126,8 @@ def test_tied_embeddings_fsdp2_matches_one_process(tmp_path):
     two = run_train([*common, "--training.local_batch_size", "4"], tmp_path / "two", ngpu=2)
     assert one.returncode == 0 and two.returncode == 0, (one.output + two.output)[-3000:]
     assert "parameters (328,256 held by rank 0)" in one.output, one.output[-2000:]  # the shared matrix once
+    held = int(re.search(r"parameters \(([\d,]+) held by rank 0\)", two.output).group(1).replace(",", ""))
+    assert 328_256 // 2 <= held < 328_256, two.output[-2000:]  # FSDP 2: rank 0 holds its half (rounded up per shard)
     reference = one.tb_losses()
     assert sorted(reference) == [1, 2, 3]
     assert_losses_close(two, reference, ATOL)

@@ -12,6 +12,7 @@ from torch import nn
 from titan_lite.checkpoint.manager import load_initial_weights
 from titan_lite.checkpoint.resume import LoadPlan
 from titan_lite.data.datasets import build_packed_source
+from titan_lite.dtensor import local_tensor
 from titan_lite.job.plan import JobPlan
 from titan_lite.loss import build_loss_fn
 from titan_lite.models.decoder import Llama
@@ -31,7 +32,8 @@ class BuiltModel:
     pipeline: PipelineRunner | None
 
     def param_count(self) -> int:
-        return sum(p.numel() for m in self.parts for p in m.parameters())
+        """Parameters this rank holds: a sharded parameter's local piece, not its global size."""
+        return sum(local_tensor(p).numel() for m in self.parts for p in m.parameters())
 
 
 def build_parts(plan: JobPlan, device: torch.device, loss_fn: Callable,
