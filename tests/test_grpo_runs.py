@@ -218,12 +218,15 @@ def test_dry_run_plans_the_cpu_example_on_two_ranks_with_a_held_reference(tmp_pa
         "--grpo.beta", "0.04", "--grpo.reference", str(tmp_path / "ref"), "--grpo.reference_flavor", "debugmodel",
         "--dry_run.device_memory_gib", "8"])
     assert code == 5, out + err  # the SFT model, the reference and the data are not there yet: the checklist
-    assert ("grpo rollouts: 16 prompts x 8 completions = 128 per step, 64 sampled on each data-parallel rank, 64 "
-            "decoded together: a KV cache of 65 slots each (prompts up to 45 tokens + 20 new)") in out
+    assert ("grpo rollouts: 16 prompts x 8 completions = 128 per step, 64 sampled on each data-parallel rank, decoded "
+            "by the decode engine in 64 slots, in lockstep with the other ranks unless FSDP's weights are gathered "
+            "once and nothing else shards the forward: a cache of 65 columns each (prompts up to 45 tokens + 20 new) "
+            "and a staging area of 8 prompt(s) for a group's prefill") in out
     assert ("grpo: loss dapo, clip [1 - 0.2, 1 + 0.2], beta 0.04 x k3 KL, temperature 1; reference: debugmodel "
             "from") in out
     assert "reference 3,081,856 local x bfloat16 (frozen)" in out  # half of the reference's weights, on each rank
     assert "reference: 2 all-gathered groups during its forward; grpo: per-token values and log-probability row " \
            "blocks" in out
     rollout = out.split("each step's rollout (generation with the KV cache), per device:")[1]
-    assert "kv cache" in rollout and "verdict: fits" in rollout and "dry run OK: 2 ranks" in out
+    assert "kv cache" in rollout and "staging" in rollout and "verdict: fits" in rollout
+    assert "dry run OK: 2 ranks" in out

@@ -11,17 +11,28 @@ completion decoded alone, greedy and sampled).
 
 Between checks a slot whose completion has ended keeps stepping (its writes go to a spare row of the outputs), so the
 results are those of a check every step; at a check the ended slots take the next pending completions: the staging
-row holds the last prompt prefilled, copied (keys, values, Gated DeltaNet conv windows and states) into the slots."""
+row holds the last prompt prefilled, copied (keys, values, Gated DeltaNet conv windows and states) into the slots.
+
+On a sharded layout whose forward issues collectives (FSDP gathering layer by layer, TP, CP, EP) a `Lockstep` makes
+every rank run the same forwards in the same order, whatever its own work: at each check the ranks agree (one
+all-reduce MAX) on whether any still has work and on the most decode steps any has left before its next check, and
+all of them run that many steps (a rank without work steps its idle slots); each prefill is preceded by an
+all-reduce of "I prefill", and a rank with nothing to prefill runs an idle prefill (one padding token, into a
+scratch cache) for each one another rank runs, until none wants one. The ranks of one TP or CP group hold the same
+prompts and draws, so they take the same decisions and shapes; forwards of ranks that share only FSDP's all-gathers
+may differ in shape (the gathers do not). With TP every forward is a multiple of the TP degree long (sequence
+parallelism splits it): a decode step feeds each slot's token after TP - 1 padding tokens."""
 
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from titan_lite.dtensor import full_tensor
-from titan_lite.generate.decode import Decoded, GenerationConfig, left_padded
+from titan_lite.generate.decode import Decoded, GenerationConfig, Lockstep, left_padded
 from titan_lite.generate.sampling import choose_with, chosen_logps
 from titan_lite.generate.slots import DecodeView, PrefillView, SlotCache
 
@@ -31,13 +42,16 @@ COLUMN_BUCKET = 64  # an eager step attends over the columns in use, rounded up 
 @dataclass
 class EngineStats:
     """What a rollout's decoding did: decode steps, slot-steps run and those that produced a token, prefills (and
-    their tokens) and the seconds of both phases (the device synchronised around each prefill when `timed`)."""
+    their tokens), idle prefills (a lockstep's, for another rank's), and the seconds of both phases (the device
+    synchronised around each prefill when `timed`)."""
 
     decode_steps: int = 0
     slot_steps: int = 0
     working_slot_steps: int = 0
     prefills: int = 0
     prefill_tokens: int = 0
+    prefill_forwards: int = 0
+    idle_prefills: int = 0
     prefill_s: float = 0.0
     total_s: float = 0.0
 
@@ -71,12 +85,14 @@ class _Outputs:
 
 
 class Engine:
-    """Decodes a list of prompts (equal prompts share one prefill) in `cfg.slots` slots (0: one per completion)."""
+    """Decodes a list of prompts (equal prompts share one prefill) in `cfg.slots` slots (0: one per completion), in
+    lockstep with the other ranks when given one."""
 
     def __init__(self, model: nn.Module, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
                  device: torch.device, uniforms: torch.Tensor | None, share_prefill: bool = True,
-                 timed: bool = False):
-        self.model, self.cfg, self.device, self.timed = model, cfg, device, timed
+                 timed: bool = False, lockstep: Lockstep | None = None):
+        self.model, self.cfg, self.device, self.timed, self.lockstep = model, cfg, device, timed, lockstep
+        self.width = lockstep.multiple if lockstep is not None else 1  # every forward's length divides by it
         self.prompts = [tuple(p) for p in prompts]
         n, new = len(prompts), cfg.max_new_tokens
         self.n_slots = min(cfg.slots or n, n)
@@ -84,8 +100,9 @@ class Engine:
         self.pending = _groups(self.prompts, share_prefill)  # (group, prompt, its completions not started)
         smallest = min(len(members) for _, _, members in self.pending)
         stage_rows = min(len(self.pending), max(1, self.n_slots // smallest), cfg.prefill_batch or len(self.pending))
-        self.cache = SlotCache(model.args, self.n_slots, self.capacity, stage_rows, max(map(len, self.prompts)),
-                               device)
+        stage_width = -(-max(map(len, self.prompts)) // self.width) * self.width
+        self.cache = SlotCache(model.args, self.n_slots, self.capacity, stage_rows, stage_width, device)
+        self.scratch: SlotCache | None = None  # an idle prefill's
         self.stops = torch.tensor(cfg.stop_ids or [-1], device=device)
         spare = torch.zeros(1, new)
         drawn = spare.expand(n, new) if uniforms is None else uniforms[:, :new].float().cpu()
@@ -94,6 +111,7 @@ class Engine:
                             torch.zeros(n + 1, dtype=torch.bool, device=device),
                             torch.cat([drawn, spare]).to(device))
         s = self.n_slots
+        self.lead = torch.full((s, self.width - 1), cfg.pad_id, dtype=torch.long, device=device)
         self.state = _Slots(torch.full((s,), cfg.pad_id, dtype=torch.long, device=device),
                             torch.zeros(s, dtype=torch.long, device=device), torch.zeros(s, dtype=torch.long,
                                                                                          device=device),
@@ -115,7 +133,9 @@ class Engine:
         or max_new_tokens. No host sync."""
         st, out, cfg = self.state, self.out, self.cfg
         new, spare = cfg.max_new_tokens, out.lengths.shape[0] - 1
-        logits = full_tensor(self.model(st.token[:, None], cache=DecodeView(self.cache, st.position, end)))[:, -1]
+        tokens = torch.cat([self.lead, st.token[:, None]], dim=1)
+        view = DecodeView(self.cache, st.position, end, self.width)
+        logits = full_tensor(self.model(tokens, cache=view))[:, -1]
         index = st.step.clamp(max=new - 1)
         chosen, probs = choose_with(logits, cfg.sampling, out.uniforms[st.completion, index])
         logps = chosen_logps(logits, chosen, cfg.sampling, probs)
@@ -131,9 +151,12 @@ class Engine:
     def prefill(self, prompts: list[tuple[int, ...]]) -> torch.Tensor:
         """The prompts' keys, values and states into the first staging rows (left-padded to the longest); the logits
         of each one's next token [prompts, vocab]."""
+        if self.lockstep is not None:
+            self.agree(wants_prefill=True)
         start = self._clock()
-        tokens, real = left_padded(prompts, self.cfg.pad_id, self.device)
-        logits = full_tensor(self.model(tokens, cache=PrefillView(self.cache, real)))[:, -1]
+        tokens, real = left_padded(prompts, self.cfg.pad_id, self.device, self.width)
+        logits = full_tensor(self.model(tokens, cache=PrefillView(self.cache, real, self.width == 1)))[:, -1]
+        self.stats.prefill_forwards += 1
         self.stats.prefills += len(prompts)
         self.stats.prefill_tokens += int(tokens.numel())
         self.stats.prefill_s += self._clock() - start
@@ -189,33 +212,62 @@ class Engine:
 
     def run(self, on_step: Callable[[float], None] | None = None) -> list[Decoded]:
         begin = time.perf_counter()
-        n, new, every = len(self.prompts), self.cfg.max_new_tokens, max(self.cfg.stop_check_interval, 1)
+        n, every = len(self.prompts), max(self.cfg.stop_check_interval, 1)
         self.admit(list(range(self.n_slots)))
         if self.cfg.compile and self.device.type == "cuda":  # what the CUDA graph reads and writes stays in place
             for t in [*self.cache.tensors(), *vars(self.state).values(), *vars(self.out).values()]:
                 torch._dynamo.mark_static_address(t)
-        since_check, finished = 0, 0
-        while any(o is not None for o in self.occupant):
-            if since_check >= every or all(o is None or s >= new for o, s in zip(self.occupant, self.steps,
-                                                                                   strict=True)):
-                finished += self.check()
-                since_check = 0
-                if on_step is not None:
-                    on_step(finished / n)
-                continue
-            self.step(self.capacity if self.cfg.compile else self.columns())
-            self.stats.decode_steps += 1
-            self.stats.slot_steps += self.n_slots
-            for row, o in enumerate(self.occupant):
-                if o is not None:
-                    self.positions[row] = min(self.positions[row] + 1, self.capacity - 1)
-                    self.steps[row] += 1
-            since_check += 1
+        finished = 0
+        while True:
+            busy, left = self.settle()
+            if not busy:
+                break
+            for _ in range(min(every, left)):
+                self.step(self.capacity if self.cfg.compile else self.columns())
+                self.stats.decode_steps += 1
+                self.stats.slot_steps += self.n_slots
+                for row, o in enumerate(self.occupant):
+                    if o is not None:
+                        self.positions[row] = min(self.positions[row] + 1, self.capacity - 1)
+                        self.steps[row] += 1
+            finished += self.check()
+            if on_step is not None:
+                on_step(finished / n)
         decoded = self.results()
         self.stats.working_slot_steps = sum(len(d.tokens) + (d.stopped and not self.cfg.keep_stop) for d in decoded) \
             - n
         self.stats.total_s = time.perf_counter() - begin
         return decoded
+
+    def settle(self) -> tuple[bool, int]:
+        """(whether any completion is still decoding, the decode steps until the longest of them reaches
+        max_new_tokens): this rank's, or under a lockstep every rank's, once this rank's admissions are made and every
+        rank's prefills are run (an idle prefill for each one another rank runs)."""
+        new = self.cfg.max_new_tokens
+        left = [new - s for o, s in zip(self.occupant, self.steps, strict=True) if o is not None]
+        busy, most = bool(left), max(left, default=0)
+        if self.lockstep is None:
+            return busy, most
+        while True:
+            prefill, busy_anywhere, most_anywhere = self.agree(False, busy, most)
+            if not prefill:
+                return busy_anywhere, most_anywhere
+            self.idle_prefill()
+
+    def agree(self, wants_prefill: bool, busy: bool = False, left: int = 0) -> list[int]:
+        """The lockstep's one all-reduce MAX of (this rank prefills next, has a completion decoding, steps left)."""
+        flags = torch.tensor([int(wants_prefill), int(busy), left], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.lockstep.group)
+        return flags.tolist()
+
+    def idle_prefill(self) -> None:
+        """A prefill forward of one padding token into a scratch cache: the collectives of another rank's prefill,
+        nothing kept."""
+        if self.scratch is None:
+            self.scratch = SlotCache(self.model.args, 1, self.width, 1, self.width, self.device)
+        tokens, real = left_padded([[self.cfg.pad_id]], self.cfg.pad_id, self.device, self.width)
+        full_tensor(self.model(tokens, cache=PrefillView(self.scratch, real, self.width == 1)))
+        self.stats.idle_prefills += 1
 
     def check(self) -> int:
         """The host reads which slots are done (one sync), frees them and admits pending completions; returns how
@@ -229,7 +281,7 @@ class Engine:
         return ended
 
     def columns(self) -> int:
-        used = max(p for p, o in zip(self.positions, self.occupant, strict=True) if o is not None) + 1
+        used = max((p for p, o in zip(self.positions, self.occupant, strict=True) if o is not None), default=0) + 1
         return min(-(-used // COLUMN_BUCKET) * COLUMN_BUCKET, self.capacity)
 
     def results(self) -> list[Decoded]:
@@ -261,10 +313,11 @@ def _groups(prompts: list[tuple[int, ...]], share: bool) -> list[tuple[int, tupl
 @torch.no_grad()
 def decode_slots(model: nn.Module, prompts: Sequence[Sequence[int]], cfg: GenerationConfig, device: torch.device,
                  uniforms: torch.Tensor | None = None, on_step: Callable[[float], None] | None = None,
-                 share_prefill: bool = True, stats: EngineStats | None = None, timed: bool = False
-                 ) -> list[Decoded]:
-    """decode.sample's rows, decoded by the Engine (no lockstep: one process, or ranks that share no forward);
-    `on_step(fraction)` at every check: the share of completions ended; `stats` is filled in when given."""
+                 share_prefill: bool = True, stats: EngineStats | None = None, timed: bool = False,
+                 lockstep: Lockstep | None = None) -> list[Decoded]:
+    """decode.sample's rows, decoded by the Engine (`lockstep`: with the ranks whose forwards share collectives;
+    None: one process, or ranks that share none); `on_step(fraction)` at every check: the share of completions
+    ended; `stats` is filled in when given."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if uniforms is None and not cfg.sampling.greedy:
@@ -272,7 +325,7 @@ def decode_slots(model: nn.Module, prompts: Sequence[Sequence[int]], cfg: Genera
     was_training = model.training
     model.eval()
     try:
-        engine = Engine(model, prompts, cfg, device, uniforms, share_prefill, timed)
+        engine = Engine(model, prompts, cfg, device, uniforms, share_prefill, timed, lockstep)
         if cfg.compile:
             decoded = engine.run(on_step)
         else:  # compiled training blocks run eagerly here: the steps' shapes would recompile them

@@ -54,12 +54,11 @@ class SlotCache:
 
 class PrefillView:
     """A batch of left-padded prompts [batch, width] into the first staging rows, from an empty cache: each token
-    attends to its own prompt's tokens up to itself (within a window)."""
+    attends to its own prompt's tokens up to itself (within a window). `last_only` False: every position's logits
+    (sequence parallelism holds the sequence in pieces, the last one's on the last rank)."""
 
-    last_only = True
-
-    def __init__(self, cache: SlotCache, real: torch.Tensor):
-        self.cache, self.real = cache, real
+    def __init__(self, cache: SlotCache, real: torch.Tensor, last_only: bool = True):
+        self.cache, self.real, self.last_only = cache, real, last_only
         self.positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)
         width = real.shape[1]
         causal = torch.ones(width, width, dtype=torch.bool, device=real.device).tril()
@@ -113,17 +112,18 @@ class PrefillLayer:
 
 
 class DecodeView:
-    """One token per slot [slots, 1] at each slot's own position, written into column `position` of its row;
-    attention over the first `end` columns (the whole capacity for a compiled step: one static shape)."""
+    """One token per slot at each slot's own position, written into column `position` of its row; attention over
+    the first `end` columns (the whole capacity for a compiled step: one static shape). `width` > 1 (a sequence
+    parallel degree): each slot's token comes last in [slots, width], after width - 1 padding tokens that are
+    cached nowhere and whose outputs are dropped (their queries see the slot's columns, so nothing is NaN)."""
 
-    last_only = True
-
-    def __init__(self, cache: SlotCache, positions: torch.Tensor, end: int):
-        self.cache, self.end = cache, end
-        self.positions = positions  # [slots]
+    def __init__(self, cache: SlotCache, positions: torch.Tensor, end: int, width: int = 1):
+        self.cache, self.end, self.last_only = cache, end, width == 1
+        self.positions = positions[:, None].expand(-1, width)  # [slots, width]
         columns = torch.arange(end, device=positions.device)
         self.masks = {w: _visible(positions[:, None], columns, w)[:, None] for w in set(cache.windows)}
-        self.real = torch.ones(positions.shape[0], 1, dtype=torch.bool, device=positions.device)
+        self.real = torch.zeros(positions.shape[0], width, dtype=torch.bool, device=positions.device)
+        self.real[:, -1] = True
         self.slot_ids = torch.arange(positions.shape[0], device=positions.device)
 
     def layer(self, layer_id: int) -> "DecodeLayer":
@@ -138,10 +138,10 @@ class DecodeLayer:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         view, c = self.view, self.view.cache
-        q, k, v = _rotated(c, self.layer_id, view.positions[:, None], q, k, v)
+        q, k, v = _rotated(c, self.layer_id, view.positions, q, k, v)
         keys, values = c.keys[self.layer_id], c.values[self.layer_id]
-        keys[view.slot_ids, :, view.positions] = k[:, :, 0]
-        values[view.slot_ids, :, view.positions] = v[:, :, 0]
+        keys[view.slot_ids, :, view.positions[:, -1]] = k[:, :, -1]
+        values[view.slot_ids, :, view.positions[:, -1]] = v[:, :, -1]
         end = view.end
         return _attention(q, keys[:, :, :end], values[:, :, :end], view.masks[c.windows[self.layer_id]], sinks)
 

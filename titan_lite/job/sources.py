@@ -4,8 +4,8 @@ model being trained, sampled through the policy interface)."""
 
 import contextlib
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -49,9 +49,12 @@ def reads_prompts(cfg: JobConfig, section: str) -> bool:
 
 
 def policy_of(runner: ModelRunner, device: torch.device, dims: ParallelDims,
-              context: Callable[[], contextlib.AbstractContextManager] | None = None) -> ModelPolicy:
-    """The model being trained as a policy: its forward as training runs it, in lockstep with its layout's ranks."""
-    return ModelPolicy(runner.model_parts[0], device, lockstep_for(dims), context or runner.context)
+              weights: "RolloutWeights | None" = None) -> ModelPolicy:
+    """The model being trained as a policy: its forward as training runs it (in the rollout's weights when given),
+    in lockstep with its layout's ranks where that forward issues collectives."""
+    if weights is None:
+        return ModelPolicy(runner.model_parts[0], device, partial(lockstep_for, dims), runner.context)
+    return ModelPolicy(runner.model_parts[0], device, lambda: lockstep_for(dims, bool(weights.gather)), weights)
 
 
 class RolloutWeights:

@@ -1,7 +1,7 @@
 """DRY_RUN's share of GRPO: the lines naming the loss, the rollout batch and the packed training batch; the memory a
 held reference and the rollouts' per-token values add to the training step; and each step's rollout as a pass of its
-own (the policy's weights and optimizer state, the KV cache of a generation batch, a prefill's working set and the
-decode step's logits: generation and the training forwards never hold their memory together)."""
+own (the policy's weights and optimizer state, the decode engine's slot cache and staging area, a prefill's working
+set and the decode step's logits: generation and the training forwards never hold their memory together)."""
 
 from collections.abc import Callable
 
@@ -43,15 +43,18 @@ def grpo_lines(plan: JobPlan, reference: JobPlan | None) -> list[str]:
         where = (f"reference: {reference.cfg.model.flavor} from '{g.reference}', {reference.full_param_count():,} "
                  f"parameters in {reference.cfg.training.dtype}, frozen, sharded like the policy")
     per_rank, together = rollout_rows(cfg, dims)
-    prompt, slots = cache_capacity(cfg, dims.tp)
-    cache = rollout_memory(cfg, plan.model_args, dims.tp, together, compute_bytes(cfg)[0]).cache / GIB
+    prompt, columns = cache_capacity(cfg, dims.tp)
+    m = rollout_memory(cfg, plan.model_args, dims.tp, together, compute_bytes(cfg)[0])
+    how = "" if dims.world_size == 1 else (", in lockstep with the other ranks unless FSDP's weights are gathered "
+                                           "once and nothing else shards the forward")
     layout = (f"packed whole into windows of seq_len + 1 = {cfg.training.seq_len + 1:,} tokens (block-causal)"
               if g.packing else "one per row, padded to the longest of the microbatch")
     return [f"grpo: {loss_spec(cfg).describe()}; {where}",
             f"grpo rollouts: {plan.global_batch_size // g.num_generations} prompts x {g.num_generations} completions "
-            f"= {plan.global_batch_size} per step, {per_rank} sampled on each data-parallel rank, {together} decoded "
-            f"together: a KV cache of {slots:,} slots each (prompts up to {prompt:,} tokens + "
-            f"{g.max_completion_length:,} new{f' x tp {dims.tp}' if dims.tp > 1 else ''}), {cache:.2f} GiB per device",
+            f"= {plan.global_batch_size} per step, {per_rank} sampled on each data-parallel rank, decoded by the "
+            f"decode engine in {together} slots{how}: a cache of {columns:,} columns each (prompts up to {prompt:,} "
+            f"tokens + {g.max_completion_length:,} new) and a staging area of {m.staged} prompt(s) for a group's "
+            f"prefill, {(m.cache + m.stage) / GIB:.2f} GiB per device",
             f"grpo training batch: microbatches of {cfg.training.local_batch_size} completions, their prompt + "
             f"completion sequences {layout}; each label's sampling log-probability and advantage ride along "
             f"(float32); {g.num_iterations} optimizer step(s) per rollout"]
@@ -79,7 +82,10 @@ def grpo_passes(plan: JobPlan):
         m = rollout_memory(cfg, plan.model_args, dims.tp, rollout_rows(cfg, dims)[1], c)
         kept = estimate.parameters + estimate.optimizer + estimate.buffers
         rows = [f"  {'training':<12}{kept / GIB:9.2f} GiB  parameters, optimizer state and buffers, kept",
-                f"  {'kv cache':<12}{m.cache / GIB:9.2f} GiB  {m.together} completions x {m.slots:,} slots",
+                f"  {'kv cache':<12}{m.cache / GIB:9.2f} GiB  the decode engine's {m.together} slots x {m.slots:,} "
+                "columns",
+                f"  {'staging':<12}{m.stage / GIB:9.2f} GiB  {m.staged} prompt(s) prefilled once for their group's "
+                "completions",
                 f"  {'prefill':<12}{m.prefill / GIB:9.2f} GiB  a layer's working set over {m.prompt_tokens:,} prompt "
                 "tokens and its attention mask, no gradients",
                 f"  {'decode':<12}{m.logits / GIB:9.2f} GiB  the next token's logits and its float32 distribution"]

@@ -1,6 +1,7 @@
-"""A rollout's memory on one rank beside the training state it keeps: the KV cache of the completions decoded
-together, a prefill's working set and the decode step's logits (DRY_RUN's rollout pass, and the run's choice of
-gathering FSDP's weights once per rollout)."""
+"""A rollout's memory on one rank beside the training state it keeps, as the decode engine (generate/engine.py)
+holds it: its slots' cache (the completions decoded together, each a prompt + max_completion_length columns), the
+staging area a prefill of the groups its slots reach fills, that prefill's working set and the decode step's logits
+(DRY_RUN's rollout pass, and the run's choice of gathering FSDP's weights once per rollout)."""
 
 from dataclasses import dataclass
 
@@ -10,40 +11,51 @@ from titan_lite.models.args import LlamaArgs
 
 
 def decoded_together(cfg: JobConfig, per_rank: int) -> int:
-    """Completions a rank decodes together, of the `per_rank` it samples each step."""
+    """Completions a rank decodes together (the engine's slots), of the `per_rank` it samples each step."""
     return min(cfg.grpo.generation_batch_size or per_rank, per_rank)
 
 
 def cache_capacity(cfg: JobConfig, tp: int) -> tuple[int, int]:
-    """(the longest prompt that fits, the KV cache's slots for it): under TP every decode step opens tp slots."""
+    """(the longest prompt that fits, the columns of each engine slot: that prompt and max_completion_length; a slot
+    caches one token per decode step, whatever the TP degree)."""
     prompt = cfg.training.seq_len + 1 - cfg.grpo.max_completion_length
-    prompt_slots = -(-prompt // tp) * tp
-    return prompt, prompt_slots + cfg.grpo.max_completion_length * tp
+    return prompt, prompt + cfg.grpo.max_completion_length
+
+
+def staged_prompts(cfg: JobConfig, together: int) -> int:
+    """Prompts one prefill stages: the groups of G completions the free slots reach, at least one."""
+    return max(1, together // cfg.grpo.num_generations)
 
 
 @dataclass(frozen=True)
 class RolloutMemory:
-    """Bytes of one generation batch's rollout on a device, by part."""
+    """Bytes of one rank's rollout on a device, by part."""
 
     together: int
     slots: int
+    staged: int
     prompt_tokens: int
     cache: int
+    stage: int
     prefill: int
     logits: int
 
     @property
     def total(self) -> int:
-        return self.cache + self.prefill + self.logits
+        return self.cache + self.stage + self.prefill + self.logits
 
 
 def rollout_memory(cfg: JobConfig, args: LlamaArgs, tp: int, together: int, compute_bytes: int) -> RolloutMemory:
-    """The KV cache of `together` completions, a layer's prefill working set over their prompts (no gradients) with
-    its attention mask, and the next token's logits with their float32 scaled copy, probabilities and CDF."""
-    prompt, slots = cache_capacity(cfg, tp)
-    cache = kv_cache_bytes(args, together, slots, compute_bytes, tp)
-    tokens = together * -(-prompt // tp) * tp
-    width = 4 * args.dim + 3 * max(args.ffn_dim_of(layer) for layer in range(args.n_layers)) // tp
-    prefill = tokens * width * compute_bytes + together * slots * slots
-    logits = together * args.vocab_size * (compute_bytes + 4 * 4)
-    return RolloutMemory(together, slots, tokens, cache, prefill, logits)
+    """The engine's cache of `together` slots and its staging area (the staged prompts, each padded to a multiple of
+    tp), a layer's prefill working set over the staged prompts (no gradients) with its attention mask, and a decode
+    step's logits (tp positions a slot under sequence parallelism) with their float32 scaled copy, probabilities and
+    CDF."""
+    prompt, columns = cache_capacity(cfg, tp)
+    staged, width = staged_prompts(cfg, together), -(-prompt // tp) * tp
+    cache = kv_cache_bytes(args, together, columns, compute_bytes, tp)
+    stage = kv_cache_bytes(args, staged, width, compute_bytes, tp)
+    tokens = staged * width
+    hidden = 4 * args.dim + 3 * max(args.ffn_dim_of(layer) for layer in range(args.n_layers)) // tp
+    prefill = tokens * hidden * compute_bytes + staged * width * width
+    logits = together * tp * args.vocab_size * (compute_bytes + 4 * 4)
+    return RolloutMemory(together, columns, staged, tokens, cache, stage, prefill, logits)

@@ -15,7 +15,7 @@ advantage."""
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -313,8 +313,9 @@ def build_rollout_source(cfg: JobConfig, tokenizer, layout: BatchLayout, policy:
     prompts = build_prompt_source(cfg, "training", tokenizer, infinite=True)
     pad_id = tokenizer.pad_id if tokenizer.pad_id >= 0 else max(tokenizer.eos_id, 0)
     settings = RolloutSettings.of(cfg, prompts.encoder.stop_ids(), pad_id, seed)
-    if dims.world_size > 1 and cfg.grpo.compile_generation:
-        logger.warning("grpo.compile_generation has no effect on a sharded layout: its rollouts decode eagerly with "
-                       "the batch decoder (the decode engine runs on one process only)")
+    if dims.world_size > 1 and cfg.grpo.compile_generation:  # FSDP2's hooks are marked for dynamo to skip
+        settings = replace(settings, generation=replace(settings.generation, compile=False))
+        logger.warning("grpo.compile_generation: on a sharded layout the decode engine's step runs eagerly "
+                       "(torch.compile cannot capture the sharded forward whole: FSDP's hooks, DTensor's collectives)")
     return RolloutSource(settings, prompts, Rewards(cfg.grpo), policy, layout, data_parallel_gather(dims),
                          tokenizer.decode)
