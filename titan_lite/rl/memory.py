@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from titan_lite.config.schema import JobConfig
 from titan_lite.generate import kv_cache_bytes
 from titan_lite.models.args import LlamaArgs
+from titan_lite.parallel.memory_estimate import deltanet_prefill_bytes
 
 
 def decoded_together(cfg: JobConfig, per_rank: int) -> int:
@@ -38,12 +39,15 @@ class RolloutMemory:
 
 
 def rollout_memory(cfg: JobConfig, args: LlamaArgs, tp: int, together: int, compute_bytes: int) -> RolloutMemory:
-    """The KV cache of `together` completions, a layer's prefill working set over their prompts (no gradients) with
-    its attention mask, and the next token's logits with their float32 scaled copy, probabilities and CDF."""
+    """The KV cache of `together` completions, a layer's prefill working set over their prompts (no gradients; a Gated
+    DeltaNet layer's chunked rule where it is the larger) with its attention mask, and the next token's logits with
+    their float32 scaled copy, probabilities and CDF."""
     prompt, slots = cache_capacity(cfg, tp)
     cache = kv_cache_bytes(args, together, slots, compute_bytes, tp)
     tokens = together * -(-prompt // tp) * tp
     width = 4 * args.dim + 3 * max(args.ffn_dim_of(layer) for layer in range(args.n_layers)) // tp
-    prefill = tokens * width * compute_bytes + together * slots * slots
+    prompt_len = tokens // together
+    working = max(tokens * width * compute_bytes, deltanet_prefill_bytes(args, together, prompt_len, tp))
+    prefill = working + together * slots * slots
     logits = together * args.vocab_size * (compute_bytes + 4 * 4)
     return RolloutMemory(together, slots, tokens, cache, prefill, logits)
