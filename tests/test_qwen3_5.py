@@ -21,7 +21,6 @@ from titan_lite.models.decoder import Llama  # noqa: E402
 from titan_lite.models.flavors import flavor_args  # noqa: E402
 from titan_lite.models.hf.config import args_from_hf_config, args_to_hf_config  # noqa: E402
 from titan_lite.models.parts.gated_deltanet import chunked_delta_rule, recurrent_delta_rule  # noqa: E402
-from titan_lite.parallel.memory_estimate import ActivationShape, layer_activation_bytes  # noqa: E402
 from titan_lite.parallel.parallelize import refuse_hybrid_layouts  # noqa: E402
 from titan_lite.transforms.base import Transforms  # noqa: E402
 
@@ -199,8 +198,6 @@ def test_what_phase_one_does_not_run_is_refused_in_one_line(saved):
     dims = SimpleNamespace(tp_enabled=False, cp_enabled=True, pp_enabled=False)
     with pytest.raises(ConfigError, match=r"^parallelism\.context_parallel_degree > 1 is not supported yet for Qwen3"):
         refuse_hybrid_layouts(load_titan(saved), dims)
-    with pytest.raises(ConfigError, match="^DRY_RUN's memory plan is not supported yet for Qwen3.5"):
-        layer_activation_bytes(args, 0, ActivationShape(tokens=64, compute_bytes=4), "none")
     with pytest.raises(ConfigError, match=r"^'model.converters' has \['float8'\], which is not supported yet for "
                                           "Qwen3.5"):
         Transforms([SimpleNamespace(name="lora"), SimpleNamespace(name="float8")]).check(args, None)

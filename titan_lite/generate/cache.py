@@ -138,7 +138,8 @@ def kv_cache_bytes(args: LlamaArgs, rows: int, capacity: int, element_bytes: int
                    2 * args.heads_of(layer)[1] // tp * args.head_dim for layer in attention)
     key_dim, value_dim = args.linear_n_key_heads * args.linear_key_head_dim, \
         args.linear_n_value_heads * args.linear_value_head_dim
+    # the conv window holds every channel (qkv and the conv are replicated under TP), the state this rank's heads
     per_recurrent = (2 * key_dim + value_dim) * (args.linear_conv_kernel - 1) * element_bytes + \
-        args.linear_key_head_dim * value_dim * 4
+        args.linear_key_head_dim * value_dim // tp * 4
     recurrent = (args.n_layers - len(attention)) * per_recurrent
     return rows * (capacity * (per_slot * element_bytes + capacity + 9) + recurrent)

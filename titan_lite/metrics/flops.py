@@ -51,8 +51,8 @@ def num_flops_per_token(num_params: int, num_embedding_params: int, n_layers: in
       The token-embedding lookup is a gather, not a matmul, so its parameters are subtracted.
     - 12*L*H*hd*T: per layer, Q@K^T and scores@V cost 2*T*hd each per head per token forward, times 3 for
       forward + backward. Attention is counted as full (not causal), the usual convention. L counts the
-      softmax-attention layers only: a Gated DeltaNet layer's delta rule is linear in T and left out (its
-      projections are in 6N).
+      softmax-attention layers only: a Gated DeltaNet layer's delta rule is linear in T, its FLOPs are
+      delta_rule_flops_per_token's (its projections are in 6N).
 
     Tied embeddings (Llama 3.2 1B/3B): the shared matrix is also the output projection, a real matmul, so
     it must stay in the 6N term; with num_params counting that shared tensor once, pass
@@ -64,6 +64,22 @@ def num_flops_per_token(num_params: int, num_embedding_params: int, n_layers: in
     dense = 6 * (num_params - num_embedding_params) - 2 * frozen_params
     attention = 12 * n_layers * n_heads * head_dim * seq_len
     return dense + attention
+
+
+def delta_rule_flops_per_token(args) -> int:
+    """Training FLOPs per token of the chunked gated delta rule in a model's Gated DeltaNet layers (Qwen3.5; args: a
+    LlamaArgs), the part of such a layer that 6N does not count (its projections and depthwise conv are parameters
+    used once per token, in 6N).
+
+    Per value head and chunk of C steps, as models/parts/gated_deltanet.py computes it forward: (beta K) K^T and
+    Q K^T, 2 C^2 dk each; the two unit-triangular solves, C^2 dv (U) and C^2 dk (W); the scores times the new
+    values, 2 C^2 dv; W S, (decayed Q) S and the state update, 2 C dk dv each. Per token that is
+    5 C dk + 3 C dv + 6 dk dv; x 3 for forward + backward, as the attention term counts it.
+    """
+    layers = sum(kind == "linear_attention" for kind in args.schedule)
+    chunk, dk, dv = args.linear_chunk_size, args.linear_key_head_dim, args.linear_value_head_dim
+    per_head = 5 * chunk * dk + 3 * chunk * dv + 6 * dk * dv
+    return 3 * layers * args.linear_n_value_heads * per_head
 
 
 def gpu_peak_flops_by_name(device_name: str) -> float:

@@ -24,6 +24,11 @@ _QWEN3_5_MOE_RELEASE = dict(_QWEN3_5_MOE, explicit_head_dim=256, vocab_size=2483
                             norm_eps=1e-6, linear_n_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
                             max_seq_len=262144)
 
+# The dense sizes share those shapes (families_2026.md section 5: THUDM/slime's 27B script; transformers 5.24's
+# Qwen3_5TextConfig defaults, which it documents as "Qwen3.5-9B style")
+_QWEN3_5_RELEASE = dict(_QWEN3_5, explicit_head_dim=256, vocab_size=248320, rope_theta=10000000.0, norm_eps=1e-6,
+                        linear_n_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, max_seq_len=262144)
+
 
 def _qwen3_5_schedule(n_layers: int) -> list[str]:
     return (["linear_attention"] * 3 + ["full_attention"]) * (n_layers // 4)
@@ -168,6 +173,12 @@ FLAVORS: dict[str, LlamaArgs] = {
                               **{**_QWEN3_5, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
                                  "linear_n_key_heads": 2, "linear_n_value_heads": 4, "linear_key_head_dim": 16,
                                  "linear_value_head_dim": 16}, linear_chunk_size=16),
+    # Qwen/Qwen3.5-27B (26.90B parameters, text only, untied) and the 9B-style class defaults (8.95B), as
+    # families_2026.md section 5 counts them
+    "qwen3_5_27B": LlamaArgs(dim=5120, n_layers=64, n_heads=24, n_kv_heads=4, ffn_dim=17408,
+                             **{**_QWEN3_5_RELEASE, "layer_types": _qwen3_5_schedule(64), "linear_n_value_heads": 48}),
+    "qwen3_5_9B": LlamaArgs(dim=4096, n_layers=32, n_heads=16, n_kv_heads=4, ffn_dim=12288,
+                            **{**_QWEN3_5_RELEASE, "layer_types": _qwen3_5_schedule(32), "linear_n_value_heads": 32}),
     # Qwen3.5-MoE for the CPU (not a published size): the dense debug model's mixers in 4 layers, 8 experts of width
     # 128, top 2, and a shared expert of width 256 in every layer
     "debugmodel_qwen3_5_moe": LlamaArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=2048,

@@ -36,6 +36,8 @@ class ActivationShape:
 
 
 def _rms_norm_bytes(args: LlamaArgs, tokens: int, s: ActivationShape) -> int:
+    if args.norm_unit_offset:  # the (1 + w) form (Qwen3.5, Gemma 3) saves its float32 input, rstd and x * rstd
+        return tokens * args.dim * 2 * FP32 + tokens * FP32
     saved = tokens * args.dim * s.compute_bytes + tokens * FP32  # input, rstd
     if not s.fused_rms_norm:
         saved += tokens * args.dim * FP32
@@ -113,6 +115,94 @@ def all_to_all_buffer_bytes(args: LlamaArgs, s: ActivationShape) -> int:
     return (sent + 2 * rows) * args.dim * s.compute_bytes
 
 
+def _unit_offset_qk_norm_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape) -> int:
+    """What the (1 + w) q/k norms (Qwen3.5, Gemma 3) save beyond _attention_core_bytes' count of plain q/k norms:
+    each saves its input as float32 and x * rstd in float32. Qwen3.5's q is half of wq's doubled output: in float32
+    its x.float() is that view itself, so the whole output (gate included) stays."""
+    q_heads, kv_heads = args.heads_of(layer_id)
+    q_width, kv_width = q_heads * args.head_dim // s.tp, kv_heads * args.head_dim // s.tp
+    q_input = 2 * q_width if args.attn_output_gate and s.compute_bytes == FP32 else q_width
+    return s.tokens * ((q_input + q_width + 2 * kv_width) * FP32 - (q_width + kv_width) * s.compute_bytes)
+
+
+def gated_attention_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape, policy: str) -> int:
+    """Qwen3.5's attention beyond a plain one's count: the sigmoid of the output gate and the gated output (wo's
+    input), each a query width; under op-level AC, the gate half of wq's doubled output."""
+    if not args.attn_output_gate or policy == FULL_AC:
+        return 0
+    q_width = args.heads_of(layer_id)[0] * args.head_dim // s.tp
+    return s.tokens * q_width * s.compute_bytes * (1 if policy == OP_AC else 2)
+
+
+# Qwen3.5's Gated DeltaNet layers (models/parts/gated_deltanet.py), counted as its pure-PyTorch chunked rule runs:
+# FLA's kernel (CUDA with fla-core) saves less and recomputes the per-chunk parts, so there the count is an upper
+# bound.
+def _deltanet_widths(args: LlamaArgs, tp: int) -> tuple[int, int, int]:
+    """(conv channels, all of them on every TP rank; this rank's value heads; their total width)."""
+    conv_dim = 2 * args.linear_n_key_heads * args.linear_key_head_dim + \
+        args.linear_n_value_heads * args.linear_value_head_dim
+    heads = args.linear_n_value_heads // tp
+    return conv_dim, heads, heads * args.linear_value_head_dim
+
+
+def delta_rule_bytes(args: LlamaArgs, tokens: int, seq: int, heads: int) -> int:
+    """What chunked_delta_rule keeps for backward over `tokens` (rows of `seq`) for `heads` value heads, all in
+    float32 whatever the compute dtype: q and k repeated to the value heads before their L2 norms (and each row's
+    rsqrt); per padded token (each row right-padded to whole chunks of C) five C-wide rows (the decay, (beta K) K^T,
+    the triangular system, Q K^T, the decayed scores), ten dk-wide (padded q and k, beta K, the two matmuls' operand
+    copies each, W, the decayed q, k decayed to the chunk's end), three dv-wide (padded v, U, the new values) and
+    three scalars (beta, the decays from the start and to the end); the state entering each chunk."""
+    chunk, dk, dv = args.linear_chunk_size, args.linear_key_head_dim, args.linear_value_head_dim
+    rows, chunks = tokens // seq, -(-seq // chunk)
+    padded = rows * chunks * chunk
+    per_head = tokens * (2 * dk + 2) + padded * (5 * chunk + 10 * dk + 3 * dv + 3) + rows * chunks * dk * dv
+    return heads * per_head * FP32
+
+
+def deltanet_mixer_bytes(args: LlamaArgs, s: ActivationShape) -> int:
+    """A Gated DeltaNet mixer's saved activations for one microbatch under TP (deltanet_plan): its gathered input;
+    the conv's input columns (the K - 1 zero columns before each row, then qkv) and output, on all channels; beta
+    (compute dtype), the decay's softplus input and output (float32); the delta rule of this rank's value heads; the
+    gated norm's float32 input, rstd, normed output (compute dtype), z and silu(z) (float32), the weighted product
+    and out_proj's input (compute dtype)."""
+    c, tokens = s.compute_bytes, s.tokens
+    seq = s.seq_len or tokens
+    conv_dim, heads, value_width = _deltanet_widths(args, s.tp)
+    conv = (tokens // seq) * conv_dim * (seq + args.linear_conv_kernel - 1) * c + tokens * conv_dim * c
+    gates = tokens * heads * (c + 2 * FP32) + args.linear_chunk_size ** 2  # beta, softplus in and out; the mask
+    norm = tokens * value_width * (3 * FP32 + 3 * c) + tokens * heads * FP32
+    rule = delta_rule_bytes(args, tokens, seq, heads)
+    return tokens * args.dim * c + conv + gates + rule + norm
+
+
+def deltanet_layer_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape, policy: str) -> int:
+    """Bytes one Gated DeltaNet block keeps for backward for one microbatch, under an AC policy: the block input
+    (full AC); op-level AC's saved matmuls (of in_proj_qkv, in_proj_b, in_proj_a, in_proj_z, out_proj, w1, w3, w2
+    every other one: qkv, a, out_proj and w3; the delta rule's batched matmuls are recomputed); or everything."""
+    c, dim, tokens = s.compute_bytes, args.dim, s.tokens
+    seq_shard = tokens // s.tp
+    ffn = args.ffn_dim_of(layer_id) // s.tp
+    if policy == FULL_AC:
+        return seq_shard * dim * c
+    conv_dim, heads, _ = _deltanet_widths(args, s.tp)
+    if policy == OP_AC:
+        saved = seq_shard * dim * c + tokens * (conv_dim // s.tp + heads + dim + ffn) * c
+        return saved + (2 * seq_shard * dim * c if s.tp > 1 else 0)
+    feed_forward = moe_bytes(args, s) if args.is_moe_layer(layer_id) else tokens * dim * c + 4 * tokens * ffn * c
+    return 2 * _rms_norm_bytes(args, seq_shard, s) + deltanet_mixer_bytes(args, s) + feed_forward
+
+
+def deltanet_prefill_bytes(args: LlamaArgs, rows: int, seq: int, tp: int = 1) -> int:
+    """The chunked delta rule's largest working set in a prefill without gradients (rows of seq tokens, this rank's
+    value heads): its float32 locals alive together, three C-wide rows (decay, system, scores), q, k, v, U, W, the
+    decayed q and k per padded token."""
+    if not args.is_hybrid:
+        return 0
+    chunk, dk, dv = args.linear_chunk_size, args.linear_key_head_dim, args.linear_value_head_dim
+    padded = rows * -(-seq // chunk) * chunk
+    return args.linear_n_value_heads // tp * padded * (3 * chunk + 5 * dk + 2 * dv) * FP32
+
+
 def layer_activation_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape, policy: str) -> int:
     """Bytes one transformer block keeps for backward for one microbatch, under an AC policy.
 
@@ -121,8 +211,7 @@ def layer_activation_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape, p
     SwiGLU's.
     """
     if args.layer_type(layer_id) == "linear_attention":
-        raise ConfigError("DRY_RUN's memory plan is not supported yet for Qwen3.5: it does not yet count the "
-                          "activations and states of the linear_attention (Gated DeltaNet) layers")
+        return deltanet_layer_bytes(args, layer_id, s, policy)
     if args.layer_type(layer_id) == "latent_attention":
         raise ConfigError("DRY_RUN's memory plan is not supported yet for DeepSeek-V3: it does not yet count the "
                           "activations of the latent attention layers")
@@ -143,9 +232,12 @@ def layer_activation_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape, p
         saved += tokens * args.n_experts * c if moe else tokens * ffn * c + tokens * dim * c
         if s.tp > 1:
             saved += 2 * seq_shard * dim * c
-        return saved
+        return saved + gated_attention_bytes(args, layer_id, s, policy)
     gathered_norm_out = tokens * dim * c
     attention = _rms_norm_bytes(args, seq_shard, s) + gathered_norm_out + _attention_core_bytes(args, layer_id, s)
+    attention += gated_attention_bytes(args, layer_id, s, policy)
+    if args.qk_norm and args.norm_unit_offset:
+        attention += _unit_offset_qk_norm_bytes(args, layer_id, s)
     feed_forward = moe_bytes(args, s) if moe else gathered_norm_out + 4 * tokens * ffn * c  # w1, silu, w3, product
     post_norms = 2 * _rms_norm_bytes(args, seq_shard, s) if args.sandwich_norms else 0  # Gemma 3's outputs' norms
     return attention + _rms_norm_bytes(args, seq_shard, s) + feed_forward + post_norms
