@@ -279,9 +279,12 @@ def dry_run(cfg: JobConfig) -> int:
               flush=True)
         check_pass_fits(pass_plan, capacity)
     check_fits(worst, capacity)
-    peak = worst.estimate.total / me.GIB
+    peak, where = worst.estimate.total / me.GIB, f"rank {worst.rank}"
+    largest_pass = max(roles[0].passes, key=lambda p: p.peak, default=None)
+    if largest_pass is not None and largest_pass.peak / me.GIB > peak:  # a pass (the rollout) is the largest
+        peak, where = largest_pass.peak / me.GIB, f"rank {roles[0].rank}, {largest_pass.name}"
     ranks = plan.parallel_dims.world_size
-    print(f"dry run OK: {ranks} rank{'' if ranks == 1 else 's'}; largest peak {peak:.2f} GiB on rank {worst.rank}, "
+    print(f"dry run OK: {ranks} rank{'' if ranks == 1 else 's'}; largest peak {peak:.2f} GiB on {where}, "
           f"head-room {capacity - peak:.2f} GiB of {capacity:.2f} GiB", flush=True)
     if missing:
         print(f"the real run cannot start yet: {len(missing)} file(s) of the checklist above are missing "
