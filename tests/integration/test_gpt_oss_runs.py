@@ -6,12 +6,9 @@ bias added once after the reduction, router and experts replicated), CP 2 (the s
 attention, on global positions) and PP 2 (two stages of a sliding and a full layer each) each equal one process on
 the same global batch: the losses, the aux loss and every MoE layer's load within 1e-5."""
 
-from pathlib import Path
-
 import pytest
-import torch
 
-from tests.integration.harness import REPO, one_window_dataset, run_train
+from tests.integration.harness import one_window_dataset, run_train, wide_gpt_oss_folder
 from tests.integration.test_moe_parity import scalars
 
 pytestmark = pytest.mark.slow
@@ -19,28 +16,6 @@ pytestmark = pytest.mark.slow
 SEQ_LEN, GLOBAL_BATCH, STEPS, ATOL = 64, 8, 4, 1e-5
 # the aux loss weighted enough that a wrong share of its gradient would move the losses
 COMMON = ["--model.flavor", "tiny_gpt_oss", "--training.steps", str(STEPS), "--model.router_aux_loss_coef", "0.1"]
-BIASES = (".bias", "experts.b1", "experts.b2", "experts.b3")
-
-
-def wide_gpt_oss_folder(folder: Path) -> str:
-    """tiny_gpt_oss as an HF GptOssForCausalLM folder with the bundled tokenizer: sinks ~ N(0, 1) and every bias ~
-    N(0, 0.3) (a sink or o bias sharded or summed wrongly shows from the first step), every other weight perturbed."""
-    from titan_lite.checkpoint.hf import write_hf_folder
-    from titan_lite.models.decoder import Llama
-    from titan_lite.models.flavors import flavor_args
-
-    args = flavor_args("tiny_gpt_oss")
-    model = Llama(args)
-    model.init_weights(seed=5)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            std = 1.0 if name.endswith("sinks") else 0.3 if name.endswith(BIASES) else 0.02
-            param.add_(std * torch.randn(param.shape, generator=generator))
-    write_hf_folder(dict(model.named_parameters()), args, str(folder), torch.float32, str(REPO / "assets/tokenizer"))
-    return str(folder)
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> list[str]:
     folder = wide_gpt_oss_folder(tmp_path_factory.mktemp("gpt_oss") / "hf")
