@@ -53,7 +53,7 @@ def top_level_plan(loss_parallel: bool) -> dict:
 
 
 def block_plan(qk_norm: bool = False, moe: bool = False, latent: bool = False, linear_attention: bool = False,
-               sandwich: bool = False) -> dict:
+               sandwich: bool = False, sinks: bool = False) -> dict:
     """Norms on sequence shards; attention and MLP gather the sequence, split heads/hidden, and scatter it back.
 
     q/k/v biases are sharded with their colwise linears, wo's bias (gpt-oss) replicated and added once, after the
@@ -70,7 +70,7 @@ def block_plan(qk_norm: bool = False, moe: bool = False, latent: bool = False, l
     if linear_attention:
         mixer = deltanet_plan()
     else:
-        mixer = {**norms, **(latent_attention_plan() if latent else _attention_plan())}
+        mixer = {**norms, **(latent_attention_plan() if latent else _attention_plan(sinks))}
     return {**mixer, **post_norms, **(moe_plan(latent) if moe else _feed_forward_plan())}
 
 
@@ -90,10 +90,12 @@ def latent_attention_plan() -> dict:
     }
 
 
-def _attention_plan() -> dict:
+def _attention_plan(sinks: bool = False) -> dict:
+    # a plain PrepareModuleInput where there are no sinks: float8's plan edit swaps that one for its own
+    gathered = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
     return {
         "attention_norm": SequenceParallel(),
-        "attention": HeadShardedInput(("sinks",)),
+        "attention": HeadShardedInput(("sinks",)) if sinks else gathered,
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
@@ -250,7 +252,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, plan_ed
                                         if getattr(model, name.split(".")[0], None) is not None})
     latent = model.args.is_latent
     plans = {(moe, linear): edited_plan(block_plan(model.args.qk_norm, moe, latent, linear,
-                                                         model.args.sandwich_norms), "block", plan_edits)
+                                                         model.args.sandwich_norms, model.args.attn_sinks), "block",
+                                        plan_edits)
              for moe in (False, True) for linear in (False, True)}
     for block in model.layers.values():
         linear = model.args.layer_type(block.layer_id) == "linear_attention"
