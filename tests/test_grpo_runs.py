@@ -104,6 +104,27 @@ def test_sampled_logps_are_the_training_forwards_and_iterations_reuse_the_rollou
     assert results["answer_accuracy"] == results["rewards/answer_match/mean"]
 
 
+def test_gpt_oss_rollouts_record_the_training_forwards_logps_past_the_window(tmp_path):
+    """gpt-oss (tiny_gpt_oss from a folder with wide sinks and biases, a 16-token window in its sliding layers):
+    prompts and completions longer than the window, sampled through the KV cache (each layer's window and sinks),
+    record the log-probabilities the packed training forward gives (1e-5); two steps train and move the loss."""
+    from tests.integration.harness import wide_gpt_oss_folder
+    from titan_lite.train import Trainer
+
+    folder = wide_gpt_oss_folder(tmp_path / "gpt_oss")
+    trainer = Trainer(config(tmp_path / "run", write_prompts(tmp_path), "--model.flavor", "tiny_gpt_oss",
+                             "--model.hf_assets_path", folder, "--checkpoint.initial_load_in_hf",
+                             "--checkpoint.initial_load_path", folder, "--grpo.max_completion_length", "24"))
+    model, batch = trainer.model_parts[0], next(iter(trainer.dataloader))
+    trained, sampled = forward_logps(model, batch)
+    lengths = [int((row == doc).sum()) for row in batch.documents for doc in row.unique()]
+    assert max(lengths) > 2 * 16 and trained.numel() > 40, lengths
+    assert (trained - sampled).abs().max() <= 1e-5, (trained - sampled).abs().max()
+    trainer.dataloader.current = None  # the rollout above is not the run's
+    (loss1, _, rollout, _), (loss2, _, _, _) = steps_of(trainer, 2)
+    assert torch.isfinite(torch.tensor([loss1, loss2])).all() and loss1 != loss2 and rollout["reward"] >= 0
+
+
 def test_sampled_logprobs_train_the_truncated_distribution_the_rollout_drew_from(tmp_path):
     """grpo.logprobs = "sampled" at top p 0.7, top k 20: the rollout's log-probabilities are the training forward's
     of the truncated, renormalised distribution (1e-5), above the full one's; the first step clips nothing."""

@@ -195,3 +195,27 @@ def perturbed_hf_folder(folder: Path, flavor: str) -> Path:
             p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     write_hf_folder(dict(model.named_parameters()), args, str(folder), torch.float32, str(REPO / "assets/tokenizer"))
     return folder
+
+
+GPT_OSS_BIASES = (".bias", "experts.b1", "experts.b2", "experts.b3")
+
+
+def wide_gpt_oss_folder(folder: Path) -> str:
+    """tiny_gpt_oss as an HF GptOssForCausalLM folder with the bundled tokenizer: sinks ~ N(0, 1) and every bias ~
+    N(0, 0.3) (a sink or o bias sharded or summed wrongly shows from the first step), every other weight perturbed."""
+    import torch
+
+    from titan_lite.checkpoint.hf import write_hf_folder
+    from titan_lite.models.decoder import Llama
+    from titan_lite.models.flavors import flavor_args
+
+    args = flavor_args("tiny_gpt_oss")
+    model = Llama(args)
+    model.init_weights(seed=5)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            std = 1.0 if name.endswith("sinks") else 0.3 if name.endswith(GPT_OSS_BIASES) else 0.02
+            param.add_(std * torch.randn(param.shape, generator=generator))
+    write_hf_folder(dict(model.named_parameters()), args, str(folder), torch.float32, str(REPO / "assets/tokenizer"))
+    return str(folder)

@@ -1,11 +1,14 @@
 """gpt-oss (tiny_gpt_oss: sinks, all four attention biases, the biased router, clamped SwiGLU experts with biases, a
-16-token window under 64-token sequences) through run_train.sh: FSDP 2 with full activation checkpointing, FSDP 2
-with selective AC and compile, and EP 2 (the biased experts sharded by expert, the router's bias replicated) each
-equal one process on the same global batch: the losses, the aux loss and every MoE layer's load within 1e-5."""
+16-token window under 64-token sequences) through run_train.sh, from one HF folder whose sinks and biases are drawn
+far from their zero init: FSDP 2 with full activation checkpointing, FSDP 2 with selective AC and compile, EP 2 (the
+biased experts sharded by expert, the router's bias replicated), TP 2 (the sinks split by head with q's rows, o's
+bias added once after the reduction, router and experts replicated), CP 2 (the sinks and the window in the gathered
+attention, on global positions) and PP 2 (two stages of a sliding and a full layer each) each equal one process on
+the same global batch: the losses, the aux loss and every MoE layer's load within 1e-5."""
 
 import pytest
 
-from tests.integration.harness import one_window_dataset, run_train
+from tests.integration.harness import one_window_dataset, run_train, wide_gpt_oss_folder
 from tests.integration.test_moe_parity import scalars
 
 pytestmark = pytest.mark.slow
@@ -13,11 +16,12 @@ pytestmark = pytest.mark.slow
 SEQ_LEN, GLOBAL_BATCH, STEPS, ATOL = 64, 8, 4, 1e-5
 # the aux loss weighted enough that a wrong share of its gradient would move the losses
 COMMON = ["--model.flavor", "tiny_gpt_oss", "--training.steps", str(STEPS), "--model.router_aux_loss_coef", "0.1"]
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> list[str]:
-    return [*one_window_dataset(tmp_path_factory.mktemp("data"), GLOBAL_BATCH * (STEPS + 1), SEQ_LEN), *COMMON]
+    folder = wide_gpt_oss_folder(tmp_path_factory.mktemp("gpt_oss") / "hf")
+    return [*one_window_dataset(tmp_path_factory.mktemp("data"), GLOBAL_BATCH * (STEPS + 1), SEQ_LEN), *COMMON,
+            "--model.hf_assets_path", folder, "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path",
+            folder]
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +41,10 @@ LAYOUTS = [
      ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op",
       "--compile.enable", "--compile.backend", "aot_eager"], "dp_shard 2 x cp 1 x tp 1 x pp 1"),
     ("ep2", 2, 4, ["--parallelism.expert_parallel_degree", "2"], "(experts: ep 2 x efsdp 1)"),
+    ("tp2", 2, 8, ["--parallelism.tensor_parallel_degree", "2"], "dp_shard 1 x cp 1 x tp 2 x pp 1"),
+    ("cp2", 2, 8, ["--parallelism.context_parallel_degree", "2"], "dp_shard 1 x cp 2 x tp 1 x pp 1"),
+    ("pp2_1f1b", 2, 8, ["--parallelism.pipeline_parallel_degree", "2",
+                        "--parallelism.pipeline_parallel_microbatch_size", "2"], "dp_shard 1 x cp 1 x tp 1 x pp 2"),
 ]
 
 

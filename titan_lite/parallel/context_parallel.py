@@ -3,7 +3,8 @@ and the block-causal mask of packed documents for a rank's query chunks.
 
 Each CP rank holds a slice of every sequence. Attention all-gathers K and V over the CP group (the Llama 3 paper's
 approach, which runs on any backend including gloo) and attends its local queries to the whole sequence under the
-causal mask of their global positions. With the head-tail load balancer the sequence is cut into 2 x CP chunks and
+causal mask of their global positions (within a layer's sliding window, and with gpt-oss's sink logit per head in
+each softmax's denominator). With the head-tail load balancer the sequence is cut into 2 x CP chunks and
 rank i holds chunks i and 2 x CP - 1 - i, so every rank does the same amount of causal work.
 """
 
@@ -14,7 +15,7 @@ from torch import nn
 from titan_lite.config.schema import JobConfig
 from titan_lite.errors import ConfigError
 from titan_lite.models.parts.masks import block_causal_mask, within_window
-from titan_lite.models.parts.sdpa import grouped_attention
+from titan_lite.models.parts.sdpa import grouped_attention, sink_attention
 
 HEADTAIL = "headtail"
 
@@ -130,9 +131,11 @@ class ContextParallelAttention(nn.Module):
         self.cp_size = dist.get_world_size(group)
         self.cp_rank = dist.get_rank(group)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`mask`: the packed documents' mask from document_mask, else causal over global positions."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask`: the packed documents' mask from document_mask, else causal over global positions. `sinks` [heads]:
+        gpt-oss's sink logits; each query's softmax runs over the whole gathered sequence at once, so its sink is in
+        its denominator exactly once."""
         seq_len = q.shape[2] * self.cp_size
         positions = all_shard_positions(seq_len, self.cp_size, self.load_balancer, q.device)
         to_global_order = positions.flatten().argsort()
@@ -142,6 +145,8 @@ class ContextParallelAttention(nn.Module):
             mask = positions[self.cp_rank][:, None] >= keys[None, :]
             if self.window is not None:
                 mask &= within_window(positions[self.cp_rank], keys, self.window)
+        if sinks is not None:
+            return sink_attention(q, k, v, sinks, attn_mask=mask)
         return grouped_attention(q, k, v, attn_mask=mask)
 
     def document_mask(self, documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -45,22 +45,10 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, cfg: JobCon
 
 def refuse_hybrid_layouts(model: nn.Module, parallel_dims: ParallelDims) -> None:
     """A ConfigError in one line for the layouts a model with Gated DeltaNet layers (Qwen3.5) cannot run yet (context
-    parallel), nor gpt-oss's sinks and biases under TP, CP or PP (EP shards its biased experts like any others). (Gemma
-    3's TP, CP and PP and DeepSeek-V3's every layout are checked against one process.)"""
+    parallel). (Gemma 3's, DeepSeek-V3's and gpt-oss's TP, CP and PP are checked against one process.)"""
     args = getattr(model, "args", None)
-    if args is None or not (args.is_hybrid or args.attn_sinks or args.expert_bias):
-        return
-    layouts = {"tensor_parallel_degree": parallel_dims.tp_enabled, "context_parallel_degree": parallel_dims.cp_enabled,
-               "pipeline_parallel_degree": parallel_dims.pp_enabled}
-    if args.is_hybrid:
+    if args is not None and args.is_hybrid:
         refuse_recurrent_cp(parallel_dims)
-        return
-    # gpt-oss: the head-sharded sinks and the o / expert biases have no checked TP, CP or PP plan yet
-    why = "gpt-oss (its sinks and attention / expert biases have no checked plan there)"
-    for setting, enabled in layouts.items():
-        if enabled:
-            raise ConfigError(f"parallelism.{setting} > 1 is not supported yet for {why}; use data parallel "
-                              f"(FSDP/HSDP){' or expert parallel' if args.attn_sinks else ''} only")
 
 
 def refuse_recurrent_cp(parallel_dims: ParallelDims) -> None:

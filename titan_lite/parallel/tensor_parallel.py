@@ -53,15 +53,16 @@ def top_level_plan(loss_parallel: bool) -> dict:
 
 
 def block_plan(qk_norm: bool = False, moe: bool = False, latent: bool = False, linear_attention: bool = False,
-               sandwich: bool = False) -> dict:
+               sandwich: bool = False, sinks: bool = False) -> dict:
     """Norms on sequence shards; attention and MLP gather the sequence, split heads/hidden, and scatter it back.
 
-    q/k/v biases are sharded with their colwise linears. The q/k norms (Qwen3) act on each head's head_dim: their
-    weight is replicated and their input is this rank's heads (dim 2 of [batch, seq, heads, head_dim]), so the
-    weight's gradient, a sum over all heads, is reduced over the TP ranks. An MoE block's routed feed-forward is
-    replicated (moe_plan). Sandwich norms (Gemma 3's post_attention_norm and post_ffn_norm) norm wo's and w2's
-    sequence shards and hand the residual add local tensors. A Gated DeltaNet layer's mixer splits by key-head groups
-    (deltanet_plan)."""
+    q/k/v biases are sharded with their colwise linears, wo's bias (gpt-oss) replicated and added once, after the
+    rowwise reduction; gpt-oss's sinks (a logit per query head) split by head as wq's rows are. The q/k norms (Qwen3)
+    act on each head's head_dim: their weight is replicated and their input is this rank's heads (dim 2 of [batch,
+    seq, heads, head_dim]), so the weight's gradient, a sum over all heads, is reduced over the TP ranks. An MoE
+    block's routed feed-forward is replicated (moe_plan). Sandwich norms (Gemma 3's post_attention_norm and
+    post_ffn_norm) norm wo's and w2's sequence shards and hand the residual add local tensors. A Gated DeltaNet
+    layer's mixer splits by key-head groups (deltanet_plan)."""
     norms = {name: SequenceParallel(sequence_dim=2, use_local_output=True)
              for name in ("attention.q_norm", "attention.k_norm")} if qk_norm else {}
     post_norms = {name: SequenceParallel(use_local_output=True)
@@ -69,7 +70,7 @@ def block_plan(qk_norm: bool = False, moe: bool = False, latent: bool = False, l
     if linear_attention:
         mixer = deltanet_plan()
     else:
-        mixer = {**norms, **(latent_attention_plan() if latent else _attention_plan())}
+        mixer = {**norms, **(latent_attention_plan() if latent else _attention_plan(sinks))}
     return {**mixer, **post_norms, **(moe_plan(latent) if moe else _feed_forward_plan())}
 
 
@@ -89,10 +90,12 @@ def latent_attention_plan() -> dict:
     }
 
 
-def _attention_plan() -> dict:
+def _attention_plan(sinks: bool = False) -> dict:
+    # a plain PrepareModuleInput where there are no sinks: float8's plan edit swaps that one for its own
+    gathered = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
     return {
         "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attention": HeadShardedInput(("sinks",)) if sinks else gathered,
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
@@ -109,7 +112,7 @@ def deltanet_plan() -> dict:
     replicated (its gradient reduced over the heads of every rank), out_proj rowwise."""
     return {
         "attention_norm": SequenceParallel(),
-        "attention": DeltaNetInput(),
+        "attention": HeadShardedInput(("A_log", "dt_bias")),
         "attention.in_proj_qkv": ColwiseParallel(output_layouts=Replicate(), use_local_output=False),
         "attention.conv1d": ReplicateParallel(local_io=False),
         **{f"attention.{name}": ColwiseParallel() for name in ("in_proj_z", "in_proj_b", "in_proj_a")},
@@ -118,18 +121,22 @@ def deltanet_plan() -> dict:
     }
 
 
-class DeltaNetInput(PrepareModuleInput):
-    """The mixer's input gathered over the sequence (as attention's), and its per-value-head parameters (A_log,
-    dt_bias) split by value head like in_proj_a's rows."""
+class HeadShardedInput(PrepareModuleInput):
+    """A mixer's input gathered over the sequence, and its per-head parameters (`names`, each [heads] and split by
+    head as the colwise projections' rows are; a name the module holds as None is skipped): gpt-oss's sinks, the
+    Gated DeltaNet's A_log and dt_bias (per value head, like in_proj_a's rows). Each rank's heads' gradient is its
+    own, so none is reduced."""
 
-    def __init__(self):
+    def __init__(self, names: tuple[str, ...]):
         super().__init__(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+        self.names = names
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name in ("A_log", "dt_bias"):
-            param = getattr(module, name)
-            module.register_parameter(name, nn.Parameter(distribute_tensor(param, device_mesh, (Shard(0),)),
-                                                         requires_grad=param.requires_grad))
+        for name in self.names:
+            param = getattr(module, name, None)
+            if param is not None:
+                module.register_parameter(name, nn.Parameter(distribute_tensor(param, device_mesh, (Shard(0),)),
+                                                             requires_grad=param.requires_grad))
         return super()._apply(module, device_mesh)
 
 
@@ -245,7 +252,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, plan_ed
                                         if getattr(model, name.split(".")[0], None) is not None})
     latent = model.args.is_latent
     plans = {(moe, linear): edited_plan(block_plan(model.args.qk_norm, moe, latent, linear,
-                                                         model.args.sandwich_norms), "block", plan_edits)
+                                                         model.args.sandwich_norms, model.args.attn_sinks), "block",
+                                        plan_edits)
              for moe in (False, True) for linear in (False, True)}
     for block in model.layers.values():
         linear = model.args.layer_type(block.layer_id) == "linear_attention"

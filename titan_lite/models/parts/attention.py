@@ -8,6 +8,7 @@ what packed documents need (`document_mask`, shared by the mixers of one `mask_k
 import torch
 from torch import nn
 
+from titan_lite.dtensor import local_tensor
 from titan_lite.errors import ConfigError
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.parts.cache import LayerCache
@@ -67,14 +68,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.q_scale is not None:
             q = q * self.q_scale
+        # the sinks of this rank's heads (tensor parallel shards them by head, like wq's rows)
+        sinks = {} if self.sinks is None else {"sinks": local_tensor(self.sinks)}
         if cache is not None:
-            out = cache.attend(q, k, v) if self.sinks is None else cache.attend(q, k, v, sinks=self.sinks)
+            out = cache.attend(q, k, v, **sinks)
         else:
             rows = rope if rope.dim() == 4 else rope[:seq]
             q, k = rotate_channels(q, rows, self.rotary_dim), rotate_channels(k, rows, self.rotary_dim)
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             # K/V keep their n_kv_heads: the inner attention expands them, after any gather (context parallel).
-            sinks = {} if self.sinks is None else {"sinks": self.sinks}
             out = self.inner_attention(q, k, v, **sinks) if mask is None else self.inner_attention(q, k, v, mask,
                                                                                                    **sinks)
         out = out.transpose(1, 2)
