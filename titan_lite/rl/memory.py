@@ -5,7 +5,7 @@ gathering FSDP's weights once per rollout)."""
 from dataclasses import dataclass
 
 from titan_lite.config.schema import JobConfig
-from titan_lite.generate import kv_cache_bytes
+from titan_lite.generate import kv_cache_bytes, latent_expansion_bytes
 from titan_lite.models.args import LlamaArgs
 
 
@@ -39,11 +39,13 @@ class RolloutMemory:
 
 def rollout_memory(cfg: JobConfig, args: LlamaArgs, tp: int, together: int, compute_bytes: int) -> RolloutMemory:
     """The KV cache of `together` completions, a layer's prefill working set over their prompts (no gradients) with
-    its attention mask, and the next token's logits with their float32 scaled copy, probabilities and CDF."""
+    its attention mask (and a latent attention layer's keys and values expanded from every slot), and the next
+    token's logits with their float32 scaled copy, probabilities and CDF."""
     prompt, slots = cache_capacity(cfg, tp)
     cache = kv_cache_bytes(args, together, slots, compute_bytes, tp)
     tokens = together * -(-prompt // tp) * tp
     width = 4 * args.dim + 3 * max(args.ffn_dim_of(layer) for layer in range(args.n_layers)) // tp
     prefill = tokens * width * compute_bytes + together * slots * slots
+    prefill += latent_expansion_bytes(args, together, slots, compute_bytes, tp)
     logits = together * args.vocab_size * (compute_bytes + 4 * 4)
     return RolloutMemory(together, slots, tokens, cache, prefill, logits)
