@@ -10,6 +10,7 @@ from titan_lite.metrics.flops import attention_flops_per_token, model_flops_per_
 from titan_lite.models.flavors import flavor_args
 
 
+@pytest.mark.slow  # a training process per case
 @pytest.mark.parametrize("case", ["full", "ac_full"])
 def test_the_memory_plan_is_within_ten_percent_of_the_measured_peak(case):
     """debugmodel_deepseek_v3, 1 x 512 tokens, AC none and full: on a CPU the latent attention's unequal q/k and v
