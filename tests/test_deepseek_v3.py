@@ -27,7 +27,6 @@ from titan_lite.models.flavors import flavor_args  # noqa: E402
 from titan_lite.models.hf.config import args_from_hf_config, flavor_of_hf_config  # noqa: E402
 from titan_lite.models.parts.group_router import GroupRouter  # noqa: E402
 from titan_lite.models.parts.mla import latent_softmax_scale  # noqa: E402
-from titan_lite.parallel.memory_estimate import ActivationShape, layer_activation_bytes  # noqa: E402
 from titan_lite.parallel.parallelize import refuse_hybrid_layouts  # noqa: E402
 from titan_lite.transforms.base import Transforms  # noqa: E402
 
@@ -254,13 +253,11 @@ def test_every_layout_runs_and_what_is_not_checked_is_refused_in_one_line(saved)
     for setting in ("tp", "cp", "pp", "ep"):  # they run (tests/integration/test_deepseek_v3_runs.py)
         dims = SimpleNamespace(**{f"{name}_enabled": name == setting for name in ("tp", "cp", "pp", "ep")})
         refuse_hybrid_layouts(load_titan(saved), dims)
-    with pytest.raises(ConfigError, match=r"^'model.converters' has \['lora'\], which is not "
+    with pytest.raises(ConfigError, match=r"^'model.converters' has \['prune'\], which is not "
                                           "supported yet for DeepSeek-V3"):
-        Transforms([SimpleNamespace(name="lora")]).check(args, None)
+        Transforms([SimpleNamespace(name="prune")]).check(args, None)
     with pytest.raises(ConfigError, match="^model args: attn_type 'flex' does not take latent attention"):
         Llama(replace(args, attn_type="flex"))
-    with pytest.raises(ConfigError, match="^DRY_RUN's memory plan is not supported yet for DeepSeek-V3"):
-        layer_activation_bytes(args, 0, ActivationShape(tokens=64, compute_bytes=4), "none")
     with pytest.raises(ConfigError, match="^model args: n_group = 3 does not divide n_routed_experts = 8"):
         Llama(replace(args, moe_n_group=3))
     with pytest.raises(ConfigError, match="^'model.load_balance_coeff' = 0.01 has no effect: flavor 'tiny_moe'"):

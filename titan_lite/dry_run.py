@@ -22,7 +22,7 @@ from titan_lite.job.assembly import build_parts
 from titan_lite.job.estimate import PassPlan, RolePlan, microbatching, plan_role
 from titan_lite.job.plan import JobPlan, gather_assets, plan_with_tokenizer
 from titan_lite.loss import cross_entropy_sum
-from titan_lite.metrics.flops import delta_rule_flops_per_token, num_flops_per_token
+from titan_lite.metrics.flops import delta_rule_flops_per_token, model_flops_per_token
 from titan_lite.metrics.memory import device_memory_gib
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.parts.rope import rope_attention_factor
@@ -188,8 +188,8 @@ def gpu_tokens_per_s(plan: JobPlan, params: int) -> float:
     """Tokens per second one GPU trains this model (`params` parameters) at GPU_MFU of GPU_PEAK_FLOPS, every
     parameter trained (a frozen base would be a little faster)."""
     a = plan.model_args
-    flops = num_flops_per_token(params - a.inactive_param_count(), a.vocab_size * a.dim, a.attention_layers, a.n_heads,
-                                a.attention_flops_head_dim, plan.cfg.training.seq_len) + delta_rule_flops_per_token(a)
+    flops = model_flops_per_token(params - a.inactive_param_count(), a.vocab_size * a.dim, a.attention_shapes(),
+                                  plan.cfg.training.seq_len) + delta_rule_flops_per_token(a)
     return GPU_MFU * GPU_PEAK_FLOPS / flops
 
 

@@ -28,7 +28,7 @@ from titan_lite.job.assembly import BuiltModel, assemble_model
 from titan_lite.job.plan import JobPlan, check_before_launch, plan_job
 from titan_lite.job.sources import TrainingLoader, training_data
 from titan_lite.launcher import another_rank_failed, register_rank, report_error
-from titan_lite.metrics.flops import delta_rule_flops_per_token, num_flops_per_token
+from titan_lite.metrics.flops import delta_rule_flops_per_token, model_flops_per_token
 from titan_lite.metrics.logger import MetricsProcessor, add_log_file, init_logger
 from titan_lite.metrics.profiler import maybe_enable_memory_snapshot, maybe_enable_profiling
 from titan_lite.objective import build_objective, check_objective
@@ -149,9 +149,8 @@ class Trainer:
         a = self.plan.model_args
         # an MoE token runs only its top-k experts: the FLOPs count the active parameters
         active = self.plan.full_param_count() - a.inactive_param_count()
-        flops = num_flops_per_token(active, a.vocab_size * a.dim, a.attention_layers, a.n_heads,
-                                    a.attention_flops_head_dim, self.cfg.training.seq_len,
-                                    self.plan.frozen_matmul_param_count()) + delta_rule_flops_per_token(a)
+        flops = model_flops_per_token(active, a.vocab_size * a.dim, a.attention_shapes(), self.cfg.training.seq_len,
+                                      self.plan.frozen_matmul_param_count()) + delta_rule_flops_per_token(a)
         return MetricsProcessor(self.cfg, self.rank, self.device, flops, self.parallel_dims.non_data_parallel_size,
                                 resuming=self.loading.resuming)
 

@@ -143,3 +143,13 @@ def kv_cache_bytes(args: LlamaArgs, rows: int, capacity: int, element_bytes: int
         args.linear_key_head_dim * value_dim // tp * 4
     recurrent = (args.n_layers - len(attention)) * per_recurrent
     return rows * (capacity * (per_slot * element_bytes + capacity + 9) + recurrent)
+
+
+def latent_expansion_bytes(args: LlamaArgs, rows: int, slots: int, element_bytes: int, tp: int = 1) -> int:
+    """What a latent attention layer (DeepSeek-V3) expands from every cached slot at each forward, one layer at a
+    time: kv_b_proj's output [k_nope | v] and the keys [k_nope | k_rope] per head, the heads split over TP (0 without
+    latent attention)."""
+    if not args.is_latent:
+        return 0
+    width = 2 * args.qk_nope_head_dim + args.v_head_dim + args.qk_rope_head_dim
+    return rows * slots * args.n_heads // tp * width * element_bytes

@@ -120,7 +120,8 @@ def activation_shape(cfg: JobConfig, dims: ParallelDims, microbatch: int, loss_p
     return me.ActivationShape(tokens=microbatch * cfg.training.seq_len // dims.cp, compute_bytes=c, tp=dims.tp,
                               cp=dims.cp, loss_parallel=loss_parallel, seq_len=cfg.training.seq_len,
                               fused_rms_norm=True, chunked_loss=chunked_loss(cfg, loss_parallel),
-                              document_mask=document_mask_kind(cfg, args), ep=dims.ep)
+                              document_mask=document_mask_kind(cfg, args), ep=dims.ep,
+                              device_type=cfg.dry_run.device_type)
 
 
 def chunked_loss(cfg: JobConfig, loss_parallel: bool) -> bool:

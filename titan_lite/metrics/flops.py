@@ -2,6 +2,7 @@
 
 import logging
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -80,6 +81,35 @@ def delta_rule_flops_per_token(args) -> int:
     chunk, dk, dv = args.linear_chunk_size, args.linear_key_head_dim, args.linear_value_head_dim
     per_head = 5 * chunk * dk + 3 * chunk * dv + 6 * dk * dv
     return 3 * layers * args.linear_n_value_heads * per_head
+
+
+def attention_flops_per_token(layers: Iterable[tuple[int, int, int, int | None]], seq_len: int) -> float:
+    """Training FLOPs per token of the attention matmuls of `layers` (query heads, score width, value width, window):
+    per head, Q@K^T costs 2 x score width and scores@V 2 x value width per key, times 3 for forward + backward.
+    A full layer counts seq_len keys per token (the convention's full, not causal, attention: with score = value =
+    head_dim it is num_flops_per_token's 12 H hd T); a sliding layer only its window: the token at position p
+    (1-based) attends to min(p, window) keys, averaged over the sequence."""
+    total = 0.0
+    for heads, score_width, value_width, window in layers:
+        total += 6 * heads * (score_width + value_width) * _mean_keys(seq_len, window)
+    return total
+
+
+def _mean_keys(seq_len: int, window: int | None) -> float:
+    """Keys a token attends to, averaged over positions 1..seq_len: seq_len without a window, else min(p, window)."""
+    if window is None:
+        return float(seq_len)
+    w = min(window, seq_len)
+    return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+
+
+def model_flops_per_token(num_params: int, num_embedding_params: int,
+                          attention_layers: Iterable[tuple[int, int, int, int | None]], seq_len: int,
+                          frozen_params: int = 0) -> float:
+    """num_flops_per_token with the attention term counted per layer (attention_flops_per_token): latent
+    attention's score and value widths, sliding layers' windows."""
+    dense = 6 * (num_params - num_embedding_params) - 2 * frozen_params
+    return dense + attention_flops_per_token(attention_layers, seq_len)
 
 
 def gpu_peak_flops_by_name(device_name: str) -> float:

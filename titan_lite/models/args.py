@@ -148,13 +148,19 @@ class LlamaArgs:
             return self.qk_rope_head_dim
         return int(self.head_dim * self.rope_partial_factor)
 
-    @property
-    def attention_flops_head_dim(self) -> int:
-        """The per-head width the FLOPs' attention term counts: head_dim, or latent attention's mean of its score
-        (qk_nope + qk_rope) and value (v_head_dim) widths."""
-        if self.is_latent:
-            return (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim) // 2
-        return self.head_dim
+    def attention_shapes(self) -> list[tuple[int, int, int, int | None]]:
+        """(query heads, score width, value width, window) of every softmax-attention layer, what the FLOPs'
+        attention term counts: latent attention scores over qk_nope + qk_rope and weighs v_head_dim values."""
+        shapes = []
+        for layer, kind in enumerate(self.schedule):
+            if kind == "linear_attention":
+                continue
+            heads = self.heads_of(layer)[0]
+            if kind == "latent_attention":
+                shapes.append((heads, self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim, None))
+            else:
+                shapes.append((heads, self.head_dim, self.head_dim, self.window_of(layer)))
+        return shapes
 
     @property
     def is_latent(self) -> bool:
@@ -165,11 +171,6 @@ class LlamaArgs:
     def is_hybrid(self) -> bool:
         """Whether some layer's mixer is a recurrent Gated DeltaNet rather than attention."""
         return "linear_attention" in self.schedule
-
-    @property
-    def attention_layers(self) -> int:
-        """Layers whose mixer is softmax attention (the FLOPs' quadratic term counts these only)."""
-        return sum(kind != "linear_attention" for kind in self.schedule)
 
     def heads_of(self, layer: int) -> tuple[int, int]:
         """(query heads, kv heads) of one layer."""

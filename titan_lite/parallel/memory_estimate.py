@@ -33,6 +33,7 @@ class ActivationShape:
     # CPU: causal attention per document, no mask) or "flex" (FlexAttention's block mask, CUDA); None: causal.
     document_mask: str | None = None
     ep: int = 1  # expert parallel degree: an MoE layer's experts split over this many ranks
+    device_type: str = "cuda"  # the planned device's kind (which SDPA kernels it has)
 
 
 def _rms_norm_bytes(args: LlamaArgs, tokens: int, s: ActivationShape) -> int:
@@ -61,6 +62,8 @@ def _attention_core_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape) ->
     split over TP; under CP k and v are the all-gathered whole sequence. gpt-oss's sink attention: its own count."""
     if args.attn_sinks:
         return _sink_attention_bytes(args, layer_id, s)
+    if args.layer_type(layer_id) == "latent_attention":
+        return latent_attention_bytes(args, s)
     q_heads, kv_heads = args.heads_of(layer_id)
     q_width, kv_width = q_heads * args.head_dim // s.tp, kv_heads * args.head_dim // s.tp
     kv_tokens = s.tokens * s.cp
@@ -73,6 +76,88 @@ def _attention_core_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape) ->
         local_seq = s.seq_len // s.cp
         saved += local_seq * s.seq_len * s.compute_bytes + local_seq * args.head_dim * FP32 + s.seq_len * 8
     return saved
+
+
+def _latent_norm_bytes(tokens: int, width: int, s: ActivationShape) -> int:
+    """A latent norm (q_a_layernorm, kv_a_layernorm) beside its saved input: the float32 rstd per row, and torch's
+    composite's float32 x * rstd where the norm is not fused."""
+    return tokens * FP32 + (0 if s.fused_rms_norm else tokens * width * FP32)
+
+
+def latent_attention_bytes(args: LlamaArgs, s: ActivationShape) -> int:
+    """DeepSeek-V3's latent attention (models/parts/mla.py) without AC, after the attention norm's gathered output:
+    the query's low-rank path (q_a_proj's output as its norm's input, the normed rank as q_b_proj's), kv_a_proj's
+    output (the latent norm's input is a view of it), the normed latent (kv_b_proj's input), the attention kernel's
+    and wo's input (SDPA's output, v_head_dim wide per head). RoPE's complex product keeps only the cache's rows. The
+    down-projections and latent norms are replicated over TP on the gathered sequence, the up-projections' heads
+    split (the latent plan of parallel/tensor_parallel.py); under CP the keys and values are the all-gathered
+    sequence."""
+    c, tokens = s.compute_bytes, s.tokens
+    heads, rank, rope = args.n_heads // s.tp, args.kv_lora_rank, args.qk_rope_head_dim
+    saved = 0
+    if args.q_lora_rank is not None:
+        saved += 2 * tokens * args.q_lora_rank * c + _latent_norm_bytes(tokens, args.q_lora_rank, s)
+    saved += tokens * (rank + rope) * c + _latent_norm_bytes(tokens, rank, s) + tokens * rank * c
+    saved += tokens * heads * args.v_head_dim * c + _latent_kernel_bytes(args, s)
+    if s.cp > 1 and s.document_mask is None:
+        local_seq = s.seq_len // s.cp
+        saved += local_seq * s.seq_len * c + local_seq * rope * FP32 + s.seq_len * 8
+    return saved
+
+
+def _latent_kernel_bytes(args: LlamaArgs, s: ActivationShape) -> int:
+    """What SDPA keeps of latent attention's q, k (qk_nope + qk_rope wide) and v (v_head_dim): a fused kernel (the
+    accelerators' memory-efficient one) the scaled queries, the keys [k_nope | k_rope], the values as a view of
+    kv_b_proj's expanded output (all of it kept) and a float32 log-sum-exp; on a CPU, whose flash kernel needs one
+    width for q, k and v, the math kernel: its scaled copies of q and k, a contiguous copy of v and the
+    probabilities per head."""
+    c, tokens, heads = s.compute_bytes, s.tokens, args.n_heads // s.tp
+    qk, v = args.qk_nope_head_dim + args.qk_rope_head_dim, args.v_head_dim
+    kv_tokens = tokens * s.cp
+    if s.device_type == "cpu" and qk != v:
+        return (tokens * heads * qk + kv_tokens * heads * (qk + v) + tokens * heads * (s.seq_len or tokens)) * c
+    expanded = kv_tokens * heads * v if s.cp > 1 else tokens * heads * (args.qk_nope_head_dim + v)
+    return (tokens * heads * qk + kv_tokens * heads * qk + expanded) * c + tokens * heads * FP32
+
+
+def latent_op_ac_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape) -> int:
+    """A latent attention block under op-level AC: its input, every other aten.mm output in the block's order (q_a,
+    q_b or q_proj, kv_a, kv_b, wo, then w1, w3, w2; in an MoE layer the router's float32 logits and the shared
+    experts' w1, w3, w2: the routed experts' grouped matmuls are no aten.mm), SDPA's output and log-sum-exp, and
+    under TP the reduce-scatter outputs of wo and w2."""
+    c, tokens, dim = s.compute_bytes, s.tokens, args.dim
+    heads, qk = args.n_heads // s.tp, args.qk_nope_head_dim + args.qk_rope_head_dim
+    query = [tokens * heads * qk * c] if args.q_lora_rank is None else \
+        [tokens * args.q_lora_rank * c, tokens * heads * qk * c]
+    mms = [*query, tokens * (args.kv_lora_rank + args.qk_rope_head_dim) * c,
+           tokens * heads * (args.qk_nope_head_dim + args.v_head_dim) * c, tokens * dim * c]
+    if args.is_moe_layer(layer_id):
+        shared = args.moe_ffn_dim * args.moe_shared_experts
+        mms += [tokens * args.n_experts * FP32] + ([tokens * shared * c] * 2 + [tokens * dim * c] if shared else [])
+    else:
+        ffn = args.ffn_dim_of(layer_id) // s.tp
+        mms += [tokens * ffn * c] * 2 + [tokens * dim * c]
+    seq_shard = tokens // s.tp
+    saved = seq_shard * dim * c + sum(mms[0::2]) + tokens * heads * (args.v_head_dim * c + FP32)
+    return saved + (2 * seq_shard * dim * c if s.tp > 1 else 0)
+
+
+def group_router_bytes(args: LlamaArgs, s: ActivationShape) -> int:
+    """DeepSeek-V3's group router (models/parts/group_router.py) for backward: its input (and, computing in a
+    narrower dtype, the float32 copies of it and of the gate its linear takes), the float32 sigmoid scores, the
+    chosen scores with their sum (norm_topk_prob) and the scores' sum over every expert, the weights in the compute
+    dtype and the int64 ids. The correction bias only chooses: nothing of it is kept."""
+    c, tokens, k = s.compute_bytes, s.tokens, args.moe_top_k
+    saved = tokens * args.dim * c + tokens * args.n_experts * FP32 + tokens * k * FP32 + 2 * tokens * FP32
+    if c != FP32:
+        saved += (tokens + args.n_experts) * args.dim * FP32
+    return saved + tokens * k * (c + 8)
+
+
+def shared_experts_bytes(args: LlamaArgs, s: ActivationShape) -> int:
+    """DeepSeek-V3's shared experts, one SwiGLU of moe_ffn_dim x n_shared_experts on every token of the gathered
+    sequence (replicated over TP): w1, silu, w3 and product outputs; its input is the router's."""
+    return 4 * s.tokens * args.moe_ffn_dim * args.moe_shared_experts * s.compute_bytes
 
 
 def routed_rows(args: LlamaArgs, s: ActivationShape) -> tuple[int, int]:
@@ -95,13 +180,17 @@ def moe_bytes(args: LlamaArgs, s: ActivationShape) -> int:
     sequence: under TP every rank routes all of it): the router's input, logits and float32 probabilities, the top-k
     weights and ids; the rows its experts compute (routed_rows' capacity): their inputs, their w1, w3, silu and
     product outputs; every choice's output as the gate weights multiply it; the sorting indices (and, under EP, the
-    order grouping the received rows by expert and its inverse)."""
+    order grouping the received rows by expert and its inverse); DeepSeek-V3's group router and shared experts by
+    their own counts."""
     c, k, tokens = s.compute_bytes, args.moe_top_k, s.tokens
     _, rows = routed_rows(args, s)
-    router = tokens * args.dim * c + tokens * args.n_experts * (c + FP32) + tokens * k * (c + 8)
+    if args.moe_router == "sigmoid_group":
+        router = group_router_bytes(args, s)
+    else:
+        router = tokens * args.dim * c + tokens * args.n_experts * (c + FP32) + tokens * k * (c + 8)
     experts = rows * args.dim * c + 4 * rows * args.moe_ffn_dim * c
     indices = 3 * tokens * k * 8 + (2 * rows * 8 if s.ep > 1 else 0)
-    return router + experts + tokens * k * args.dim * c + indices
+    return router + experts + tokens * k * args.dim * c + indices + shared_experts_bytes(args, s)
 
 
 def all_to_all_buffer_bytes(args: LlamaArgs, s: ActivationShape) -> int:
@@ -223,6 +312,8 @@ def layer_activation_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape, p
         return block_input
     q_heads, kv_heads = args.heads_of(layer_id)
     moe = args.is_moe_layer(layer_id)
+    if policy == OP_AC and args.layer_type(layer_id) == "latent_attention":
+        return latent_op_ac_bytes(args, layer_id, s)
     if policy == OP_AC:
         # Every other mm output is saved (wq, wv, w1, w2 of wq wk wv wo w1 w3 w2), plus SDPA outputs and, under
         # TP, the reduce-scatter outputs of wo and w2. In an MoE layer the router's logits are the fifth mm, saved;

@@ -6,7 +6,7 @@ staging area a prefill of the groups its slots reach fills, that prefill's worki
 from dataclasses import dataclass
 
 from titan_lite.config.schema import JobConfig
-from titan_lite.generate import kv_cache_bytes
+from titan_lite.generate import kv_cache_bytes, latent_expansion_bytes
 from titan_lite.models.args import LlamaArgs
 from titan_lite.parallel.memory_estimate import deltanet_prefill_bytes
 
@@ -49,7 +49,8 @@ class RolloutMemory:
 def rollout_memory(cfg: JobConfig, args: LlamaArgs, tp: int, together: int, compute_bytes: int) -> RolloutMemory:
     """The engine's cache of `together` slots and its staging area (the staged prompts, each padded to a multiple of
     tp), a layer's prefill working set over the staged prompts (no gradients; a Gated DeltaNet layer's chunked rule
-    where it is the larger) with its attention mask, and a decode step's logits (tp positions a slot under sequence
+    where it is the larger) with its attention mask (and a latent attention layer's keys and values expanded
+    from every slot), and a decode step's logits (tp positions a slot under sequence
     parallelism) with their float32 scaled copy, probabilities and CDF."""
     prompt, columns = cache_capacity(cfg, tp)
     staged, width = staged_prompts(cfg, together), -(-prompt // tp) * tp
@@ -58,6 +59,6 @@ def rollout_memory(cfg: JobConfig, args: LlamaArgs, tp: int, together: int, comp
     tokens = staged * width
     hidden = 4 * args.dim + 3 * max(args.ffn_dim_of(layer) for layer in range(args.n_layers)) // tp
     working = max(tokens * hidden * compute_bytes, deltanet_prefill_bytes(args, staged, width, tp))
-    prefill = working + staged * width * width
+    prefill = working + staged * width * width + latent_expansion_bytes(args, together, columns, compute_bytes, tp)
     logits = together * tp * args.vocab_size * (compute_bytes + 4 * 4)
     return RolloutMemory(together, columns, staged, tokens, cache, stage, prefill, logits)
