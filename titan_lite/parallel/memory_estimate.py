@@ -3,7 +3,6 @@
 import itertools
 from dataclasses import dataclass, field
 
-from titan_lite.errors import ConfigError
 from titan_lite.models.args import LlamaArgs
 
 GIB = 1024**3
@@ -301,9 +300,6 @@ def layer_activation_bytes(args: LlamaArgs, layer_id: int, s: ActivationShape, p
     """
     if args.layer_type(layer_id) == "linear_attention":
         return deltanet_layer_bytes(args, layer_id, s, policy)
-    if args.layer_type(layer_id) == "latent_attention":
-        raise ConfigError("DRY_RUN's memory plan is not supported yet for DeepSeek-V3: it does not yet count the "
-                          "activations of the latent attention layers")
     c, dim, tokens = s.compute_bytes, args.dim, s.tokens
     seq_shard = tokens // s.tp
     ffn = args.ffn_dim_of(layer_id) // s.tp
