@@ -1,0 +1,83 @@
+"""Qwen3.5-MoE's transforms against transformers' Qwen3_5MoeForCausalLM and peft: LoRA on attention, the Gated
+DeltaNet projections, the routed experts (PEFT's target_parameters on the fused gate_up_proj / down_proj) and the
+gated shared expert (its 1-wide gate frozen) exported as a PEFT adapter that peft applies with the merged export's
+logits; DoRA and QLoRA on every linear but the routed experts (which refuse both in one line)."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from tests.test_lora_peft import load_with_peft, pretend_trained, titan_lora  # noqa: E402
+from tests.test_qwen3_5_moe import hf_moe  # noqa: E402
+from titan_lite.checkpoint.hf import gather_full_state_dict, write_hf_folder  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENS = torch.randint(0, 2048, (2, 30), generator=torch.Generator().manual_seed(5))
+DELTANET = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+SHARED = ("gate_proj", "up_proj", "down_proj")  # the shared expert's, the only dense feed-forward linears
+DENSE_TARGETS = ",".join(("q_proj", "k_proj", "v_proj", "o_proj", *DELTANET, *SHARED))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """tests/test_qwen3_5_moe.py's small wide-weight Qwen3.5-MoE (sharp router, shared-expert gates far from 0.5),
+    vocabulary of the bundled tokenizer, saved by transformers with that tokenizer beside it."""
+    folder = tmp_path_factory.mktemp("qwen3_5_moe_base")
+    hf_moe(vocab_size=2048).save_pretrained(folder)
+    shutil.copy2(ROOT / "assets" / "tokenizer" / "tokenizer.model", folder)
+    return folder
+
+
+def hf_logits(folder_or_model) -> torch.Tensor:
+    model = folder_or_model
+    if isinstance(folder_or_model, Path):
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder_or_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+@torch.no_grad()
+def pretend_trained_experts(model) -> None:
+    """Expert adapters as after training: B non-zero (pretend_trained moves the linear adapters)."""
+    gen = torch.Generator().manual_seed(4)
+    for name, param in model.named_parameters():
+        if ".moe.experts." in name and name.endswith(("lora_a", "lora_b")):
+            param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+
+
+def merged_folder(plan, model, base, out: Path) -> Path:
+    merged_sd, args = next(iter(plan.transforms)).export_state_dict(gather_full_state_dict([model], torch.float32),
+                                                                     plan.model_args)
+    write_hf_folder(merged_sd, args, str(out), torch.float32, str(base))
+    return out
+
+
+@pytest.mark.parametrize("case", ["lora", "dora"])
+def test_lora_loads_in_peft_with_the_merged_export_logits(case, base, tmp_path):
+    """all-linear (LoRA) adapts attention, DeltaNet, the shared expert and the routed experts, never the router or
+    shared_expert_gate; DoRA (no grouped form) the same less the routed experts."""
+    extra = ["--lora.use_dora", "--lora.target_modules", DENSE_TARGETS] if case == "dora" else []
+    plan, model = titan_lora(base, "--lora.rank", "4", "--lora.alpha", "8", *extra, flavor="hf", assets=base)
+    adapted = {name.split(".", 2)[-1] for name, m in model.named_modules() if hasattr(m, "lora_a")}
+    shared = {f"moe.shared_expert.{w}" for w in ("w1", "w2", "w3")}
+    dense = {f"attention.{w}" for w in ("wq", "wk", "wv", "wo", *DELTANET)} | shared
+    assert adapted == (dense | {"moe.experts.gate_up", "moe.experts.down"} if case == "lora" else dense)
+    pretend_trained(model)
+    pretend_trained_experts(model)
+    transform = next(iter(plan.transforms))
+    transform.export([model], tmp_path, step=2)
+    merged = merged_folder(plan, model, base, tmp_path / "merged")
+    with torch.no_grad():
+        ours = model(TOKENS)
+    theirs_model = load_with_peft(base, tmp_path / "step-2-adapter")
+    peft_targets = {n.rsplit(".", 1)[-1] for n, m in theirs_model.named_modules() if hasattr(m, "lora_A")}
+    assert set(DELTANET) | set(SHARED) <= peft_targets and "shared_expert_gate" not in peft_targets
+    theirs = hf_logits(theirs_model)
+    assert (theirs - hf_logits(base)).abs().max() > 1e-2  # the adapter is applied
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+    torch.testing.assert_close(hf_logits(merged), theirs, atol=1e-5, rtol=0)
