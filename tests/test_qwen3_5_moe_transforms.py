@@ -81,3 +81,81 @@ def test_lora_loads_in_peft_with_the_merged_export_logits(case, base, tmp_path):
     assert (theirs - hf_logits(base)).abs().max() > 1e-2  # the adapter is applied
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
     torch.testing.assert_close(hf_logits(merged), theirs, atol=1e-5, rtol=0)
+
+
+def test_qlora_holds_every_frozen_linear_in_nf4_and_matches_its_merged_export(base, tmp_path):
+    """QLoRA: attention, DeltaNet and shared-expert weights in NF4 (the routed experts, grouped weights, stay in the
+    run's dtype; adapting them with an NF4 base is refused in one line); the merged export's logits equal the run's."""
+    from titan_lite.transforms.nf4 import is_nf4
+
+    plan, model = titan_lora(base, "--lora.rank", "4", "--lora.alpha", "8", "--lora.base_dtype", "nf4",
+                             "--lora.target_modules", DENSE_TARGETS, flavor="hf", assets=base)
+    deltanet, attention, moe = model.layers["0"].attention, model.layers["3"].attention, model.layers["0"].moe
+    assert all(is_nf4(getattr(deltanet, name).weight) for name in DELTANET) and is_nf4(attention.wq.weight)
+    assert all(is_nf4(getattr(moe.shared_expert, w).weight) for w in ("w1", "w2", "w3"))
+    assert not is_nf4(moe.shared_expert_gate.weight) and not is_nf4(moe.experts.w1)
+    pretend_trained(model)
+    merged = merged_folder(plan, model, base, tmp_path / "merged")
+    with torch.no_grad():
+        ours = model(TOKENS)
+    assert (ours - hf_logits(base)).abs().max() > 1e-2
+    torch.testing.assert_close(hf_logits(merged), ours, atol=1e-5, rtol=0)
+
+
+def prune_script():
+    from tests.test_depth_prune import prune_script as script
+
+    return script()
+
+
+CALIBRATION = ["--nsamples", "4", "--seq_len", "32", "--batch_size", "2"]
+
+
+@pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
+def test_wanda_and_sparsegpt_prune_every_dense_linear_and_transformers_loads_the_result(method, base, tmp_path):
+    """Attention, DeltaNet and shared-expert projections at half their inputs; the router, shared_expert_gate and the
+    routed experts (grouped weights, dense on every MoE family) as they were; transformers' logits equal ours."""
+    from safetensors.torch import load_file
+
+    from tests.hf_oracle import load_titan
+
+    out = tmp_path / "pruned"
+    assert prune_script().main(["--hf_assets_path", str(base), "--output_dir", str(out), "--method", method,
+                                "--sparsity", "0.5", *CALIBRATION]) == 0
+    weights = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    dense = {"gate", "shared_expert_gate"}
+    linears = [k for k, v in weights.items() if v.dim() == 2 and ".layers." in k and k.split(".")[-2] not in dense]
+    assert {k.split(".")[-2] for k in linears} == {"q_proj", "k_proj", "v_proj", "o_proj", *DELTANET, *SHARED}
+    assert sum(".shared_expert." in k for k in linears) == 12
+    for name in linears:
+        assert (weights[name] == 0).float().mean().item() == pytest.approx(0.5, abs=0.02), name
+    pruned, source = load_titan(out), load_titan(base).state_dict()
+    untouched = [k for k in source if k.endswith(("router.gate.weight", "shared_expert_gate.weight", "experts.w1",
+                                                  "experts.w2", "experts.w3"))]
+    assert len(untouched) == 4 * 5
+    for name in untouched:
+        assert torch.equal(pruned.state_dict()[name], source[name]), name
+    with torch.no_grad():
+        torch.testing.assert_close(pruned(TOKENS), hf_logits(out), atol=1e-5, rtol=0)
+
+
+def test_depth_pruning_drops_whole_blocks_with_their_experts(base, tmp_path):
+    import json
+
+    from tests.hf_oracle import load_titan
+
+    out = tmp_path / "shallow"
+    assert prune_script().main(["--hf_assets_path", str(base), "--output_dir", str(out), "--method", "depth",
+                                "--layers_to_remove", "1", *CALIBRATION]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_experts"]) == (3, 8)
+    assert config["layer_types"] == ["linear_attention", "linear_attention", "full_attention"]
+    source, shallow = load_titan(base), load_titan(out)
+    assert torch.equal(shallow.layers["1"].moe.experts.w1, source.layers["2"].moe.experts.w1)
+    assert torch.equal(shallow.layers["2"].moe.shared_expert_gate.weight,
+                       source.layers["3"].moe.shared_expert_gate.weight)
+    with torch.no_grad():
+        del source.layers["1"]  # the source run without block 1 is the shallow model
+        source.layers = torch.nn.ModuleDict({str(i): b for i, b in enumerate(source.layers.values())})
+        torch.testing.assert_close(source(TOKENS), shallow(TOKENS), atol=1e-5, rtol=0)
+        torch.testing.assert_close(hf_logits(out), shallow(TOKENS), atol=1e-5, rtol=0)
