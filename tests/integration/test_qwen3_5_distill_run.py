@@ -1,0 +1,54 @@
+"""Distillation into a dense Qwen3.5 student through run_train.sh, from a teacher of another family (a Llama
+folder): the first step's logged KL and cross entropy equal a direct computation from transformers' two models'
+logits on that step's batch, and every step's loss is alpha T^2 KL + (1 - alpha) CE of its logged parts."""
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.integration.harness import REPO, one_window_dataset, one_window_documents, perturbed_hf_folder, run_train
+
+transformers = pytest.importorskip("transformers")
+
+SEQ_LEN, GLOBAL_BATCH, STEPS, ALPHA, T = 32, 4, 2, 0.5, 2.0
+
+
+@pytest.mark.slow
+def test_distillation_into_qwen3_5_from_a_llama_teacher_equals_the_direct_kd_of_their_logits(tmp_path):
+    from tests.integration.test_distill_runs import scalars
+    from tests.test_qwen3_5 import hf_model
+    from titan_lite.data.tokenizer import build_tokenizer
+
+    student = tmp_path / "student"
+    hf_model(vocab_size=2048).save_pretrained(student)
+    shutil.copy2(REPO / "assets" / "tokenizer" / "tokenizer.model", student)
+    teacher = perturbed_hf_folder(tmp_path / "teacher", "tiny")
+    data = one_window_dataset(tmp_path, GLOBAL_BATCH * (STEPS + 1), SEQ_LEN)
+    run = run_train([*data, "--model.flavor", "hf", "--model.hf_assets_path", str(student),
+                     "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(student),
+                     "--training.steps", str(STEPS), "--training.local_batch_size", str(GLOBAL_BATCH),
+                     "--distill.enable", "--distill.alpha", str(ALPHA), "--distill.temperature", str(T),
+                     "--distill.teacher_path", str(teacher)], tmp_path / "run")
+    assert run.returncode == 0, run.output[-3000:]
+    losses, kl, ce = run.tb_losses(), scalars(run, "distill/kl"), scalars(run, "distill/ce")
+    assert sorted(losses) == sorted(kl) == list(range(1, STEPS + 1))
+    for step, loss in losses.items():
+        assert abs(loss - (ALPHA * T * T * kl[step] + (1 - ALPHA) * ce[step])) < 1e-5, (step, loss, kl, ce)
+
+    tokenizer = build_tokenizer(str(REPO / "assets" / "tokenizer"))
+    docs = one_window_documents(GLOBAL_BATCH * (STEPS + 1), SEQ_LEN)[:GLOBAL_BATCH]  # step 1's batch
+    ids = torch.tensor([tokenizer.encode(d, bos=True, eos=True) for d in docs])
+    inputs, labels = ids[:, :-1], ids[:, 1:]
+    auto = transformers.AutoModelForCausalLM
+    theirs = [auto.from_pretrained(f, dtype=torch.float32).eval() for f in (student, teacher)]
+    assert [type(m).__name__ for m in theirs] == ["Qwen3_5ForCausalLM", "LlamaForCausalLM"]
+    with torch.no_grad():
+        s, t = (m(inputs).logits for m in theirs)
+    log_s, log_t = F.log_softmax(s.flatten(0, 1) / T, -1), F.log_softmax(t.flatten(0, 1) / T, -1)
+    direct_kl = F.kl_div(log_s, log_t, log_target=True, reduction="none").sum(-1).mean().item()
+    direct_ce = F.cross_entropy(s.flatten(0, 1), labels.flatten()).item()
+    assert direct_kl > 0.05, direct_kl  # the two families' models differ
+    assert kl[1] == pytest.approx(direct_kl, abs=1e-5) and ce[1] == pytest.approx(direct_ce, abs=1e-5), (
+        kl[1], direct_kl, ce[1], direct_ce)
