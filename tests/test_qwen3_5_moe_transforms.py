@@ -159,3 +159,31 @@ def test_depth_pruning_drops_whole_blocks_with_their_experts(base, tmp_path):
         source.layers = torch.nn.ModuleDict({str(i): b for i, b in enumerate(source.layers.values())})
         torch.testing.assert_close(source(TOKENS), shallow(TOKENS), atol=1e-5, rtol=0)
         torch.testing.assert_close(hf_logits(out), shallow(TOKENS), atol=1e-5, rtol=0)
+
+
+def test_what_stays_refused_is_one_line(base, tmp_path, capsys):
+    """DoRA and an NF4 base on the routed experts (no grouped form), adapting shared_expert_gate, the structured
+    methods that would cut the DeltaNet or the experts' widths, and the converters not checked here."""
+    from titan_lite.config import parse_args
+    from titan_lite.errors import ConfigError
+    from titan_lite.job.plan import plan_job
+
+    def refusal(*argv: str) -> str:
+        cfg = parse_args(["--model.flavor", "hf", "--model.hf_assets_path", str(base), *argv])
+        with pytest.raises(ConfigError) as err:
+            plan_job(cfg, 1)
+        assert "\n" not in str(err.value)
+        return str(err.value)
+
+    lora = ["--model.converters", "lora"]
+    assert "'lora.use_dora' = True: LoRA on experts" in refusal(*lora, "--lora.use_dora")
+    assert "'lora.base_dtype' = 'nf4': LoRA on experts" in refusal(*lora, "--lora.base_dtype", "nf4")
+    assert "unknown module 'shared_expert_gate'" in refusal(*lora, "--lora.target_modules", "shared_expert_gate")
+    assert refusal("--model.converters", "sheared").startswith(
+        "'model.converters' has ['sheared'], which is not supported yet for Qwen3.5-MoE (its linear_attention layers "
+        "and gated shared expert): only ['lora', 'prune'] have been checked there")
+    code = prune_script().main(["--hf_assets_path", str(base), "--output_dir", str(tmp_path / "out"), "--method",
+                                "taylor_structured", "--head_ratio", "0.5", *CALIBRATION])
+    err = capsys.readouterr().err
+    assert code == 2 and "taylor_structured writes models whose feed-forwards are dense" in err, err[-2000:]
+    assert len(err.strip().splitlines()) == 1
