@@ -60,7 +60,7 @@ def merged_folder(plan, model, base, out: Path) -> Path:
 @pytest.mark.parametrize("case", ["lora", "dora"])
 def test_lora_loads_in_peft_with_the_merged_export_logits(case, base, tmp_path):
     """all-linear (LoRA) adapts attention, DeltaNet, the shared expert and the routed experts, never the router or
-    shared_expert_gate; DoRA (no grouped form) the same less the routed experts."""
+    shared_expert_gate; DoRA (no grouped form) the same less the routed experts, and its adapter loads back."""
     extra = ["--lora.use_dora", "--lora.target_modules", DENSE_TARGETS] if case == "dora" else []
     plan, model = titan_lora(base, "--lora.rank", "4", "--lora.alpha", "8", *extra, flavor="hf", assets=base)
     adapted = {name.split(".", 2)[-1] for name, m in model.named_modules() if hasattr(m, "lora_a")}
@@ -81,6 +81,14 @@ def test_lora_loads_in_peft_with_the_merged_export_logits(case, base, tmp_path):
     assert (theirs - hf_logits(base)).abs().max() > 1e-2  # the adapter is applied
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
     torch.testing.assert_close(hf_logits(merged), theirs, atol=1e-5, rtol=0)
+    if case == "dora":  # and back: the adapter read into titan_lite (shared-expert names included) gives our logits
+        from titan_lite.transforms.lora.adapters import lora_settings_from_peft
+
+        settings = lora_settings_from_peft(tmp_path / "step-2-adapter")
+        argv = [f"--lora.{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in settings.items()]
+        _, reloaded = titan_lora(base, *argv, flavor="hf", assets=base)
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(TOKENS), ours, atol=1e-5, rtol=0)
 
 
 def test_qlora_holds_every_frozen_linear_in_nf4_and_matches_its_merged_export(base, tmp_path):
