@@ -1,7 +1,10 @@
-"""Distillation into a dense Qwen3.5 student through run_train.sh, from a teacher of another family (a Llama
-folder): the first step's logged KL and cross entropy equal a direct computation from transformers' two models'
-logits on that step's batch, and every step's loss is alpha T^2 KL + (1 - alpha) CE of its logged parts."""
+"""Qwen3.5's transforms as users run them (run_train.sh): distillation into a dense Qwen3.5 student from a teacher of
+another family (a Llama folder), whose first step's logged KL and cross entropy equal a direct computation from
+transformers' two models' logits on that step's batch (every step's loss alpha T^2 KL + (1 - alpha) CE of its logged
+parts); LoRA on a Qwen3.5-MoE folder, whose trained adapter (attention, DeltaNet, shared and routed experts) loaded
+by peft on transformers' Qwen3_5MoeForCausalLM gives the run's merged export's logits."""
 
+import json
 import shutil
 
 import pytest
@@ -52,3 +55,35 @@ def test_distillation_into_qwen3_5_from_a_llama_teacher_equals_the_direct_kd_of_
     assert direct_kl > 0.05, direct_kl  # the two families' models differ
     assert kl[1] == pytest.approx(direct_kl, abs=1e-5) and ce[1] == pytest.approx(direct_ce, abs=1e-5), (
         kl[1], direct_kl, ce[1], direct_ce)
+
+
+@pytest.mark.slow
+def test_a_lora_run_on_qwen3_5_moe_exports_an_adapter_peft_loads_with_the_merged_logits(tmp_path):
+    peft = pytest.importorskip("peft")
+    from tests.test_qwen3_5_moe import hf_moe
+
+    folder = tmp_path / "base"
+    hf_moe(vocab_size=2048).save_pretrained(folder)
+    shutil.copy2(REPO / "assets" / "tokenizer" / "tokenizer.model", folder)
+    run = run_train(["--model.flavor", "hf", "--model.hf_assets_path", str(folder), "--checkpoint.initial_load_in_hf",
+                     "--checkpoint.initial_load_path", str(folder), "--training.steps", "3", "--training.seq_len",
+                     "48", "--model.converters", "lora", "--lora.rank", "4", "--lora.init", "gaussian",
+                     "--checkpoint.enable", "--checkpoint.last_save_in_hf", "--checkpoint.export_dtype", "float32"],
+                    tmp_path / "run")
+    assert run.returncode == 0, run.output[-3000:]
+    assert "lora: target 'all-linear' matched 31 linear modules" in run.output
+    out = tmp_path / "run" / "checkpoint"
+    config = json.loads((out / "step-3-adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert {"gate_proj", "in_proj_qkv", "q_proj"} <= set(config["target_modules"])
+    tokens = torch.randint(0, 2048, (2, 40), generator=torch.Generator().manual_seed(3))
+    auto = transformers.AutoModelForCausalLM
+    base = auto.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        before = base(tokens).logits
+    with_adapter = peft.PeftModel.from_pretrained(base, str(out / "step-3-adapter")).eval()
+    merged = auto.from_pretrained(out / "step-3-hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        got, want = with_adapter(tokens).logits, merged(tokens).logits
+    assert (got - before).abs().max() > 1e-4  # training moved the adapters
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
