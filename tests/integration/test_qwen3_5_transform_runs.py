@@ -2,7 +2,8 @@
 another family (a Llama folder), whose first step's logged KL and cross entropy equal a direct computation from
 transformers' two models' logits on that step's batch (every step's loss alpha T^2 KL + (1 - alpha) CE of its logged
 parts); LoRA on a Qwen3.5-MoE folder, whose trained adapter (attention, DeltaNet, shared and routed experts) loaded
-by peft on transformers' Qwen3_5MoeForCausalLM gives the run's merged export's logits."""
+by peft on transformers' Qwen3_5MoeForCausalLM gives the run's merged export's logits, and whose losses under EP 2
+equal one process's."""
 
 import json
 import shutil
@@ -57,14 +58,19 @@ def test_distillation_into_qwen3_5_from_a_llama_teacher_equals_the_direct_kd_of_
         kl[1], direct_kl, ce[1], direct_ce)
 
 
+def moe_folder(folder):
+    """tests/test_qwen3_5_moe.py's small wide Qwen3.5-MoE with the bundled tokenizer's vocabulary and tokenizer."""
+    from tests.test_qwen3_5_moe import hf_moe
+
+    hf_moe(vocab_size=2048).save_pretrained(folder)
+    shutil.copy2(REPO / "assets" / "tokenizer" / "tokenizer.model", folder)
+    return folder
+
+
 @pytest.mark.slow
 def test_a_lora_run_on_qwen3_5_moe_exports_an_adapter_peft_loads_with_the_merged_logits(tmp_path):
     peft = pytest.importorskip("peft")
-    from tests.test_qwen3_5_moe import hf_moe
-
-    folder = tmp_path / "base"
-    hf_moe(vocab_size=2048).save_pretrained(folder)
-    shutil.copy2(REPO / "assets" / "tokenizer" / "tokenizer.model", folder)
+    folder = moe_folder(tmp_path / "base")
     run = run_train(["--model.flavor", "hf", "--model.hf_assets_path", str(folder), "--checkpoint.initial_load_in_hf",
                      "--checkpoint.initial_load_path", str(folder), "--training.steps", "3", "--training.seq_len",
                      "48", "--model.converters", "lora", "--lora.rank", "4", "--lora.init", "gaussian",
@@ -87,3 +93,22 @@ def test_a_lora_run_on_qwen3_5_moe_exports_an_adapter_peft_loads_with_the_merged
         got, want = with_adapter(tokens).logits, merged(tokens).logits
     assert (got - before).abs().max() > 1e-4  # training moved the adapters
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_lora_on_qwen3_5_moe_under_ep2_equals_one_process(tmp_path):
+    """all-linear LoRA (the expert adapters sharded with their experts over EP 2, the rest FSDP-sharded over the same
+    2 gloo ranks): the losses of 3 steps on one global batch of 8 equal one process's."""
+    from tests.integration.harness import assert_losses_close
+
+    folder = moe_folder(tmp_path / "base")
+    common = [*one_window_dataset(tmp_path, 8 * 4, 48), "--model.flavor", "hf", "--model.hf_assets_path", str(folder),
+              "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(folder), "--training.steps",
+              "3", "--model.converters", "lora", "--lora.rank", "4", "--lora.init", "gaussian"]
+    one = run_train([*common, "--training.local_batch_size", "8"], tmp_path / "one")
+    ep = run_train([*common, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
+                   tmp_path / "ep", ngpu=2)
+    assert one.returncode == 0 and ep.returncode == 0, (one.output[-2000:], ep.output[-2000:])
+    assert sorted(one.tb_losses()) == [1, 2, 3]
+    assert "dp_shard 2 x cp 1 x tp 1 x pp 1 (experts: ep 2 x efsdp 1)" in ep.output
+    assert_losses_close(ep, one.tb_losses(), 1e-5)
