@@ -7,12 +7,13 @@ equal one process's."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.integration.harness import REPO, one_window_dataset, one_window_documents, perturbed_hf_folder, run_train
+from tests.integration.harness import REPO, assert_losses_close, one_window_dataset, perturbed_hf_folder, run_train
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,7 +43,8 @@ def test_distillation_into_qwen3_5_from_a_llama_teacher_equals_the_direct_kd_of_
         assert abs(loss - (ALPHA * T * T * kl[step] + (1 - ALPHA) * ce[step])) < 1e-5, (step, loss, kl, ce)
 
     tokenizer = build_tokenizer(str(REPO / "assets" / "tokenizer"))
-    docs = one_window_documents(GLOBAL_BATCH * (STEPS + 1), SEQ_LEN)[:GLOBAL_BATCH]  # step 1's batch
+    corpus = Path(data[data.index("--training.dataset_path") + 1]).read_text().splitlines()
+    docs = [json.loads(line)["text"] for line in corpus[:GLOBAL_BATCH]]  # step 1's batch: one document per row
     ids = torch.tensor([tokenizer.encode(d, bos=True, eos=True) for d in docs])
     inputs, labels = ids[:, :-1], ids[:, 1:]
     auto = transformers.AutoModelForCausalLM
@@ -68,17 +70,26 @@ def moe_folder(folder):
 
 
 @pytest.mark.slow
-def test_a_lora_run_on_qwen3_5_moe_exports_an_adapter_peft_loads_with_the_merged_logits(tmp_path):
+def test_a_lora_run_on_qwen3_5_moe_exports_for_peft_and_equals_itself_under_ep2(tmp_path):
+    """all-linear LoRA for 3 steps on one global batch of 8: the adapter of the one-process run loaded by peft on
+    transformers' class gives its merged export's logits; under EP 2 (expert adapters sharded with their experts,
+    the rest FSDP-sharded over the same 2 gloo ranks) the losses equal the one process's."""
     peft = pytest.importorskip("peft")
     folder = moe_folder(tmp_path / "base")
-    run = run_train(["--model.flavor", "hf", "--model.hf_assets_path", str(folder), "--checkpoint.initial_load_in_hf",
-                     "--checkpoint.initial_load_path", str(folder), "--training.steps", "3", "--training.seq_len",
-                     "48", "--model.converters", "lora", "--lora.rank", "4", "--lora.init", "gaussian",
-                     "--checkpoint.enable", "--checkpoint.last_save_in_hf", "--checkpoint.export_dtype", "float32"],
-                    tmp_path / "run")
-    assert run.returncode == 0, run.output[-3000:]
-    assert "lora: target 'all-linear' matched 31 linear modules" in run.output
-    out = tmp_path / "run" / "checkpoint"
+    common = [*one_window_dataset(tmp_path, 8 * 4, 48), "--model.flavor", "hf", "--model.hf_assets_path", str(folder),
+              "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(folder), "--training.steps",
+              "3", "--model.converters", "lora", "--lora.rank", "4", "--lora.init", "gaussian"]
+    one = run_train([*common, "--training.local_batch_size", "8", "--checkpoint.enable", "--checkpoint.last_save_in_hf",
+                     "--checkpoint.export_dtype", "float32"], tmp_path / "one")
+    assert one.returncode == 0, one.output[-3000:]
+    assert sorted(one.tb_losses()) == [1, 2, 3]
+    assert "lora: target 'all-linear' matched 31 linear modules" in one.output
+    ep = run_train([*common, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
+                   tmp_path / "ep", ngpu=2)
+    assert "dp_shard 2 x cp 1 x tp 1 x pp 1 (experts: ep 2 x efsdp 1)" in ep.output, ep.output[-3000:]
+    assert_losses_close(ep, one.tb_losses(), 1e-5)
+
+    out = tmp_path / "one" / "checkpoint"
     config = json.loads((out / "step-3-adapter" / "adapter_config.json").read_text())
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     assert {"gate_proj", "in_proj_qkv", "q_proj"} <= set(config["target_modules"])
@@ -93,22 +104,3 @@ def test_a_lora_run_on_qwen3_5_moe_exports_an_adapter_peft_loads_with_the_merged
         got, want = with_adapter(tokens).logits, merged(tokens).logits
     assert (got - before).abs().max() > 1e-4  # training moved the adapters
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-
-
-@pytest.mark.slow
-def test_lora_on_qwen3_5_moe_under_ep2_equals_one_process(tmp_path):
-    """all-linear LoRA (the expert adapters sharded with their experts over EP 2, the rest FSDP-sharded over the same
-    2 gloo ranks): the losses of 3 steps on one global batch of 8 equal one process's."""
-    from tests.integration.harness import assert_losses_close
-
-    folder = moe_folder(tmp_path / "base")
-    common = [*one_window_dataset(tmp_path, 8 * 4, 48), "--model.flavor", "hf", "--model.hf_assets_path", str(folder),
-              "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(folder), "--training.steps",
-              "3", "--model.converters", "lora", "--lora.rank", "4", "--lora.init", "gaussian"]
-    one = run_train([*common, "--training.local_batch_size", "8"], tmp_path / "one")
-    ep = run_train([*common, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
-                   tmp_path / "ep", ngpu=2)
-    assert one.returncode == 0 and ep.returncode == 0, (one.output[-2000:], ep.output[-2000:])
-    assert sorted(one.tb_losses()) == [1, 2, 3]
-    assert "dp_shard 2 x cp 1 x tp 1 x pp 1 (experts: ep 2 x efsdp 1)" in ep.output
-    assert_losses_close(ep, one.tb_losses(), 1e-5)
