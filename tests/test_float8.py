@@ -235,3 +235,43 @@ def test_family_blocks_convert_with_their_biases_and_train_close_to_fp32(flavor)
     assert 1e-4 < error < 0.02 < 0.04 < wrong_error, (error, wrong_error)
     got.float().logsumexp(-1).mean().backward()
     assert all(model.get_submodule(n).weight.grad is not None for n in float8_names(model))
+
+
+def test_qwen3_5_blocks_convert_their_servable_deltanet_projections_and_train_close_to_fp32(caplog):
+    """tiny_qwen3_5: every DeltaNet projection float8 serves (in_proj_qkv, in_proj_z, out_proj) and the gated
+    attention's, the per-head in_proj_b / in_proj_a (4 rows) listed in high precision; within float8's rounding of
+    fp32, gradients reaching every Float8Linear; the TP plans of both mixers take float8 styles for their linears."""
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    from titan_lite.parallel.tensor_parallel import deltanet_plan
+    from titan_lite.transforms.float8.tp import float8_block_plan
+
+    (transform,) = build_transforms(config())
+    reference, model = Llama(flavor_args("tiny_qwen3_5")), Llama(flavor_args("tiny_qwen3_5"))
+    reference.init_weights(seed=3)
+    with torch.no_grad():
+        for name, p in reference.named_parameters():  # norms far from their (1 + w) default
+            if name.endswith("norm.weight"):
+                p.add_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    transform.convert(model)
+    model.load_state_dict(reference.state_dict())
+    converted_names = {n.split(".", 2)[2] for n in float8_names(model)}
+    assert converted_names == {"attention.in_proj_qkv", "attention.in_proj_z", "attention.out_proj", "attention.wq",
+                               "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
+                               "feed_forward.w3"}
+    assert len(float8_names(model)) == 3 * 6 + 7
+    lines = summary(transform, caplog)
+    assert "layers.0.attention.in_proj_b (4x64 is not a multiple of 16)" in lines[1]
+    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
+    expected, got = reference(tokens), model(tokens)
+    error = ((got - expected).norm() / expected.norm()).item()
+    assert 1e-4 < error < 0.02, error
+    got.float().logsumexp(-1).mean().backward()
+    assert all(model.get_submodule(n).weight.grad is not None for n in float8_names(model))
+    # the CUDA plan (on CPU tp_plan keeps the plain styles, see its docstring)
+    deltanet = float8_block_plan(deltanet_plan(), model)
+    assert type(deltanet["attention.in_proj_qkv"]) is Float8ColwiseParallel
+    assert type(deltanet["attention.out_proj"]) is Float8RowwiseParallel
+    assert type(deltanet["attention.in_proj_b"]) is not Float8ColwiseParallel  # left in high precision
+    attention = float8_block_plan(block_plan(qk_norm=True), model)
+    assert type(attention["attention.wq"]) is Float8ColwiseParallel

@@ -272,11 +272,11 @@ def build_transforms(cfg: JobConfig) -> list[Transform]:
 
 
 # The newer families' parts each transform has been checked on (against transformers): any other transform is
-# refused there in one line. Qwen3.5-MoE: no converter is checked on its shared expert yet (REAP runs from
-# scripts/prune.py).
+# refused there in one line. Qwen3.5-MoE: LoRA on its shared expert (never its gate) and routed experts, pruning of
+# its dense projections (REAP and depth run from scripts/prune.py).
 CHECKED_ON_NEWER_FAMILIES = {
-    "qwen3_5": ("Qwen3.5 (its linear_attention layers)", ("lora", "prune")),
-    "qwen3_5_moe": ("Qwen3.5-MoE (its linear_attention layers and gated shared expert)", ()),
+    "qwen3_5": ("Qwen3.5 (its linear_attention layers)", ("lora", "prune", "quantize.linear.float8")),
+    "qwen3_5_moe": ("Qwen3.5-MoE (its linear_attention layers and gated shared expert)", ("lora", "prune")),
     "gpt_oss": ("gpt-oss (its sinks, biases and clamped experts)", ("lora", "prune")),
     "gemma3_text": ("Gemma 3 (its sandwich norms and scaled embedding)", ("lora", "prune", "quantize.linear.float8")),
     "deepseek_v3": ("DeepSeek-V3 (its latent attention and shared experts)", ("lora",)),

@@ -10,10 +10,21 @@ INPUT_USERS = {"attention": ("attention.wq", "attention.wk", "attention.wv"),
 
 
 def float8_in_every_block(model: nn.Module, path: str) -> bool:
+    """Whether every block holding `path` holds it as a Float8Linear: a hybrid model's plan of one mixer (Qwen3.5's
+    Gated DeltaNet or attention) meets only the blocks of that mixer."""
     # lazy: torchao loads only when float8 is used
     from torchao.float8.float8_linear import Float8Linear
 
-    return all(isinstance(block.get_submodule(path), Float8Linear) for block in model.layers.values())
+    held = [block.get_submodule(path) for block in model.layers.values() if _holds(block, path)]
+    return bool(held) and all(isinstance(module, Float8Linear) for module in held)
+
+
+def _holds(block: nn.Module, path: str) -> bool:
+    try:
+        block.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def float8_block_plan(plan: dict[str, ParallelStyle], model: nn.Module) -> dict[str, ParallelStyle]:

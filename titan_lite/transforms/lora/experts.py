@@ -150,6 +150,14 @@ def family_gate_up(args: LlamaArgs) -> Fused | None:
     return family.fused.get("mlp.experts.gate_up_proj") if family else None
 
 
+def fused_output_order(gate_up: Fused, rows: int) -> torch.Tensor:
+    """Which of titan_lite's stacked gate and up rows (gate first) each output of the family's fused gate_up_proj is:
+    its own join of the row indices (gpt-oss interleaves them across its transposed [E, dim, 2 hidden]; Qwen3.5-MoE's
+    [E, 2 hidden, dim] keeps them in order)."""
+    index = torch.arange(rows, dtype=torch.float64).view(1, rows, 1)
+    return gate_up.join(list(index.chunk(2, dim=1))).flatten().long()
+
+
 def peft_expert_tensors(state: dict[str, torch.Tensor], prefix: str,
                         gate_up: Fused | None = None) -> dict[str, torch.Tensor]:
     """PEFT's tensors of the expert adapters (and of fully trained experts) in a state dict, as peft 0.21 writes
@@ -165,8 +173,8 @@ def peft_expert_tensors(state: dict[str, torch.Tensor], prefix: str,
         nested = group == "gate_up" and f"{experts}.down.lora_a" in state
         path = f"{prefix}model.layers.{layer}.mlp.experts." + ("base_layer." if nested else "")
         a, b = state[f"{module}.lora_a"], state[f"{module}.lora_b"]
-        if group == "gate_up" and gate_up is not None:  # B's rows as the fused tensor's columns: join [E, r, out]
-            b = gate_up.join(list(b.chunk(2, dim=1))).transpose(1, 2)
+        if group == "gate_up" and gate_up is not None:  # B's rows in the fused tensor's output order
+            b = b[:, fused_output_order(gate_up, b.shape[1]).to(b.device)]
         out[f"{path}lora_A.weight"] = a.reshape(-1, a.shape[-1])
         out[f"{path}lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], -1)
     return out

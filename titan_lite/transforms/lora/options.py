@@ -20,6 +20,11 @@ PROJECTIONS = {
 }
 HF_PROJECTIONS = {hf: titan for titan, (_, hf) in PROJECTIONS.items()}
 FEED_FORWARD = ("w1", "w2", "w3")
+# An MoE layer's gated shared expert (Qwen3.5-MoE): its SwiGLU answers the feed-forward targets (HF
+# mlp.shared_expert.gate_proj ...). Its gate, shared_expert_gate (dim -> 1), is never adapted: a rank-r update of a
+# one-row weight is no low-rank update (more parameters than the row itself), and all-linear leaves it out as it
+# leaves the router out.
+SHARED_EXPERT = "moe.shared_expert"
 ALL_LINEAR = "all-linear"
 # An MoE layer's expert groups (transforms/lora/experts.py): a target_modules entry -> the groups it adapts, and each
 # group's titan_lite module (layers.{i}.moe.experts.<group>) <-> the HF parameter PEFT targets.
@@ -182,7 +187,7 @@ class LoraOptions:
         for i in range(args.n_layers):
             dims = projection_dims(args, i)
             for short in self.targets_of(args, i):
-                out[f"layers.{i}.{PROJECTIONS[short][0]}.{short}"] = dims[short]
+                out[f"layers.{i}.{projection_parent(args, i, short)}.{short}"] = dims[short]
         return out
 
     def adapted_expert_groups(self, args: LlamaArgs) -> dict[str, tuple[int, int, int]]:
@@ -236,9 +241,17 @@ class LoraOptions:
                               "the same dropout masks)")
 
 
+def projection_parent(args: LlamaArgs, layer: int, short: str) -> str:
+    """The module of a block holding projection `short`: an MoE layer's feed-forward projections are its shared
+    expert's."""
+    if short in FEED_FORWARD and args.is_moe_layer(layer):
+        return SHARED_EXPERT
+    return PROJECTIONS[short][0]
+
+
 def projection_dims(args: LlamaArgs, layer: int) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each block linear layer `layer` has: its mixer's (attention, or a Gated
-    DeltaNet) and, unless it is routed, its dense feed-forward's."""
+    DeltaNet) and its dense feed-forward's, or in a routed layer its gated shared expert's (Qwen3.5-MoE)."""
     if args.layer_type(layer) == "linear_attention":
         keys = args.linear_n_key_heads * args.linear_key_head_dim
         values = args.linear_n_value_heads * args.linear_value_head_dim
@@ -250,8 +263,8 @@ def projection_dims(args: LlamaArgs, layer: int) -> dict[str, tuple[int, int]]:
         q, kv = heads * args.head_dim, kv_heads * args.head_dim
         gated_q = 2 * q if args.attn_output_gate else q  # Qwen3.5's wq holds each head's gate rows too
         dims = {"wq": (args.dim, gated_q), "wk": (args.dim, kv), "wv": (args.dim, kv), "wo": (q, args.dim)}
-    if not args.is_moe_layer(layer):
-        ffn = args.ffn_dim_of(layer)
+    ffn = args.moe_shared_ffn_dim if args.is_moe_layer(layer) else args.ffn_dim_of(layer)
+    if ffn:
         dims.update({"w1": (args.dim, ffn), "w3": (args.dim, ffn), "w2": (ffn, args.dim)})
     return dims
 

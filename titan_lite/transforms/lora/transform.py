@@ -50,7 +50,7 @@ from titan_lite.transforms.lora.experts import (
 )
 from titan_lite.transforms.lora.fold import fold_blocker, fold_report, folded
 from titan_lite.transforms.lora.module import ADAPTER_PARAMS, PISSA_INIT_PARAMS, LoRALinear, adapters_off
-from titan_lite.transforms.lora.options import PROJECTIONS, LoraOptions
+from titan_lite.transforms.lora.options import PROJECTIONS, LoraOptions, projection_parent
 from titan_lite.transforms.lora.qlora import (
     NF4,
     NF4LoRALinear,
@@ -137,8 +137,8 @@ class LoraTransform(Transform):
             if block.moe_enabled and self.options.expert_groups:
                 block.moe.experts = adapted_experts(block.moe.experts, self.expert_specs(int(key)))
             for short in self.options.targets_of(model.args, int(key)):
-                parent_name = PROJECTIONS[short][0]
-                parent, name = getattr(block, parent_name), f"layers.{key}.{parent_name}.{short}"
+                parent_name = projection_parent(model.args, int(key), short)
+                parent, name = block.get_submodule(parent_name), f"layers.{key}.{parent_name}.{short}"
                 linear, spec = getattr(parent, short), self.options.spec(name)
                 module_class = NF4LoRALinear if self.nf4 else LoRALinear
                 with torch.device(linear.weight.device):  # the meta device: nothing is allocated

@@ -44,6 +44,9 @@ INPUT_GROUPS = {
     # Qwen3.5's Gated DeltaNet: four projections of the block's normed input, out_proj of the gated norm's output
     "attention.in_proj_qkv": "attention", "attention.in_proj_z": "attention", "attention.in_proj_b": "attention",
     "attention.in_proj_a": "attention", "attention.out_proj": "attention.out_proj",
+    # Qwen3.5-MoE's gated shared expert, a SwiGLU of the MoE layer's input; its 1-wide gate (shared_expert_gate)
+    # stays dense as the router does: it scales the whole expert's output, it is no projection to thin out
+    "moe.shared_expert.w1": "moe", "moe.shared_expert.w3": "moe", "moe.shared_expert.w2": "moe.shared_expert.w2",
 }
 _BLOCK_LINEAR = re.compile(r"layers\.(\d+)\.(.+)")
 

@@ -160,7 +160,8 @@ def hook_temporaries(method: str, targets: list[Target], tokens: int, args: Llam
     """Per input group with a hook: the temporaries of one call (a rowwise TP input is first gathered)."""
     _, q, _, ffn = _per_rank(args, layer, tp)
     widths = {"attention": args.dim, "attention.wo": q * tp, "feed_forward": args.dim, "feed_forward.w2": ffn * tp,
-              "attention.out_proj": args.linear_n_value_heads * args.linear_value_head_dim}
+              "attention.out_proj": args.linear_n_value_heads * args.linear_value_head_dim,
+              "moe": args.dim, "moe.shared_expert.w2": args.moe_shared_ffn_dim or 0}  # the shared expert: whole
     gathered = {"attention.wo": tp > 1, "feed_forward.w2": tp > 1}
     out = {}
     for group in {t.group for t in targets}:
