@@ -95,3 +95,23 @@ def test_logits_and_adapter_gradients_equal_the_dequantized_model_with_the_same_
     theirs.square().mean().backward()
     for name, param in adapters.items():
         torch.testing.assert_close(param.grad, dense_params[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+MXFP4 = ["--model.converters", "lora", "--lora.base_dtype", "mxfp4", "--lora.target_modules", "wq,experts",
+         "--training.seq_len", "32"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--model.flavor", "tiny", "--lora.target_modules", "wq"],
+     "lora.base_dtype='mxfp4' needs a model whose experts are released in MXFP4 (gpt-oss: model_type gpt_oss); this "
+     "model is 'llama' without MoE layers: use base_dtype 'nf4' (QLoRA) or 'bfloat16'"),
+    (["--model.flavor", "tiny_gpt_oss", "--model.converters", "lora,prune"],
+     "lora.base_dtype='mxfp4' cannot be combined with converter 'prune' in 'model.converters'"),
+    (["--model.flavor", "tiny_gpt_oss"],
+     "lora.base_dtype='mxfp4' keeps the experts of the base's Hugging Face folder: set "
+     "'checkpoint.initial_load_in_hf' = true"),
+])
+def test_refusals_are_one_line(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        plan_job(parse_args(["--job.config_file", BASE, *MXFP4, *overrides]), 1)
+    assert message in str(info.value) and "\n" not in str(info.value)

@@ -178,6 +178,8 @@ class LoraTransform(Transform):
                 module.register_parameter(local, replaced[id(param)])
 
     def check(self, model_args: LlamaArgs, parallel_dims: ParallelDims) -> None:
+        if self.mxfp4:  # first: the other checks' advice assumes a base this model can have
+            check_mxfp4(self.cfg, model_args)
         self.options.check_model(self.cfg, model_args)
         report = self.options.match_report(model_args)  # an entry that matches nothing is refused before launch
         if is_main_rank() and report != self._reported:
@@ -190,8 +192,6 @@ class LoraTransform(Transform):
         self._nf4_names = self.nf4_weights(model_args)
         if self.nf4:
             check_nf4(self.cfg, model_args, parallel_dims, sorted(self._nf4_names))
-        if self.mxfp4:
-            check_mxfp4(self.cfg, model_args)
         if self.c.adapter_path is not None:
             check_adapter_matches(self.options, model_args, self.c.adapter_path)
 
