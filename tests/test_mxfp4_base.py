@@ -23,7 +23,7 @@ from titan_lite.errors import ConfigError  # noqa: E402
 from titan_lite.job.assembly import assemble_model  # noqa: E402
 from titan_lite.job.plan import plan_job  # noqa: E402
 from titan_lite.models.hf import mxfp4  # noqa: E402
-from titan_lite.transforms.mxfp4 import dense_experts, dequantize_weight, packed_hf_tensors  # noqa: E402
+from titan_lite.transforms.mxfp4 import dequantize_weight, packed_hf_tensors  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LORA = ["--model.converters", "lora", "--lora.base_dtype", "mxfp4", "--lora.target_modules", "wq,wv,experts",
@@ -115,3 +115,41 @@ def test_refusals_are_one_line(overrides, message):
     with pytest.raises(ConfigError) as info:
         plan_job(parse_args(["--job.config_file", BASE, *MXFP4, *overrides]), 1)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_one_experts_dequantization_equals_the_release_decoding():
+    """Every byte and every scale the format has (2^-127 .. 2^127), in bfloat16 and float32, exactly."""
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 255, 2, 16), dtype=torch.uint8, generator=generator)
+    scales = torch.arange(0, 255, dtype=torch.uint8).view(1, 255, 1).expand(3, 255, 2).contiguous()
+    for dtype in (torch.float32, torch.bfloat16):
+        expected = mxfp4.dequantize_rows(blocks, scales, dtype)
+        got = torch.stack([dequantize_weight(b, s, dtype) for b, s in zip(blocks, scales, strict=True)])
+        assert torch.equal(got, expected), dtype
+
+
+@pytest.mark.usefixtures("process_group")
+def test_an_export_without_expert_adapters_writes_the_experts_as_loaded(folders, tmp_path):
+    """LoRA on attention only: the merged export holds the release's blocks and scales bit for bit with its
+    quantization_config, and transformers' dequantizing load of it gives the run's logits."""
+    from transformers import GptOssForCausalLM
+
+    from titan_lite.checkpoint.hf import gather_full_state_dict, write_hf_folder
+
+    _, folder = folders
+    built, plan = build(folder, "--lora.target_modules", "wq,wv")
+    model = built.parts[0]
+    randomised_adapters(model)
+    state, args = plan.transforms.export_state_dict(gather_full_state_dict(built.parts, torch.float32),
+                                                    plan.model_args)
+    write_hf_folder(state, args, str(tmp_path / "out"), torch.float32, str(folder))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "mxfp4"
+    written, released = load_file(tmp_path / "out" / "model.safetensors"), load_file(folder / "model.safetensors")
+    quantized = sorted(n for n in released if n.endswith(("_blocks", "_scales")))
+    assert len(quantized) == 16 and all(torch.equal(written[n], released[n]) for n in quantized)
+    ids = tokens(2, 40)
+    with torch.no_grad():
+        theirs = GptOssForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager",
+                                                   dtype=torch.float32).eval()
+        torch.testing.assert_close(theirs(ids).logits, model(ids), rtol=0, atol=1e-5)

@@ -80,9 +80,9 @@ from titan_lite.transforms.lora.weights import (
     refactor_adapters,
     restart_optimizer_state,
 )
-from titan_lite.transforms.mxfp4 import dense_experts, load_packed_experts
-from titan_lite.transforms.mxfp4.experts import NOT_IN_HF as PACKED_NOT_IN_HF
+from titan_lite.transforms.mxfp4 import dense_experts, load_packed_experts, packed_hf_tensors
 from titan_lite.transforms.mxfp4 import plan as mxfp4_plan
+from titan_lite.transforms.mxfp4.experts import NOT_IN_HF as PACKED_NOT_IN_HF
 
 logger = logging.getLogger("titan_lite")
 NOT_IN_HF = r"\.(lora_a|lora_b|magnitude|pissa_a0|pissa_b0)$"
@@ -329,11 +329,32 @@ class LoraTransform(Transform):
         """The merged model: W + scale B A (DoRA: rescaled rows) for every adapter; PiSSA's W is the residual, so
         the merge equals the original weight plus the learnt update."""
         state_dict = dense_state_dict(state_dict)  # the NF4 base merges as it was trained: dequantized
-        state_dict = dense_experts(state_dict)  # and the MXFP4 one
+        packed: dict[str, torch.Tensor] = {}
+        if self.mxfp4:
+            state_dict, packed = self.mxfp4_export(state_dict)
         state_dict = merge_expert_adapters(state_dict, {m: self.options.spec(m).scale
                                                         for m in expert_adapter_modules(state_dict)})
         specs = {m: self.options.spec(m) for m in {module_of(n)[0] for n in state_dict if n.endswith(".lora_a")}}
-        return merge_adapters(state_dict, specs, self.keep_sparsity), model_args
+        return {**merge_adapters(state_dict, specs, self.keep_sparsity), **packed}, model_args
+
+    def mxfp4_export(self, state_dict: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+        """(the state dict, the release's MXFP4 tensors) of an export: experts without adapters written back as
+        they were loaded; adapted ones dequantized (then merged, and written unquantized)."""
+        if expert_adapter_modules(state_dict):
+            logger.info("lora: the MXFP4 experts are merged with their adapters: the export writes them "
+                        "dequantized, unquantized in checkpoint.export_dtype, without a quantization_config")
+            return dense_experts(state_dict), {}
+        logger.info("lora: the MXFP4 experts have no adapters: the export writes them back as MXFP4 (*_blocks / "
+                    "*_scales), bit for bit as loaded")
+        return packed_hf_tensors(state_dict)
+
+    def frozen_base(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The frozen base of a state dict for an HF export (an MXFP4 base's experts as loaded)."""
+        base = without_adapters(dense_state_dict(state_dict))
+        if not self.mxfp4:
+            return base
+        rest, packed = packed_hf_tensors(base)
+        return {**rest, **packed}
 
     def base_folder(self, folder: Path, step: int) -> Path | None:
         """Where the base the adapters apply to is written as an HF folder: when it is not loaded from one (a seeded
@@ -362,7 +383,7 @@ class LoraTransform(Transform):
         if base is not None:
             export_hf(model_parts, self.model_args, str(base), getattr(torch, self.cfg.checkpoint.export_dtype),
                       self.cfg.model.hf_assets_path, self.parallel_dims,
-                      convert=lambda sd, args: (without_adapters(sd), args))
+                      convert=lambda sd, args: (self.frozen_base(sd), args))
             logger.info(f"lora: the frozen base (not loaded from a Hugging Face folder) written to {base}; "
                         f"step-{step}-adapter applies to it")
         state = gather_full_state_dict(model_parts, torch.float32, self.parallel_dims,
@@ -376,7 +397,7 @@ class LoraTransform(Transform):
             out = folder / f"step-{step}-pissa-residual-base"
             export_hf(model_parts, self.model_args, str(out), getattr(torch, self.cfg.checkpoint.export_dtype),
                       self.cfg.model.hf_assets_path, self.parallel_dims,
-                      convert=lambda sd, args: (without_adapters(dense_state_dict(sd)), args))
+                      convert=lambda sd, args: (self.frozen_base(sd), args))
             logger.info(f"lora: PiSSA's residual base (the frozen weights W - s B0 A0) written to {out}; "
                         f"step-{step}-pissa-adapter applies to it")
 
