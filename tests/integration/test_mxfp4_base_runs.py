@@ -33,6 +33,7 @@ def one_process(common, tmp_path_factory):
     assert run.returncode == 0, run.output[-3000:]
     assert "lora: MXFP4 base: the experts of 4 MoE layers on this rank kept as" in run.output
     assert "frozen tensors on this rank are bitwise unchanged since loading" in run.output
+    assert "dequantized on load" not in run.output
     series = scalars(folder)
     assert sorted(series["loss/global_avg"]) == list(range(1, STEPS + 1)), run.output[-3000:]
     return series, folder

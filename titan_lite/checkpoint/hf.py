@@ -190,6 +190,12 @@ def _held_tensor(source: str, files: dict[str, Path], reader: SafetensorsReader)
     return mxfp4.dequantize(reader.tensor(files[blocks], blocks), reader.tensor(files[scales], scales))
 
 
+def _reads_quantized(name: str, args: LlamaArgs, files: dict[str, Path], names: HFNames) -> bool:
+    """Whether parameter `name` is read from an MXFP4 pair of the folder (dequantized)."""
+    held = names.for_family(args.family).fused_of(name)
+    return held is not None and all(q in files for q in mxfp4.quantized_names(held[0]))
+
+
 def _locate_fused(name: str, held: tuple, files: dict[str, Path], reader: SafetensorsReader, folder: str | Path,
                   expected_shape: torch.Size | list[int], family: str) -> str:
     """The fused HF tensor holding a parameter (gpt-oss's gate_up_proj, plain or MXFP4; under its multimodal name
@@ -224,8 +230,11 @@ def read_titan_tensor(name: str, args: LlamaArgs, files: dict[str, Path], reader
     return tensor_from_hf(name, reader.tensor(path, source), args)
 
 
-def check_no_unexpected_tensors(files: dict[str, Path], args: LlamaArgs, folder: str | Path) -> None:
-    """ConfigError when the checkpoint holds a tensor the model has no place for (e.g. more layers or experts)."""
+def check_no_unexpected_tensors(files: dict[str, Path], args: LlamaArgs, folder: str | Path,
+                                dequantizes: bool = True) -> None:
+    """ConfigError when the checkpoint holds a tensor the model has no place for (e.g. more layers or experts).
+    `dequantizes`: whether the load reads the folder's MXFP4 pairs dequantized (the log says so), rather than leaving
+    them to a transform that keeps them as they are."""
     names = LLAMA_NAMES.for_family(args.family)
     known = {hf for name in expected_shapes(args) for hf in names.readable_names(name, args.n_experts)}
     known.add(hf_name("output.weight"))
@@ -242,7 +251,7 @@ def check_no_unexpected_tensors(files: dict[str, Path], args: LlamaArgs, folder:
     for what, count in skipped.items():
         logger.info(f"{folder}: skipping {count} tensors of the {what}, which titan_lite does not build")
     held = sorted({quantized[name] for name in files if name in quantized})
-    if held:
+    if held and dequantizes:
         logger.info(f"{folder}: {len(held)} expert tensors are MXFP4 (*_blocks / *_scales): dequantized on load; "
                     "an export writes them unquantized, in checkpoint.export_dtype (e.g. bfloat16), without "
                     "a quantization_config")
@@ -254,7 +263,9 @@ def load_hf_weights(model_parts: list[nn.Module], folder: str, model_args: Llama
     """Load every parameter the parts hold from an HF folder (except those `names` says no HF folder holds);
     DTensor parameters keep only their own shard."""
     files = weight_files(folder)
-    check_no_unexpected_tensors(files, model_args, folder)
+    read = [canonical_name(n) for part in model_parts for n, _ in part.named_parameters()]
+    check_no_unexpected_tensors(files, model_args, folder, any(_reads_quantized(n, model_args, files, names)
+                                                              for n in read if names.in_hf(n)))
     with SafetensorsReader() as reader:
         for part in model_parts:
             for name, param in part.named_parameters():

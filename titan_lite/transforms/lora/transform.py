@@ -258,7 +258,7 @@ class LoraTransform(Transform):
         kept, quantized = load_packed_experts(ctx.model_parts, folder, ctx.model_args)
         if kept:
             logger.info(f"lora: MXFP4 base: the experts of {kept} MoE layers on this rank kept as {folder} holds them "
-                        "(*_blocks / *_scales, bit for bit; not the dequantized copy the load line names)")
+                        "(*_blocks / *_scales, bit for bit, never dequantized to a stored copy)")
         if quantized:
             logger.info(f"lora: MXFP4 base: the experts of {quantized} MoE layers on this rank quantized to MXFP4 "
                         f"from {folder}'s unquantized experts, as the release stores them")
