@@ -1,7 +1,8 @@
 """LoRA over an MXFP4 base through run_train.sh, from a gpt-oss folder whose experts are stored as the release stores
 them: FSDP 2 and EP 2 each equal one process on the same global batch over 3 steps (the losses, the aux loss and every
 MoE layer's load within 1e-5); the frozen codes bitwise unchanged; the merged export (expert adapters merged into the
-dequantized experts, bfloat16-free float32) loads in transformers with the run's logits."""
+dequantized experts, float32) loads in transformers with the run's logits, and the PEFT adapter loaded by peft on
+transformers' dequantizing load of the MXFP4 folder gives them too."""
 
 import json
 
@@ -70,3 +71,27 @@ def test_the_merged_export_loads_in_transformers_with_the_runs_logits(one_proces
     with torch.no_grad():
         theirs = GptOssForCausalLM.from_pretrained(merged, attn_implementation="eager", dtype=torch.float32).eval()
         torch.testing.assert_close(theirs(ids).logits, load_titan(merged)(ids), rtol=0, atol=1e-5)
+
+
+def test_the_adapter_loads_in_peft_on_transformers_dequantized_release_with_the_merged_logits(one_process, folders):  # noqa: F811
+    """peft on transformers' own (dequantizing) load of the MXFP4 folder gives the merged export's logits."""
+    peft = pytest.importorskip("peft")
+    from transformers import GptOssForCausalLM
+
+    from tests.test_gpt_oss import tokens
+
+    _, folder = one_process
+    _, release = folders
+    ids = tokens(1, 40)
+    base = GptOssForCausalLM.from_pretrained(release, attn_implementation="eager", dtype=torch.float32).eval()
+    with torch.no_grad():
+        before = base(ids).logits
+        adapted = peft.PeftModel.from_pretrained(base, str(folder / "checkpoint" / f"step-{STEPS}-adapter")).eval()
+        got = adapted(ids).logits
+        merged = GptOssForCausalLM.from_pretrained(folder / "checkpoint" / f"step-{STEPS}-hf",
+                                                   attn_implementation="eager", dtype=torch.float32).eval()
+        want = merged(ids).logits
+    print(f"peft on the release vs the merged export: {float((got - want).abs().max()):.3g}; the adapters moved the "
+          f"logits by {float((got - before).abs().max()):.3g}")
+    assert (got - before).abs().max() > 1e-4
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
