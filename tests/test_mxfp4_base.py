@@ -1,7 +1,7 @@
 """LoRA on an MXFP4 base (lora.base_dtype = "mxfp4"): gpt-oss's experts kept as the release stores them (uint8
 blocks and E8M0 scales, bit for bit from an MXFP4 folder, quantized alike from a bfloat16 one), the model's logits and
-adapter gradients equal the dequantized model's with the same adapters (float32), the merged export, the plan's
-figures, and the refusals, one line each."""
+adapter gradients equal the dequantized model's with the same adapters (float32), one expert's decoding equals the
+release's, an export without expert adapters writes the experts back as loaded, and the refusals, one line each."""
 
 import json
 import shutil
