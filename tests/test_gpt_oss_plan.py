@@ -56,3 +56,27 @@ def test_the_20b_lora_recipe_plans_with_dry_run(capsys, monkeypatch):
     peak = float(re.search(r"largest peak ([\d.]+) GiB", out)[1])
     print(f"gpt_oss_20b_lora: largest peak {peak} GiB of 80")
     assert 40 < peak < 80
+
+
+@pytest.mark.parametrize("recipe, flavor, params, capacity", [
+    ("gpt_oss_20b_lora_24gb", "gpt_oss_20b", "21,099,667,008", 24.0),
+    ("gpt_oss_120b_lora_80gb", "gpt_oss_120b", "117,365,970,240", 80.0)])
+def test_the_mxfp4_base_recipes_plan_on_one_gpu(recipe, flavor, params, capacity, capsys, monkeypatch):
+    """lora.base_dtype = "mxfp4": the experts counted at 0.53125 bytes a weight (the parameter count still the
+    weights'), one expert's dequantized weight among the buffers; 20B fits one 24 GB GPU, 120B one 80 GB GPU."""
+    from titan_lite.config import parse_args
+    from titan_lite.dry_run import dry_run
+
+    monkeypatch.setenv("NGPU", "1")
+    cfg = parse_args(["--job.config_file", f"train_configs/{recipe}.toml", "--model.hf_assets_path",
+                      "./assets/tokenizer"])
+    assert dry_run(cfg) == 5
+    out = capsys.readouterr().out
+    assert f"model: llama3 {flavor}, {params} parameters" in out
+    experts = re.search(r"lora: MXFP4 base: the experts of \d+ MoE layers, ([\d,]+) weights in ([\d.]+) GiB", out)
+    weights = int(experts[1].replace(",", ""))
+    assert float(experts[2]) == round(weights * 0.53125 / 2**30, 2)
+    assert "MXFP4 dequantization of one expert's weight (8,294,400 elements)" in out  # 2,880 x 2,880
+    peak = float(re.search(r"largest peak ([\d.]+) GiB", out)[1])
+    print(f"{recipe}: largest peak {peak} GiB of {capacity:g}")
+    assert "dry run OK" in out and f"of {capacity:.2f} GiB" in out and peak < capacity

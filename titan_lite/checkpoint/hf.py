@@ -190,6 +190,12 @@ def _held_tensor(source: str, files: dict[str, Path], reader: SafetensorsReader)
     return mxfp4.dequantize(reader.tensor(files[blocks], blocks), reader.tensor(files[scales], scales))
 
 
+def _reads_quantized(name: str, args: LlamaArgs, files: dict[str, Path], names: HFNames) -> bool:
+    """Whether parameter `name` is read from an MXFP4 pair of the folder (dequantized)."""
+    held = names.for_family(args.family).fused_of(name)
+    return held is not None and all(q in files for q in mxfp4.quantized_names(held[0]))
+
+
 def _locate_fused(name: str, held: tuple, files: dict[str, Path], reader: SafetensorsReader, folder: str | Path,
                   expected_shape: torch.Size | list[int], family: str) -> str:
     """The fused HF tensor holding a parameter (gpt-oss's gate_up_proj, plain or MXFP4; under its multimodal name
@@ -224,8 +230,11 @@ def read_titan_tensor(name: str, args: LlamaArgs, files: dict[str, Path], reader
     return tensor_from_hf(name, reader.tensor(path, source), args)
 
 
-def check_no_unexpected_tensors(files: dict[str, Path], args: LlamaArgs, folder: str | Path) -> None:
-    """ConfigError when the checkpoint holds a tensor the model has no place for (e.g. more layers or experts)."""
+def check_no_unexpected_tensors(files: dict[str, Path], args: LlamaArgs, folder: str | Path,
+                                dequantizes: bool = True) -> None:
+    """ConfigError when the checkpoint holds a tensor the model has no place for (e.g. more layers or experts).
+    `dequantizes`: whether the load reads the folder's MXFP4 pairs dequantized (the log says so), rather than leaving
+    them to a transform that keeps them as they are."""
     names = LLAMA_NAMES.for_family(args.family)
     known = {hf for name in expected_shapes(args) for hf in names.readable_names(name, args.n_experts)}
     known.add(hf_name("output.weight"))
@@ -242,7 +251,7 @@ def check_no_unexpected_tensors(files: dict[str, Path], args: LlamaArgs, folder:
     for what, count in skipped.items():
         logger.info(f"{folder}: skipping {count} tensors of the {what}, which titan_lite does not build")
     held = sorted({quantized[name] for name in files if name in quantized})
-    if held:
+    if held and dequantizes:
         logger.info(f"{folder}: {len(held)} expert tensors are MXFP4 (*_blocks / *_scales): dequantized on load; "
                     "an export writes them unquantized, in checkpoint.export_dtype (e.g. bfloat16), without "
                     "a quantization_config")
@@ -254,7 +263,9 @@ def load_hf_weights(model_parts: list[nn.Module], folder: str, model_args: Llama
     """Load every parameter the parts hold from an HF folder (except those `names` says no HF folder holds);
     DTensor parameters keep only their own shard."""
     files = weight_files(folder)
-    check_no_unexpected_tensors(files, model_args, folder)
+    read = [canonical_name(n) for part in model_parts for n, _ in part.named_parameters()]
+    check_no_unexpected_tensors(files, model_args, folder, any(_reads_quantized(n, model_args, files, names)
+                                                              for n in read if names.in_hf(n)))
     with SafetensorsReader() as reader:
         for part in model_parts:
             for name, param in part.named_parameters():
@@ -299,9 +310,14 @@ def expected_shapes(args: LlamaArgs) -> dict[str, torch.Size]:
     return {name: param.shape for name, param in model.named_parameters()}
 
 
-def check_state_dict(sd: dict[str, Tensor], args: LlamaArgs, source: str) -> None:
-    """ConfigError when a tensor the model needs is missing or has the wrong shape."""
+def check_state_dict(sd: dict[str, Tensor], args: LlamaArgs, source: str, quantized: set[str] = frozenset()) -> None:
+    """ConfigError when a tensor the model needs is missing or has the wrong shape; a tensor held by one of the HF
+    tensors in `quantized` (written as an MXFP4 pair) is not looked for."""
+    names = LLAMA_NAMES.for_family(args.family)
     for name, shape in expected_shapes(args).items():
+        held = names.fused_of(name)
+        if held is not None and held[0] in quantized:
+            continue
         if name not in sd:
             raise ConfigError(f"{source}: tensor '{name}' is missing")
         if list(sd[name].shape) != list(shape):
@@ -364,6 +380,16 @@ def _hf_config(args: LlamaArgs, dtype: torch.dtype, assets_dir: str | None) -> d
     return config
 
 
+def _quantization_config(assets_dir: str | None) -> dict:
+    """The assets' MXFP4 quantization_config when they have one, else the release's."""
+    assets_config = Path(assets_dir) / "config.json" if assets_dir else None
+    if assets_config is not None and assets_config.exists():
+        source = read_hf_config(assets_config).get("quantization_config") or {}
+        if source.get("quant_method") == "mxfp4":
+            return source
+    return dict(mxfp4.RELEASE_QUANTIZATION)
+
+
 def _copy_tokenizer_files(assets_dir: str | None, folder: Path) -> None:
     if not assets_dir:
         return
@@ -377,12 +403,22 @@ def write_hf_folder(sd: dict[str, Tensor], args: LlamaArgs, out_dir: str, dtype:
                     what: str = "the Hugging Face folder", instead: str = ANOTHER) -> None:
     """Write a full titan_lite state dict as an HF folder (config, weights, tokenizer files), whole or not at all,
     through titan_lite.folders: a folder holding files titan_lite did not write is refused (one ConfigError line
-    naming `what`, the folder and the files, and `instead`) and stays as it is."""
-    check_state_dict(sd, args, "export")
+    naming `what`, the folder and the files, and `instead`) and stays as it is. Entries named as an HF folder's
+    MXFP4 pair (model.layers.{i}.mlp.experts.<name>_blocks / _scales, uint8) stand for the tensors they hold and are
+    written as they are, with an mxfp4 quantization_config."""
+    quantized = {n: t.detach().cpu() for n, t in sd.items() if mxfp4.is_quantized_name(n)}
+    sd = {n: t for n, t in sd.items() if n not in quantized}
+    check_state_dict(sd, args, "export", {mxfp4.held_name(n) for n in quantized})
     hf_sd = to_hf_state_dict({n: t.detach().to(device="cpu", dtype=dtype) for n, t in sd.items()}, args)
+    hf_sd.update(quantized)  # an MXFP4 pair as it was loaded, uint8, whatever the export dtype
+    config = _hf_config(args, dtype, assets_dir)
+    if quantized:
+        config["quantization_config"] = _quantization_config(assets_dir)
+        logger.info(f"{out_dir}: {len(quantized) // 2} expert tensors written as MXFP4 (*_blocks / *_scales, as "
+                    "loaded) with an mxfp4 quantization_config")
     with output_folder(what, out_dir, instead=instead) as tmp:
         write_safetensors(hf_sd, tmp, max_shard_bytes)
-        (tmp / "config.json").write_text(json.dumps(_hf_config(args, dtype, assets_dir), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _copy_tokenizer_files(assets_dir, tmp)
 
 

@@ -511,10 +511,12 @@ class Lora:
     train_modules: list[str] = opt([], "Modules trained in full beside the adapters (PEFT's modules_to_save), by "
                                        "titan_lite or HF name: e.g. output (lm_head), norm, attention_norm, a "
                                        "projection without an adapter.")
-    base_dtype: Literal["float32", "bfloat16", "float16", "nf4"] = opt(
+    base_dtype: Literal["float32", "bfloat16", "float16", "nf4", "mxfp4"] = opt(
         "float32", "dtype of the frozen weights (adapters, train_modules and their optimizer state stay float32); "
                    "'nf4' (QLoRA) stores every frozen block linear as torchao's 4-bit NormalFloat, quantized once "
-                   "after the initial weights are loaded, on each rank's own shard.")
+                   "after the initial weights are loaded, on each rank's own shard; 'mxfp4' (gpt-oss) keeps the "
+                   "experts in the release's MXFP4 blocks and scales as the folder holds them (quantized to that "
+                   "format from an unquantized folder), dequantized one expert at a time in the matmul.")
     save_adapter_only: bool = opt(True, "Checkpoints hold the adapters and train_modules (plus optimizer, schedule, "
                                         "data position, RNG); on resume the frozen base is loaded again from the "
                                         "initial weights (and PiSSA's SVD recomputed, which is deterministic).")

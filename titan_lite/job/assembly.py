@@ -93,8 +93,15 @@ def assemble_model(plan: JobPlan, device: torch.device, *, seed: int = 0,
         cfg=plan.cfg, model_args=plan.model_args, parallel_dims=plan.parallel_dims, device=device,
         tokenizer=plan.tokenizer, model_parts=parts, runner=built.runner,
         calibration_batches=calibration_source(plan, device), resuming=load.resuming,
-        checkpoint_holds_model=restores_model))
+        checkpoint_holds_model=restores_model, initial_hf_folder=initial_hf_folder(load, restores_model)))
     return built
+
+
+def initial_hf_folder(load: LoadPlan, restores_model: bool) -> str | None:
+    """The HF folder assembly read the initial weights from, or None."""
+    if load.initial is None or load.initial.kind != "hf" or restores_model:
+        return None
+    return str(load.initial.path)
 
 
 def calibration_source(plan: JobPlan, device: torch.device):

@@ -5,6 +5,7 @@ import itertools
 import logging
 import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from titan_lite.models.args import LlamaArgs
 from titan_lite.models.decoder import Llama
 from titan_lite.models.flavors import FLAVORS, flavor_args
 from titan_lite.models.hf.config import args_from_hf_config, check_args_against_hf_config, read_hf_config
+from titan_lite.models.parameters import weight_count
 from titan_lite.parallel.context_parallel import check_sequence_lengths
 from titan_lite.parallel.expert_parallel import check_ep_divisibility
 from titan_lite.parallel.fsdp import check_cpu_offload
@@ -86,11 +88,11 @@ class JobPlan:
         model = self.meta_model()
         args = self.model_args
         lookup = "" if args.tie_word_embeddings else "tok_embeddings.weight"
-        return sum(p.numel() * args.moe_top_k // args.n_experts if n.endswith(EXPERT_WEIGHTS) else p.numel()
+        return sum(weight_count(p) * args.moe_top_k // args.n_experts if EXPERT_WEIGHT.search(n) else weight_count(p)
                    for n, p in model.named_parameters() if not p.requires_grad and n != lookup)
 
 
-EXPERT_WEIGHTS = ("moe.experts.w1", "moe.experts.w2", "moe.experts.w3")
+EXPERT_WEIGHT = re.compile(r"moe\.experts\.w[123](_\w+)?$")  # a grouped weight, or a transform's packed form of it
 
 
 def tokenizer_path(cfg: JobConfig) -> str:

@@ -14,7 +14,7 @@ from torch import nn
 
 from titan_lite.dtensor import copy_into_shard
 from titan_lite.models.args import LlamaArgs
-from titan_lite.models.parameters import canonical_name, init_parameter
+from titan_lite.models.parameters import canonical_name, init_parameter, weight_count
 from titan_lite.models.parts.block import TransformerBlock
 from titan_lite.models.parts.cache import KVCache
 from titan_lite.models.parts.mixers import check_layer_types
@@ -128,8 +128,9 @@ class Llama(nn.Module):
                 copy_into_shard(param, full.to(device))
 
     def num_params(self, exclude_embedding: bool = False) -> int:
-        """Parameter count (tied weights counted once); optionally without the input embedding."""
-        total = sum(p.numel() for p in self.parameters())
+        """Parameter count (tied weights counted once, a packed parameter as the weights it holds); optionally without
+        the input embedding."""
+        total = sum(weight_count(p) for p in self.parameters())
         if exclude_embedding and self.tok_embeddings is not None:
             total -= self.tok_embeddings.weight.numel()
         return total

@@ -11,6 +11,12 @@ from titan_lite.models.args import LlamaArgs
 _WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
+def weight_count(param: torch.Tensor) -> int:
+    """The model weights a parameter holds: its elements, or what a transform's packed parameter records standing
+    for (`packed_numel`: codes packed two to a byte count double, their scales nothing)."""
+    return getattr(param, "packed_numel", param.numel())
+
+
 def canonical_name(name: str) -> str:
     """A parameter name without compile/checkpoint wrapper prefixes."""
     for prefix in _WRAPPER_PREFIXES:

@@ -90,6 +90,9 @@ class TransformContext:
     # them whose result the checkpoint holds (an SVD of the base, say) must be skipped. False for adapter-only
     # checkpoints: the frozen weights were loaded from the initial weights again and such work must be redone.
     checkpoint_holds_model: bool = False
+    # The Hugging Face folder the initial weights were just read from (None: they were not read from one): a
+    # transform that keeps a weight in the folder's own stored form (a packed base) reads it there.
+    initial_hf_folder: str | None = None
 
 
 @dataclass

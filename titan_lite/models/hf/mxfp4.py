@@ -6,6 +6,9 @@ import torch
 from torch import Tensor
 
 BLOCKS, SCALES = "_blocks", "_scales"
+# config.json's quantization_config of an MXFP4 folder as openai/gpt-oss-20b's names it (only the experts are FP4)
+RELEASE_QUANTIZATION = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
 BLOCK = 32  # values per scale
 # e2m1 code -> value: codes 0..7 positive, 8..15 the same negated
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -63,3 +66,13 @@ def quantization_method(cfg: dict) -> str | None:
     """config.json's quantization_config's quant_method, or None without one."""
     quantization = cfg.get("quantization_config") or {}
     return quantization.get("quant_method", repr(quantization)) if quantization else None
+
+
+def is_quantized_name(name: str) -> bool:
+    """An HF folder's MXFP4 tensor name (model.layers.{i}.mlp.experts.<weight>_blocks / _scales)."""
+    return name.startswith("model.layers.") and name.endswith((BLOCKS, SCALES))
+
+
+def held_name(name: str) -> str:
+    """The HF tensor an MXFP4 tensor stands for: its name without _blocks / _scales."""
+    return name.removesuffix(BLOCKS).removesuffix(SCALES)

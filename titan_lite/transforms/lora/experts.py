@@ -77,16 +77,17 @@ class LoRAGroupedExperts(GroupedExperts):
         return out
 
 
-def adapted_experts(experts: GroupedExperts, adapters: dict[str, tuple[int, float]]) -> LoRAGroupedExperts:
-    """A LoRAGroupedExperts in place of `experts` (on its device, the meta device in convert), with one GroupedLoRA
-    per adapted group: adapters maps gate_up / down to (rank, scale)."""
+def adapted_experts(experts: GroupedExperts, adapters: dict[str, tuple[int, float]],
+                    module_class: type = LoRAGroupedExperts) -> LoRAGroupedExperts:
+    """A LoRAGroupedExperts (or `module_class`, a subclass) in place of `experts` (on its device, the meta device in
+    convert), with one GroupedLoRA per adapted group: adapters maps gate_up / down to (rank, scale)."""
     n_experts, hidden, dim = experts.w1.shape
     widths = {"gate_up": (dim, 2 * hidden), "down": (hidden, dim)}
     with torch.device(experts.w1.device):
         modules = {name: GroupedLoRA(n_experts, *widths[name], rank, scale)
                    for name, (rank, scale) in adapters.items()}
-        return LoRAGroupedExperts(dim, hidden, n_experts, modules, activation=experts.activation,
-                                  bias=experts.b1 is not None, alpha=experts.alpha, limit=experts.limit)
+        return module_class(dim, hidden, n_experts, modules, activation=experts.activation,
+                            bias=experts.b1 is not None, alpha=experts.alpha, limit=experts.limit)
 
 
 def check_expert_options(options, args, keep_sparsity: bool) -> None:

@@ -50,6 +50,7 @@ from titan_lite.transforms.lora.experts import (
 )
 from titan_lite.transforms.lora.fold import fold_blocker, fold_report, folded
 from titan_lite.transforms.lora.module import ADAPTER_PARAMS, PISSA_INIT_PARAMS, LoRALinear, adapters_off
+from titan_lite.transforms.lora.mxfp4_base import MXFP4, check_mxfp4, mxfp4_experts
 from titan_lite.transforms.lora.options import PROJECTIONS, LoraOptions, projection_parent
 from titan_lite.transforms.lora.qlora import (
     NF4,
@@ -79,6 +80,9 @@ from titan_lite.transforms.lora.weights import (
     refactor_adapters,
     restart_optimizer_state,
 )
+from titan_lite.transforms.mxfp4 import dense_experts, load_packed_experts, packed_hf_tensors
+from titan_lite.transforms.mxfp4 import plan as mxfp4_plan
+from titan_lite.transforms.mxfp4.experts import NOT_IN_HF as PACKED_NOT_IN_HF
 
 logger = logging.getLogger("titan_lite")
 NOT_IN_HF = r"\.(lora_a|lora_b|magnitude|pissa_a0|pissa_b0)$"
@@ -109,6 +113,7 @@ class LoraTransform(Transform):
         self.model_parts: list[nn.Module] = []
         self.keep_sparsity = keep_sparsity_enabled(cfg)
         self.nf4 = cfg.lora.base_dtype == NF4
+        self.mxfp4 = cfg.lora.base_dtype == MXFP4
         self._nf4_names: set[str] | None = None
         self._reported: list[str] = []
         self._fold_reported = False
@@ -134,7 +139,9 @@ class LoraTransform(Transform):
 
     def convert(self, model: nn.Module) -> None:
         for key, block in model.layers.items():
-            if block.moe_enabled and self.options.expert_groups:
+            if block.moe_enabled and self.mxfp4:
+                block.moe.experts = mxfp4_experts(block.moe.experts, self.expert_specs(int(key)))
+            elif block.moe_enabled and self.options.expert_groups:
                 block.moe.experts = adapted_experts(block.moe.experts, self.expert_specs(int(key)))
             for short in self.options.targets_of(model.args, int(key)):
                 parent_name = projection_parent(model.args, int(key), short)
@@ -155,20 +162,24 @@ class LoraTransform(Transform):
 
     def freeze_and_cast(self, model: nn.Module) -> None:
         """requires_grad from `trains`; frozen base weights in base_dtype (a tied weight is replaced once). An NF4
-        base is held in the run's dtype (training.dtype) until after_load quantizes its block linears."""
-        dtype = getattr(torch, self.cfg.training.dtype if self.nf4 else self.c.base_dtype)
+        base is held in the run's dtype (training.dtype) until after_load quantizes its block linears; an MXFP4
+        base's experts are packed already, its other frozen weights in the run's dtype."""
+        packed = self.nf4 or self.mxfp4
+        dtype = getattr(torch, self.cfg.training.dtype if packed else self.c.base_dtype)
         replaced: dict[int, nn.Parameter] = {}
         for module_name, module in model.named_modules():
             for local, param in list(module.named_parameters(recurse=False)):
                 name = f"{module_name}.{local}" if module_name else local
                 if id(param) not in replaced:
                     new = param
-                    if self.is_base(name) and param.dtype != dtype:
+                    if self.is_base(name) and param.dtype != dtype and param.is_floating_point():
                         new = nn.Parameter(param.detach().to(dtype))
                     replaced[id(param)] = new.requires_grad_(self.trains(name))
                 module.register_parameter(local, replaced[id(param)])
 
     def check(self, model_args: LlamaArgs, parallel_dims: ParallelDims) -> None:
+        if self.mxfp4:  # first: the other checks' advice assumes a base this model can have
+            check_mxfp4(self.cfg, model_args)
         self.options.check_model(self.cfg, model_args)
         report = self.options.match_report(model_args)  # an entry that matches nothing is refused before launch
         if is_main_rank() and report != self._reported:
@@ -193,7 +204,7 @@ class LoraTransform(Transform):
             raise ConfigError("'training.enable_cpu_offload' keeps sharded weights on the host, but PiSSA, DoRA, "
                               "re-factoring and adapter_path gather full weights on the accelerator; turn one off")
         compute = compute_dtype(self.cfg.training.mixed_precision_param, device)
-        if self.c.base_dtype in ("float32", NF4) or dims.fsdp_enabled or dims.dp_replicate_enabled:
+        if self.c.base_dtype in ("float32", NF4, MXFP4) or dims.fsdp_enabled or dims.dp_replicate_enabled:
             return
         if compute == torch.float32:
             raise ConfigError(f"'lora.base_dtype' = '{self.c.base_dtype}' with float32 compute and no data "
@@ -211,6 +222,8 @@ class LoraTransform(Transform):
 
     def hf_names(self, names: HFNames) -> None:
         names.add_not_in_hf(NOT_IN_HF)
+        if self.mxfp4:
+            names.add_not_in_hf(PACKED_NOT_IN_HF)
 
     @torch.no_grad()
     def after_load(self, ctx: TransformContext) -> None:
@@ -224,6 +237,8 @@ class LoraTransform(Transform):
                         "pipeline stage")
             seed = self.cfg.debug.seed if self.cfg.debug.seed is not None else 0
             pissa_initialise(modules, self.options.niter, seed, self.stage_group())
+        if self.mxfp4 and fresh:
+            self.load_mxfp4_base(ctx)
         if self.nf4:  # after PiSSA's SVD of the full-precision weights (QPiSSA quantizes the residual)
             count = quantize_frozen_linears(ctx.model_parts, self.nf4_weights(ctx.model_args))
             logger.info(f"lora: {count} frozen block linears on this rank quantized to NF4 (QLoRA)")
@@ -234,6 +249,19 @@ class LoraTransform(Transform):
         self.log_trainable(ctx.model_parts)
         if fresh:
             self.frozen_fingerprint = bits_checksum(checksum_tensors(self.frozen_parameters(ctx.model_parts)))
+
+    def load_mxfp4_base(self, ctx: TransformContext) -> None:
+        folder = ctx.initial_hf_folder
+        if folder is None:
+            raise ConfigError("lora.base_dtype='mxfp4' reads the experts from the initial Hugging Face folder, which "
+                              "this run did not load; set 'checkpoint.initial_load_in_hf' = true")
+        kept, quantized = load_packed_experts(ctx.model_parts, folder, ctx.model_args)
+        if kept:
+            logger.info(f"lora: MXFP4 base: the experts of {kept} MoE layers on this rank kept as {folder} holds them "
+                        "(*_blocks / *_scales, bit for bit, never dequantized to a stored copy)")
+        if quantized:
+            logger.info(f"lora: MXFP4 base: the experts of {quantized} MoE layers on this rank quantized to MXFP4 "
+                        f"from {folder}'s unquantized experts, as the release stores them")
 
     def stage_group(self) -> dist.ProcessGroup | None:
         """The ranks holding this rank's pipeline stage (they share PiSSA's SVDs), or None on one process."""
@@ -279,8 +307,9 @@ class LoraTransform(Transform):
 
     def saves_parameter(self, name: str) -> bool:
         """Adapter-only checkpoints hold the adapters; an NF4 weight is never saved (DCP has no NF4 support): a
-        resume quantizes it again from the initial weights, deterministically."""
-        if name in self.nf4_names():
+        resume quantizes it again from the initial weights, deterministically. Nor is an MXFP4 base: a resume reads
+        it again from the base's folder."""
+        if name in self.nf4_names() or (self.mxfp4 and mxfp4_plan.is_packed(name)):
             return False
         return not self.c.save_adapter_only or adapter_exported_param(self.options, name)
 
@@ -300,10 +329,32 @@ class LoraTransform(Transform):
         """The merged model: W + scale B A (DoRA: rescaled rows) for every adapter; PiSSA's W is the residual, so
         the merge equals the original weight plus the learnt update."""
         state_dict = dense_state_dict(state_dict)  # the NF4 base merges as it was trained: dequantized
+        packed: dict[str, torch.Tensor] = {}
+        if self.mxfp4:
+            state_dict, packed = self.mxfp4_export(state_dict)
         state_dict = merge_expert_adapters(state_dict, {m: self.options.spec(m).scale
                                                         for m in expert_adapter_modules(state_dict)})
         specs = {m: self.options.spec(m) for m in {module_of(n)[0] for n in state_dict if n.endswith(".lora_a")}}
-        return merge_adapters(state_dict, specs, self.keep_sparsity), model_args
+        return {**merge_adapters(state_dict, specs, self.keep_sparsity), **packed}, model_args
+
+    def mxfp4_export(self, state_dict: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+        """(the state dict, the release's MXFP4 tensors) of an export: experts without adapters written back as
+        they were loaded; adapted ones dequantized (then merged, and written unquantized)."""
+        if expert_adapter_modules(state_dict):
+            logger.info("lora: the MXFP4 experts are merged with their adapters: the export writes them "
+                        "dequantized, unquantized in checkpoint.export_dtype, without a quantization_config")
+            return dense_experts(state_dict), {}
+        logger.info("lora: the MXFP4 experts have no adapters: the export writes them back as MXFP4 (*_blocks / "
+                    "*_scales), bit for bit as loaded")
+        return packed_hf_tensors(state_dict)
+
+    def frozen_base(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The frozen base of a state dict for an HF export (an MXFP4 base's experts as loaded)."""
+        base = without_adapters(dense_state_dict(state_dict))
+        if not self.mxfp4:
+            return base
+        rest, packed = packed_hf_tensors(base)
+        return {**rest, **packed}
 
     def base_folder(self, folder: Path, step: int) -> Path | None:
         """Where the base the adapters apply to is written as an HF folder: when it is not loaded from one (a seeded
@@ -332,7 +383,7 @@ class LoraTransform(Transform):
         if base is not None:
             export_hf(model_parts, self.model_args, str(base), getattr(torch, self.cfg.checkpoint.export_dtype),
                       self.cfg.model.hf_assets_path, self.parallel_dims,
-                      convert=lambda sd, args: (without_adapters(sd), args))
+                      convert=lambda sd, args: (self.frozen_base(sd), args))
             logger.info(f"lora: the frozen base (not loaded from a Hugging Face folder) written to {base}; "
                         f"step-{step}-adapter applies to it")
         state = gather_full_state_dict(model_parts, torch.float32, self.parallel_dims,
@@ -346,7 +397,7 @@ class LoraTransform(Transform):
             out = folder / f"step-{step}-pissa-residual-base"
             export_hf(model_parts, self.model_args, str(out), getattr(torch, self.cfg.checkpoint.export_dtype),
                       self.cfg.model.hf_assets_path, self.parallel_dims,
-                      convert=lambda sd, args: (without_adapters(dense_state_dict(sd)), args))
+                      convert=lambda sd, args: (self.frozen_base(sd), args))
             logger.info(f"lora: PiSSA's residual base (the frozen weights W - s B0 A0) written to {out}; "
                         f"step-{step}-pissa-adapter applies to it")
 
@@ -414,6 +465,8 @@ class LoraTransform(Transform):
     # ------------------------------------------------------------------------------ plan hooks
 
     def plan_lines(self, model_args: LlamaArgs) -> list[str]:
+        if self.mxfp4:
+            return [mxfp4_plan.plan_line(model_args)]
         if not self.nf4:
             return []
         return [plan_line(model_args, self.nf4_weights(model_args), getattr(torch, self.cfg.training.dtype).itemsize)]
@@ -422,9 +475,13 @@ class LoraTransform(Transform):
         return nf4_param_bytes(name, param, self.nf4_names())
 
     def gathered_bytes(self, name: str, param: torch.Tensor) -> float | None:
+        if self.mxfp4:
+            return mxfp4_plan.packed_gathered_bytes(name)
         return nf4_param_bytes(name, param, self.nf4_names())  # FSDP gathers the codes, scales and factors
 
     def plan_memory(self, ctx: PlanContext) -> list[PlanItem]:
+        if self.mxfp4:
+            return mxfp4_plan.dequantize_memory(ctx)
         return dequantize_memory(ctx, self.nf4_names())
 
 
