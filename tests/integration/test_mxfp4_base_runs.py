@@ -40,14 +40,20 @@ def one_process(common, tmp_path_factory):
     return series, folder
 
 
-LAYOUTS = [("fsdp2", [], "dp_shard 2 x cp 1 x tp 1 x pp 1"),
-           ("ep2", ["--parallelism.expert_parallel_degree", "2"], "(experts: ep 2 x efsdp 1)")]
+TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+       "--parallelism.pipeline_parallel_microbatch_size", "2"]
+# (name, overrides, the layout line, the local batch: the data-parallel ranks split the global batch, TP and PP not)
+LAYOUTS = [("fsdp2", [], "dp_shard 2 x cp 1 x tp 1 x pp 1", GLOBAL_BATCH // 2),
+           ("ep2", ["--parallelism.expert_parallel_degree", "2"], "(experts: ep 2 x efsdp 1)", GLOBAL_BATCH // 2),
+           ("tp2", TP2, "tp 2", GLOBAL_BATCH),
+           ("pp2", PP2, "pp 2", GLOBAL_BATCH)]
 
 
-@pytest.mark.parametrize("name, overrides, layout", LAYOUTS, ids=[c[0] for c in LAYOUTS])
-def test_mxfp4_base_layout_equals_one_process(name, overrides, layout, common, one_process, tmp_path):
+@pytest.mark.parametrize("name, overrides, layout, local_batch", LAYOUTS, ids=[c[0] for c in LAYOUTS])
+def test_mxfp4_base_layout_equals_one_process(name, overrides, layout, local_batch, common, one_process, tmp_path):
     expected, _ = one_process
-    run = run_train([*common, "--training.local_batch_size", str(GLOBAL_BATCH // 2), *overrides], tmp_path, ngpu=2)
+    run = run_train([*common, "--training.local_batch_size", str(local_batch), *overrides], tmp_path, ngpu=2)
     assert run.returncode == 0 and layout in run.output, run.output[-3000:]
     got = scalars(tmp_path)
     assert sorted(got) == sorted(expected)
