@@ -17,7 +17,11 @@ PROJECTIONS = {
     "w2": ("feed_forward", "down_proj"),
     # Qwen3.5's Gated DeltaNet (the linear_attention layers' mixer, held as layers.{i}.attention): HF linear_attn.*
     **{name: ("attention", name) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")},
+    # DeepSeek-V3's latent attention (its one-matrix query is wq): the query's and the latent's down- and up-projections
+    **{name: ("attention", name) for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")},
 }
+LATENT = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+SHARED_EXPERTS = "moe.shared_experts"  # DeepSeek-V3's: w1, w2, w3 of a routed layer (PEFT's gate_proj ... match them)
 HF_PROJECTIONS = {hf: titan for titan, (_, hf) in PROJECTIONS.items()}
 FEED_FORWARD = ("w1", "w2", "w3")
 ALL_LINEAR = "all-linear"
@@ -182,7 +186,7 @@ class LoraOptions:
         for i in range(args.n_layers):
             dims = projection_dims(args, i)
             for short in self.targets_of(args, i):
-                out[f"layers.{i}.{PROJECTIONS[short][0]}.{short}"] = dims[short]
+                out[f"layers.{i}.{projection_parent(args, i, short)}.{short}"] = dims[short]
         return out
 
     def adapted_expert_groups(self, args: LlamaArgs) -> dict[str, tuple[int, int, int]]:
@@ -236,10 +240,28 @@ class LoraOptions:
                               "the same dropout masks)")
 
 
+def projection_parent(args: LlamaArgs, layer: int, short: str) -> str:
+    """The module in a block holding projection `short`: a routed layer's w1/w2/w3 are its shared experts'."""
+    if short in FEED_FORWARD and args.is_moe_layer(layer):
+        return SHARED_EXPERTS
+    return PROJECTIONS[short][0]
+
+
+def _latent_dims(args: LlamaArgs) -> dict[str, tuple[int, int]]:
+    qk, heads = args.qk_nope_head_dim + args.qk_rope_head_dim, args.n_heads
+    query = {"wq": (args.dim, heads * qk)} if args.q_lora_rank is None else {
+        "q_a_proj": (args.dim, args.q_lora_rank), "q_b_proj": (args.q_lora_rank, heads * qk)}
+    return {**query, "kv_a_proj_with_mqa": (args.dim, args.kv_lora_rank + args.qk_rope_head_dim),
+            "kv_b_proj": (args.kv_lora_rank, heads * (args.qk_nope_head_dim + args.v_head_dim)),
+            "wo": (heads * args.v_head_dim, args.dim)}
+
+
 def projection_dims(args: LlamaArgs, layer: int) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each block linear layer `layer` has: its mixer's (attention, or a Gated
-    DeltaNet) and, unless it is routed, its dense feed-forward's."""
-    if args.layer_type(layer) == "linear_attention":
+    """(in_features, out_features) of each block linear layer `layer` has: its mixer's (attention, latent
+    attention or a Gated DeltaNet) and its dense feed-forward's, or a routed layer's shared experts'."""
+    if args.layer_type(layer) == "latent_attention":
+        dims = _latent_dims(args)
+    elif args.layer_type(layer) == "linear_attention":
         keys = args.linear_n_key_heads * args.linear_key_head_dim
         values = args.linear_n_value_heads * args.linear_value_head_dim
         heads = args.linear_n_value_heads
@@ -250,8 +272,9 @@ def projection_dims(args: LlamaArgs, layer: int) -> dict[str, tuple[int, int]]:
         q, kv = heads * args.head_dim, kv_heads * args.head_dim
         gated_q = 2 * q if args.attn_output_gate else q  # Qwen3.5's wq holds each head's gate rows too
         dims = {"wq": (args.dim, gated_q), "wk": (args.dim, kv), "wv": (args.dim, kv), "wo": (q, args.dim)}
-    if not args.is_moe_layer(layer):
-        ffn = args.ffn_dim_of(layer)
+    shared = args.moe_ffn_dim * args.moe_shared_experts
+    ffn = shared if args.is_moe_layer(layer) else args.ffn_dim_of(layer)
+    if ffn:
         dims.update({"w1": (args.dim, ffn), "w3": (args.dim, ffn), "w2": (ffn, args.dim)})
     return dims
 

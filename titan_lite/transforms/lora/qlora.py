@@ -15,7 +15,7 @@ from titan_lite.models.parameters import canonical_name
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.transforms.base import PlanContext, PlanItem
 from titan_lite.transforms.lora.module import LoRALinear, _like, dora_magnitude
-from titan_lite.transforms.lora.options import PROJECTIONS, projection_dims
+from titan_lite.transforms.lora.options import projection_dims, projection_parent
 from titan_lite.transforms.nf4 import (
     dequantize,
     is_nf4,
@@ -27,7 +27,8 @@ from titan_lite.transforms.nf4.fsdp import fsdp_records, swap_parameter
 from titan_lite.transforms.nf4.quantize import quantize_local
 
 NF4 = "nf4"
-BLOCK_LINEAR = re.compile(r"^layers\.\d+\.(attention\.w[qkvo]|feed_forward\.w[123])\.weight$")
+BLOCK_LINEAR = re.compile(r"^layers\.\d+\.(attention\.(w[qkvo]|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)|"
+                          r"(feed_forward|moe\.shared_experts)\.w[123])\.weight$")
 
 
 class NF4LoRALinear(LoRALinear):
@@ -66,7 +67,7 @@ def is_block_linear(name: str) -> bool:
 def block_linear_shapes(args: LlamaArgs) -> dict[str, tuple[int, int]]:
     """Canonical weight name -> (out, in) of every block projection (an MoE layer's experts are grouped weights,
     not block linears)."""
-    return {f"layers.{i}.{PROJECTIONS[short][0]}.{short}.weight": (fan_out, fan_in)
+    return {f"layers.{i}.{projection_parent(args, i, short)}.{short}.weight": (fan_out, fan_in)
             for i in range(args.n_layers) for short, (fan_in, fan_out) in projection_dims(args, i).items()}
 
 
