@@ -44,6 +44,12 @@ INPUT_GROUPS = {
     # Qwen3.5's Gated DeltaNet: four projections of the block's normed input, out_proj of the gated norm's output
     "attention.in_proj_qkv": "attention", "attention.in_proj_z": "attention", "attention.in_proj_b": "attention",
     "attention.in_proj_a": "attention", "attention.out_proj": "attention.out_proj",
+    # DeepSeek-V3's latent attention (its one-matrix query is wq): the down-projections read the block's normed input,
+    # each up-projection its latent's norm output; a routed layer's shared experts read its feed-forward's input
+    "attention.q_a_proj": "attention", "attention.kv_a_proj_with_mqa": "attention",
+    "attention.q_b_proj": "attention.q_b_proj", "attention.kv_b_proj": "attention.kv_b_proj",
+    "moe.shared_experts.w1": "moe.shared_experts", "moe.shared_experts.w3": "moe.shared_experts",
+    "moe.shared_experts.w2": "moe.shared_experts.w2",
 }
 _BLOCK_LINEAR = re.compile(r"layers\.(\d+)\.(.+)")
 
