@@ -431,8 +431,9 @@ def estimate_depth(opts: argparse.Namespace) -> None:
 
 
 def check_dense(args: LlamaArgs, method: str) -> None:
-    """depth and taylor_structured materialise dense feed-forwards: one line for a mixture of experts."""
-    if args.n_experts:
+    """depth and taylor_structured materialise dense feed-forwards: one line for a mixture of experts (depth keeps
+    DeepSeek-V3's whole blocks, experts and all)."""
+    if args.n_experts and not (method == "depth" and args.is_latent):
         raise ConfigError(f"--method {method} writes models whose feed-forwards are dense; this {args.family} model "
                           f"routes {len(args.moe_layers)} layers to experts: remove experts with --method reap")
 

@@ -231,3 +231,20 @@ def test_what_is_not_checked_is_refused_in_one_line(base):
                           converter])
         with pytest.raises(ConfigError, match=rf"\['{converter}'\], which is not supported yet for DeepSeek-V3"):
             plan_job(cfg, 1)
+
+
+@pytest.mark.parametrize("removed, first_dense", [("2", 1), ("0", 0)])
+def test_depth_pruning_drops_whole_blocks_and_keeps_first_k_dense_replace(removed, first_dense, base, tmp_path):
+    """Removing a routed block keeps layer 0 dense (first_k_dense_replace 1); removing the dense block leaves every
+    block routed (0). transformers loads the folder with the logits of the source run without that block."""
+    out = tmp_path / "shallow"
+    assert prune_script().main(["--hf_assets_path", str(base), "--output_dir", str(out), "--method", "depth",
+                                "--layers_to_remove", removed, *CALIBRATION]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["first_k_dense_replace"]) == (3, first_dense)
+    source, shallow = load_titan(base), load_titan(out)
+    with torch.no_grad():
+        del source.layers[removed]  # the source run without that block is the shallow model
+        source.layers = torch.nn.ModuleDict({str(i): b for i, b in enumerate(source.layers.values())})
+        torch.testing.assert_close(source(TOKENS), shallow(TOKENS), atol=1e-5, rtol=0)
+        torch.testing.assert_close(hf_logits(out), shallow(TOKENS), atol=1e-5, rtol=0)
