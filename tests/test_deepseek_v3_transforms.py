@@ -222,15 +222,49 @@ def test_reap_refuses_a_keep_count_the_expert_groups_cannot_hold(scaled_folder, 
     assert len(err.splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
+def test_float8_converts_every_block_linear_and_trains_close_to_fp32():
+    """debugmodel_deepseek_v3 (widths all multiples of 16; emulated on CPU): the latent projections, o_proj, the
+    dense and shared-expert MLPs become Float8Linear, the router (8 outputs) stays in high precision, the grouped
+    experts are not linears; the logits are within float8's rounding of fp32 and every float8 weight gets a
+    gradient."""
+    from tests.test_deepseek_v3 import widened
+    from tests.test_float8 import config, float8_names
+    from titan_lite.models.decoder import Llama
+    from titan_lite.models.flavors import flavor_args
+    from titan_lite.transforms import build_transforms
+
+    (transform,) = build_transforms(config())
+    args = flavor_args("debugmodel_deepseek_v3")
+    reference, model = Llama(args), Llama(args)
+    reference.init_weights(seed=3)
+    widened(reference)
+    transform.convert(model)
+    model.load_state_dict(reference.state_dict())
+    names = float8_names(model)
+    assert len(names) == 4 * 5 + 3 * 4 and "layers.1.moe.shared_experts.w2" in names
+    assert sorted(transform.kept) == ["layers.1.moe.router.gate", "layers.2.moe.router.gate",
+                                      "layers.3.moe.router.gate", "output"]  # the head by the default filter_fqns
+    ids = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
+    expected, got = reference(ids), model(ids)
+    error = ((got - expected).norm() / expected.norm()).item()
+    assert 1e-4 < error < 0.05, error
+    got.float().logsumexp(-1).mean().backward()
+    assert all(model.get_submodule(n).weight.grad is not None for n in names)
+
+
 def test_what_is_not_checked_is_refused_in_one_line(base):
     from titan_lite.config import parse_args
     from titan_lite.job.plan import plan_job
 
-    for converter in ("sheared", "quantize.linear.float8"):
-        cfg = parse_args(["--model.flavor", "hf", "--model.hf_assets_path", str(base), "--model.converters",
-                          converter])
-        with pytest.raises(ConfigError, match=rf"\['{converter}'\], which is not supported yet for DeepSeek-V3"):
-            plan_job(cfg, 1)
+    def plan(*argv: str, world: int = 1):
+        return plan_job(parse_args(["--model.flavor", "hf", "--model.hf_assets_path", str(base), *argv]), world)
+
+    with pytest.raises(ConfigError, match=r"\['sheared'\], which is not supported yet for DeepSeek-V3"):
+        plan("--model.converters", "sheared")
+    for converter in ("lora", "quantize.linear.float8"):  # tensor parallelism is not checked with them
+        with pytest.raises(ConfigError, match=rf"^'model.converters' has '{converter}' with tensor parallelism, "
+                                              "which is not checked yet on DeepSeek-V3's latent attention"):
+            plan("--model.converters", converter, "--parallelism.tensor_parallel_degree", "2", world=2)
 
 
 @pytest.mark.parametrize("removed, first_dense", [("2", 1), ("0", 0)])
