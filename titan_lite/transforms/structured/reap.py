@@ -58,8 +58,9 @@ def check_reap_model(args: LlamaArgs, ratio: float, source: str) -> int:
         try:
             check_groups(kept, args.moe_top_k, args.moe_n_group, args.moe_topk_group, "")
         except ConfigError as exc:
+            reason = str(exc).removeprefix(": ")
             raise ConfigError(f"--expert_ratio {ratio} leaves {kept} of the {args.n_experts} experts of each MoE "
-                              f"layer, which n_group = {args.moe_n_group} groups cannot hold ({str(exc)[2:]})") from None
+                              f"layer, which n_group = {args.moe_n_group} groups cannot hold ({reason})") from None
     return kept
 
 
