@@ -1,9 +1,10 @@
 """DeepSeek-V3's multi-head latent attention, the mixer of the "latent_attention" layers (projections named as
 transformers', so the HF mapping is a rename; the one-matrix query q_proj and o_proj are wq and wo, as in the other
 attention): the query's low-rank path (q_a_proj, q_a_layernorm, q_b_proj; or one q_proj), the compressed
-key-value latent with the rope key shared by every head (kv_a_proj_with_mqa, kv_a_layernorm), its per-head expansion (kv_b_proj) into the keys' nope part and the values, the softmax scale with
-YaRN's mscale, on the causal kernel (packed documents block-causal; context parallel swaps it for its all-gather of
-the expanded K/V); generation caches the latent and the rope key only, expanded at every step."""
+key-value latent with the rope key shared by every head (kv_a_proj_with_mqa, kv_a_layernorm), its per-head
+expansion (kv_b_proj) into the keys' nope part and the values, the softmax scale with YaRN's mscale, on the causal
+kernel (packed documents block-causal; context parallel swaps it for its all-gather of the expanded K/V);
+generation caches the latent and the rope key only, expanded at every step."""
 
 import math
 
