@@ -93,6 +93,19 @@ def test_lora_on_every_linear_and_the_experts_loads_in_peft_with_the_merged_logi
     assert config["target_parameters"][-2:] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
+def test_lora_on_the_one_matrix_query_with_rotate_half_rope_loads_in_peft(tmp_path):
+    """q_lora_rank null (titan_lite's attention.wq is HF q_proj) and rope_interleave false: the adapters' output rows
+    on the query's and the rope key's rope channels are permuted like the weights' on export."""
+    base = saved_with_tokenizer(tmp_path / "base", hf_model(vocab_size=2048, q_lora_rank=None, rope_interleave=False))
+    plan, model = titan_lora(base, "--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules",
+                             "q_proj,kv_a_proj_with_mqa,o_proj", flavor="hf", assets=base)
+    assert {n.split(".", 1)[1] for n, m in model.named_modules() if hasattr(m, "lora_a")} >= \
+        {"0.attention.wq", "3.attention.kv_a_proj_with_mqa", "3.attention.wo"}
+    pretend_trained(model)
+    config = export_and_compare(plan, model, base, tmp_path / "run")
+    assert sorted(config["target_modules"]) == ["kv_a_proj_with_mqa", "o_proj", "q_proj"]
+
+
 def test_dora_on_the_latent_attention_loads_in_peft_and_on_the_mlps_is_refused(base, tmp_path):
     attention = "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj"
     plan, model = titan_lora(base, "--lora.rank", "4", "--lora.alpha", "8", "--lora.use_dora",
