@@ -431,9 +431,10 @@ def estimate_depth(opts: argparse.Namespace) -> None:
 
 
 def check_dense(args: LlamaArgs, method: str) -> None:
-    """depth and taylor_structured materialise dense feed-forwards: one line for a mixture of experts. A hybrid
-    model (Qwen3.5-MoE) loses whole blocks only, each kept block's tensors renamed as they are, experts included."""
-    if args.n_experts and not (method == "depth" and args.is_hybrid):
+    """depth and taylor_structured materialise dense feed-forwards: one line for a mixture of experts. Depth keeps a
+    hybrid model's (Qwen3.5-MoE) and DeepSeek-V3's whole blocks, each kept block's tensors renamed as they are,
+    experts included."""
+    if args.n_experts and not (method == "depth" and (args.is_hybrid or args.is_latent)):
         raise ConfigError(f"--method {method} writes models whose feed-forwards are dense; this {args.family} model "
                           f"routes {len(args.moe_layers)} layers to experts: remove experts with --method reap")
 

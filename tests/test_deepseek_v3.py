@@ -253,9 +253,9 @@ def test_every_layout_runs_and_what_is_not_checked_is_refused_in_one_line(saved)
     for setting in ("tp", "cp", "pp", "ep"):  # they run (tests/integration/test_deepseek_v3_runs.py)
         dims = SimpleNamespace(**{f"{name}_enabled": name == setting for name in ("tp", "cp", "pp", "ep")})
         refuse_hybrid_layouts(load_titan(saved), dims)
-    with pytest.raises(ConfigError, match=r"^'model.converters' has \['prune'\], which is not "
+    with pytest.raises(ConfigError, match=r"^'model.converters' has \['sheared'\], which is not "
                                           "supported yet for DeepSeek-V3"):
-        Transforms([SimpleNamespace(name="prune")]).check(args, None)
+        Transforms([SimpleNamespace(name="sheared")]).check(args, None)
     with pytest.raises(ConfigError, match="^model args: attn_type 'flex' does not take latent attention"):
         Llama(replace(args, attn_type="flex"))
     with pytest.raises(ConfigError, match="^model args: n_group = 3 does not divide n_routed_experts = 8"):

@@ -8,7 +8,7 @@ split of the global batch of 8 reads the same sequences (see test_parallel_parit
 import pytest
 import torch
 
-from tests.integration.harness import one_window_dataset, run_train
+from tests.integration.harness import REPO, one_window_dataset, run_train
 from tests.integration.test_moe_parity import scalars
 
 pytestmark = pytest.mark.slow
@@ -71,3 +71,36 @@ def test_layout_equals_one_process_with_the_bias_updates(name, ngpu, overrides, 
     for key, bias in theirs.items():
         torch.testing.assert_close(ours[key], bias, rtol=0, atol=1e-7)
         assert bias.abs().max() > 0.005 and abs(float(bias.sum())) < 1e-5  # moved, each move centred
+
+
+# ------------------------------------------------------------------------------------------ distillation
+
+
+def test_distillation_from_a_deepseek_v3_teacher_folder(data, tmp_path):
+    """The teacher assembled from the DeepSeek-V3 folder the student also starts from: at step 1 both give the same
+    logits (KL exactly 0: the teacher's latent attention, group routing and correction biases are the student's);
+    the logged parts make up the loss, alpha T^2 KL + (1 - alpha) CE, and training moves the student away."""
+    from tests.integration.test_distill_runs import scalars as tb_scalars
+    from titan_lite.checkpoint.hf import write_hf_folder
+    from titan_lite.models.decoder import Llama
+    from titan_lite.models.flavors import flavor_args
+
+    args = flavor_args("debugmodel_deepseek_v3")
+    model = Llama(args)
+    model.init_weights(seed=5)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=torch.Generator().manual_seed(1)))
+    teacher = tmp_path / "teacher"
+    write_hf_folder(model.state_dict(), args, str(teacher), torch.float32, str(REPO / "assets/tokenizer"))
+    run = run_train([*data, "--training.local_batch_size", "8", "--model.hf_assets_path", str(teacher),
+                     "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(teacher),
+                     "--distill.enable", "--distill.alpha", "0.5", "--distill.temperature", "2",
+                     "--distill.teacher_path", str(teacher)], tmp_path / "run")
+    assert run.returncode == 0, run.output[-3000:]
+    losses, kl, ce = run.tb_losses(), tb_scalars(run, "distill/kl"), tb_scalars(run, "distill/ce")
+    assert sorted(losses) == sorted(kl) == list(range(1, STEPS + 1))
+    for step, loss in losses.items():
+        assert abs(loss - (0.5 * 4 * kl[step] + 0.5 * ce[step])) < 1e-5, (step, loss, kl[step], ce[step])
+    assert kl[1] == 0.0 and kl[STEPS] > 0, kl

@@ -82,7 +82,7 @@ def latent_attention_plan() -> dict:
     return {
         "attention_norm": SequenceParallel(),
         "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-        **{f"attention.{name}": ColwiseParallel() for name in ("q_proj", "q_b_proj", "kv_b_proj")},
+        **{f"attention.{name}": ColwiseParallel() for name in ("wq", "q_b_proj", "kv_b_proj")},
         **{f"attention.{name}": ReplicateParallel()
            for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")},
         "attention.rope_key": SumGradients(),
@@ -257,7 +257,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, plan_ed
              for moe in (False, True) for linear in (False, True)}
     for block in model.layers.values():
         linear = model.args.layer_type(block.layer_id) == "linear_attention"
-        held = {name for name, _ in block.named_modules()}  # latent attention: q_proj or q_a_proj/q_b_proj
+        held = {name for name, _ in block.named_modules()}  # latent attention: wq (q_proj) or q_a_proj/q_b_proj
         parallelize_module(block, tp_mesh, {name: style for name, style in plans[block.moe_enabled, linear].items()
                                             if not latent or name in held})
     if tied:

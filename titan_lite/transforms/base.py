@@ -282,7 +282,8 @@ CHECKED_ON_NEWER_FAMILIES = {
     "qwen3_5_moe": ("Qwen3.5-MoE (its linear_attention layers and gated shared expert)", ("lora", "prune")),
     "gpt_oss": ("gpt-oss (its sinks, biases and clamped experts)", ("lora", "prune")),
     "gemma3_text": ("Gemma 3 (its sandwich norms and scaled embedding)", ("lora", "prune", "quantize.linear.float8")),
-    "deepseek_v3": ("DeepSeek-V3 (its latent attention and shared experts)", ("lora",)),
+    "deepseek_v3": ("DeepSeek-V3 (its latent attention and shared experts)", ("lora", "prune",
+                                                                             "quantize.linear.float8")),
 }
 
 

@@ -501,15 +501,10 @@ def _deepseek_v3_keys(args: LlamaArgs) -> dict:
             "aux_loss_alpha": args.router_aux_loss_coef, "output_router_logits": False}
 
 
-# DeepSeek-V3's names apart from Qwen3-MoE's: the latent attention's projections, the correction bias, the shared
-# experts
+# DeepSeek-V3's names apart from every family's (its latent attention and shared experts are in names.py, where the
+# adapters' PEFT names find them too): the correction bias
 _DEEPSEEK_V3_NAMES = {
-    **{f"attention.{name}": f"self_attn.{name}"
-       for name in ("q_proj.weight", "q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight",
-                    "kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight")},
     "moe.router.e_score_correction_bias": "mlp.gate.e_score_correction_bias",
-    **{f"moe.shared_experts.{titan}.weight": f"mlp.shared_experts.{hf}.weight"
-       for titan, hf in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))},
 }
 # torchtitan's MoEArgs.load_balance_coeff: the aux-loss-free bias moves by this each step (transformers: never)
 DEEPSEEK_LOAD_BALANCE_COEFF = 1e-3

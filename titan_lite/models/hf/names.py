@@ -33,6 +33,12 @@ _LAYER_NAMES = {
     **{f"attention.{name}": f"linear_attn.{name}"
        for name in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
                     "out_proj.weight", "conv1d.weight", "A_log", "dt_bias", "norm.weight")},
+    # DeepSeek-V3's latent attention (its one-matrix query is wq, q_proj) and shared experts
+    **{f"attention.{name}": f"self_attn.{name}"
+       for name in ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
+                    "kv_a_layernorm.weight", "kv_b_proj.weight")},
+    **{f"moe.shared_experts.{titan}.weight": f"mlp.shared_experts.{hf}.weight"
+       for titan, hf in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))},
 }
 # Grouped expert weights [E, ...] (titan_lite suffix) -> the HF suffix of expert j's own tensor, {j} its index.
 _EXPERT_NAMES = {

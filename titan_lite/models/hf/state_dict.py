@@ -41,7 +41,7 @@ def _permute_rotary(name: str, tensor: Tensor, args: LlamaArgs, to_hf: bool) -> 
 
 
 # Latent attention's tensors whose rows end in rope channels: per head (the query's) or once (the rope key's)
-_LATENT_ROPE = ("attention.q_proj.weight", "attention.q_b_proj.weight", "attention.kv_a_proj_with_mqa.weight")
+_LATENT_ROPE = ("attention.wq.weight", "attention.q_b_proj.weight", "attention.kv_a_proj_with_mqa.weight")
 
 
 def _permute_latent_rope(name: str, tensor: Tensor, args: LlamaArgs, to_hf: bool) -> Tensor:
@@ -54,10 +54,11 @@ def _permute_latent_rope(name: str, tensor: Tensor, args: LlamaArgs, to_hf: bool
 
 
 def _relaid(name: str, tensor: Tensor, args: LlamaArgs, to_hf: bool) -> Tensor:
+    if args.is_latent:  # its wq (q_proj) holds nope and rope rows per head: not the rotary layout of attention's
+        latent_rope = not args.rope_interleave and name.endswith(_LATENT_ROPE)
+        return _permute_latent_rope(name, tensor, args, to_hf) if latent_rope else tensor
     if _is_rotary(name):
         return _permute_rotary(name, tensor, args, to_hf)
-    if args.is_latent and not args.rope_interleave and name.endswith(_LATENT_ROPE):
-        return _permute_latent_rope(name, tensor, args, to_hf)
     return tensor
 
 

@@ -1,9 +1,10 @@
 """DeepSeek-V3's multi-head latent attention, the mixer of the "latent_attention" layers (projections named as
-transformers', so the HF mapping is a rename): the query's low-rank path (q_a_proj, q_a_layernorm, q_b_proj; or one
-q_proj), the compressed key-value latent with the rope key shared by every head (kv_a_proj_with_mqa,
-kv_a_layernorm), its per-head expansion (kv_b_proj) into the keys' nope part and the values, the softmax scale with
-YaRN's mscale, on the causal kernel (packed documents block-causal; context parallel swaps it for its all-gather of
-the expanded K/V); generation caches the latent and the rope key only, expanded at every step."""
+transformers', so the HF mapping is a rename; the one-matrix query q_proj and o_proj are wq and wo, as in the other
+attention): the query's low-rank path (q_a_proj, q_a_layernorm, q_b_proj; or one q_proj), the compressed
+key-value latent with the rope key shared by every head (kv_a_proj_with_mqa, kv_a_layernorm), its per-head
+expansion (kv_b_proj) into the keys' nope part and the values, the softmax scale with YaRN's mscale, on the causal
+kernel (packed documents block-causal; context parallel swaps it for its all-gather of the expanded K/V);
+generation caches the latent and the rope key only, expanded at every step."""
 
 import math
 
@@ -63,7 +64,7 @@ class LatentAttention(nn.Module):
         self.rank = args.kv_lora_rank
         qk, heads = self.nope + self.rope_dim, args.n_heads
         if args.q_lora_rank is None:
-            self.q_proj = nn.Linear(args.dim, heads * qk, bias=False)
+            self.wq = nn.Linear(args.dim, heads * qk, bias=False)
         else:
             self.q_a_proj = nn.Linear(args.dim, args.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(args.q_lora_rank, eps=LATENT_NORM_EPS)
@@ -78,8 +79,8 @@ class LatentAttention(nn.Module):
         self.inner_attention = CausalAttention()
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "q_proj"):
-            return self.q_proj(x)
+        if hasattr(self, "wq"):
+            return self.wq(x)
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
     def expand(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from titan_lite.config.schema import JobConfig
 from titan_lite.distributed import device_type
+from titan_lite.errors import ConfigError
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.decoder import Llama
 from titan_lite.models.parameters import canonical_name
@@ -101,6 +102,9 @@ class Float8Transform(Transform):
 
     def check(self, model_args: LlamaArgs, parallel_dims: ParallelDims) -> None:
         check_options(self.cfg, self.options, parallel_dims, self.device_type)
+        if model_args.is_latent and parallel_dims is not None and parallel_dims.tp_enabled:
+            raise ConfigError("'model.converters' has 'quantize.linear.float8' with tensor parallelism, which is not "
+                              "checked yet on DeepSeek-V3's latent attention; use FSDP, EP, CP or PP")
         with torch.device("meta"):
             linears = [name for name, m in Llama(model_args).named_modules() if isinstance(m, nn.Linear)]
         check_filter_fqns(self.options, linears)

@@ -24,7 +24,7 @@ from titan_lite.checkpoint.peft import (
 from titan_lite.errors import ConfigError
 from titan_lite.models.args import LlamaArgs
 from titan_lite.transforms.lora.module import ADAPTER_PARAMS, PISSA_INIT_PARAMS, merged_weight
-from titan_lite.transforms.lora.options import FULL_MODULES, PROJECTIONS, AdapterSpec, LoraOptions
+from titan_lite.transforms.lora.options import FEED_FORWARD, FULL_MODULES, PROJECTIONS, AdapterSpec, LoraOptions
 from titan_lite.transforms.lora.sparse import adapter_keeps_sparsity
 
 
@@ -78,10 +78,24 @@ def without_pissa_init(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 # ------------------------------------------------------------------------------------------ adapter_config.json
 
 
-def peft_config(options: LoraOptions, modules: list[str], base_model: str | None, doubled: bool = False) -> dict:
+# Families whose adapters on gate_proj / up_proj / down_proj peft (0.21, on transformers 5) takes for the routed
+# experts' fused parameters (its v4 -> v5 config rewrite): their dense and shared-expert MLPs are written as
+# target_parameters on each Linear's weight instead (PEFT's ParamWrapper: the same tensors, LoRA only, no DoRA).
+MLP_AS_PARAMETERS = ("deepseek_v3",)
+
+
+def mlp_target_parameters(modules: list[str]) -> list[str]:
+    """target_parameters for the adapted dense and shared-expert MLP linears (mlp.gate_proj.weight,
+    mlp.shared_experts.down_proj.weight, ...)."""
+    return sorted({hf_module(m).split(".", 3)[3] + ".weight" for m in modules if module_of(m)[1] in FEED_FORWARD})
+
+
+def peft_config(options: LoraOptions, modules: list[str], base_model: str | None, doubled: bool = False,
+                mlp_as_parameters: bool = False) -> dict:
     """adapter_config.json for these adapted modules. Ranks and alphas that differ from the section's go into
     rank_pattern / alpha_pattern under each module's full HF name. `doubled`: PiSSA's rank-2r conversion, whose
-    alphas keep every module's scale (x2 for alpha / r, x sqrt(2) for rsLoRA)."""
+    alphas keep every module's scale (x2 for alpha / r, x sqrt(2) for rsLoRA). `mlp_as_parameters`: the MLP
+    linears as target_parameters (MLP_AS_PARAMETERS)."""
     c = options.section
     rank_factor = 2 if doubled else 1
     alpha_factor = (math.sqrt(2) if c.use_rslora else 2.0) if doubled else 1.0
@@ -93,9 +107,12 @@ def peft_config(options: LoraOptions, modules: list[str], base_model: str | None
             rank_pattern[key] = spec.rank * rank_factor
         if spec.alpha != c.alpha:
             alpha_pattern[key] = spec.alpha * alpha_factor
-    targets = sorted({PROJECTIONS[module_of(m)[1]][1] for m in modules})
+    as_parameters = mlp_target_parameters(modules) if mlp_as_parameters else []
+    targets = sorted({PROJECTIONS[module_of(m)[1]][1] for m in modules
+                      if not (as_parameters and module_of(m)[1] in FEED_FORWARD)})
     saved = [FULL_MODULES.get(m) or PROJECTIONS[m][1] for m in options.train_modules]
-    return {
+    extra = {"target_parameters": as_parameters} if as_parameters else {}
+    return {**extra,
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": c.rank * rank_factor, "lora_alpha": c.alpha * alpha_factor, "use_rslora": c.use_rslora,
         "use_dora": c.use_dora, "lora_dropout": c.dropout, "target_modules": targets,

@@ -17,7 +17,11 @@ PROJECTIONS = {
     "w2": ("feed_forward", "down_proj"),
     # Qwen3.5's Gated DeltaNet (the linear_attention layers' mixer, held as layers.{i}.attention): HF linear_attn.*
     **{name: ("attention", name) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")},
+    # DeepSeek-V3's latent attention (its one-matrix query is wq): the query's and the latent's down- and up-projections
+    **{name: ("attention", name) for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")},
 }
+LATENT = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+SHARED_EXPERTS = "moe.shared_experts"  # DeepSeek-V3's: w1, w2, w3 of a routed layer (PEFT's gate_proj ... match them)
 HF_PROJECTIONS = {hf: titan for titan, (_, hf) in PROJECTIONS.items()}
 FEED_FORWARD = ("w1", "w2", "w3")
 # An MoE layer's gated shared expert (Qwen3.5-MoE): its SwiGLU answers the feed-forward targets (HF
@@ -242,17 +246,28 @@ class LoraOptions:
 
 
 def projection_parent(args: LlamaArgs, layer: int, short: str) -> str:
-    """The module of a block holding projection `short`: an MoE layer's feed-forward projections are its shared
-    expert's."""
+    """The module in a block holding projection `short`: a routed layer's w1/w2/w3 are its gated shared expert's
+    (Qwen3.5-MoE) or its shared experts' (DeepSeek-V3)."""
     if short in FEED_FORWARD and args.is_moe_layer(layer):
-        return SHARED_EXPERT
+        return SHARED_EXPERT if args.moe_shared_ffn_dim else SHARED_EXPERTS
     return PROJECTIONS[short][0]
 
 
+def _latent_dims(args: LlamaArgs) -> dict[str, tuple[int, int]]:
+    qk, heads = args.qk_nope_head_dim + args.qk_rope_head_dim, args.n_heads
+    query = {"wq": (args.dim, heads * qk)} if args.q_lora_rank is None else {
+        "q_a_proj": (args.dim, args.q_lora_rank), "q_b_proj": (args.q_lora_rank, heads * qk)}
+    return {**query, "kv_a_proj_with_mqa": (args.dim, args.kv_lora_rank + args.qk_rope_head_dim),
+            "kv_b_proj": (args.kv_lora_rank, heads * (args.qk_nope_head_dim + args.v_head_dim)),
+            "wo": (heads * args.v_head_dim, args.dim)}
+
+
 def projection_dims(args: LlamaArgs, layer: int) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each block linear layer `layer` has: its mixer's (attention, or a Gated
-    DeltaNet) and its dense feed-forward's, or in a routed layer its gated shared expert's (Qwen3.5-MoE)."""
-    if args.layer_type(layer) == "linear_attention":
+    """(in_features, out_features) of each block linear layer `layer` has: its mixer's (attention, latent
+    attention or a Gated DeltaNet) and its dense feed-forward's, or a routed layer's shared expert(s)'."""
+    if args.layer_type(layer) == "latent_attention":
+        dims = _latent_dims(args)
+    elif args.layer_type(layer) == "linear_attention":
         keys = args.linear_n_key_heads * args.linear_key_head_dim
         values = args.linear_n_value_heads * args.linear_value_head_dim
         heads = args.linear_n_value_heads
@@ -263,7 +278,8 @@ def projection_dims(args: LlamaArgs, layer: int) -> dict[str, tuple[int, int]]:
         q, kv = heads * args.head_dim, kv_heads * args.head_dim
         gated_q = 2 * q if args.attn_output_gate else q  # Qwen3.5's wq holds each head's gate rows too
         dims = {"wq": (args.dim, gated_q), "wk": (args.dim, kv), "wv": (args.dim, kv), "wo": (q, args.dim)}
-    ffn = args.moe_shared_ffn_dim if args.is_moe_layer(layer) else args.ffn_dim_of(layer)
+    shared = args.moe_shared_ffn_dim or args.moe_ffn_dim * args.moe_shared_experts
+    ffn = shared if args.is_moe_layer(layer) else args.ffn_dim_of(layer)
     if ffn:
         dims.update({"w1": (args.dim, ffn), "w3": (args.dim, ffn), "w2": (ffn, args.dim)})
     return dims

@@ -27,8 +27,8 @@ from titan_lite.transforms.nf4.fsdp import fsdp_records, swap_parameter
 from titan_lite.transforms.nf4.quantize import quantize_local
 
 NF4 = "nf4"
-BLOCK_LINEAR = re.compile(r"^layers\.\d+\.(attention\.(w[qkvo]|in_proj_(qkv|z|b|a)|out_proj)|"
-                          r"(feed_forward|moe\.shared_expert)\.w[123])\.weight$")
+BLOCK_LINEAR = re.compile(r"^layers\.\d+\.(attention\.(w[qkvo]|in_proj_(qkv|z|b|a)|out_proj|q_a_proj|q_b_proj|"
+                          r"kv_a_proj_with_mqa|kv_b_proj)|(feed_forward|moe\.shared_experts?)\.w[123])\.weight$")
 
 
 class NF4LoRALinear(LoRALinear):

@@ -28,6 +28,7 @@ from titan_lite.models.parameters import canonical_name
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.transforms.base import PlanContext, PlanItem, Transform, TransformContext, register_transform
 from titan_lite.transforms.lora.adapters import (
+    MLP_AS_PARAMETERS,
     adapter_exported_param,
     check_adapter_matches,
     expected_adapter_shapes,
@@ -189,11 +190,23 @@ class LoraTransform(Transform):
         check_expert_options(self.options, model_args, self.keep_sparsity)
         check_keep_sparsity(self.cfg)
         self.check_layout(parallel_dims)
+        self.check_peft_form(model_args)
+        if model_args.is_latent and parallel_dims is not None and parallel_dims.tp_enabled:
+            raise ConfigError("'model.converters' has 'lora' with tensor parallelism, which is not checked yet on "
+                              "DeepSeek-V3's latent attention; use FSDP, EP, CP or PP")
         self._nf4_names = self.nf4_weights(model_args)
         if self.nf4:
             check_nf4(self.cfg, model_args, parallel_dims, sorted(self._nf4_names))
         if self.c.adapter_path is not None:
             check_adapter_matches(self.options, model_args, self.c.adapter_path)
+
+    def check_peft_form(self, args: LlamaArgs) -> None:
+        """DoRA on the MLPs of a MLP_AS_PARAMETERS family has no PEFT adapter to export."""
+        mlp = [m for m in self.options.adapted_modules(args) if m.rsplit(".", 1)[1] in ("w1", "w2", "w3")]
+        if self.c.use_dora and mlp and args.family in MLP_AS_PARAMETERS and self.cfg.checkpoint.last_save_in_hf:
+            raise ConfigError(f"'lora.use_dora' on {args.family}'s dense and shared-expert MLPs ({mlp[0]}, ...) has "
+                              "no PEFT form to export: peft reads gate_proj/up_proj/down_proj there as the routed "
+                              "experts', and its target_parameters take no DoRA; adapt the attention only")
 
     def check_layout(self, dims: ParallelDims) -> None:
         """Gathering full weights needs them on the device; a frozen base in a lower precision than the compute
@@ -418,21 +431,22 @@ class LoraTransform(Transform):
         args = self.model_args
         out = folder / f"step-{step}-adapter"
         if not self.options.pissa:
-            config = peft_config(self.options, modules, base)
+            config = peft_config(self.options, modules, base, mlp_as_parameters=args.family in MLP_AS_PARAMETERS)
             linear = {n: t for n, t in state.items() if module_of(n)[0] not in experts and ".moe.experts.w" not in n}
             tensors = {**to_peft_tensors(linear, args), **peft_expert_tensors(state, PREFIX, family_gate_up(args)),
                        **fused_expert_weights(state, PREFIX)}
             if experts:
-                config["target_parameters"] = peft_target_parameters(state)
+                config["target_parameters"] = [*config.get("target_parameters", []), *peft_target_parameters(state)]
             write_peft_adapter(out, PeftAdapter(config, tensors), readme(self.c, "original", sparse=self.keep_sparsity),
                                sparsity_marker() if self.keep_sparsity else None, EXPORT_WHAT, EXPORT_INSTEAD)
             logger.info(f"lora: PEFT adapter of step {step} written to {out}")
             return
-        write_peft_adapter(out, PeftAdapter(peft_config(self.options, modules, base, doubled=True),
+        as_parameters = args.family in MLP_AS_PARAMETERS
+        write_peft_adapter(out, PeftAdapter(peft_config(self.options, modules, base, True, as_parameters),
                                             to_peft_tensors(pissa_as_lora(state), args)), readme(self.c, "converted"),
                            what=EXPORT_WHAT, instead=EXPORT_INSTEAD)
         residual = folder / f"step-{step}-pissa-adapter"
-        write_peft_adapter(residual, PeftAdapter(peft_config(self.options, modules, None),
+        write_peft_adapter(residual, PeftAdapter(peft_config(self.options, modules, None, False, as_parameters),
                                                  to_peft_tensors(without_pissa_init(state), args)),
                            readme(self.c, "residual", f"step-{step}-pissa-residual-base"), what=EXPORT_WHAT,
                            instead=EXPORT_INSTEAD)

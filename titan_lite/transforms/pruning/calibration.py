@@ -47,6 +47,12 @@ INPUT_GROUPS = {
     # Qwen3.5-MoE's gated shared expert, a SwiGLU of the MoE layer's input; its 1-wide gate (shared_expert_gate)
     # stays dense as the router does: it scales the whole expert's output, it is no projection to thin out
     "moe.shared_expert.w1": "moe", "moe.shared_expert.w3": "moe", "moe.shared_expert.w2": "moe.shared_expert.w2",
+    # DeepSeek-V3's latent attention (its one-matrix query is wq): the down-projections read the block's normed input,
+    # each up-projection its latent's norm output; a routed layer's shared experts read its feed-forward's input
+    "attention.q_a_proj": "attention", "attention.kv_a_proj_with_mqa": "attention",
+    "attention.q_b_proj": "attention.q_b_proj", "attention.kv_b_proj": "attention.kv_b_proj",
+    "moe.shared_experts.w1": "moe.shared_experts", "moe.shared_experts.w3": "moe.shared_experts",
+    "moe.shared_experts.w2": "moe.shared_experts.w2",
 }
 _BLOCK_LINEAR = re.compile(r"layers\.(\d+)\.(.+)")
 

@@ -161,7 +161,12 @@ def hook_temporaries(method: str, targets: list[Target], tokens: int, args: Llam
     _, q, _, ffn = _per_rank(args, layer, tp)
     widths = {"attention": args.dim, "attention.wo": q * tp, "feed_forward": args.dim, "feed_forward.w2": ffn * tp,
               "attention.out_proj": args.linear_n_value_heads * args.linear_value_head_dim,
-              "moe": args.dim, "moe.shared_expert.w2": args.moe_shared_ffn_dim or 0}  # the shared expert: whole
+              "moe": args.dim, "moe.shared_expert.w2": args.moe_shared_ffn_dim or 0,  # the shared expert: whole
+              # DeepSeek-V3's latent attention and shared experts (no TP: LoRA and pruning refuse it there)
+              "attention.q_b_proj": args.q_lora_rank or 0, "attention.kv_b_proj": args.kv_lora_rank,
+              "moe.shared_experts": args.dim, "moe.shared_experts.w2": args.moe_ffn_dim * args.moe_shared_experts}
+    if args.is_latent:
+        widths["attention.wo"] = args.n_heads * args.v_head_dim
     gathered = {"attention.wo": tp > 1, "feed_forward.w2": tp > 1}
     out = {}
     for group in {t.group for t in targets}:

@@ -193,7 +193,7 @@ def materialize_state_dict(state_dict: dict[str, Tensor], args: LlamaArgs,
 
     A tied model with a soft hidden_scale comes out untied: the embedding carries the scale, the head must not.
     """
-    if args.is_hybrid:
+    if args.is_hybrid or args.is_latent:
         return _whole_blocks(state_dict, args, keep)
     validate_keep(args, keep)
     new_args = materialized_args(args, keep)
@@ -212,17 +212,21 @@ def materialize_state_dict(state_dict: dict[str, Tensor], args: LlamaArgs,
 
 def _whole_blocks(state_dict: dict[str, Tensor], args: LlamaArgs,
                   keep: StructureKeep) -> tuple[LlamaArgs, dict[str, Tensor]]:
-    """A hybrid model (Qwen3.5) loses whole blocks only: the kept blocks' tensors renamed in order, and the schedule
-    made the kept blocks' types (an explicit layer_types, which the export writes; full_attention_interval no longer
-    describes it). A keep-set that cuts heads or channels is one ValueError."""
+    """A hybrid model (Qwen3.5) or DeepSeek-V3 loses whole blocks only: the kept blocks' tensors renamed in order,
+    and the schedule made the kept blocks' types (an explicit layer_types, which the export writes;
+    full_attention_interval no longer describes it) and dense layers (DeepSeek-V3's first_k_dense_replace). A
+    keep-set that cuts heads or channels is one ValueError."""
     whole = depth_keep_of(args, keep.layers)
     cuts = [getattr(keep, f) != getattr(whole, f) for f in ("q_heads", "kv_heads", "ffn", "hidden")]
     scales = [s is not None for s in (keep.head_scale, keep.ffn_scale, keep.hidden_scale, keep.layer_scale)]
     if any(cuts) or any(scales):
-        raise ValueError("keep-set: a model with linear_attention (Gated DeltaNet) layers can lose whole blocks only; "
-                         "its heads and channels are not cut")
+        what = "latent attention (DeepSeek-V3)" if args.is_latent else "linear_attention (Gated DeltaNet) layers"
+        raise ValueError(f"keep-set: a model with {what} can lose whole blocks only; its heads and channels are not "
+                         "cut")
     _check_indices(keep.layers, args.n_layers, "layers")
-    new_args = replace(args, n_layers=len(keep.layers), layer_types=[args.layer_type(src) for src in keep.layers])
+    dense = [i for i, src in enumerate(keep.layers) if src in (args.moe_dense_layers or [])]
+    new_args = replace(args, n_layers=len(keep.layers), layer_types=[args.layer_type(src) for src in keep.layers],
+                       moe_dense_layers=dense or None)
     out = {}
     for name, tensor in state_dict.items():
         match = _LAYER.fullmatch(name)
@@ -263,7 +267,7 @@ def write_materialized_hf(state_dict: dict[str, Tensor], args: LlamaArgs, out_di
 def param_count(args: LlamaArgs) -> int:
     """Parameters of a Llama with these args (a tied head counted once; q/k/v biases and q/k norms included); a
     hybrid model's (Qwen3.5) counted from its built shapes."""
-    if args.is_hybrid:
+    if args.is_hybrid or args.is_latent:
         return sum(math.prod(shape) for shape in expected_shapes(args).values())
     total = args.vocab_size * args.dim * (1 if args.tie_word_embeddings else 2) + args.dim
     for layer in range(args.n_layers):

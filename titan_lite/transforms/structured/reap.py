@@ -23,6 +23,7 @@ from titan_lite.errors import ConfigError
 from titan_lite.models.args import LlamaArgs
 from titan_lite.models.decoder import Llama
 from titan_lite.models.parameters import canonical_name
+from titan_lite.models.parts.group_router import check_groups
 from titan_lite.models.parts.moe import MoE
 from titan_lite.parallel.parallel_dims import ParallelDims
 from titan_lite.parallel.runner import ModelRunner
@@ -34,7 +35,8 @@ logger = logging.getLogger("titan_lite")
 EXPERT_SCORES = ("reap", "frequency")
 # An MoE layer's tensors with a row per expert (the biases where the family has them: gpt-oss)
 _PER_EXPERT = ("moe.experts.w1", "moe.experts.w2", "moe.experts.w3", "moe.experts.b1", "moe.experts.b2",
-               "moe.experts.b3", "moe.router.gate.weight", "moe.router.gate.bias")
+               "moe.experts.b3", "moe.router.gate.weight", "moe.router.gate.bias",
+               "moe.router.e_score_correction_bias")  # DeepSeek-V3's: removed with its expert
 
 
 def check_reap_model(args: LlamaArgs, ratio: float, source: str) -> int:
@@ -52,6 +54,13 @@ def check_reap_model(args: LlamaArgs, ratio: float, source: str) -> int:
                           "experts)")
     if kept == args.n_experts:
         raise ConfigError(f"--expert_ratio {ratio} removes no expert of {args.n_experts}; raise it")
+    if args.moe_router == "sigmoid_group":  # the kept experts, renumbered in order, fill n_group equal groups
+        try:
+            check_groups(kept, args.moe_top_k, args.moe_n_group, args.moe_topk_group, "")
+        except ConfigError as exc:
+            reason = str(exc).removeprefix(": ")
+            raise ConfigError(f"--expert_ratio {ratio} leaves {kept} of the {args.n_experts} experts of each MoE "
+                              f"layer, which n_group = {args.moe_n_group} groups cannot hold ({reason})") from None
     return kept
 
 
