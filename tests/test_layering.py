@@ -127,7 +127,8 @@ def test_the_check_catches_an_unexplained_local_import():
 # Modules that talk to transforms only through the contract of titan_lite/transforms/base.py (issue #24).
 TRANSFORM_AGNOSTIC = ["dry_run.py", "job", "train.py", "parallel", "checkpoint/manager.py", "checkpoint/resume.py"]
 # (DeepSeek-V3's q_lora_rank and kv_lora_rank are the model's own low-rank widths, not the LoRA transform.)
-NAMES_A_TRANSFORM = re.compile(r'Sheared|[Pp]runing|"prune"|(?<!q_)(?<!kv_)lora|nf4|float8|from titan_lite\.transforms\.')
+NAMES_A_TRANSFORM = re.compile(r'Sheared|[Pp]runing|"prune"|(?<!q_)(?<!kv_)lora|nf4|float8|'
+                               r'from titan_lite\.transforms\.')
 
 
 def code_lines(source: str) -> list[tuple[int, str]]:
