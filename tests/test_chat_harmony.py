@@ -12,6 +12,7 @@ from tests.test_chat import chat_config, corpus_lines, one_line_error, write_jso
 from titan_lite.data.chat import ChatEncoder, Conversation, conversation_of, load_chat_template
 from titan_lite.data.instruct import InstructionFile, instruct_format
 from titan_lite.data.tokenizer import build_tokenizer
+from titan_lite.data.tokenizer.base import describe_tokenizer
 
 TEMPLATE = Path(__file__).resolve().parent / "chat_templates" / "harmony_gpt_oss.jinja"
 O200K_PATTERN = "|".join([
@@ -76,6 +77,7 @@ def test_gpt_oss_tokenizer_json_has_the_ids_of_tokenizers_and_its_stop_ids(folde
     tokenizers = pytest.importorskip("tokenizers")
     oracle = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
     tok = build_tokenizer(str(folder))
+    assert describe_tokenizer(tok) == "tiktoken (tiktoken's core: ids in merge order, one split pattern)"
     for special in SPECIALS:
         assert tok.encode(special, bos=False, allow_special=True) == [oracle.token_to_id(special)]
     text = "<|start|>user<|message|>Thou art 12,345 fools' ÆTHER?\n\n  Nay—'tis so.<|end|><|start|>assistant"
