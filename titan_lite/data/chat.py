@@ -29,14 +29,18 @@ _OPEN, _CLOSE = "\ue000", "\ue001"
 @dataclass(frozen=True)
 class Conversation:
     """A checked conversation: an optional system turn, then user and assistant turns alternating, at least one
-    assistant turn."""
+    assistant turn; an assistant turn may carry its reasoning (`thinking`, as gpt-oss's template reads it)."""
 
     turns: tuple[tuple[str, str], ...]  # (role, content)
     where: str = field(default="", compare=False)  # file and row, for error lines
+    thinking: tuple[tuple[int, str], ...] = ()  # (assistant turn index, its reasoning text)
 
     def messages(self) -> list[dict[str, str]]:
-        """The turns as a template sees them: [{"role": ..., "content": ...}, ...]."""
-        return [{"role": role, "content": content} for role, content in self.turns]
+        """The turns as a template sees them: [{"role": ..., "content": ...}, ...], plus "thinking" where given."""
+        messages = [{"role": role, "content": content} for role, content in self.turns]
+        for index, text in self.thinking:
+            messages[index]["thinking"] = text
+        return messages
 
     def assistant_turns(self) -> list[int]:
         return [i for i, (role, _) in enumerate(self.turns) if role == "assistant"]
@@ -44,12 +48,15 @@ class Conversation:
     def problem(self) -> tuple["Conversation", str]:
         """(the turns before the last assistant turn, that turn's content): a prompt to answer and its reference."""
         last = self.assistant_turns()[-1]
-        return Conversation(self.turns[:last], self.where), self.turns[last][1]
+        earlier = tuple((i, text) for i, text in self.thinking if i < last)
+        return Conversation(self.turns[:last], self.where, earlier), self.turns[last][1]
 
 
-def conversation_of(turns: list[tuple[Any, Any]], where: str, field: str) -> Conversation:
-    """The turns (role, content) of a row as a Conversation; a role out of place, a missing or non-string content or
-    no assistant turn is one ConfigError line naming `where` and the field."""
+def conversation_of(turns: list[tuple[Any, Any]], where: str, field: str,
+                    thinking: tuple[tuple[int, Any], ...] = ()) -> Conversation:
+    """The turns (role, content) of a row, and its assistant turns' reasoning (turn index, text), as a Conversation;
+    a role out of place, a missing or non-string content or thinking, thinking on a turn that is not the
+    assistant's, or no assistant turn is one ConfigError line naming `where` and the field."""
     if not turns:
         raise ConfigError(f"{where}: '{field}' holds no turns")
     checked = []
@@ -67,7 +74,11 @@ def conversation_of(turns: list[tuple[Any, Any]], where: str, field: str) -> Con
         checked.append((role, content))
     if not any(role == "assistant" for role, _ in checked):
         raise ConfigError(f"{where}: '{field}' has no assistant turn (nothing to train on)")
-    return Conversation(tuple(checked), where)
+    for i, text in thinking:
+        if checked[i][0] != "assistant" or not isinstance(text, str) or _OPEN in text or _CLOSE in text:
+            raise ConfigError(f"{where}: '{field}' turn {i} ({checked[i][0]}) has a 'thinking' field; only an "
+                              "assistant turn may, holding its reasoning as a string")
+    return Conversation(tuple(checked), where, tuple(thinking))
 
 
 def _expected_role(index: int, has_system: bool) -> str:
@@ -80,6 +91,12 @@ def openai_turns(value: Any, where: str, field: str) -> list[tuple[Any, Any]]:
     """(role, content) of an OpenAI `messages` list: [{"role": system|user|assistant, "content": str}, ...]."""
     return [(_role(m, "role", ROLES, where, field, i), m.get("content")) for i, m in enumerate(_turn_list(value, where,
                                                                                                           field))]
+
+
+def openai_thinking(value: Any) -> tuple[tuple[int, Any], ...]:
+    """(turn index, thinking) of the turns of an OpenAI `messages` list that carry a non-null `thinking` field (the
+    assistant's reasoning, which gpt-oss's harmony template writes to the analysis channel)."""
+    return tuple((i, m["thinking"]) for i, m in enumerate(value) if m.get("thinking") is not None)
 
 
 def sharegpt_turns(value: Any, where: str, field: str) -> list[tuple[Any, Any]]:
@@ -117,6 +134,7 @@ class ChatTemplate:
     source: str
     variables: dict[str, Any]
     origin: str  # where the template came from, for messages
+    generation_stops: tuple[int, ...] = ()  # the folder's generation_config.json eos_token_id(s)
 
     def __post_init__(self):
         self._compiled = None
@@ -216,22 +234,31 @@ def load_chat_template(setting: str, tokenizer_folder: Path | None, tokenizer=No
         for name, token_id in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id)):
             if name not in variables and token_id >= 0:
                 variables[name] = tokenizer.decode([token_id])
+    stops = generation_stop_ids(tokenizer_folder) if tokenizer_folder else ()
     if setting != TOKENIZER_TEMPLATE:
         path = Path(setting)
         if not path.is_file():
             raise ConfigError(f"'{key}' = '{setting}' is neither 'tokenizer' nor a template file")
-        return ChatTemplate(_read_text(path), variables, str(path))
+        return ChatTemplate(_read_text(path), variables, str(path), stops)
     where = tokenizer_folder if tokenizer_folder is not None else Path("model.hf_assets_path")
     jinja_file = where / "chat_template.jinja"
     if jinja_file.is_file():
-        return ChatTemplate(_read_text(jinja_file), variables, str(jinja_file))
+        return ChatTemplate(_read_text(jinja_file), variables, str(jinja_file), stops)
     source = config.get("chat_template")
     if isinstance(source, list):  # named templates: the default one
         source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
     if not isinstance(source, str) or not source:
         raise ConfigError(f"'{key}' = 'tokenizer', but the tokenizer folder '{where}' has no "
                           "chat_template.jinja and its tokenizer_config.json no chat_template; name a template file")
-    return ChatTemplate(source, variables, f"{where / 'tokenizer_config.json'} chat_template")
+    return ChatTemplate(source, variables, f"{where / 'tokenizer_config.json'} chat_template", stops)
+
+
+def generation_stop_ids(folder: Path) -> tuple[int, ...]:
+    """The eos_token_id of the folder's generation_config.json (one id or a list, as transformers' generate stops at
+    each; gpt-oss lists <|return|>, <|endoftext|> and <|call|>), or none."""
+    eos = _read_config(folder / "generation_config.json").get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos]
+    return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0)
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -276,6 +303,7 @@ class ChatEncoder:
         self.specials = frozenset(tokenizer.special_ids) | {i for i in (tokenizer.bos_id, tokenizer.eos_id) if i >= 0}
         self._generation_blocks = template.marks_generation
         self._renders: dict[tuple, tuple[str, list[tuple[int, int]]]] = {}
+        self._specials_as_text: list[str] | None = None
 
     def ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, bos=False, eos=False, allow_special=True)
@@ -307,9 +335,10 @@ class ChatEncoder:
 
     def end_of_turn_ids(self) -> tuple[int, ...]:
         """The tokens generation stops at: the special token that ends an assistant turn in this template (found on
-        a probe conversation), and the tokenizer's eos."""
+        a probe conversation), the tokenizer's eos and the folder's generation_config.json eos ids."""
         probe = Conversation((("user", "1"), ("assistant", "2")))
         stops = [self.tokenizer.eos_id] if self.tokenizer.eos_id >= 0 else []
+        stops += self.template.generation_stops
         try:
             ids, trained = ChatEncoder(self.template, self.tokenizer).encode(probe, "a probe conversation")
         except ConfigError:
@@ -320,7 +349,7 @@ class ChatEncoder:
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool,
                 where: str) -> tuple[str, list[tuple[int, int]]]:
         """The template's render, the last few kept: a pair's two answers render the same prompt turns."""
-        key = (tuple((m["role"], m["content"]) for m in messages), add_generation_prompt)
+        key = (tuple((m["role"], m["content"], m.get("thinking")) for m in messages), add_generation_prompt)
         cache = self._renders
         if key in cache:
             return cache[key]
@@ -345,14 +374,44 @@ class ChatEncoder:
             before = self._render(messages[:turn], True, where)[0]
             last = turn + 1 == len(messages)  # through the last message: the whole conversation, rendered already
             through = text if last else self._render(messages[:turn + 1], False, where)[0]
-            if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
+            if text.startswith(before) and text.startswith(through) and len(before) <= len(through):
+                spans.append((len(before), len(through)))
+                continue
+            end = self._marked_turn_end(messages, turn, text) if text.startswith(before) else None
+            if end is None:
                 raise ConfigError(
                     f"{where}: the chat template ({self.template.origin}) renders the conversation's first {turn + 1} "
                     "turns differently from the beginning of the whole conversation, so the assistant's tokens of "
                     f"turn {turn} cannot be found; mark them with {{% generation %}} in the template or set "
                     "'instruct.train_on' = 'last_assistant'")
-            spans.append((len(before), len(through)))
+            spans.append((len(before), end))
         return spans
+
+    def _marked_turn_end(self, messages: list[dict[str, str]], turn: int, text: str) -> int | None:
+        """Where an earlier assistant turn ends in `text` when the template writes a turn differently once it is the
+        last (gpt-oss's harmony: <|return|> and the reasoning only there, <|end|> and no reasoning before): the
+        turn's content is rendered between generation marks in the whole conversation, and the turn runs through
+        the first special token after it. None when the marks change the rendering or no special token follows."""
+        marked = [dict(m) for m in messages]
+        marked[turn]["content"] = _OPEN + marked[turn]["content"] + _CLOSE
+        try:
+            rendered, spans = self.template.render_spans(marked, False)
+        except TemplateFailure:
+            return None
+        if rendered != text or len(spans) != 1:
+            return None
+        after = spans[0][1]
+        found = [(text.find(special, after), special) for special in self._special_texts()]
+        found = [(at, special) for at, special in found if at >= 0]
+        if not found:
+            return None
+        at, special = min(found, key=lambda hit: (hit[0], -len(hit[1])))
+        return at + len(special)
+
+    def _special_texts(self) -> list[str]:
+        if self._specials_as_text is None:
+            self._specials_as_text = [t for t in (self.tokenizer.decode([i]) for i in sorted(self.specials)) if t]
+        return self._specials_as_text
 
     def _token_bounds(self, text: str, ids: list[int], chars: list[int]) -> list[int]:
         """Token index of each character boundary: the pieces between boundaries encoded one by one give the same

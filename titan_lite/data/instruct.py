@@ -23,6 +23,7 @@ from titan_lite.data.chat import (
     TemplateFailure,
     conversation_of,
     load_chat_template,
+    openai_thinking,
     openai_turns,
     sharegpt_turns,
 )
@@ -190,7 +191,7 @@ class InstructionFile:
                               f"'{c.response_field}'")
         if record.get(c.messages_field) is not None:
             turns = openai_turns(record[c.messages_field], where, c.messages_field)
-            return conversation_of(turns, where, c.messages_field)
+            return conversation_of(turns, where, c.messages_field, openai_thinking(record[c.messages_field]))
         if record.get(c.conversations_field) is not None:
             turns = sharegpt_turns(record[c.conversations_field], where, c.conversations_field)
             return conversation_of(turns, where, c.conversations_field)
