@@ -1,8 +1,9 @@
-"""The decode engine's cache: a fixed number of slots, each one sequence whose token at position p sits in cache
-column p (no padding), preallocated for every attention layer's keys and values, every latent attention layer's
-latent and rope key (DeepSeek-V3) and every Gated DeltaNet layer's conv window and recurrent state; beside it a staging area a batch of prompts is prefilled into (left-padded), once
-per prompt, and copied from into the slots its completions take. A prefill forward and the static-shape decode step
-read it through their own views (the model's LayerCache, LatentCache and RecurrentCache protocols)."""
+"""The decode engine's cache: a fixed number of slots, each one sequence whose token at position p sits in cache column
+p (no padding), preallocated for every attention layer's keys and values, every latent attention layer's latent and
+rope key (DeepSeek-V3) and every Gated DeltaNet layer's conv window and recurrent state; beside it a staging area a
+batch of prompts is prefilled into (left-padded), once per prompt, and copied from into the slots its completions
+take. A prefill forward and the static-shape decode step read it through their own views (the model's LayerCache,
+LatentCache and RecurrentCache protocols)."""
 
 from dataclasses import dataclass, replace
 
