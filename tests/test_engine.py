@@ -1,7 +1,8 @@
 """The rollout's decode engine (generate/engine.py) against one completion decoded alone by the batch decoder
 (generate/decode.py): continuous batching over fewer slots than completions, a group's prompt prefilled once or once
-per completion, the host reading every k steps, greedy and sampled, on Llama, a sliding window (Mistral) and Qwen3.5's
-Gated DeltaNet state; its log-probabilities against the training forward's; the compiled step against the eager one."""
+per completion, the host reading every k steps, greedy and sampled, on Llama, a sliding window (Mistral), Qwen3.5's
+Gated DeltaNet state, DeepSeek-V3's cached latent and Gemma 3's window and rope per layer type; its log-probabilities
+against the training forward's; the compiled step against the eager one."""
 
 from dataclasses import replace
 
@@ -51,7 +52,8 @@ def group_prompts(vocab: int, lengths=(3, 9, 17, 6), group: int = 3) -> list[lis
     return [p for n in lengths for p in [torch.randint(40, vocab, (n,), generator=g).tolist()] * group]
 
 
-@pytest.mark.parametrize("flavor", ["tiny", "tiny_mistral", "qwen3_5"])
+@pytest.mark.parametrize("flavor", ["tiny", "tiny_mistral", "qwen3_5", "debugmodel_deepseek_v3",
+                                    "tiny_gemma3"])
 def test_slots_and_a_shared_prefill_give_each_completion_what_it_gives_alone(flavor):
     """4 prompts x 3 completions in 5 slots (a slot takes the next completion when its own ends, a group split over
     admissions) or 12 (the prompts prefilled together, left-padded), the host reading every 3 steps: each

@@ -251,3 +251,65 @@ def test_dry_run_plans_the_cpu_example_on_two_ranks_with_a_held_reference(tmp_pa
     rollout = out.split("each step's rollout (generation with the KV cache), per device:")[1]
     assert "kv cache" in rollout and "staging" in rollout and "verdict: fits" in rollout
     assert "dry run OK: 2 ranks" in out
+
+
+def wide_deepseek_v3_folder(folder: Path) -> str:
+    """debugmodel_deepseek_v3 as an HF DeepseekV3ForCausalLM folder with the bundled tokenizer: correction biases ~
+    N(0, 0.1) (they choose the experts the sampled and trained tokens go to), every weight perturbed."""
+    from titan_lite.checkpoint.hf import write_hf_folder
+    from titan_lite.models.decoder import Llama
+    from titan_lite.models.flavors import flavor_args
+
+    args = flavor_args("debugmodel_deepseek_v3")
+    model = Llama(args)
+    model.init_weights(seed=5)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            std = 0.1 if name.endswith("e_score_correction_bias") else 0.02
+            tensor.add_(std * torch.randn(tensor.shape, generator=generator))
+    write_hf_folder(model.state_dict(), args, str(folder), torch.float32, str(ROOT / "assets/tokenizer"))
+    return str(folder)
+
+
+def packed_lengths(batch) -> list[int]:
+    return [int((row == doc).sum()) for row in batch.documents for doc in row.unique()]
+
+
+def test_deepseek_v3_rollouts_record_the_training_forwards_logps_through_the_latent_cache(tmp_path):
+    """DeepSeek-V3 (debugmodel_deepseek_v3 from a folder with wide correction biases): completions decoded through the
+    KV cache that holds each layer's compressed latent and shared rope key (not the expanded K/V) record the
+    log-probabilities the packed training forward gives (1e-5); two steps train and move the loss."""
+    from titan_lite.train import Trainer
+
+    folder = wide_deepseek_v3_folder(tmp_path / "deepseek_v3")
+    trainer = Trainer(config(tmp_path / "run", write_prompts(tmp_path), "--model.flavor", "debugmodel_deepseek_v3",
+                             "--model.hf_assets_path", folder, "--checkpoint.initial_load_in_hf",
+                             "--checkpoint.initial_load_path", folder, "--grpo.max_completion_length", "12"))
+    model, batch = trainer.model_parts[0], next(iter(trainer.dataloader))
+    trained, sampled = forward_logps(model, batch)
+    assert max(packed_lengths(batch)) > 20 and trained.numel() > 40, packed_lengths(batch)
+    assert (trained - sampled).abs().max() <= 1e-5, (trained - sampled).abs().max()
+    trainer.dataloader.current = None  # the rollout above is not the run's
+    (loss1, _, rollout, _), (loss2, _, _, _) = steps_of(trainer, 2)
+    assert torch.isfinite(torch.tensor([loss1, loss2])).all() and loss1 != loss2 and rollout["reward"] >= 0
+
+
+def test_gemma3_rollouts_record_the_training_forwards_logps_past_the_window(tmp_path):
+    """Gemma 3 (tiny_gemma3 from a folder with wide norms: window 8 in its sliding layers, a rope per layer type):
+    prompts and completions longer than the window, decoded through each layer's window cache, record the
+    log-probabilities the packed training forward gives (1e-5); two steps train and move the loss."""
+    from tests.integration.test_gemma3_runs import wide_gemma3_folder
+    from titan_lite.train import Trainer
+
+    folder = wide_gemma3_folder(tmp_path / "gemma3")
+    trainer = Trainer(config(tmp_path / "run", write_prompts(tmp_path), "--model.name", "gemma3", "--model.flavor",
+                             "tiny_gemma3", "--model.hf_assets_path", folder, "--checkpoint.initial_load_in_hf",
+                             "--checkpoint.initial_load_path", folder, "--grpo.max_completion_length", "16"))
+    model, batch = trainer.model_parts[0], next(iter(trainer.dataloader))
+    trained, sampled = forward_logps(model, batch)
+    assert max(packed_lengths(batch)) > 3 * 8 and trained.numel() > 40, packed_lengths(batch)
+    assert (trained - sampled).abs().max() <= 1e-5, (trained - sampled).abs().max()
+    trainer.dataloader.current = None  # the rollout above is not the run's
+    (loss1, _, rollout, _), (loss2, _, _, _) = steps_of(trainer, 2)
+    assert torch.isfinite(torch.tensor([loss1, loss2])).all() and loss1 != loss2 and rollout["reward"] >= 0

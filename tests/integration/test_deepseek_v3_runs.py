@@ -1,9 +1,9 @@
 """DeepSeek-V3 (debugmodel_deepseek_v3: latent attention, layer 0 dense, 8 experts in 4 groups plus a shared one)
-through run_train.sh: FSDP 2 with full AC, EP 2, CP 2, PP 2 and FSDP 2 x TP 2 equal one process over 5 steps (the
-losses, the sequence-wise aux loss and every MoE layer's expert load within 1e-5), with the correction biases moved
-by the aux-loss-free rule each step (gamma 0.01, so a bias moved from one rank's loads alone would change the
-routing); the exported biases of FSDP 2 equal one process's, moved off zero and centred. One-window documents: every
-split of the global batch of 8 reads the same sequences (see test_parallel_parity.py)."""
+through run_train.sh: FSDP 2 with full AC and compile, EP 2, CP 2, PP 2 and FSDP 2 x TP 2 equal one process over 5
+steps (the losses, the sequence-wise aux loss and every MoE layer's expert load within 1e-5), with the correction
+biases moved by the aux-loss-free rule each step (gamma 0.01, so a bias moved from one rank's loads alone would
+change the routing); the exported biases of FSDP 2 equal one process's, moved off zero and centred. One-window
+documents: every split of the global batch of 8 reads the same sequences (see test_parallel_parity.py)."""
 
 import pytest
 import torch
@@ -45,8 +45,11 @@ def reference(data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name, ngpu, overrides, layout", [
-    # full AC recomputes every block in the backward: the loads must be counted once
-    ("fsdp2_ac_full", 2, [*EXPORT, "--activation_checkpoint.mode", "full"], "dp_shard 2 x cp 1 x tp 1 x pp 1;"),
+    # full AC recomputes every block in the backward: the loads must be counted once; compiled per block (the latent
+    # path, the group router's top-k traced), aot_eager as the other families' compile runs (inductor equals one
+    # process too, but compiles for minutes on a shared 2-core CPU)
+    ("fsdp2_ac_full_compile", 2, [*EXPORT, "--activation_checkpoint.mode", "full", "--compile.enable",
+                                  "--compile.backend", "aot_eager"], "dp_shard 2 x cp 1 x tp 1 x pp 1;"),
     ("ep2", 2, ["--parallelism.expert_parallel_degree", "2"], "(experts: ep 2 x efsdp 1)"),
     # K/V expanded from each rank's latent, all-gathered; the load balancer's head-tail chunks, RoPE at global positions
     ("cp2", 2, ["--parallelism.context_parallel_degree", "2"], "dp_shard 1 x cp 2 x tp 1"),
@@ -56,7 +59,9 @@ def reference(data, tmp_path_factory):
 ])
 def test_layout_equals_one_process_with_the_bias_updates(name, ngpu, overrides, layout, data, reference, tmp_path):
     local_batch = {"cp2": 8, "pp2": 8, "fsdp2_tp2": 4}.get(name, 8 // ngpu)
-    run = run_train([*data, "--training.local_batch_size", str(local_batch), *overrides], tmp_path, ngpu=ngpu)
+    env = {"TORCHINDUCTOR_COMPILE_THREADS": "1"} if "--compile.enable" in overrides else None
+    run = run_train([*data, "--training.local_batch_size", str(local_batch), *overrides], tmp_path, ngpu=ngpu,
+                    env=env)
     assert run.returncode == 0 and layout in run.output, run.output[-3000:]
     folder, expected = reference
     got = scalars(tmp_path)
@@ -64,7 +69,7 @@ def test_layout_equals_one_process_with_the_bias_updates(name, ngpu, overrides, 
     for series, values in expected.items():
         for step, value in values.items():
             assert abs(got[series][step] - value) <= ATOL, f"{series} step {step}: {got[series][step]} vs {value}"
-    if name != "fsdp2_ac_full":
+    if name != "fsdp2_ac_full_compile":
         return
     ours, theirs = biases(tmp_path), biases(folder)
     assert sorted(ours) == [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2, 3)]

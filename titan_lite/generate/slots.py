@@ -1,8 +1,9 @@
-"""The decode engine's cache: a fixed number of slots, each one sequence whose token at position p sits in cache
-column p (no padding), preallocated for every attention layer's keys and values and every Gated DeltaNet layer's
-conv window and recurrent state; beside it a staging area a batch of prompts is prefilled into (left-padded), once
-per prompt, and copied from into the slots its completions take. A prefill forward and the static-shape decode step
-read it through their own views (the model's LayerCache and RecurrentCache protocols)."""
+"""The decode engine's cache: a fixed number of slots, each one sequence whose token at position p sits in cache column
+p (no padding), preallocated for every attention layer's keys and values, every latent attention layer's latent and
+rope key (DeepSeek-V3) and every Gated DeltaNet layer's conv window and recurrent state; beside it a staging area a
+batch of prompts is prefilled into (left-padded), once per prompt, and copied from into the slots its completions
+take. A prefill forward and the static-shape decode step read it through their own views (the model's LayerCache,
+LatentCache and RecurrentCache protocols)."""
 
 from dataclasses import dataclass, replace
 
@@ -29,20 +30,26 @@ class SlotCache:
         self.values: dict[int, torch.Tensor] = {}
         self.conv_windows: dict[int, torch.Tensor] = {}  # [slots, conv_dim, kernel - 1]
         self.recurrent_states: dict[int, torch.Tensor] = {}  # [slots, value_heads, dk, dv] float32
-        # the same, of the staging area: [stage_rows, kv_heads, stage_width, head_dim], [stage_rows, ...]
-        self.stage: tuple[dict[int, torch.Tensor], ...] = ({}, {}, {}, {})
+        self.latents: dict[int, torch.Tensor] = {}  # [slots, capacity, kv_lora_rank], normed
+        self.rope_keys: dict[int, torch.Tensor] = {}  # [slots, capacity, 1, qk_rope_head_dim], rotated
+        # the same, of the staging area: [stage_rows, kv_heads, stage_width, head_dim], [stage_rows, ...],
+        # [stage_rows, stage_width, ...]
+        self.stage: tuple[dict[int, torch.Tensor], ...] = ({}, {}, {}, {}, {}, {})
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.keys.values(), *self.values.values(), *self.conv_windows.values(),
-                *self.recurrent_states.values()]
+                *self.recurrent_states.values(), *self.latents.values(), *self.rope_keys.values()]
 
     def copy_staged(self, stage_row: int, rows: torch.Tensor, start: int, length: int) -> None:
         """Slots `rows` [n] take staging row `stage_row`'s prompt (its columns start..start + length: after its left
         padding) at columns 0..length, and its recurrent states."""
-        stage_keys, stage_values, stage_convs, stage_states = self.stage
+        stage_keys, stage_values, stage_convs, stage_states, stage_latents, stage_rope_keys = self.stage
         for table, staged in ((self.keys, stage_keys), (self.values, stage_values)):
             for layer, t in table.items():
                 t[rows, :, :length] = staged[layer][stage_row, :, start:start + length]
+        for table, staged in ((self.latents, stage_latents), (self.rope_keys, stage_rope_keys)):
+            for layer, t in table.items():
+                t[rows, :length] = staged[layer][stage_row, start:start + length]
         for table, staged in ((self.conv_windows, stage_convs), (self.recurrent_states, stage_states)):
             for layer, t in table.items():
                 t[rows] = staged[layer][stage_row]
@@ -92,6 +99,28 @@ class PrefillLayer:
             c.values[self.layer_id] = v.new_zeros((c.slots, k.shape[1], c.capacity, k.shape[3]))
         keys[self.layer_id][:batch, :, :width], values[self.layer_id][:batch, :, :width] = k, v
         return _attention(q, k, v, self.view.masks[c.windows[self.layer_id]], sinks)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """A latent attention layer's rope channels [batch, width, heads, rope] rotated at the prompts' positions."""
+        return rotate_channels(x, self.view.cache.rows_of(self.view.positions, self.layer_id), x.shape[-1])
+
+    def keep_latent(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage the prompts' latent [batch, width, rank] and rotated rope key [batch, width, 1, rope]; the prompts'
+        own (an empty cache holds nothing before them)."""
+        c, (batch, width) = self.view.cache, self.view.real.shape
+        latents, rope_keys = c.stage[4], c.stage[5]
+        if self.layer_id not in latents:
+            latents[self.layer_id] = latent.new_zeros((c.stage_rows, c.stage_width, latent.shape[-1]))
+            rope_keys[self.layer_id] = k_rope.new_zeros((c.stage_rows, c.stage_width, *k_rope.shape[2:]))
+            c.latents[self.layer_id] = latent.new_zeros((c.slots, c.capacity, latent.shape[-1]))
+            c.rope_keys[self.layer_id] = k_rope.new_zeros((c.slots, c.capacity, *k_rope.shape[2:]))
+        latents[self.layer_id][:batch, :width], rope_keys[self.layer_id][:batch, :width] = latent, k_rope
+        return latent, k_rope
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[batch, 1, width, width]: each prompt token sees its own prompt's up to itself (a padding one itself)."""
+        return self.view.masks[self.view.cache.windows[self.layer_id]]
 
     @property
     def real(self) -> torch.Tensor:
@@ -144,6 +173,24 @@ class DecodeLayer:
         values[view.slot_ids, :, view.positions[:, -1]] = v[:, :, -1]
         end = view.end
         return _attention(q, keys[:, :, :end], values[:, :, :end], view.masks[c.windows[self.layer_id]], sinks)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """A latent attention layer's rope channels [slots, width, heads, rope] rotated at each slot's position."""
+        return rotate_channels(x, self.view.cache.rows_of(self.view.positions, self.layer_id), x.shape[-1])
+
+    def keep_latent(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write each slot's new latent and rope key (its last token's) into column `position`; the first `end`
+        columns of every slot's."""
+        view, c = self.view, self.view.cache
+        latents, rope_keys = c.latents[self.layer_id], c.rope_keys[self.layer_id]
+        latents[view.slot_ids, view.positions[:, -1]] = latent[:, -1]
+        rope_keys[view.slot_ids, view.positions[:, -1]] = k_rope[:, -1]
+        return latents[:, :view.end], rope_keys[:, :view.end]
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[slots, 1, 1, end]: the columns up to each slot's position (the same for a width's padding queries)."""
+        return self.view.masks[self.view.cache.windows[self.layer_id]]
 
     @property
     def real(self) -> torch.Tensor:
