@@ -323,7 +323,7 @@ FIGURES = [
            rf"head-room {NUMBER} GiB\n(?:.*\n)*?  kv cache +{NUMBER} GiB  (.*)\n(?:.*\n)*?  peak +{NUMBER} GiB",
            rf"^(grpo rollouts: .*)\n  peak +{NUMBER} GiB\n  verdict: fits: peak {NUMBER} GiB of 24.00 GiB, head-room "
            rf"{NUMBER} GiB\neach step's rollout \(generation with the KV cache\), per device:\n  kv cache +{NUMBER} "
-           rf"GiB  (.*)\n  peak +{NUMBER} GiB"),
+           rf"GiB  (.*)\n(?:  staging .*\n)?  peak +{NUMBER} GiB"),
     Figure("GRPO 1.7B plan: the prose", "grpo_1.7b_plan",
            rf"^  peak +{NUMBER} GiB\n  verdict: fits(?:.*\n)*?each step's rollout(?:.*\n)*?  peak +{NUMBER} GiB",
            rf"The training step peaks at {NUMBER} GiB and the rollout at {NUMBER} GiB of 24"),
