@@ -383,7 +383,7 @@ def _qwen3_5() -> Case:
                        denominator_metric="chunked_rule_s"),
                  Ratio("delta rule forward + backward, 2k tokens: recurrent / chunked", "recurrent_rule_train_s", v,
                        v, target=1.0, denominator_metric="chunked_rule_train_s")],
-                columns=("step_s", "transformers_step_s", "tokens_per_s", "transformers_tokens_per_s",
+                columns=("step_s", "transformers_step_s", "titan_lite_tokens_per_s", "transformers_tokens_per_s",
                          "chunked_rule_s", "recurrent_rule_s", "logits_max_difference"), max_rounds=1)
 
 

@@ -325,7 +325,7 @@ class Qwen35Variant(Variant):
         r = single_result(self.label, out)
         step, rule = r["step"], r["rule"]["times"]
         ours, theirs = statistics.median(step["step_s"]), statistics.median(step["transformers_step_s"])
-        return {"step_s": ours, "transformers_step_s": theirs, "tokens_per_s": step["tokens"] / ours,
+        return {"step_s": ours, "transformers_step_s": theirs, "titan_lite_tokens_per_s": step["tokens"] / ours,
                 "transformers_tokens_per_s": step["tokens"] / theirs, "logits_max_difference": step["logits_max_diff"],
                 **{f"{form}_rule_s": statistics.median(rule[f"{form}_s"]) for form in ("chunked", "recurrent")},
                 **{f"{form}_rule_train_s": statistics.median(rule[f"{form}_train_s"])
