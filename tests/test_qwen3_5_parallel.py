@@ -136,3 +136,16 @@ def test_context_parallel_deltanet_equals_one_process(tmp_path):
         assert len(report) == 4
         for case, diffs in report.items():
             assert max(diffs.values()) < 1e-5, (rank, case, diffs)
+
+
+def test_context_parallel_chunks_shorter_than_the_conv_window_are_refused():
+    import torch
+
+    from titan_lite.models.parts.gated_deltanet import GatedDeltaNet, SplitSequence
+
+    mixer = GatedDeltaNet(flavor_args(FLAVOR), 0)
+    mixer.split = SplitSequence()
+    mixer.split.pieces = 2  # head-tail: 2 chunks of 2 tokens on this rank, the conv reaches 3 back
+    with pytest.raises(ConfigError, match=r"^context parallel cuts each sequence into chunks of 2 tokens, fewer than "
+                                          r"the Gated DeltaNet's conv window of linear_conv_kernel_dim - 1 = 3; "):
+        mixer(torch.zeros(1, 4, 64))

@@ -315,6 +315,10 @@ class GatedDeltaNet(nn.Module):
         kernel = self.conv1d.weight.shape[-1]
         offsets = [None] * split.pieces if documents is None else documents.offsets.chunk(split.pieces, dim=-1)
         pieces = qkv.chunk(split.pieces, dim=-1)
+        if pieces[0].shape[-1] < kernel - 1:  # a window reaching past the chunk before would need two ranks' inputs
+            raise ConfigError(f"context parallel cuts each sequence into chunks of {pieces[0].shape[-1]} tokens, "
+                              f"fewer than the Gated DeltaNet's conv window of linear_conv_kernel_dim - 1 = "
+                              f"{kernel - 1}; use a longer seq_len or a lower context_parallel_degree")
         windows = split.conv_windows([p[..., p.shape[-1] - (kernel - 1):] for p in pieces])
         qkv = F.silu(torch.cat([causal_conv(torch.cat([w, p], dim=-1), self.conv1d.weight, o)
                                 for w, p, o in zip(windows, pieces, offsets, strict=True)], dim=-1))
