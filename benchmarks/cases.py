@@ -17,6 +17,7 @@ from benchmarks.variants import (
     GRPOVariant,
     PairedVariant,
     PreferenceVariant,
+    Qwen35Variant,
     RolloutFoldVariant,
     RolloutVariant,
     TrainVariant,
@@ -365,6 +366,25 @@ def _rollout_engine() -> Case:
                        denominator_metric="transformers_tokens_per_s")],
                 columns=("static_ms_per_token", "chunked_ms_per_token", "engine_ms_per_token", "engine_working_pct",
                          "shared_prefill_s", "engine_tokens_per_s", "transformers_tokens_per_s"), max_rounds=1)
+
+
+@register_case("qwen3_5")
+def _qwen3_5() -> Case:
+    """Issue 55: a Qwen3.5 training step of titan_lite against transformers' Qwen3_5ForCausalLM with the same weights,
+    and the chunked delta rule against its recurrent form at 2048 tokens (the chunked form must win)."""
+    variant = Qwen35Variant("titan_lite and transformers alternating")
+    v = variant.label
+    return Case("qwen3_5", "debugmodel_qwen3_5 cut to 4 layers (dim 256, 3 Gated DeltaNet : 1 attention), 1 x 1024 "
+                "tokens, forward + backward, float32; the delta rule on 2048 tokens, 8 value heads of 32 x 32",
+                [variant],
+                [Ratio("step time: transformers / titan_lite", "transformers_step_s", v, v,
+                       denominator_metric="step_s"),
+                 Ratio("delta rule forward, 2k tokens: recurrent / chunked", "recurrent_rule_s", v, v, target=1.0,
+                       denominator_metric="chunked_rule_s"),
+                 Ratio("delta rule forward + backward, 2k tokens: recurrent / chunked", "recurrent_rule_train_s", v,
+                       v, target=1.0, denominator_metric="chunked_rule_train_s")],
+                columns=("step_s", "transformers_step_s", "titan_lite_tokens_per_s", "transformers_tokens_per_s",
+                         "chunked_rule_s", "recurrent_rule_s", "logits_max_difference"), max_rounds=1)
 
 
 @register_case("tiny")

@@ -9,7 +9,8 @@ Cases: correctness (the CUDA-marked tests, `pytest -m cuda`), training throughpu
 (Llama 3.2 1B, and Llama 3.1 8B cut to the layers one GPU holds: sequence 8192, batch 1, bf16, full AC; eager,
 compile, compile + float8; LoRA and QLoRA on the 8B cut) beside torchtitan's published per-GPU figures, memory
 (each training run's CUDA peak beside DRY_RUN's estimate of the same config), 2:4 sparsity (generation with
-semi-structured sparse linears against dense), MoE experts (one grouped matmul against a loop over experts), and
+semi-structured sparse linears against dense), Qwen3.5 (the chunked delta rule against its recurrent form and FLA's
+kernel, and a training step against transformers'), MoE experts (one grouped matmul against a loop over experts), and
 the data loader (one rank's tokens/s at D = 1, 8, 64, raw text against token files, on the host's CPU). A case
 whose hardware or transform is missing is skipped with the reason. Each case prints one result line or more; the last
 line counts them.
@@ -416,6 +417,32 @@ def vllm_line(model, w, engine_tps: float) -> Line:
         tps = sum(w.lengths) / (time.perf_counter() - start)
     return Line(f"rollout: vLLM {tps:,.0f} tokens/s on the same prompts and lengths: the engine "
                 f"{engine_tps / tps:.2f}x vLLM's (goal 0.7x)")
+
+
+# ------------------------------------------------------------------------------------------ Qwen3.5
+
+
+@case("qwen3_5")
+def qwen3_5(lane: Lane) -> list[Line]:
+    """Issue 55: Qwen3.5's gated delta rule on 2048 tokens with Qwen3.5-35B-A3B's linear heads (16 key, 32 value heads
+    of 128; bf16 in, float32 state): titan_lite's chunked form against the recurrent form and FLA's
+    chunk_gated_delta_rule where fla-core is installed; and a float32 training step of titan_lite against
+    transformers' Qwen3_5ForCausalLM with the same weights (benchmarks/qwen3_5.py)."""
+    if not lane.cuda and not lane.smoke:
+        return [Line("qwen3_5: skipped: no CUDA device", "skipped")]
+    shapes = ["--smoke"] if lane.smoke else ["--layers", "8", "--seq", "4096", "--batch", "2", "--steps", "5",
+                                             "--warmup", "2", "--rule_heads", "16,32,128,128", "--rule_rounds", "5"]
+    cmd = [worker_python(), "-m", "benchmarks.qwen3_5", "--device", lane.device.type, *shapes]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=CASE_LIMIT_S)
+    lane.keep_log("qwen3_5", proc.stdout + proc.stderr)
+    printed = [x for x in proc.stdout.splitlines() if x.startswith(("qwen3_5 step: ", "delta rule: "))]
+    if proc.returncode != 0 or len(printed) != 2:
+        return [Line(f"qwen3_5: failed: exit {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-300:]}",
+                     "failed")]
+    lines = [Line(f"qwen3_5: {x.removeprefix('qwen3_5 ')}") for x in printed]
+    if not lane.cuda:
+        lines.append(Line("qwen3_5: FLA's chunk_gated_delta_rule skipped: it needs CUDA", "skipped"))
+    return lines
 
 
 # ------------------------------------------------------------------------------------------ MoE experts

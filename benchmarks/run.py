@@ -47,7 +47,8 @@ _LABELS = {"tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "step_s": "step s", "
            "static_ms_per_token": "static ms/tok",
            "chunked_ms_per_token": "chunks ms/tok", "engine_ms_per_token": "engine ms/tok",
            "engine_working_pct": "working %", "shared_prefill_s": "prefill s", "engine_tokens_per_s": "engine tok/s",
-           "transformers_tokens_per_s": "HF tok/s"}
+           "transformers_tokens_per_s": "HF tok/s", "titan_lite_tokens_per_s": "titan tok/s",
+           "chunked_rule_s": "chunked s", "recurrent_rule_s": "recurrent s", "logits_max_difference": "logits diff"}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

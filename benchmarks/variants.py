@@ -309,3 +309,25 @@ class RolloutVariant(Variant):
             m |= {"transformers_tokens_per_s": x["hf_tokens"] / x["hf_s"],
                   "engine_tokens_per_s": x["tokens"] / min(v for k, v in x.items() if k.startswith("engine_"))}
         return m
+
+
+@dataclass
+class Qwen35Variant(Variant):
+    """A Qwen3.5 step of titan_lite against transformers' and the chunked delta rule against its recurrent form at 2k
+    tokens (benchmarks/qwen3_5.py), each pair alternating in one run."""
+
+    def command(self, settings: Settings) -> tuple[list[str], dict[str, str]]:
+        args = ["-m", "benchmarks.qwen3_5", "--steps", str(min(max(settings.steps, 1), 3)),
+                "--warmup", str(min(settings.warmup, 1))]
+        return [sys.executable, *args], {"OMP_NUM_THREADS": str(settings.threads)}
+
+    def metrics(self, out: RunOutput) -> dict[str, float]:
+        r = single_result(self.label, out)
+        step, rule = r["step"], r["rule"]["times"]
+        ours, theirs = statistics.median(step["step_s"]), statistics.median(step["transformers_step_s"])
+        return {"step_s": ours, "transformers_step_s": theirs, "titan_lite_tokens_per_s": step["tokens"] / ours,
+                "transformers_tokens_per_s": step["tokens"] / theirs, "logits_max_difference": step["logits_max_diff"],
+                **{f"{form}_rule_s": statistics.median(rule[f"{form}_s"]) for form in ("chunked", "recurrent")},
+                **{f"{form}_rule_train_s": statistics.median(rule[f"{form}_train_s"])
+                   for form in ("chunked", "recurrent")},
+                "peak_rss_gib": r["peak_rss_bytes"] / 2**30, "foreign_cores": foreign_cores(r)}

@@ -274,3 +274,22 @@ def test_the_data_benchmark_keeps_torchdatas_deprecation_warning_out_of_its_figu
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "set_vital" not in out.stderr, out.stderr
+
+
+def test_the_qwen3_5_benchmark_runs_small_and_its_case_reads_it(capsys):
+    """benchmarks/qwen3_5.py --smoke in this process: titan_lite's and transformers' steps start from equal logits,
+    the chunked delta rule gives the recurrent form's outputs; the qwen3_5 case reads its result line."""
+    pytest.importorskip("transformers")
+    from benchmarks.qwen3_5 import main
+
+    assert main(["--smoke"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [x.split(":")[0] for x in lines[:-1]] == ["qwen3_5 step", "delta rule"]
+    result = json.loads(lines[-1][len(RESULT_PREFIX):])
+    assert result["rule"]["max_diff"] <= 1e-5 and result["rule"]["tokens"] == 128
+    case = CASES["qwen3_5"]()
+    (variant,) = case.variants
+    m = variant.metrics(RunOutput(lines[-1], 0, 1.0, 1.0, 2**30))
+    assert m["logits_max_difference"] <= 1e-5 and m["titan_lite_tokens_per_s"] == 64 / m["step_s"]
+    assert m["transformers_step_s"] > 0 and m["chunked_rule_s"] > 0 and m["recurrent_rule_train_s"] > 0
+    assert [r.target for r in case.ratios] == [None, 1.0, 1.0]

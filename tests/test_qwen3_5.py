@@ -195,9 +195,12 @@ def test_cached_logits_of_a_left_padded_batch_equal_full_forwards(saved):
 def test_what_phase_one_does_not_run_is_refused_in_one_line(saved):
     args = load_titan(saved).args
     assert args_to_hf_config(args, torch.float32)["layer_types"] == args.schedule
-    dims = SimpleNamespace(tp_enabled=False, cp_enabled=True, pp_enabled=False)
-    with pytest.raises(ConfigError, match=r"^parallelism\.context_parallel_degree > 1 is not supported yet for Qwen3"):
-        refuse_hybrid_layouts(load_titan(saved), dims)
+    refuse_hybrid_layouts(load_titan(saved), SimpleNamespace(tp_enabled=False, cp_enabled=True, pp_enabled=False))
+    for tp, compiled, named in ((True, False, "tensor_parallel_degree > 1"), (False, True, "compile.enable")):
+        dims = SimpleNamespace(tp_enabled=tp, cp_enabled=True, pp_enabled=False)
+        with pytest.raises(ConfigError, match=rf"^parallelism\.context_parallel_degree > 1 with {named} is not "
+                                              "supported yet for Qwen3.5's linear_attention layers"):
+            refuse_hybrid_layouts(load_titan(saved), dims, compiled)
     with pytest.raises(ConfigError, match=r"^'model.converters' has \['float8'\], which is not supported yet for "
                                           "Qwen3.5"):
         Transforms([SimpleNamespace(name="lora"), SimpleNamespace(name="float8")]).check(args, None)

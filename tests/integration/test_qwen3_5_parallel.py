@@ -1,9 +1,9 @@
 """Qwen3.5 (tiny_qwen3_5: three Gated DeltaNet layers before one gated attention, chunks of 16 steps) through
 run_train.sh under every layout it runs: FSDP with compile, HSDP with full activation checkpointing, FSDP x TP (the
 DeltaNet split by key-head groups) with selective AC, each one's per-step losses equal one process's on the same
-global batch of 8 sequences of 64 tokens; TP and PP on packed documents equal one process on the same rows; CP
-refused in one line. tests/test_qwen3_5_parallel.py checks TP's placements and gradients (and with compile) tensor
-by tensor."""
+global batch of 8 sequences of 64 tokens; TP, PP and CP on packed documents equal one process on the same rows; CP 2
+(head-tail and contiguous, and beside FSDP 2) equals one process, and beside compile is refused in one line.
+tests/test_qwen3_5_parallel.py checks TP's placements and gradients (and with compile) tensor by tensor."""
 
 import pytest
 
@@ -74,8 +74,30 @@ def test_packed_documents_match_one_process(overrides, packed_reference, tmp_pat
     assert_losses_close(run_train([*PACKED, *overrides], tmp_path, ngpu=2), packed_reference, ATOL)
 
 
-def test_context_parallel_is_refused_in_one_line(data, tmp_path):
-    run = run_train([*data, "--parallelism.context_parallel_degree", "2"], tmp_path, ngpu=2)
+CP2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+
+
+# Context parallel: each Gated DeltaNet chunk starts from the conv window and state of the chunks before it in time
+# (all-gathered and composed: the rule is affine in its state), so CP equals one process, in both layouts.
+@pytest.mark.slow
+@pytest.mark.parametrize("balancer, fsdp", [("headtail", 1), ("none", 1), ("headtail", 2)],
+                         ids=["headtail", "contiguous", "headtail_fsdp2"])
+def test_context_parallel_matches_one_process(balancer, fsdp, data, reference, tmp_path):
+    run = run_train([*data, "--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
+                     str(fsdp), "--parallelism.context_parallel_load_balancer", balancer,
+                     "--training.local_batch_size", str(GLOBAL_BATCH // fsdp)], tmp_path, ngpu=2 * fsdp)
+    assert f"dp_shard {fsdp} x cp 2" in run.output, run.output[-3000:]
+    assert_losses_close(run, reference, ATOL)
+
+
+@pytest.mark.slow
+def test_context_parallel_on_packed_documents_matches_one_process(packed_reference, tmp_path):
+    assert_losses_close(run_train([*PACKED, *CP2], tmp_path, ngpu=2), packed_reference, ATOL)
+
+
+def test_context_parallel_beside_compile_is_refused_in_one_line(data, tmp_path):
+    run = run_train([*data, *CP2, "--compile.enable"], tmp_path, ngpu=2)
     assert run.returncode != 0
-    assert "parallelism.context_parallel_degree > 1 is not supported yet for Qwen3.5" in run.output
+    assert ("parallelism.context_parallel_degree > 1 with compile.enable is not supported yet for Qwen3.5's "
+            "linear_attention layers") in run.output
     assert "Traceback" not in run.output, run.output[-3000:]

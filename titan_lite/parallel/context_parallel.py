@@ -1,5 +1,6 @@
 """Context parallelism: sequence sharding (head-tail balancing), all-gather K/V attention, RoPE at global positions,
-and the block-causal mask of packed documents for a rank's query chunks.
+the block-causal mask of packed documents for a rank's query chunks, and the Gated DeltaNet's conv windows and
+recurrent states passed between the chunks.
 
 Each CP rank holds a slice of every sequence. Attention all-gathers K and V over the CP group (the Llama 3 paper's
 approach, which runs on any backend including gloo) and attends its local queries to the whole sequence under the
@@ -14,6 +15,7 @@ from torch import nn
 
 from titan_lite.config.schema import JobConfig
 from titan_lite.errors import ConfigError
+from titan_lite.models.parts.gated_deltanet import GatedDeltaNet, SplitSequence
 from titan_lite.models.parts.masks import block_causal_mask, within_window
 from titan_lite.models.parts.sdpa import grouped_attention, sink_attention
 
@@ -166,6 +168,49 @@ class ContextParallelAttention(nn.Module):
         return f"cp_size={self.cp_size}, load_balancer={self.load_balancer}{window}"
 
 
+# ------------------------------------------------------------------------------------------ recurrent layers
+
+
+class ContextParallelScan(SplitSequence):
+    """A Gated DeltaNet layer's sequence over the CP group: this rank's chunks (one, or the head-tail pair), each
+    scanned from the conv window and recurrent state of the chunks before it in time. Every chunk's last conv inputs
+    and its affine map [A | C] are all-gathered (gradients flow back to their owners) and each rank composes the
+    maps of the chunks before its own: exact, whatever the layout."""
+
+    def __init__(self, group: dist.ProcessGroup, load_balancer: str | None):
+        self.group, self.load_balancer = group, normalise_load_balancer(load_balancer)
+        self.cp_size, self.cp_rank = dist.get_world_size(group), dist.get_rank(group)
+        n_chunks = chunks_per_sequence(self.cp_size, self.load_balancer)
+        self.chunks_of = [[r, n_chunks - 1 - r] if n_chunks == 2 * self.cp_size else [r] for r in range(self.cp_size)]
+        self.pieces = len(self.chunks_of[0])
+        self.mine = self.chunks_of[self.cp_rank]
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(t, shard_positions(t.shape[1], self.cp_rank, self.cp_size, self.load_balancer,
+                                                 t.device))
+
+    def by_chunk(self, per_piece: list[torch.Tensor]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """Every rank's per-piece tensors, by their chunk's place in the sequence, and a zero of a piece's shape that
+        depends on them: the first chunk's zero window and state, through which every rank's backward reaches the
+        all-gather's (a reduce-scatter every rank must join, whether or not its chunks need the others')."""
+        gathered = gather_shards(torch.stack(per_piece), self.group)  # [cp, pieces, ...]
+        chunks = {chunk: gathered[r, i] for r, mine in enumerate(self.chunks_of) for i, chunk in enumerate(mine)}
+        zero = torch.cat([torch.zeros_like(per_piece[0]), gathered[0, 0][..., :0]], dim=-1)  # no value: no NaN
+        return chunks, zero
+
+    def conv_windows(self, tails: list[torch.Tensor]) -> list[torch.Tensor]:
+        tails_by_chunk, zero = self.by_chunk(tails)
+        return [zero if c == 0 else tails_by_chunk[c - 1] for c in self.mine]
+
+    def initial_states(self, finals: list[torch.Tensor], key_dim: int) -> list[torch.Tensor]:
+        maps, zero = self.by_chunk(finals)
+        state, starts = zero[..., key_dim:], {}
+        for chunk in range(max(self.mine) + 1):
+            starts[chunk] = state
+            state = maps[chunk][..., :key_dim] @ state + maps[chunk][..., key_dim:]
+        return [starts[c] for c in self.mine]
+
+
 # ------------------------------------------------------------------------------------------ RoPE
 
 
@@ -192,17 +237,20 @@ class GlobalRopePositions:
 
 
 def apply_cp(model: nn.Module, parallel_dims, cfg) -> None:
-    """Swap every block's inner attention for ContextParallelAttention and make RoPE use global positions; MoE layers
-    sum their per-sequence expert counts over the CP group."""
+    """Swap every block's inner attention for ContextParallelAttention and make RoPE use global positions, give every
+    Gated DeltaNet its ContextParallelScan; MoE layers sum their per-sequence expert counts over the CP group."""
     group = parallel_dims.submesh("cp").get_group()
     load_balancer = cfg.parallelism.context_parallel_load_balancer
     rope_hook = GlobalRopePositions(dist.get_rank(group), dist.get_world_size(group), load_balancer)
     for block in model.layers.values():
-        window = block.attention.inner_attention.window
-        block.attention.inner_attention = ContextParallelAttention(group, load_balancer, window)
-        # On attention, after TP's input hook: there x holds the whole CP-local sequence (a block's input is further
-        # split over TP by sequence parallel).
-        block.attention.register_forward_pre_hook(rope_hook)
+        if isinstance(block.attention, GatedDeltaNet):  # its state and conv window passed between the chunks
+            block.attention.split = ContextParallelScan(group, load_balancer)
+        else:
+            window = block.attention.inner_attention.window
+            block.attention.inner_attention = ContextParallelAttention(group, load_balancer, window)
+            # On attention, after TP's input hook: there x holds the whole CP-local sequence (a block's input is
+            # further split over TP by sequence parallel).
+            block.attention.register_forward_pre_hook(rope_hook)
         if block.moe_enabled:  # the load-balancing loss counts experts over whole sequences
             block.moe.cp_group = group
 

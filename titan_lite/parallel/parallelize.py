@@ -24,7 +24,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, cfg: JobCon
 
     tp_plan_edits: transforms' contributions to the tensor-parallel plan (see tensor_parallel.PlanEdit).
     """
-    refuse_hybrid_layouts(model, parallel_dims)
+    refuse_hybrid_layouts(model, parallel_dims, compiles_model(cfg.compile))
     with frozen_parameters_kept(model):
         if parallel_dims.tp_enabled:
             edits = [*tp_plan_edits, drop_experts_from_tp_plan] if parallel_dims.ep_enabled else tp_plan_edits
@@ -43,21 +43,30 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, cfg: JobCon
     return model
 
 
-def refuse_hybrid_layouts(model: nn.Module, parallel_dims: ParallelDims) -> None:
+def refuse_hybrid_layouts(model: nn.Module, parallel_dims: ParallelDims, compiled: bool = False) -> None:
     """A ConfigError in one line for the layouts a model with Gated DeltaNet layers (Qwen3.5) cannot run yet (context
-    parallel). (Gemma 3's, DeepSeek-V3's and gpt-oss's TP, CP and PP are checked against one process.)"""
+    parallel beside TP, PP or compile, or on the MoE family). (Gemma 3's, DeepSeek-V3's and gpt-oss's TP, CP and PP are
+    checked against one process.)"""
     args = getattr(model, "args", None)
     if args is not None and args.is_hybrid:
-        refuse_recurrent_cp(parallel_dims)
+        refuse_recurrent_cp(parallel_dims, args, compiled)
 
 
-def refuse_recurrent_cp(parallel_dims: ParallelDims) -> None:
-    """Context parallel over a Gated DeltaNet layer would need each rank's final state and conv window passed to the
-    next in sequence order (and the load-balanced layout's chunks back in time order): not built, refused."""
-    if parallel_dims.cp_enabled:
-        raise ConfigError("parallelism.context_parallel_degree > 1 is not supported yet for Qwen3.5: its "
-                          "linear_attention layers scan the sequence in order, so each rank would need the previous "
-                          "rank's recurrent state and conv window, which is not passed; use FSDP/HSDP, TP or PP")
+def refuse_recurrent_cp(parallel_dims: ParallelDims, args, compiled: bool = False) -> None:
+    """Context parallel passes each Gated DeltaNet chunk's conv window and recurrent state on (ContextParallelScan),
+    checked against one process alone and beside FSDP on the dense family; beside TP, PP or compile, and on
+    Qwen3.5-MoE, it is not checked yet: refused."""
+    if not parallel_dims.cp_enabled:
+        return
+    others = [name for name, on in (("tensor_parallel_degree > 1", parallel_dims.tp_enabled),
+                                    ("pipeline_parallel_degree > 1", parallel_dims.pp_enabled),
+                                    ("compile.enable", compiled)) if on]
+    if args.n_experts:
+        others.append("a Qwen3.5-MoE model")
+    if others:
+        raise ConfigError(f"parallelism.context_parallel_degree > 1 with {' and '.join(others)} is not supported yet "
+                          "for Qwen3.5's linear_attention layers (their states passed between context-parallel chunks "
+                          "are checked alone and beside FSDP only); drop one of them")
 
 
 class frozen_parameters_kept:

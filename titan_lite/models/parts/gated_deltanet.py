@@ -232,6 +232,8 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.n_value_heads))
         self.norm = GatedRMSNorm(self.value_head_dim, eps=args.norm_eps)
         self.out_proj = nn.Linear(self.value_dim, args.dim, bias=False)
+        # context parallel: this rank's part of each sequence and the exchange of conv windows and states
+        self.split: SplitSequence | None = None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None, cache: RecurrentCache | None = None,
                 mask=None) -> torch.Tensor:
@@ -240,6 +242,8 @@ class GatedDeltaNet(nn.Module):
         from its conv window and state, and keep the new ones."""
         if cache is not None:
             return self.mix(x, cache)
+        if self.split is not None:
+            return self.mix_split(x, mask)
         if mask is None:
             return self.mix(x)
         if uses_fla(x):  # the documents end to end in one row, FLA's cu_seqlens resetting the state at each start
@@ -267,14 +271,7 @@ class GatedDeltaNet(nn.Module):
             window = qkv.new_zeros(batch, qkv.shape[1], kernel - 1)
         columns = torch.cat([window, qkv], dim=-1)
         qkv = F.silu(causal_conv(columns, self.conv1d.weight, None if documents is None else documents.offsets))
-        q, k, v = qkv.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        # tensor parallel: qkv and the conv are replicated, each rank keeps its own key heads and their value heads
-        q = local_share(q.reshape(batch, seq, -1, self.key_head_dim), dim=2)
-        k = local_share(k.reshape(batch, seq, -1, self.key_head_dim), dim=2)
-        v = local_share(v.reshape(batch, seq, -1, self.value_head_dim), dim=2)
-        beta = self.in_proj_b(x).sigmoid()
-        decay_rate = local_tensor(self.A_log).float().exp()
-        g = -decay_rate * F.softplus(self.in_proj_a(x).float() + local_tensor(self.dt_bias))
+        q, k, v, g, beta = self.rule_inputs(x, qkv)
         say_which_rule(v)
         if cache is not None and seq == 1:
             out, state = recurrent_delta_rule(q, k, v, g, beta, state=state)
@@ -285,10 +282,83 @@ class GatedDeltaNet(nn.Module):
                                             offsets=None if documents is None else documents.offsets)
         if cache is not None:
             cache.keep_states(columns[..., columns.shape[-1] - (kernel - 1):], state)
-        z = self.in_proj_z(x).reshape(batch, seq, -1, self.value_head_dim)
-        return self.out_proj(self.norm(out, z).reshape(batch, seq, -1))
+        return self.gated_out(x, out)
+
+    def rule_inputs(self, x: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v heads of the conv's output qkv [batch, channels, seq], the decay g and beta of x."""
+        batch, seq, _ = x.shape
+        q, k, v = qkv.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        # tensor parallel: qkv and the conv are replicated, each rank keeps its own key heads and their value heads
+        q = local_share(q.reshape(batch, seq, -1, self.key_head_dim), dim=2)
+        k = local_share(k.reshape(batch, seq, -1, self.key_head_dim), dim=2)
+        v = local_share(v.reshape(batch, seq, -1, self.value_head_dim), dim=2)
+        beta = self.in_proj_b(x).sigmoid()
+        decay_rate = local_tensor(self.A_log).float().exp()
+        g = -decay_rate * F.softplus(self.in_proj_a(x).float() + local_tensor(self.dt_bias))
+        return q, k, v, g, beta
+
+    def gated_out(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """norm(o) * silu(z) per head, then out_proj."""
+        z = self.in_proj_z(x).reshape(*x.shape[:2], -1, self.value_head_dim)
+        return self.out_proj(self.norm(out, z).reshape(*x.shape[:2], -1))
+
+    def mix_split(self, x: torch.Tensor, documents: DocumentOffsets | None) -> torch.Tensor:
+        """This rank's part of each sequence (context parallel): its pieces, each from the conv window and state of
+        the sequence before it. The gated delta rule is affine in its initial state (S_end = A S_0 + C): each piece's
+        [A | C] is its final state from [I | 0] with values [0 | v]; the split exchanges them and the windows and
+        composes the earlier pieces' into each piece's initial state. Document starts reset both, by offsets."""
+        split, batch = self.split, x.shape[0]
+        if not torch.compiler.is_compiling():
+            _say(f"the pure-PyTorch chunked delta rule on {x.device.type}, states passed between context-parallel "
+                 "chunks")
+        qkv = self.in_proj_qkv(x).transpose(1, 2)
+        kernel = self.conv1d.weight.shape[-1]
+        offsets = [None] * split.pieces if documents is None else documents.offsets.chunk(split.pieces, dim=-1)
+        pieces = qkv.chunk(split.pieces, dim=-1)
+        if pieces[0].shape[-1] < kernel - 1:  # a window reaching past the chunk before would need two ranks' inputs
+            raise ConfigError(f"context parallel cuts each sequence into chunks of {pieces[0].shape[-1]} tokens, "
+                              f"fewer than the Gated DeltaNet's conv window of linear_conv_kernel_dim - 1 = "
+                              f"{kernel - 1}; use a longer seq_len or a lower context_parallel_degree")
+        windows = split.conv_windows([p[..., p.shape[-1] - (kernel - 1):] for p in pieces])
+        qkv = F.silu(torch.cat([causal_conv(torch.cat([w, p], dim=-1), self.conv1d.weight, o)
+                                for w, p, o in zip(windows, pieces, offsets, strict=True)], dim=-1))
+        inputs = list(zip(*(t.chunk(split.pieces, dim=1) for t in self.rule_inputs(x, qkv)), offsets, strict=True))
+        finals = []
+        for q, k, v, g, beta, o in inputs:
+            dk, dv = k.shape[-1], v.shape[-1]
+            unit = torch.eye(dk, dk + dv, dtype=torch.float32, device=v.device).expand(batch, v.shape[2], dk, dk + dv)
+            values = torch.cat([v.new_zeros(*v.shape[:-1], dk), v], dim=-1)
+            finals.append(chunked_delta_rule(q, k, values, g, beta, self.chunk, unit, o)[1])
+        starts = split.initial_states(finals, dk)
+        out = torch.cat([chunked_delta_rule(q, k, v, g, beta, self.chunk, start, o)[0]
+                         for (q, k, v, g, beta, o), start in zip(inputs, starts, strict=True)], dim=1)
+        return self.gated_out(x, out)
 
     def document_mask(self, documents: torch.Tensor, dtype: torch.dtype, compiled: bool = False):
         """The documents' runs of each row, each then run alone from a zero state and a zero conv window; for a
-        compiled block (tensor masks only) each position's offset in its document, the rows run as they are."""
+        compiled block (tensor masks only) each position's offset in its document, the rows run as they are; under
+        context parallel (documents of the whole sequence) the offsets of this rank's positions."""
+        if self.split is not None:
+            return DocumentOffsets(self.split.local(DocumentOffsets.of_rows(documents).offsets))
         return DocumentOffsets.of_rows(documents) if compiled else DocumentSpans.of(documents)
+
+
+class SplitSequence:
+    """What a Gated DeltaNet needs of a sequence split over ranks (parallel/context_parallel.py builds it): this
+    rank's part of it is `pieces` equal runs of consecutive positions (not necessarily adjacent to each other), and
+    each piece's conv window and initial state come from the pieces before it in the sequence, wherever they are."""
+
+    pieces: int
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of a [batch, seq] tensor of the whole sequence, in local order."""
+        raise NotImplementedError
+
+    def conv_windows(self, tails: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each piece's conv window: the last kernel - 1 inputs before it (zeros before the sequence), from every
+        piece's own last ones."""
+        raise NotImplementedError
+
+    def initial_states(self, finals: list[torch.Tensor], key_dim: int) -> list[torch.Tensor]:
+        """Each piece's initial state from every piece's [A | C] ([..., dk, dk + dv])."""
+        raise NotImplementedError
