@@ -79,3 +79,10 @@ def test_tp_must_divide_the_linear_key_heads():
     args.n_kv_heads, args.n_heads = 4, 4
     with pytest.raises(ConfigError, match=r"must divide the model's linear_num_key_heads \(2\)$"):
         check_tp_divisibility(args, 4)
+
+
+def test_tp_must_divide_the_moe_shared_expert_width():
+    args = flavor_args("debugmodel_qwen3_5_moe")
+    args.moe_shared_ffn_dim = 250
+    with pytest.raises(ConfigError, match=r"must divide the model's moe_shared_ffn_dim \(250\)$"):
+        check_tp_divisibility(args, 4)
