@@ -83,6 +83,6 @@ def test_tp_must_divide_the_linear_key_heads():
 
 def test_tp_must_divide_the_moe_shared_expert_width():
     args = flavor_args("debugmodel_qwen3_5_moe")
-    args.moe_shared_ffn_dim = 250
-    with pytest.raises(ConfigError, match=r"must divide the model's moe_shared_ffn_dim \(250\)$"):
-        check_tp_divisibility(args, 4)
+    args.moe_shared_ffn_dim = 255  # every other width divides 2
+    with pytest.raises(ConfigError, match=r"= 2 must divide the model's moe_shared_ffn_dim \(255\)$"):
+        check_tp_divisibility(args, 2)
