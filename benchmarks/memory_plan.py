@@ -38,8 +38,10 @@ class Shape:
 # debugmodel: the layouts SmolLM2-135M cannot take (TP 2 of its 9 heads; PP of its tied embeddings)
 # tiny_moe and debugmodel_moe: Qwen3-MoE's structure (q/k norms, routed experts), the CPU twins of its configs;
 # debugmodel_gpt_oss: gpt-oss's eager sink attention (its probabilities saved per head) and biased experts;
-# debugmodel_qwen3_5: Qwen3.5's Gated DeltaNet layers (the chunked delta rule, four chunks of 64) and gated attention
+# debugmodel_qwen3_5: Qwen3.5's Gated DeltaNet layers (the chunked delta rule, four chunks of 64) and gated attention;
+# debugmodel_qwen3_5_moe: the same mixers, every layer routed beside its sigmoid-gated shared expert
 SHAPES = {"debugmodel_qwen3_5": Shape("debugmodel_qwen3_5", 256, 2), "tiny_qwen3_5": Shape("tiny_qwen3_5", 64, 2),
+          "debugmodel_qwen3_5_moe": Shape("debugmodel_qwen3_5_moe", 256, 2),
           "tiny": Shape("tiny", 64, 2), "smollm2_135M": Shape("smollm2_135M", 512, 2),
           "debugmodel": Shape("debugmodel", 512, 2), "tiny_moe": Shape("tiny_moe", 64, 2),
           "debugmodel_moe": Shape("debugmodel_moe", 256, 2), "debugmodel_gpt_oss": Shape("debugmodel_gpt_oss", 256, 2)}

@@ -125,6 +125,27 @@ def test_gpt_oss_rollouts_record_the_training_forwards_logps_past_the_window(tmp
     assert torch.isfinite(torch.tensor([loss1, loss2])).all() and loss1 != loss2 and rollout["reward"] >= 0
 
 
+def test_qwen3_5_rollouts_record_the_training_forwards_logps_through_the_recurrent_state(tmp_path):
+    """Qwen3.5 (tiny_qwen3_5: three Gated DeltaNet layers, chunks of 16 steps, before a gated attention): completions
+    decoded one token at a time from the cache's conv windows and recurrent states record the log-probabilities the
+    packed training forward's chunked delta rule gives (1e-5) on documents longer than a chunk; two steps train and
+    move the loss."""
+    from titan_lite.train import Trainer
+
+    trainer = Trainer(config(tmp_path / "run", write_prompts(tmp_path), "--model.flavor", "tiny_qwen3_5",
+                             "--grpo.max_completion_length", "24"))
+    model, batch = trainer.model_parts[0], next(iter(trainer.dataloader))
+    trained, sampled = forward_logps(model, batch)
+    lengths = [int((row == doc).sum()) for row in batch.documents for doc in row.unique()]
+    print(f"longest document {max(lengths)} tokens, {trained.numel()} completion tokens, max |trained - sampled| "
+          f"{(trained - sampled).abs().max().item():.2e}")
+    assert max(lengths) > 16 and trained.numel() > 40, lengths
+    assert (trained - sampled).abs().max() <= 1e-5, (trained - sampled).abs().max()
+    trainer.dataloader.current = None  # the rollout above is not the run's
+    (loss1, _, rollout, _), (loss2, _, _, _) = steps_of(trainer, 2)
+    assert torch.isfinite(torch.tensor([loss1, loss2])).all() and loss1 != loss2 and rollout["reward"] >= 0
+
+
 def test_sampled_logprobs_train_the_truncated_distribution_the_rollout_drew_from(tmp_path):
     """grpo.logprobs = "sampled" at top p 0.7, top k 20: the rollout's log-probabilities are the training forward's
     of the truncated, renormalised distribution (1e-5), above the full one's; the first step clips nothing."""

@@ -149,3 +149,10 @@ def test_context_parallel_chunks_shorter_than_the_conv_window_are_refused():
     with pytest.raises(ConfigError, match=r"^context parallel cuts each sequence into chunks of 2 tokens, fewer than "
                                           r"the Gated DeltaNet's conv window of linear_conv_kernel_dim - 1 = 3; "):
         mixer(torch.zeros(1, 4, 64))
+
+
+def test_tp_must_divide_the_moe_shared_expert_width():
+    args = flavor_args("debugmodel_qwen3_5_moe")
+    args.moe_shared_ffn_dim = 255  # every other width divides 2
+    with pytest.raises(ConfigError, match=r"= 2 must divide the model's moe_shared_ffn_dim \(255\)$"):
+        check_tp_divisibility(args, 2)

@@ -62,6 +62,22 @@ def test_a_block_s_planned_activations_are_what_autograd_saves(dtype, layer):
     assert abs(planned / measured - 1) <= 0.01
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_moe_block_s_plan_counts_the_gated_shared_expert(dtype):
+    """debugmodel_qwen3_5_moe's gated attention block (routed, with a shared expert widened to 320 so that no two
+    widths agree), one row of 96 tokens: the plan without AC against the storages its forward saves."""
+    args = replace(flavor_args("debugmodel_qwen3_5_moe"), moe_shared_ffn_dim=320)
+    torch.manual_seed(0)
+    block = TransformerBlock(args, 3).to(dtype)
+    x = torch.randn(1, 96, args.dim, dtype=dtype, requires_grad=True)
+    measured = _saved_bytes(block, x, rope_cache(replace(args, max_seq_len=96)))
+    shape = me.ActivationShape(tokens=96, compute_bytes=dtype.itemsize, seq_len=96)
+    planned = me.layer_activation_bytes(args, 3, shape, me.NO_AC)
+    print(f"{dtype}: planned {planned:,} bytes, saved {measured:,}")
+    assert me.gated_shared_expert_bytes(args, shape) > 0.1 * measured
+    assert abs(planned / measured - 1) <= 0.01
+
+
 @pytest.mark.parametrize("case", ["full", "ac_full"])
 def test_the_plan_is_within_ten_percent_of_the_measured_peak(case):
     """tiny_qwen3_5 (three Gated DeltaNet layers, one gated attention), 2 x 64 tokens, AC none and full."""

@@ -31,7 +31,7 @@ def grad_norms(folder) -> dict[int, float]:
     return {e.step: e.value for e in acc.Scalars("grad_norm")}
 
 
-def assert_equal_series(folder, reference_folder, steps=range(1, STEPS + 1)) -> None:
+def assert_equal_series(folder, reference_folder, steps=range(1, STEPS + 1), grad_norm_rtol=GRAD_NORM_RTOL) -> None:
     """The losses, aux loss and loads of the run in `folder` against the reference run's (1e-5); its grad norms."""
     got, reference = scalars(folder), scalars(reference_folder)
     assert sorted(got) == sorted(reference)
@@ -41,7 +41,7 @@ def assert_equal_series(folder, reference_folder, steps=range(1, STEPS + 1)) -> 
                 f"{series} step {step}: {got[series][step]} vs {values[step]}"
     norms, reference_norms = grad_norms(folder), grad_norms(reference_folder)
     for step in steps:
-        assert abs(norms[step] - reference_norms[step]) <= GRAD_NORM_RTOL * reference_norms[step], (norms, step)
+        assert abs(norms[step] - reference_norms[step]) <= grad_norm_rtol * reference_norms[step], (norms, step)
 
 
 @pytest.fixture(scope="module")

@@ -159,6 +159,15 @@ def shared_experts_bytes(args: LlamaArgs, s: ActivationShape) -> int:
     return 4 * s.tokens * args.moe_ffn_dim * args.moe_shared_experts * s.compute_bytes
 
 
+def gated_shared_expert_bytes(args: LlamaArgs, s: ActivationShape) -> int:
+    """Qwen3.5-MoE's shared expert on every token of the gathered sequence, split by hidden channel over TP: its w1,
+    silu, w3 and product outputs; the whole w2 output and the gate's sigmoid [tokens, 1] that multiply each other;
+    its input is the router's."""
+    if not args.moe_shared_ffn_dim:
+        return 0
+    return (4 * s.tokens * (args.moe_shared_ffn_dim // s.tp) + s.tokens * args.dim + s.tokens) * s.compute_bytes
+
+
 def routed_rows(args: LlamaArgs, s: ActivationShape) -> tuple[int, int]:
     """(rows this rank sends, rows its experts compute) in one MoE layer for one microbatch, at the plan's capacity.
 
@@ -179,8 +188,8 @@ def moe_bytes(args: LlamaArgs, s: ActivationShape) -> int:
     sequence: under TP every rank routes all of it): the router's input, logits and float32 probabilities, the top-k
     weights and ids; the rows its experts compute (routed_rows' capacity): their inputs, their w1, w3, silu and
     product outputs; every choice's output as the gate weights multiply it; the sorting indices (and, under EP, the
-    order grouping the received rows by expert and its inverse); DeepSeek-V3's group router and shared experts by
-    their own counts."""
+    order grouping the received rows by expert and its inverse); DeepSeek-V3's group router and shared experts and
+    Qwen3.5-MoE's gated shared expert by their own counts."""
     c, k, tokens = s.compute_bytes, args.moe_top_k, s.tokens
     _, rows = routed_rows(args, s)
     if args.moe_router == "sigmoid_group":
@@ -189,7 +198,8 @@ def moe_bytes(args: LlamaArgs, s: ActivationShape) -> int:
         router = tokens * args.dim * c + tokens * args.n_experts * (c + FP32) + tokens * k * (c + 8)
     experts = rows * args.dim * c + 4 * rows * args.moe_ffn_dim * c
     indices = 3 * tokens * k * 8 + (2 * rows * 8 if s.ep > 1 else 0)
-    return router + experts + tokens * k * args.dim * c + indices + shared_experts_bytes(args, s)
+    shared = shared_experts_bytes(args, s) + gated_shared_expert_bytes(args, s)
+    return router + experts + tokens * k * args.dim * c + indices + shared
 
 
 def all_to_all_buffer_bytes(args: LlamaArgs, s: ActivationShape) -> int:

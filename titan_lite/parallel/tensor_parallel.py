@@ -29,6 +29,8 @@ def check_tp_divisibility(args: LlamaArgs, tp: int) -> None:
     widths["n_heads"] = args.layer_n_heads or [args.n_heads]
     widths["n_kv_heads"] = args.layer_n_kv_heads or [args.kv_heads]
     widths["ffn_dim"] = args.layer_ffn_dims or [args.ffn_dim]
+    if args.moe_shared_ffn_dim:  # Qwen3.5-MoE's shared expert is split by hidden channel
+        widths["moe_shared_ffn_dim"] = [args.moe_shared_ffn_dim]
     if args.is_hybrid:  # the Gated DeltaNet's heads are split by key-head group
         widths["linear_num_key_heads"] = [args.linear_n_key_heads]
     for name, values in widths.items():
@@ -53,16 +55,16 @@ def top_level_plan(loss_parallel: bool) -> dict:
 
 
 def block_plan(qk_norm: bool = False, moe: bool = False, latent: bool = False, linear_attention: bool = False,
-               sandwich: bool = False, sinks: bool = False) -> dict:
+               sandwich: bool = False, sinks: bool = False, gated_shared_expert: bool = False) -> dict:
     """Norms on sequence shards; attention and MLP gather the sequence, split heads/hidden, and scatter it back.
 
     q/k/v biases are sharded with their colwise linears, wo's bias (gpt-oss) replicated and added once, after the
     rowwise reduction; gpt-oss's sinks (a logit per query head) split by head as wq's rows are. The q/k norms (Qwen3)
     act on each head's head_dim: their weight is replicated and their input is this rank's heads (dim 2 of [batch,
     seq, heads, head_dim]), so the weight's gradient, a sum over all heads, is reduced over the TP ranks. An MoE
-    block's routed feed-forward is replicated (moe_plan). Sandwich norms (Gemma 3's post_attention_norm and
-    post_ffn_norm) norm wo's and w2's sequence shards and hand the residual add local tensors. A Gated DeltaNet
-    layer's mixer splits by key-head groups (deltanet_plan)."""
+    block's routed feed-forward is replicated, Qwen3.5-MoE's gated shared expert split (moe_plan). Sandwich norms
+    (Gemma 3's post_attention_norm and post_ffn_norm) norm wo's and w2's sequence shards and hand the residual add
+    local tensors. A Gated DeltaNet layer's mixer splits by key-head groups (deltanet_plan)."""
     norms = {name: SequenceParallel(sequence_dim=2, use_local_output=True)
              for name in ("attention.q_norm", "attention.k_norm")} if qk_norm else {}
     post_norms = {name: SequenceParallel(use_local_output=True)
@@ -71,7 +73,7 @@ def block_plan(qk_norm: bool = False, moe: bool = False, latent: bool = False, l
         mixer = deltanet_plan()
     else:
         mixer = {**norms, **(latent_attention_plan() if latent else _attention_plan(sinks))}
-    return {**mixer, **post_norms, **(moe_plan(latent) if moe else _feed_forward_plan())}
+    return {**mixer, **post_norms, **(moe_plan(latent, gated_shared_expert) if moe else _feed_forward_plan())}
 
 
 def latent_attention_plan() -> dict:
@@ -162,16 +164,22 @@ def _feed_forward_plan() -> dict:
     }
 
 
-def moe_plan(group_router: bool = False) -> dict:
+def moe_plan(group_router: bool = False, gated_shared_expert: bool = False) -> dict:
     """The routed feed-forward under TP: router and experts replicated on every TP rank, which all route the whole
     (gathered) sequence and compute the same output; each keeps its own sequence shard of it. No expert is split
     over TP (experts are split over EP ranks instead): every gradient is whole and identical on the TP ranks, so
     none is reduced over them; the cost is TP-fold redundant expert compute. DeepSeek-V3 (group_router): its router
-    (gate and correction bias, read as local tensors) and shared experts replicated alike."""
+    (gate and correction bias, read as local tensors) and shared experts replicated alike. Qwen3.5-MoE
+    (gated_shared_expert): the shared expert's w1/w3 colwise and w2 rowwise on the gathered sequence (w2's reduction
+    hands back the whole output, which the replicated 1-wide gate then scales), its input's gradient summed over the
+    ranks by the colwise inputs."""
     if group_router:
         plan = moe_plan()
         del plan["moe.router.gate"]
         return {**plan, "moe.router": ReplicateParallel(local_io=False), "moe.shared_experts": ReplicateParallel()}
+    if gated_shared_expert:
+        return {**moe_plan(), "moe.shared_expert.w1": ColwiseParallel(), "moe.shared_expert.w3": ColwiseParallel(),
+                "moe.shared_expert.w2": RowwiseParallel(), "moe.shared_expert_gate": ReplicateParallel()}
     return {
         "ffn_norm": SequenceParallel(),
         "moe": PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
@@ -252,8 +260,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, plan_ed
                                         if getattr(model, name.split(".")[0], None) is not None})
     latent = model.args.is_latent
     plans = {(moe, linear): edited_plan(block_plan(model.args.qk_norm, moe, latent, linear,
-                                                         model.args.sandwich_norms, model.args.attn_sinks), "block",
-                                        plan_edits)
+                                                         model.args.sandwich_norms, model.args.attn_sinks,
+                                                         bool(model.args.moe_shared_ffn_dim)), "block", plan_edits)
              for moe in (False, True) for linear in (False, True)}
     for block in model.layers.values():
         linear = model.args.layer_type(block.layer_id) == "linear_attention"
