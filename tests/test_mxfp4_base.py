@@ -23,7 +23,7 @@ from titan_lite.errors import ConfigError  # noqa: E402
 from titan_lite.job.assembly import assemble_model  # noqa: E402
 from titan_lite.job.plan import plan_job  # noqa: E402
 from titan_lite.models.hf import mxfp4  # noqa: E402
-from titan_lite.transforms.mxfp4 import dequantize_weight, packed_hf_tensors  # noqa: E402
+from titan_lite.transforms.mxfp4 import packed_hf_tensors  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LORA = ["--model.converters", "lora", "--lora.base_dtype", "mxfp4", "--lora.target_modules", "wq,wv,experts",
@@ -122,10 +122,13 @@ def test_one_experts_dequantization_equals_the_release_decoding():
     generator = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 255, 2, 16), dtype=torch.uint8, generator=generator)
     scales = torch.arange(0, 255, dtype=torch.uint8).view(1, 255, 1).expand(3, 255, 2).contiguous()
+    # by hand, in float64: each byte's low nibble then high nibble as e2m1 values, each 32-value block times 2^(s-127)
+    values = torch.tensor(mxfp4.FP4_VALUES, dtype=torch.float64)
+    pairs = torch.stack([values[(blocks & 0x0F).long()], values[(blocks >> 4).long()]], dim=-1).flatten(-2)
+    by_hand = (pairs * torch.exp2(scales.double() - 127).unsqueeze(-1)).flatten(-2)
     for dtype in (torch.float32, torch.bfloat16):
-        expected = mxfp4.dequantize_rows(blocks, scales, dtype)
-        got = torch.stack([dequantize_weight(b, s, dtype) for b, s in zip(blocks, scales, strict=True)])
-        assert torch.equal(got, expected), dtype
+        got = torch.stack([mxfp4.dequantize_rows(b, s, dtype) for b, s in zip(blocks, scales, strict=True)])
+        assert torch.equal(got, by_hand.to(dtype)), dtype
 
 
 @pytest.mark.usefixtures("process_group")

@@ -25,12 +25,25 @@ def dequantized_shape(blocks_shape: list[int]) -> list[int]:
     return [experts, groups * pairs * 2, out]
 
 
+_PAIRS: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+
+def _pair_table(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """byte -> its two e2m1 values (low nibble first): [256, 2] in `dtype`, made once per dtype and device (it is read
+    at every use of an MXFP4 base's experts)."""
+    key = (dtype, device)
+    if key not in _PAIRS:
+        values = torch.tensor(FP4_VALUES, dtype=dtype)
+        byte = torch.arange(256)
+        _PAIRS[key] = torch.stack([values[byte & 0x0F], values[byte >> 4]], dim=-1).to(device)
+    return _PAIRS[key]
+
+
 def decode_codes(blocks: Tensor, dtype: torch.dtype) -> Tensor:
     """uint8 blocks [..., G, 16] -> e2m1 values [..., G, 32] (a byte's low nibble the even element, high the odd)."""
-    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
-    blocks = blocks.to(torch.uint8)
-    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)
-    return values.flatten(-2)
+    codes = blocks.to(torch.uint8).reshape(-1).to(torch.int32)
+    values = torch.index_select(_pair_table(dtype, blocks.device), 0, codes)
+    return values.view(*blocks.shape[:-1], blocks.shape[-1] * 2)
 
 
 def dequantize_rows(blocks: Tensor, scales: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:

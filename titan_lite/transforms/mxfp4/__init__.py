@@ -6,7 +6,6 @@ from titan_lite.transforms.mxfp4.experts import (
     PACKED,
     WEIGHTS,
     MXFP4Projections,
-    dequantize_weight,
     is_packed_experts,
     pack_experts,
     packed_names,
@@ -14,5 +13,5 @@ from titan_lite.transforms.mxfp4.experts import (
 from titan_lite.transforms.mxfp4.load import load_packed_experts
 from titan_lite.transforms.mxfp4.state import dense_experts, packed_hf_tensors
 
-__all__ = ["PACKED", "WEIGHTS", "MXFP4Projections", "dense_experts", "dequantize_weight", "is_packed_experts",
+__all__ = ["PACKED", "WEIGHTS", "MXFP4Projections", "dense_experts", "is_packed_experts",
            "load_packed_experts", "pack_experts", "packed_hf_tensors", "packed_names"]

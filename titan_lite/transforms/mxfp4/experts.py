@@ -7,38 +7,15 @@ import torch
 from torch import nn
 
 from titan_lite.dtensor import local_tensor
-from titan_lite.models.hf.mxfp4 import BLOCK, FP4_VALUES
+from titan_lite.models.hf.mxfp4 import BLOCK, dequantize_rows
 
 WEIGHTS = ("w1", "w2", "w3")
 PACKED = ("_blocks", "_scales")
 # The packed tensors' names, which the loader leaves to load_packed_experts (a folder holds them under HF names).
 NOT_IN_HF = r"\.moe\.experts\.w[123]_(blocks|scales)$"
-_PAIRS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-
 def packed_names(weight: str) -> tuple[str, str]:
     """The (blocks, scales) parameter names standing for grouped weight `weight` (w1, w2 or w3)."""
     return weight + PACKED[0], weight + PACKED[1]
-
-
-def _pair_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """byte -> its two e2m1 values (low nibble first): [256, 2] in `dtype`."""
-    key = (dtype, device)
-    if key not in _PAIRS:
-        values = torch.tensor(FP4_VALUES, dtype=dtype)
-        byte = torch.arange(256)
-        _PAIRS[key] = torch.stack([values[byte & 0x0F], values[byte >> 4]], dim=-1).to(device)
-    return _PAIRS[key]
-
-
-def dequantize_weight(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One weight [out, in] in `dtype` from its blocks [out, G, 16] and scales [out, G]: each 32-value block times
-    2^(scale - 127), exact (an e2m1 value has two significant bits, the factor is a power of two)."""
-    out, groups, _ = blocks.shape
-    codes = blocks.reshape(-1).to(torch.int32)
-    values = torch.index_select(_pair_table(dtype, blocks.device), 0, codes).view(out, groups, BLOCK)
-    factor = torch.exp2(scales.to(torch.float32) - 127).to(dtype)
-    return values.mul_(factor.unsqueeze(-1)).view(out, groups * BLOCK)
 
 
 class _DequantizedGroupedMM(torch.autograd.Function):
@@ -66,7 +43,7 @@ def _per_expert(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, cou
         if rows.shape[0] == 0:
             outs.append(rows.new_zeros(0, width))
             continue
-        weight = dequantize_weight(expert_blocks, expert_scales, x.dtype)
+        weight = dequantize_rows(expert_blocks, expert_scales, x.dtype)
         outs.append(rows @ (weight.T if transpose else weight))
     return torch.cat(outs)
 

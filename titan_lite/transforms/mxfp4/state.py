@@ -6,8 +6,8 @@ import re
 
 import torch
 
-from titan_lite.models.hf.mxfp4 import quantized_names
-from titan_lite.transforms.mxfp4.experts import PACKED, WEIGHTS, dequantize_weight, packed_names
+from titan_lite.models.hf.mxfp4 import dequantize_rows, quantized_names
+from titan_lite.transforms.mxfp4.experts import PACKED, WEIGHTS, packed_names
 from titan_lite.transforms.mxfp4.load import RELEASED
 
 PACKED_NAME = re.compile(r"^layers\.(\d+)\.moe\.experts\.(w[123])(_blocks|_scales)$")
@@ -28,8 +28,7 @@ def dense_experts(state: dict[str, torch.Tensor], dtype: torch.dtype = torch.flo
     for layer in packed_layers(state):
         for weight in WEIGHTS:
             blocks, scales = (_codes(out.pop(f"layers.{layer}.moe.experts.{n}")) for n in packed_names(weight))
-            out[f"layers.{layer}.moe.experts.{weight}"] = torch.stack(
-                [dequantize_weight(b, s, dtype) for b, s in zip(blocks, scales, strict=True)])
+            out[f"layers.{layer}.moe.experts.{weight}"] = dequantize_rows(blocks, scales, dtype)
     return out
 
 
