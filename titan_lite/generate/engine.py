@@ -133,7 +133,7 @@ class Engine:
         or max_new_tokens. No host sync."""
         st, out, cfg = self.state, self.out, self.cfg
         new, spare = cfg.max_new_tokens, out.lengths.shape[0] - 1
-        tokens = torch.cat([self.lead, st.token[:, None]], dim=1)
+        tokens = st.token[:, None] if self.width == 1 else torch.cat([self.lead, st.token[:, None]], dim=1)
         view = DecodeView(self.cache, st.position, end, self.width)
         logits = full_tensor(self.model(tokens, cache=view))[:, -1]
         index = st.step.clamp(max=new - 1)
